@@ -1,0 +1,1 @@
+"""The engine both worker roles share: model, weights, paged KV cache, scheduler, sampler."""

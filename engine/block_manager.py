@@ -1,0 +1,52 @@
+"""Allocation of fixed-size KV blocks to sequences."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.sequence import Sequence
+
+
+class BlockManager:
+    """Hands out blocks ``0 .. num_blocks-1`` of a rank's KV pool.
+
+    The pool itself has one more block, ``num_blocks`` (the *dummy* block), that is never
+    handed out: padding tokens (CUDA-graph batch padding) write their K/V there.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def dummy_slot(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks ``seq`` lacks to hold ``num_tokens`` tokens."""
+        return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_tokens) <= len(self._free)
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Grow ``seq``'s block table to hold ``num_tokens`` tokens."""
+        needed = self.blocks_needed(seq, num_tokens)
+        if needed > len(self._free):
+            raise RuntimeError(f"allocating {needed} blocks with {len(self._free)} free: check can_allocate first")
+        seq.block_table.extend(self._free.popleft() for _ in range(needed))
+
+    def free(self, seq: Sequence) -> None:
+        self._free.extend(seq.block_table)
+        seq.block_table = []
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

@@ -1,0 +1,165 @@
+"""The single-process engine: add requests, step, abort, drain.
+
+This is the API the workers build on and the oracle every cluster topology is compared to.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence as SequenceType
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig
+from engine.model_runner import ModelRunner
+from engine.parallel import TensorParallel
+from engine.sampling import RequestError, Sampler, SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request. ``finished`` outputs carry the timings."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tp: TensorParallel = TensorParallel()) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(Path(config.model))
+        self.runner = ModelRunner(config, self.model_config, tp)
+        self.max_model_len = self.runner.max_model_len
+        block_size = config.cache.block_size
+        if self.runner.num_blocks * block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV pool holds {self.runner.num_blocks * block_size} tokens, fewer than "
+                f"max_model_len {self.max_model_len}: give it more memory or lower max_model_len"
+            )
+        sched = config.scheduler
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({sched.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len})"
+            )
+        self.block_manager = BlockManager(self.runner.num_blocks, block_size)
+        self.scheduler = Scheduler(sched, self.block_manager)
+        self.sampler = Sampler()
+        self.requests: dict[str, Sequence] = {}
+
+    # -- requests ------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: SequenceType[int], params: SamplingParams) -> None:
+        """Raise ``RequestError`` naming the field if this request cannot be served."""
+        if len(prompt_token_ids) == 0:
+            raise RequestError("prompt", "is empty")
+        vocab = self.model_config.vocab_size
+        for t in prompt_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise RequestError("prompt_token_ids", f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise RequestError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                "max_tokens",
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the maximum model length {self.max_model_len}",
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: SequenceType[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise RequestError("request_id", f"{request_id!r} is already running")
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free its blocks; None if it is unknown."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; one output per request that got a token this step."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        logits = self.runner.execute(batch)
+        sampled = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                   if seq.num_computed_tokens + n == seq.num_tokens]
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        if not sampled:
+            return []
+        tokens = self.sampler(logits, [s.params for s in sampled], [s.request_id for s in sampled])
+        now = time.monotonic()
+        outputs = []
+        for seq, token in zip(sampled, tokens):
+            seq.token_ids.append(token)
+            if seq.timings.first_token is None:
+                seq.timings.first_token = now
+            reason = self._stop_reason(seq, token)
+            if reason is None:
+                outputs.append(RequestOutput(seq.request_id, [token], num_prompt_tokens=seq.num_prompt_tokens,
+                                             num_output_tokens=seq.num_output_tokens))
+            else:
+                self.scheduler.finish(seq, reason)
+                outputs.append(self._finish(seq, [token]))
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if not params.ignore_eos and token in self.model_config.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, new_tokens: list[int] | None = None) -> RequestOutput:
+        del self.requests[seq.request_id]
+        self.sampler.release(seq.request_id)
+        return RequestOutput(
+            seq.request_id, new_tokens or [], finished=True, finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+            timings=seq.timings.durations(),
+        )
+
+    def drain(self) -> Iterator[list[RequestOutput]]:
+        """Step until every request has finished, yielding each step's outputs."""
+        while self.has_unfinished():
+            yield self.step()
+
+    def generate(
+        self, prompts: SequenceType[SequenceType[int]], params: SamplingParams | SequenceType[SamplingParams]
+    ) -> list[list[int]]:
+        """Run prompts to completion together (continuous batching); output token ids per prompt."""
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [f"generate-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, per_prompt):
+            self.add_request(request_id, prompt, p)
+        results: dict[str, list[int]] = {i: [] for i in ids}
+        for outputs in self.drain():
+            for out in outputs:
+                if out.request_id in results:
+                    results[out.request_id].extend(out.new_token_ids)
+        return [results[i] for i in ids]

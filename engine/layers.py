@@ -1,0 +1,134 @@
+"""Layers that own their tensor-parallel sharding.
+
+Every parameter carries a ``weight_loader(param, source, shard_id=None)`` that copies this
+rank's piece out of ``source``, a full checkpoint tensor or a lazy safetensors slice (anything
+indexable by slices), so a rank reads only the bytes it keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import ops
+from engine.config import RopeConfig
+from engine.parallel import TensorParallel
+
+
+def default_weight_loader(param: nn.Parameter, source: Any, shard_id: str | None = None) -> None:
+    if shard_id is not None:
+        raise ValueError(f"parameter of shape {tuple(param.shape)} takes no shard id, got {shard_id!r}")
+    loaded = source[:]
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint tensor {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def _parameter(
+    shape: Sequence[int], dtype: torch.dtype, loader: Any, shard_ids: tuple[str, ...] = ()
+) -> nn.Parameter:
+    """A parameter with its loader and the checkpoint shard ids it is assembled from (if fused)."""
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    param.shard_ids = shard_ids  # type: ignore[attr-defined]
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` keeping only some output rows of one or more checkpoint weights.
+
+    ``pieces`` lists ``(shard_id, start, end)``: rows ``[start, end)`` of the checkpoint tensor
+    named by ``shard_id``, concatenated in that order (q/k/v into one QKV projection, gate/up
+    into one). No communication: each rank's output is its own slice.
+    """
+
+    def __init__(
+        self, in_features: int, pieces: Sequence[tuple[str, int, int]], bias: bool, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.offsets: dict[str, tuple[int, int, int]] = {}
+        offset = 0
+        for shard_id, start, end in pieces:
+            self.offsets[shard_id] = (start, end, offset)
+            offset += end - start
+        self.out_features = offset
+        shard_ids = tuple(self.offsets)
+        self.weight = _parameter((offset, in_features), dtype, self._load, shard_ids)
+        self.bias = _parameter((offset,), dtype, self._load, shard_ids) if bias else None
+
+    def _load(self, param: nn.Parameter, source: Any, shard_id: str | None = None) -> None:
+        if shard_id not in self.offsets:
+            raise ValueError(f"unknown shard id {shard_id!r}; expected one of {list(self.offsets)}")
+        start, end, offset = self.offsets[shard_id]
+        param.data[offset : offset + end - start].copy_(source[start:end])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x_r W_r^T) + b``: this rank keeps input columns ``[in_start, in_end)``."""
+
+    def __init__(
+        self, in_start: int, in_end: int, out_features: int, bias: bool, dtype: torch.dtype, tp: TensorParallel
+    ) -> None:
+        super().__init__()
+        self.in_start, self.in_end = in_start, in_end
+        self.tp = tp
+        self.weight = _parameter((out_features, in_end - in_start), dtype, self._load_weight)
+        # The bias is added once, after the reduction.
+        self.bias = _parameter((out_features,), dtype, default_weight_loader) if bias else None
+
+    def _load_weight(self, param: nn.Parameter, source: Any, shard_id: str | None = None) -> None:
+        param.data.copy_(source[:, self.in_start : self.in_end])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class Embedding(nn.Module):
+    """Token embedding, replicated on every rank (small next to the layers for these models)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _parameter((vocab_size, hidden_size), dtype, default_weight_loader)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _parameter((hidden_size,), dtype, default_weight_loader)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(norm(x + residual), x + residual)``; with no residual, ``(norm(x), x)``."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps), x
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the ``[max_position, head_dim]`` cos|sin table the fused RoPE kernel reads."""
+
+    def __init__(self, head_dim: int, max_position: int, rope: RopeConfig) -> None:
+        super().__init__()
+        self.head_dim, self.max_position, self.rope = head_dim, max_position, rope
+        self.register_buffer("cos_sin_cache", torch.empty(max_position, head_dim), persistent=False)
+
+    def reset_cache(self) -> None:
+        """(Re)compute the table in place on the buffer's device; called after ``to_empty``."""
+        inv_freq = self.rope.inv_freq(self.head_dim)
+        positions = torch.arange(self.max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        self.cos_sin_cache = table.to(self.cos_sin_cache.device)

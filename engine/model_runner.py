@@ -1,0 +1,154 @@
+"""Runs the model for a scheduled batch on one rank: input tensors, KV pool, forward, logits."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from engine import ops
+from engine.config import EngineConfig, ModelConfig
+from engine.context import AttentionContext, set_context
+from engine.parallel import TensorParallel, head_shard
+from engine.scheduler import ScheduledBatch
+from engine.weights import build_model
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Owns this rank's model and KV pool.
+
+    The pool is one tensor ``[num_layers, 2, num_blocks + 1, block_size, kv_heads, head_dim]``;
+    block ``num_blocks`` is the dummy block that padding tokens write to.
+    """
+
+    def __init__(
+        self, config: EngineConfig, model_config: ModelConfig, tp: TensorParallel = TensorParallel()
+    ) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.tp = tp
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype()
+        self.block_size = config.cache.block_size
+        self.max_model_len = config.resolved_max_model_len(model_config)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        ops.use_kernels(config.resolved_kernels())
+        self.model = build_model(
+            model_config, Path(config.model), tp, self.dtype, self.device, self.max_model_len
+        )
+        shard = head_shard(model_config.num_heads, model_config.num_kv_heads, tp.size, tp.rank)
+        self.num_kv_heads = shard.num_kv_heads
+        self.num_blocks = config.cache.num_blocks or self._num_blocks_from_memory()
+        self.kv_cache = torch.empty(
+            model_config.num_layers, 2, self.num_blocks + 1, self.block_size, self.num_kv_heads,
+            model_config.head_dim, dtype=self.dtype, device=self.device,
+        )
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of K and V over all layers on this rank."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.model_config.num_layers * self.block_size * self.num_kv_heads * self.model_config.head_dim * elem
+
+    def _num_blocks_from_memory(self) -> int:
+        if self.device.type != "cuda":
+            return max(1, self.config.cache.cpu_kv_cache_bytes // self.block_bytes)
+        # Measure the activation peak of the largest step with a one-block scratch cache, then
+        # give the KV pool what the utilisation budget leaves.
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        scratch = torch.empty(self.model_config.num_layers, 2, 1, self.block_size, self.num_kv_heads,
+                              self.model_config.head_dim, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache, attn.v_cache = scratch[i, 0], scratch[i, 1]
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        max_blocks = -(-num_tokens // self.block_size)
+        context = AttentionContext(
+            is_decode=False,
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=self.device),
+            block_tables=torch.zeros(1, max_blocks, dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            max_context_len=num_tokens,
+            cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            max_query_len=num_tokens,
+        )
+        tokens = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        self.forward(tokens, torch.arange(num_tokens, device=self.device), context, tokens[-1:])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        others = total - free - torch.cuda.memory_reserved()  # other processes, CUDA context
+        del scratch
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - others
+        num_blocks = budget // self.block_bytes
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache (weights+activations peak {peak / 2**30:.1f} GiB, "
+                f"budget {total * self.config.cache.gpu_memory_utilization / 2**30:.1f} GiB): "
+                "raise gpu_memory_utilization or lower max_num_batched_tokens"
+            )
+        logger.info("KV pool: %d blocks of %d tokens (%.1f GiB)", num_blocks, self.block_size,
+                    num_blocks * self.block_bytes / 2**30)
+        return int(num_blocks)
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
+        """Token ids, positions, attention context and the rows whose logits are sampled.
+
+        A sequence is sampled when this step reaches its last token.
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_seqlens = [0]
+        context_lens: list[int] = []
+        sample_rows: list[int] = []
+        bs = self.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            cu_seqlens.append(cu_seqlens[-1] + n)
+            context_lens.append(end)
+            if end == seq.num_tokens:
+                sample_rows.append(cu_seqlens[-1] - 1)
+        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
+        block_tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs]
+        to = self._to_device
+        context = AttentionContext(
+            is_decode=batch.is_decode,
+            slot_mapping=to(slots, torch.int64),
+            block_tables=to(block_tables, torch.int32),
+            context_lens=to(context_lens, torch.int32),
+            max_context_len=max(context_lens),
+            cu_seqlens_q=to(cu_seqlens, torch.int32),
+            max_query_len=max(batch.num_new_tokens),
+        )
+        return to(input_ids, torch.int64), to(positions, torch.int64), context, to(sample_rows, torch.int64)
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return host.to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, context: AttentionContext, sample_rows: torch.Tensor
+    ) -> torch.Tensor:
+        """Run the model; returns fp32 logits ``[len(sample_rows), vocab]``."""
+        set_context(context)
+        try:
+            hidden = self.model(input_ids, positions)
+            return self.model.compute_logits(hidden[sample_rows])
+        finally:
+            set_context(None)
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        input_ids, positions, context, sample_rows = self.prepare(batch)
+        return self.forward(input_ids, positions, context, sample_rows)

@@ -1,0 +1,160 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Two policies, chosen by ``SchedulerConfig.enable_chunked_prefill``:
+
+* chunked (vLLM's default): every running sequence decodes one token, and the rest of the
+  step's token budget goes to prompt chunks of waiting sequences, in arrival order. A prompt
+  longer than the remaining budget is split; its remainder goes first in the next step.
+* unchunked: a step either prefills whole prompts (prefill first, as vLLM v0 did) or decodes
+  every running sequence.
+
+When a running sequence needs a block and none is free, the most recently admitted running
+sequence is preempted: its blocks are freed and it goes back to waiting to be recomputed
+later. Memory pressure therefore slows requests down; it never crashes the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """``num_new_tokens[i]`` tokens of ``seqs[i]`` (from its ``num_computed_tokens``) run now."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence runs exactly its one uncomputed token (the decode fast path)."""
+        return all(n == 1 and s.num_computed_tokens + 1 == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order, oldest first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        """The next step's work, or None when there is nothing to run."""
+        budget = self.config.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        preempted = False
+        if self.config.enable_chunked_prefill or not self._prefill_possible():
+            decodes, preempted = self._schedule_decodes()
+            seqs = list(decodes)  # not the running list itself, which admitted prompts extend
+            counts = [1] * len(seqs)
+            budget -= len(seqs)
+        if not preempted and budget > 0:
+            for seq, n in self._schedule_prefills(budget, self.config.max_num_seqs - len(seqs)):
+                seqs.append(seq)
+                counts.append(n)
+        if not seqs:
+            return None
+        now = time.monotonic()
+        for seq in seqs:
+            if seq.timings.first_scheduled is None:
+                seq.timings.first_scheduled = now
+        return ScheduledBatch(seqs, counts)
+
+    def _prefill_possible(self) -> bool:
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        seq = self.waiting[0]
+        return self.block_manager.can_allocate(seq, seq.num_tokens)
+
+    def _schedule_decodes(self) -> tuple[list[Sequence], bool]:
+        """One token for every running sequence, preempting the youngest to make room."""
+        scheduled: list[Sequence] = []
+        preempted = False
+        queue = deque(self.running)
+        while queue:
+            seq = queue.popleft()
+            while not self.block_manager.can_allocate(seq, seq.num_tokens):
+                preempted = True
+                if queue:
+                    self._preempt(queue.pop())
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                self.block_manager.allocate(seq, seq.num_tokens)
+                scheduled.append(seq)
+        self.running = scheduled
+        return scheduled, preempted
+
+    def _schedule_prefills(self, budget: int, free_seq_slots: int) -> list[tuple[Sequence, int]]:
+        """Prompt work for waiting sequences, in order, within ``budget`` tokens."""
+        chunked = self.config.enable_chunked_prefill
+        scheduled: list[tuple[Sequence, int]] = []
+        while self.waiting and budget > 0 and free_seq_slots > 0:
+            seq = self.waiting[0]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            chunk = min(remaining, budget) if chunked else remaining
+            if chunk > budget:
+                break
+            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + chunk):
+                if not chunked:
+                    break
+                # Take what the free blocks hold; the rest waits for blocks to come back.
+                free_tokens = (
+                    (len(seq.block_table) + self.block_manager.num_free_blocks) * self.block_manager.block_size
+                    - seq.num_computed_tokens
+                )
+                chunk = min(chunk, free_tokens)
+                if chunk <= 0:
+                    break
+            self.block_manager.allocate(seq, seq.num_computed_tokens + chunk)
+            scheduled.append((seq, chunk))
+            budget -= chunk
+            if chunk < remaining:
+                break  # a partial prompt stays at the head of the queue
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            free_seq_slots -= 1
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and queue it for recomputation, behind a partial prompt if any.
+
+        Called only while decodes are scheduled, which rebuilds ``running`` without ``seq``.
+        """
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        head_is_partial = bool(self.waiting) and self.waiting[0].num_computed_tokens > 0
+        self.waiting.insert(1 if head_is_partial else 0, seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take ``seq`` out of the scheduler (finished or aborted) and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.timings.finished = time.monotonic()

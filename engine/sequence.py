@@ -1,0 +1,74 @@
+"""A request's state inside one engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestTimings:
+    """Monotonic timestamps (``time.monotonic``) of a request's milestones in this engine."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    def durations(self) -> dict[str, float]:
+        """Seconds spent queued, in prefill (to the first token) and decoding (after it)."""
+        out: dict[str, float] = {}
+        if self.first_scheduled is not None:
+            out["queue"] = self.first_scheduled - self.arrival
+            if self.first_token is not None:
+                out["prefill"] = self.first_token - self.first_scheduled
+                if self.finished is not None:
+                    out["decode"] = self.finished - self.first_token
+        return out
+
+
+@dataclass
+class Sequence:
+    """One request: its tokens, how many of them the KV cache holds, and its blocks.
+
+    Invariant: ``num_computed_tokens <= len(token_ids)`` and the block table covers every
+    computed token. A running sequence has exactly one uncomputed token (the last sampled).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    num_prompt_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    timings: RequestTimings = field(default_factory=RequestTimings)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,84 @@
+"""Loading a Hugging Face checkpoint directory into a model built on the meta device.
+
+Each parameter's ``weight_loader`` takes a lazy safetensors slice and copies only this rank's
+piece, so a rank reads only the bytes it keeps.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.layers import RotaryEmbedding
+from engine.model import CausalLM
+from engine.parallel import TensorParallel
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those its index names, else all in the dir."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / name for name in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def load_weights(model: CausalLM, model_dir: Path) -> None:
+    """Fill every parameter of ``model`` from the checkpoint; errors on missing or extra tensors."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if "rotary_emb.inv_freq" in name:
+                    continue  # derived from the config, never loaded
+                target, shard_id = name, None
+                for fragment, (packed, shard) in CausalLM.packed_modules.items():
+                    if f".{fragment}." in name:
+                        target, shard_id = name.replace(f".{fragment}.", f".{packed}."), shard
+                        break
+                if target == "lm_head.weight" and model.lm_head is None:
+                    continue  # tied embeddings: some checkpoints still store the copy
+                if target not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} in {path.name} matches no model parameter")
+                param = params[target]
+                param.weight_loader(param, f.get_slice(name), shard_id)  # type: ignore[attr-defined]
+                loaded.add(target if shard_id is None else f"{target}:{shard_id}")
+    expected = {
+        f"{name}:{shard}" if shard else name
+        for name, param in params.items()
+        for shard in (param.shard_ids or (None,))  # type: ignore[attr-defined]
+    }
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:4]}")
+
+
+def build_model(
+    config: ModelConfig,
+    model_dir: Path,
+    tp: TensorParallel,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int,
+) -> CausalLM:
+    """Build on the meta device (no memory), materialise on ``device``, load this rank's shard."""
+    with torch.device("meta"):
+        model = CausalLM(config, tp, dtype, max_position)
+    # to_empty makes new Parameter objects: carry the loaders across.
+    loaders = {name: (p.weight_loader, p.shard_ids) for name, p in model.named_parameters()}  # type: ignore[attr-defined]
+    model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        param.weight_loader, param.shard_ids = loaders[name]  # type: ignore[attr-defined]
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_cache()
+    load_weights(model, model_dir)
+    return model.eval()

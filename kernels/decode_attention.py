@@ -1,0 +1,294 @@
+"""Paged decode attention: one query token per sequence against its cached context."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+def gather_kv(
+    cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """``[B, num_tokens, Hkv, D]``: the first ``num_tokens`` cached tokens of each row."""
+    block_size = cache.shape[1]
+    positions = torch.arange(num_tokens, device=cache.device)
+    blocks = block_tables.long()[:, positions // block_size]
+    slots = blocks * block_size + positions % block_size
+    return cache.view(-1, *cache.shape[2:])[slots]
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int,
+) -> torch.Tensor:
+    """Attention of one query per sequence over its ``context_lens[b]`` cached tokens.
+
+    Shapes: q ``[B, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]``, block_tables
+    ``[B, max_blocks]`` int32, context_lens ``[B]`` int32 (each >= 1 and
+    <= max_context_len). Query head ``h`` reads KV head ``h // (Hq // Hkv)``. Returns
+    ``[B, Hq, D]`` in q's dtype; computed in fp32.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    length = min(max_context_len, block_tables.shape[1] * k_cache.shape[1])
+    keys = gather_kv(k_cache, block_tables, length).float()  # [B, L, Hkv, D]
+    values = gather_kv(v_cache, block_tables, length).float()
+    qf = q.float().view(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bkgd,blkd->bkgl", qf, keys) * scale
+    valid = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    out = torch.einsum("bkgl,blkd->bkgd", scores.softmax(dim=-1), values)
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton: split-KV ("flash-decoding") paged attention.
+#
+# Grid of the main kernel: (partition, kv head, sequence). A program takes one KV head and all
+# G = Hq // Hkv query heads that read it (padded to a 16-row tile for tl.dot), and walks its
+# partition of the context in tiles of BLOCK_N tokens, gathering each tile's rows through the
+# block table. Every K/V row is loaded once for the whole group. It keeps an online softmax
+# (running max m, running sum l, accumulator acc) in base 2: scores are pre-multiplied by
+# log2(e), so exp2 replaces exp and the partials stay consistent across kernels.
+#
+# The partition size is chosen on the host from tensor shapes and max_context_len only, so the
+# grid is static under CUDA graphs. With one partition the kernel writes the output directly;
+# otherwise it writes (m, l, acc / l) per partition and the reduce kernel merges them. A
+# partition starting at or beyond a sequence's context length does nothing and the reduce
+# kernel skips it (it recomputes how many partitions the sequence has), so short sequences in
+# a batch sized for a long max_context_len cost one early exit per empty program, and no
+# partial ever holds the max of an empty set (no NaN).
+# --------------------------------------------------------------------------------------------
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_partition_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, m_ptr, l_ptr, part_ptr,
+    qk_scale, max_len,
+    stride_qb, stride_qh,
+    stride_cb, stride_cs, stride_ch,
+    stride_bt,
+    stride_ob, stride_oh,
+    num_heads, group, head_dim, partition_size, num_partitions,
+    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SINGLE_PARTITION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    part = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    context_len = tl.minimum(tl.load(context_lens_ptr + seq), max_len)
+    start = part * partition_size
+    # Empty partitions exit at once; the single partition always writes (zeros for an empty
+    # context, e.g. a padding row of a CUDA-graph batch).
+    if SINGLE_PARTITION or start < context_len:
+        end = tl.minimum(start + partition_size, context_len)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        g_mask = g < group
+        d_mask = d < head_dim
+        heads = kv_head * group + g
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        # tl.dot wants both operands in one dtype: the cache's (bf16 x bf16 products are exact
+        # in the fp32 accumulator, so scores are as precise as an fp32 computation).
+        q = q.to(k_cache_ptr.dtype.element_ty)
+
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        head_off = kv_head * stride_ch
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = n < end
+            block = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0)
+            row = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + head_off
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N], log2 units
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            # The first tile holds token `start` < end, so m_new is finite from then on and
+            # exp2(-inf - m_new) = 0 for masked tokens.
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out_mask = g_mask[:, None] & d_mask[None, :]
+        if SINGLE_PARTITION:
+            tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            # Partials are contiguous fp32: m, l [B, Hq, P]; part [B, Hq, P, D].
+            idx = (seq * num_heads + heads) * num_partitions + part
+            tl.store(m_ptr + idx, m_i, mask=g_mask)
+            tl.store(l_ptr + idx, l_i, mask=g_mask)
+            tl.store(part_ptr + idx[:, None] * head_dim + d[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    m_ptr, l_ptr, part_ptr, context_lens_ptr, out_ptr,
+    max_len, stride_ob, stride_oh, num_heads, head_dim, partition_size, num_partitions,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (query head, sequence): merges that head's partition partials."""
+    head = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    context_len = tl.minimum(tl.load(context_lens_ptr + seq), max_len)
+    used = tl.cdiv(context_len, partition_size)  # partitions that hold at least one token
+    base = (seq * num_heads + head) * num_partitions
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    # Online merge over chunks of BLOCK_P partitions keeps registers bounded for long contexts.
+    m_run = float("-inf")
+    l_run = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for p0 in range(0, used, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        p_mask = p < used
+        m = tl.load(m_ptr + base + p, mask=p_mask, other=float("-inf"))
+        l = tl.load(l_ptr + base + p, mask=p_mask, other=0.0)
+        o = tl.load(part_ptr + (base + p)[:, None] * head_dim + d[None, :],
+                    mask=p_mask[:, None] & d_mask[None, :], other=0.0)
+        # Chunk p0 holds partition p0 < used, so m_new is finite.
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))
+        w = tl.where(p_mask, l * tl.exp2(m - m_new), 0.0)
+        alpha = tl.exp2(m_run - m_new)
+        l_run = l_run * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
+        m_run = m_new
+    # l_run is 0 only for an empty context (used == 0): write zeros rather than NaN.
+    out = acc / tl.where(l_run > 0, l_run, 1.0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+_BLOCK_N = 64  # tokens per KV tile: 4 pages of 16; [64, 128] bf16 tiles for K and for V
+_TARGET_PROGRAMS_PER_SM = 4  # enough resident programs per SM to hide the gather latency
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: any small number keeps the partition count small
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _partition_size(max_context_len: int, batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Tokens per partition: a power of two >= _BLOCK_N, small enough that batch x kv heads x
+    partitions fills the GPU (several programs per SM) when batch x kv heads alone cannot.
+
+    Depends only on host ints and shapes, so a CUDA graph captured for (batch, max_context_len)
+    stays valid for every context length up to max_context_len.
+    """
+    wanted = triton.cdiv(_TARGET_PROGRAMS_PER_SM * _num_sms(device), batch * num_kv_heads)
+    return max(_BLOCK_N, triton.next_power_of_2(triton.cdiv(max_context_len, wanted)))
+
+
+def _check_paged_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_tables: torch.Tensor, context_lens: torch.Tensor, batch: int) -> None:
+    """Checks shared by the decode and prefill wrappers (q is [*, Hq, D])."""
+    num_heads, head_dim = q.shape[1:]
+    if k_cache.dim() != 4 or k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, {head_dim}], got {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache {tuple(v_cache.shape)} {v_cache.stride()} {v_cache.dtype} must match "
+                         f"k_cache {tuple(k_cache.shape)} {k_cache.stride()} {k_cache.dtype}")
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    for name, t in (("q", q), ("k_cache", k_cache)):
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be [{batch}, max_blocks] int32, got "
+                         f"{tuple(block_tables.shape)} {block_tables.dtype}")
+    if block_tables.stride(1) != 1:
+        raise ValueError(f"block_tables must be contiguous in its last dim, got strides {block_tables.stride()}")
+    if context_lens.shape != (batch,) or context_lens.dtype != torch.int32:
+        raise ValueError(f"context_lens must be [{batch}] int32, got {tuple(context_lens.shape)} {context_lens.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
+                    ("context_lens", context_lens)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int,
+) -> torch.Tensor:
+    """Triton :func:`paged_decode_attention_ref` (same shapes, invariants and result).
+
+    q may be a strided view with unit stride in D. Returns a new contiguous ``[B, Hq, D]``
+    tensor in q's dtype. No host sync: safe to capture in a CUDA graph for a fixed
+    (B, max_context_len); context_lens may then change between replays. A row with
+    context_len 0 (outside the contract) yields zeros, where the reference yields NaN.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
+    batch, num_heads, head_dim = q.shape
+    _check_paged_cache(q, k_cache, v_cache, block_tables, context_lens, batch)
+    if max_context_len < 1:
+        raise ValueError(f"max_context_len must be >= 1, got {max_context_len}")
+    out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    # As in the reference, nothing past the block table's reach is read.
+    max_len = min(max_context_len, block_tables.shape[1] * k_cache.shape[1])
+    partition_size = _partition_size(max_len, batch, num_kv_heads, q.device)
+    num_partitions = triton.cdiv(max_len, partition_size)
+    block_d = triton.next_power_of_2(head_dim)
+    if num_partitions == 1:
+        m = l = partials = out  # unused by the single-partition variant
+    else:
+        m = torch.empty((batch, num_heads, num_partitions), dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)
+        partials = torch.empty((batch, num_heads, num_partitions, head_dim), dtype=torch.float32, device=q.device)
+    _decode_partition_kernel[(num_partitions, num_kv_heads, batch)](
+        q, k_cache, v_cache, block_tables, context_lens, out, m, l, partials,
+        scale * _LOG2E, max_len,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        num_heads, group, head_dim, partition_size, num_partitions,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
+        SINGLE_PARTITION=num_partitions == 1, DOT_PRECISION=_dot_precision(k_cache.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if num_partitions > 1:
+        _decode_reduce_kernel[(num_heads, batch)](
+            m, l, partials, context_lens, out,
+            max_len, out.stride(0), out.stride(1), num_heads, head_dim, partition_size, num_partitions,
+            BLOCK_P=min(16, triton.next_power_of_2(num_partitions)), BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 caches get exact fp32 dots (the default would be tf32); 16-bit inputs ignore it."""
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -1,0 +1,43 @@
+"""Incremental detokenization that never emits half of a multi-byte character."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text deltas.
+
+    Decoding token by token breaks characters that span several byte-level tokens and drops
+    the spaces some tokenizers attach to the following token. Instead, decode a short window
+    ending at the new tokens, and emit only once the text no longer ends in U+FFFD (an
+    incomplete UTF-8 sequence). Concatenated deltas equal ``tokenizer.decode(all_ids)``.
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0  # start of the window that gives the context of the next token
+        self.read_offset = 0  # tokens before this are already emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, new_token_ids: list[int]) -> str:
+        """Append tokens; return the text they complete (may be empty)."""
+        self.token_ids.extend(new_token_ids)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        return full_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Whatever is still held back at the end of the stream (e.g. a truncated character)."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        return full_text[len(prefix_text) :]

@@ -1,0 +1,47 @@
+"""Shared fixtures. CPU by default; GPU tests are marked ``gpu`` and skip without CUDA."""
+
+from __future__ import annotations
+
+import os
+
+# On a machine without CUDA, Triton kernels can only run in its interpreter. This must be set
+# before anything imports triton, hence here, at the top of the first module pytest loads.
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpus = torch.cuda.device_count()
+    for item in items:
+        if "gpu" in item.keywords and gpus == 0:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+        if "multigpu" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason="needs two CUDA devices"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """fp32 random-weight checkpoints of the tiny presets, written once per test session."""
+    from engine.presets import list_presets, load_preset, write_random_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {
+        name: write_random_checkpoint(load_preset(name), root / name, seed=0, dtype="float32")
+        for name in list_presets()
+        if name.startswith("tiny-")
+    }
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir() -> Path:
+    from engine.demo import ensure_demo_model
+
+    return ensure_demo_model(quiet=True)

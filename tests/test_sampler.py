@@ -1,0 +1,89 @@
+"""Sampler masks on constructed distributions, and seeded reproducibility."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.sampling import RequestError, Sampler, SamplingParams, top_k_top_p_mask
+
+
+def test_top_k_keeps_exactly_the_k_largest() -> None:
+    logits = torch.tensor([[0.1, 3.0, 2.0, -1.0, 2.5], [5.0, 4.0, 3.0, 2.0, 1.0]])
+    masked = top_k_top_p_mask(logits, torch.tensor([2, 5]), torch.tensor([1.0, 1.0]))
+    assert torch.isfinite(masked[0]).tolist() == [False, True, False, False, True]
+    assert torch.isfinite(masked[1]).all()
+    torch.testing.assert_close(masked[0, [1, 4]], logits[0, [1, 4]])
+
+
+def test_top_p_keeps_the_smallest_nucleus_reaching_p() -> None:
+    probs = torch.tensor([[0.5, 0.25, 0.15, 0.1], [0.1, 0.6, 0.2, 0.1]])
+    logits = probs.log()
+    masked = top_k_top_p_mask(logits, torch.tensor([4, 4]), torch.tensor([0.7, 0.55]))
+    # row 0: 0.5 < 0.7, 0.5 + 0.25 >= 0.7 -> keep {0, 1}; row 1: 0.6 >= 0.55 -> keep {1}
+    assert torch.isfinite(masked[0]).tolist() == [True, True, False, False]
+    assert torch.isfinite(masked[1]).tolist() == [False, True, False, False]
+
+
+def test_top_p_always_keeps_the_most_likely_token() -> None:
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0]])
+    masked = top_k_top_p_mask(logits, torch.tensor([4]), torch.tensor([1e-6]))
+    assert int(torch.isfinite(masked).sum()) == 1
+
+
+def test_top_k_and_top_p_combine() -> None:
+    logits = torch.tensor([[4.0, 3.9, 3.8, 0.0, -2.0]])
+    # top-k 3 renormalises over three near-equal tokens; top-p 0.5 then needs two of them.
+    masked = top_k_top_p_mask(logits, torch.tensor([3]), torch.tensor([0.5]))
+    assert torch.isfinite(masked).tolist() == [[True, True, False, False, False]]
+
+
+def test_sampled_frequencies_follow_the_masked_distribution() -> None:
+    sampler = Sampler()
+    logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]]).repeat(4000, 1)
+    params = [SamplingParams(temperature=1.0, top_k=3)] * 4000
+    torch.manual_seed(0)
+    tokens = torch.tensor(sampler(logits, params, [str(i) for i in range(4000)]))
+    freq = torch.bincount(tokens, minlength=4).float() / 4000
+    expected = torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95
+    torch.testing.assert_close(freq, expected, atol=0.03, rtol=0)
+
+
+def test_greedy_rows_take_the_argmax_beside_sampled_rows() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.0)]
+    tokens = Sampler()(logits, params, ["a", "b", "c"])
+    assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
+
+
+def test_seed_repeats_and_differs() -> None:
+    logits = torch.zeros(1, 1000)
+    def draw(seed: int) -> list[int]:
+        sampler = Sampler()
+        p = [SamplingParams(temperature=1.0, seed=seed)]
+        return [sampler(logits, p, ["r"])[0] for _ in range(10)]
+    assert draw(7) == draw(7)
+    assert draw(7) != draw(8)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"stop_token_ids": (-3,)}, "stop_token_ids"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(RequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.field == field and field in str(info.value)

@@ -239,6 +239,31 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """This rank's place in its tensor-parallel group.
+
+    ``step_address`` is the ZMQ base address the leader sends step plans to (peers listen on
+    ``<step_address>-<rank>``); needed when ``tp_size > 1``.
+    """
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    step_address: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} outside a group of {self.tp_size}")
+        if self.tp_size > 1 and not self.step_address:
+            raise ValueError("a TP group of size > 1 needs a step_address for its step plans")
+
+    @property
+    def is_leader(self) -> bool:
+        return self.tp_rank == 0
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine (one rank of one group) needs to start."""
 
@@ -250,6 +275,7 @@ class EngineConfig:
     kernels: str = "auto"  # auto: triton on CUDA, torch on CPU
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":

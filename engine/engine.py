@@ -95,6 +95,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def close(self) -> None:
+        """Release the TP peers (if any) from their step loop."""
+        self.runner.close()
+
     # -- stepping ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -12,6 +12,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.context import AttentionContext, set_context
 from engine.parallel import TensorParallel, head_shard
 from engine.scheduler import ScheduledBatch
+from engine.step_plan import StepPlan, StepReceiver, StepSender
 from engine.weights import build_model
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,8 @@ class ModelRunner:
     def __init__(
         self, config: EngineConfig, model_config: ModelConfig, tp: TensorParallel = TensorParallel()
     ) -> None:
+        if tp.size != config.parallel.tp_size or tp.rank != config.parallel.tp_rank:
+            raise ValueError(f"process group (rank {tp.rank} of {tp.size}) disagrees with {config.parallel}")
         self.config = config
         self.model_config = model_config
         self.tp = tp
@@ -43,12 +46,18 @@ class ModelRunner:
         shard = head_shard(model_config.num_heads, model_config.num_kv_heads, tp.size, tp.rank)
         self.num_kv_heads = shard.num_kv_heads
         self.num_blocks = config.cache.num_blocks or self._num_blocks_from_memory()
+        if tp.size > 1:  # every rank of a group must agree on the pool, the smallest one wins
+            agreed = torch.tensor([self.num_blocks], device=self.device)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=tp.group)
+            self.num_blocks = int(agreed.item())
         self.kv_cache = torch.empty(
             model_config.num_layers, 2, self.num_blocks + 1, self.block_size, self.num_kv_heads,
             model_config.head_dim, dtype=self.dtype, device=self.device,
         )
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        leads_peers = tp.size > 1 and config.parallel.is_leader
+        self._sender = StepSender(config.parallel.step_address or "", tp.size) if leads_peers else None
 
     @property
     def block_bytes(self) -> int:
@@ -97,11 +106,8 @@ class ModelRunner:
                     num_blocks * self.block_bytes / 2**30)
         return int(num_blocks)
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
-        """Token ids, positions, attention context and the rows whose logits are sampled.
-
-        A sequence is sampled when this step reaches its last token.
-        """
+    def plan(self, batch: ScheduledBatch) -> StepPlan:
+        """The host-side inputs of ``batch``; a sequence is sampled when this step reaches its last token."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -121,17 +127,22 @@ class ModelRunner:
                 sample_rows.append(cu_seqlens[-1] - 1)
         max_blocks = max(len(seq.block_table) for seq in batch.seqs)
         block_tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs]
+        return StepPlan(input_ids, positions, slots, block_tables, context_lens, cu_seqlens, sample_rows,
+                        batch.is_decode)
+
+    def inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
+        """Device tensors of a plan: token ids, positions, attention context, sampled rows."""
         to = self._to_device
         context = AttentionContext(
-            is_decode=batch.is_decode,
-            slot_mapping=to(slots, torch.int64),
-            block_tables=to(block_tables, torch.int32),
-            context_lens=to(context_lens, torch.int32),
-            max_context_len=max(context_lens),
-            cu_seqlens_q=to(cu_seqlens, torch.int32),
-            max_query_len=max(batch.num_new_tokens),
+            is_decode=plan.is_decode,
+            slot_mapping=to(plan.slot_mapping, torch.int64),
+            block_tables=to(plan.block_tables, torch.int32),
+            context_lens=to(plan.context_lens, torch.int32),
+            max_context_len=max(plan.context_lens),
+            cu_seqlens_q=to(plan.cu_seqlens_q, torch.int32),
+            max_query_len=max(b - a for a, b in zip(plan.cu_seqlens_q, plan.cu_seqlens_q[1:])),
         )
-        return to(input_ids, torch.int64), to(positions, torch.int64), context, to(sample_rows, torch.int64)
+        return to(plan.input_ids, torch.int64), to(plan.positions, torch.int64), context, to(plan.sample_rows, torch.int64)
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
@@ -139,16 +150,39 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, context: AttentionContext, sample_rows: torch.Tensor
-    ) -> torch.Tensor:
-        """Run the model; returns fp32 logits ``[len(sample_rows), vocab]``."""
+        self, input_ids: torch.Tensor, positions: torch.Tensor, context: AttentionContext,
+        sample_rows: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Run the model; fp32 logits ``[len(sample_rows), vocab]``, or None without rows to sample."""
         set_context(context)
         try:
             hidden = self.model(input_ids, positions)
-            return self.model.compute_logits(hidden[sample_rows])
+            return None if sample_rows is None else self.model.compute_logits(hidden[sample_rows])
         finally:
             set_context(None)
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        input_ids, positions, context, sample_rows = self.prepare(batch)
-        return self.forward(input_ids, positions, context, sample_rows)
+        """Leader: send the step to the TP peers, run it, return the logits to sample."""
+        plan = self.plan(batch)
+        if self._sender is not None:
+            self._sender.send(plan)
+        input_ids, positions, context, sample_rows = self.inputs(plan)
+        logits = self.forward(input_ids, positions, context, sample_rows)
+        assert logits is not None
+        return logits
+
+    def run_peer(self) -> None:
+        """TP peer: run the leader's steps until it shuts the group down. Peers never sample."""
+        receiver = StepReceiver(self.config.parallel.step_address or "", self.tp.rank)
+        try:
+            while (plan := receiver.receive()) is not None:
+                input_ids, positions, context, _ = self.inputs(plan)
+                self.forward(input_ids, positions, context, None)
+        finally:
+            receiver.close()
+
+    def close(self) -> None:
+        """Leader: release the peers from ``run_peer``."""
+        if self._sender is not None:
+            self._sender.shutdown()
+            self._sender = None

@@ -53,7 +53,7 @@ def test_prefill_logits_match_transformers(tiny_model_dirs: dict[str, Path], nam
         engine.add_request(str(i), prompt, GREEDY)
     batch = engine.scheduler.schedule()
     assert batch is not None and len(batch.seqs) == len(prompts)  # one varlen prefill step
-    input_ids, positions, context, _ = engine.runner.prepare(batch)
+    input_ids, positions, context, _ = engine.runner.inputs(engine.runner.plan(batch))
     every_row = torch.arange(batch.num_tokens)
     logits = engine.runner.forward(input_ids, positions, context, every_row)
     reference = hf_model(tiny_model_dirs[name])
@@ -165,16 +165,16 @@ def test_seeded_sampling_is_reproducible(tiny_model_dirs: dict[str, Path]) -> No
     assert other_seed != first
 
 
-def test_prepare_builds_slot_mapping_from_block_tables(tiny_model_dirs: dict[str, Path]) -> None:
+def test_plan_builds_slot_mapping_from_block_tables(tiny_model_dirs: dict[str, Path]) -> None:
     engine = make_engine(tiny_model_dirs["tiny-qwen2"], num_blocks=8, max_model_len=128)
     engine.add_request("a", list(range(20)), GREEDY)
     batch = engine.scheduler.schedule()
     assert isinstance(batch, ScheduledBatch)
     seq = batch.seqs[0]
     seq.block_table = [5, 2]  # any physical blocks, any order
-    _, positions, context, sample_rows = engine.runner.prepare(batch)
+    plan = engine.runner.plan(batch)
     bs = engine.block_manager.block_size
     expected = [5 * bs + p if p < bs else 2 * bs + p - bs for p in range(20)]
-    assert context.slot_mapping.tolist() == expected
-    assert positions.tolist() == list(range(20))
-    assert context.context_lens.tolist() == [20] and sample_rows.tolist() == [19]
+    assert plan.slot_mapping == expected
+    assert plan.positions == list(range(20))
+    assert plan.context_lens == [20] and plan.sample_rows == [19] and plan.block_tables == [[5, 2]]

@@ -1,0 +1,82 @@
+"""Tensor parallelism: the head partition rule, and TP groups (gloo, fp32) against tp = 1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster.offline import generate_tp
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import LLMEngine
+from engine.parallel import check_tp_size, head_shard, split_range
+from engine.sampling import SamplingParams
+
+
+@pytest.mark.parametrize("num_kv_heads", range(1, 9))
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_partition_rule_places_every_head(num_kv_heads: int, group: int) -> None:
+    """Each query head is computed on exactly one rank, next to the KV head it reads."""
+    num_heads = num_kv_heads * group
+    for tp in range(1, 9):
+        if tp > num_heads:
+            with pytest.raises(ValueError, match="exceeds"):
+                check_tp_size(num_heads, num_kv_heads, tp)
+            continue
+        owner = [-1] * num_heads
+        for rank in range(tp):
+            shard = head_shard(num_heads, num_kv_heads, tp, rank)
+            assert shard.num_q_heads >= 1 and shard.num_kv_heads >= 1
+            for q in range(shard.q_start, shard.q_end):
+                assert owner[q] == -1, f"query head {q} on two ranks"
+                owner[q] = rank
+                assert shard.kv_start <= q // group < shard.kv_end, "rank lacks the KV head its query head reads"
+            # Local mapping as the kernels see it: local q head h reads local KV head h // local group.
+            local_group = shard.num_q_heads // shard.num_kv_heads
+            assert shard.num_q_heads % shard.num_kv_heads == 0
+            for h in range(shard.num_q_heads):
+                assert shard.kv_start + h // local_group == (shard.q_start + h) // group
+            if tp <= num_kv_heads:
+                assert (shard.kv_start, shard.kv_end) == split_range(num_kv_heads, tp, rank)
+            else:
+                assert shard.num_kv_heads == 1
+        assert -1 not in owner
+
+
+def _engine_config(model_dir: Path) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), dtype="float32", device="cpu", max_model_len=256,
+                        cache=CacheConfig(num_blocks=160))
+
+
+def _mixed_prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (3, 9, 16, 17, 31, 45, 64, 80)]
+
+
+CASES = [
+    ("tiny-qwen2", 2),  # 6 query / 3 KV heads: uneven KV split
+    ("tiny-qwen2", 3),
+    ("tiny-llama", 4),  # 8 query / 2 KV heads: KV heads replicated
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "tp"), CASES, ids=[f"{n}-tp{t}" for n, t in CASES])
+def test_tp_greedy_matches_tp1(tiny_model_dirs: dict[str, Path], name: str, tp: int) -> None:
+    config = _engine_config(tiny_model_dirs[name])
+    prompts = _mixed_prompts(512)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = LLMEngine(config).generate(prompts, params)
+    assert generate_tp(config, tp, prompts, params) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4])
+def test_demo_model_tp_matches_tp1(demo_model_dir: Path, tp: int) -> None:
+    """9 query / 3 KV heads: tp 2 splits them unevenly, tp 4 (> 3 KV heads) replicates."""
+    config = _engine_config(demo_model_dir)
+    prompts = _mixed_prompts(49152)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = LLMEngine(config).generate(prompts, params)
+    assert generate_tp(config, tp, prompts, params) == expected

@@ -40,7 +40,7 @@ def main(
     from transformers import AutoTokenizer
 
     from engine.config import EngineConfig
-    from engine.demo import resolve_model
+    from engine.presets import resolve_model
     from engine.detokenizer import IncrementalDetokenizer
     from engine.engine import LLMEngine
     from engine.sampling import RequestError, SamplingParams

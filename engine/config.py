@@ -273,6 +273,8 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
     kernels: str = "auto"  # auto: triton on CUDA, torch on CPU
+    enforce_eager: bool = False  # no CUDA graphs for decode
+    cuda_graph_max_batch: int = 128  # largest captured decode batch; larger steps run eagerly
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -284,6 +286,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.kernels not in ("auto", "torch", "triton"):
             raise ValueError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -10,6 +10,7 @@ import torch
 from engine import ops
 from engine.config import EngineConfig, ModelConfig
 from engine.context import AttentionContext, set_context
+from engine.graph_runner import CudaGraphRunner
 from engine.parallel import TensorParallel, head_shard
 from engine.scheduler import ScheduledBatch
 from engine.step_plan import StepPlan, StepReceiver, StepSender
@@ -50,7 +51,8 @@ class ModelRunner:
             agreed = torch.tensor([self.num_blocks], device=self.device)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=tp.group)
             self.num_blocks = int(agreed.item())
-        self.kv_cache = torch.empty(
+        # Zeroed so that the dummy block, read by graph padding rows, never holds NaN.
+        self.kv_cache = torch.zeros(
             model_config.num_layers, 2, self.num_blocks + 1, self.block_size, self.num_kv_heads,
             model_config.head_dim, dtype=self.dtype, device=self.device,
         )
@@ -58,6 +60,12 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         leads_peers = tp.size > 1 and config.parallel.is_leader
         self._sender = StepSender(config.parallel.step_address or "", tp.size) if leads_peers else None
+        self.graph_runner: CudaGraphRunner | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graph_runner = CudaGraphRunner(
+                self.model, min(config.cuda_graph_max_batch, config.scheduler.max_num_seqs), self.max_model_len,
+                self.block_size, dummy_block=self.num_blocks, compute_logits=config.parallel.is_leader,
+            )
 
     @property
     def block_bytes(self) -> int:
@@ -161,13 +169,23 @@ class ModelRunner:
         finally:
             set_context(None)
 
+    def run(self, plan: StepPlan) -> torch.Tensor | None:
+        """Run one step: a captured graph for decode steps that fit one, else eagerly.
+
+        Returns the logits of the sampled rows on the leader, None on peers.
+        """
+        if self.graph_runner is not None and self.graph_runner.can_run(plan):
+            out = self.graph_runner.run(plan)
+            return out if self.config.parallel.is_leader else None
+        input_ids, positions, context, sample_rows = self.inputs(plan)
+        return self.forward(input_ids, positions, context, sample_rows if self.config.parallel.is_leader else None)
+
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Leader: send the step to the TP peers, run it, return the logits to sample."""
         plan = self.plan(batch)
         if self._sender is not None:
             self._sender.send(plan)
-        input_ids, positions, context, sample_rows = self.inputs(plan)
-        logits = self.forward(input_ids, positions, context, sample_rows)
+        logits = self.run(plan)
         assert logits is not None
         return logits
 
@@ -176,13 +194,16 @@ class ModelRunner:
         receiver = StepReceiver(self.config.parallel.step_address or "", self.tp.rank)
         try:
             while (plan := receiver.receive()) is not None:
-                input_ids, positions, context, _ = self.inputs(plan)
-                self.forward(input_ids, positions, context, None)
+                self.run(plan)
         finally:
             receiver.close()
+            self.close()
 
     def close(self) -> None:
-        """Leader: release the peers from ``run_peer``."""
+        """Release the TP peers (leader) and the CUDA graphs, before the process group goes."""
         if self._sender is not None:
             self._sender.shutdown()
             self._sender = None
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+            self.graph_runner = None

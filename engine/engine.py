@@ -16,7 +16,7 @@ from engine.model_runner import ModelRunner
 from engine.parallel import TensorParallel
 from engine.sampling import RequestError, Sampler, SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -26,10 +26,12 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort
+    finish_reason: str | None = None  # stop | length | abort | prefilled
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    # finish_reason "prefilled": the blocks holding the prompt's KV, kept until ``release_kv``.
+    kv_block_ids: list[int] | None = None
 
 
 class LLMEngine:
@@ -54,6 +56,11 @@ class LLMEngine:
         self.scheduler = Scheduler(sched, self.block_manager)
         self.sampler = Sampler()
         self.requests: dict[str, Sequence] = {}
+        # Prefill role: prefilled requests whose KV blocks are kept until the transfer is done.
+        self.held: dict[str, Sequence] = {}
+        # Decode role: requests with blocks reserved for KV that is still arriving.
+        self.reserved: dict[str, Sequence] = {}
+        self._admitted: list[str] = []  # since the last step: their KV must be in place first
 
     # -- requests ------------------------------------------------------------------------
 
@@ -76,16 +83,61 @@ class LLMEngine:
                 f"exceeds the maximum model length {self.max_model_len}",
             )
 
-    def add_request(self, request_id: str, prompt_token_ids: SequenceType[int], params: SamplingParams) -> None:
-        if request_id in self.requests:
-            raise RequestError("request_id", f"{request_id!r} is already running")
+    def add_request(
+        self, request_id: str, prompt_token_ids: SequenceType[int], params: SamplingParams, prefill_only: bool = False
+    ) -> None:
+        """Queue a request. ``prefill_only``: finish it with reason "prefilled" after its first
+        token (unless that token already ends it) and keep its KV blocks for a transfer."""
+        self._check_new_id(request_id)
         self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.requests or request_id in self.held or request_id in self.reserved:
+            raise RequestError("request_id", f"{request_id!r} is already running")
+
+    def release_kv(self, request_id: str) -> None:
+        """Prefill role: the KV of a prefilled request has moved; free its blocks."""
+        self.block_manager.free(self.held.pop(request_id))
+
+    def reserve(
+        self, request_id: str, prompt_token_ids: SequenceType[int], first_token: int, params: SamplingParams
+    ) -> list[int] | None:
+        """Decode role: blocks for the prompt's KV, or None if too few are free (try later).
+
+        The request then waits, outside the scheduler, for ``admit`` once its KV is in place.
+        """
+        self._check_new_id(request_id)
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, [*prompt_token_ids, first_token], params,
+                       num_prompt_tokens=len(prompt_token_ids))
+        if not self.block_manager.can_allocate(seq, len(prompt_token_ids)):
+            return None
+        self.block_manager.allocate(seq, len(prompt_token_ids))
+        seq.num_computed_tokens = len(prompt_token_ids)
+        self.reserved[request_id] = seq
+        return list(seq.block_table)
+
+    def admit(self, request_id: str) -> None:
+        """Decode role: the reserved request's KV has arrived; decode it from the next step."""
+        seq = self.reserved.pop(request_id)
+        self.requests[request_id] = seq
+        self._admitted.append(request_id)
+        seq.timings.first_scheduled = seq.timings.first_token = time.monotonic()
+        self.scheduler.admit_running(seq)
+
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request wherever it is and free its blocks; None if it is unknown."""
+        """Stop a request wherever it is (queued, running, held, reserved) and free its blocks;
+        None if it is unknown."""
+        for parked in (self.held, self.reserved):
+            if request_id in parked:
+                seq = parked.pop(request_id)
+                self.block_manager.free(seq)
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                self.requests[request_id] = seq
+                return self._finish(seq)
         seq = self.requests.get(request_id)
         if seq is None:
             return None
@@ -106,7 +158,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        logits = self.runner.execute(batch)
+        kv_ready, self._admitted = self._admitted, []
+        logits = self.runner.execute(batch, kv_ready)
         sampled = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens)
                    if seq.num_computed_tokens + n == seq.num_tokens]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
@@ -121,7 +174,13 @@ class LLMEngine:
             if seq.timings.first_token is None:
                 seq.timings.first_token = now
             reason = self._stop_reason(seq, token)
-            if reason is None:
+            if reason is None and seq.prefill_only:
+                self.scheduler.finish(seq, "prefilled", free_blocks=False)
+                self.held[seq.request_id] = seq
+                output = self._finish(seq, [token])
+                output.kv_block_ids = list(seq.block_table)
+                outputs.append(output)
+            elif reason is None:
                 outputs.append(RequestOutput(seq.request_id, [token], num_prompt_tokens=seq.num_prompt_tokens,
                                              num_output_tokens=seq.num_output_tokens))
             else:

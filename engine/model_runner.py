@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,8 +14,11 @@ from engine.context import AttentionContext, set_context
 from engine.graph_runner import CudaGraphRunner
 from engine.parallel import TensorParallel, head_shard
 from engine.scheduler import ScheduledBatch
-from engine.step_plan import StepPlan, StepReceiver, StepSender
+from engine.step_plan import KVCommand, StepPlan, StepReceiver, StepSender
 from engine.weights import build_model
+
+if TYPE_CHECKING:
+    from kvtransfer.agent import KVTransferAgent
 
 logger = logging.getLogger(__name__)
 
@@ -180,21 +184,38 @@ class ModelRunner:
         input_ids, positions, context, sample_rows = self.inputs(plan)
         return self.forward(input_ids, positions, context, sample_rows if self.config.parallel.is_leader else None)
 
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Leader: send the step to the TP peers, run it, return the logits to sample."""
+    def execute(self, batch: ScheduledBatch, kv_ready: list[str] | None = None) -> torch.Tensor:
+        """Leader: send the step to the TP peers, run it, return the logits to sample.
+
+        ``kv_ready``: transfers whose received KV this step reads (peers wait for their part).
+        """
         plan = self.plan(batch)
+        plan.kv_ready = kv_ready or []
         if self._sender is not None:
             self._sender.send(plan)
         logits = self.run(plan)
         assert logits is not None
         return logits
 
-    def run_peer(self) -> None:
-        """TP peer: run the leader's steps until it shuts the group down. Peers never sample."""
+    def broadcast(self, command: KVCommand) -> None:
+        """Leader: have every peer issue its part of a KV transfer, in step order."""
+        if self._sender is not None:
+            self._sender.send(command)
+
+    def run_peer(self, kv_agent: KVTransferAgent | None = None) -> None:
+        """TP peer: follow the leader's steps and KV commands until it shuts the group down."""
         receiver = StepReceiver(self.config.parallel.step_address or "", self.tp.rank)
         try:
-            while (plan := receiver.receive()) is not None:
-                self.run(plan)
+            while (message := receiver.receive()) is not None:
+                if isinstance(message, KVCommand):
+                    if kv_agent is None:
+                        raise RuntimeError("KV command for a group without a transfer backend")
+                    kv_agent.execute(message)
+                    continue
+                for transfer_id in message.kv_ready:
+                    assert kv_agent is not None
+                    kv_agent.wait(transfer_id)
+                self.run(message)
         finally:
             receiver.close()
             self.close()

@@ -148,13 +148,20 @@ class Scheduler:
         self.waiting.insert(1 if head_is_partial else 0, seq)
         self.num_preemptions += 1
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Take ``seq`` out of the scheduler (finished or aborted) and free its blocks."""
+    def admit_running(self, seq: Sequence) -> None:
+        """Add a sequence whose KV is already in its blocks (received from a prefill group)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: str, free_blocks: bool = True) -> None:
+        """Take ``seq`` out of the scheduler (finished or aborted), freeing its blocks unless
+        the caller keeps them (a prefilled request whose KV still has to move)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        if free_blocks:
+            self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.timings.finished = time.monotonic()

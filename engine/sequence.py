@@ -53,6 +53,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
+    # Prefill role: stop after the first token and keep the KV blocks for the transfer.
+    prefill_only: bool = False
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)

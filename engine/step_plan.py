@@ -1,15 +1,16 @@
-"""The per-step plan a TP leader sends to its peers, and the channel that carries it.
+"""What a TP leader sends its peers, and the channel that carries it.
 
 Only the leader (TP rank 0) schedules. Before every forward it sends the step's host-side
 inputs (token ids, positions, slots, block tables, ...) to every peer, so that all ranks run
-the same forward in the same order. The plan is msgpack over ZMQ PUSH/PULL (CPU only, no
+the same forward in the same order; KV transfer commands travel on the same channel, so every
+rank issues its part of each transfer in the same order relative to the steps. The plan is msgpack over ZMQ PUSH/PULL (CPU only, no
 pickles, no GPU tensors); PUSH queues messages until a peer connects, so no plan is lost to a
 slow start.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import msgpack
 import zmq
@@ -27,13 +28,31 @@ class StepPlan:
     cu_seqlens_q: list[int]
     sample_rows: list[int]
     is_decode: bool
+    # Decode role: transfers whose received KV this step reads; each rank waits for its part.
+    kv_ready: list[str] = field(default_factory=list)
 
-    def encode(self) -> bytes:
-        return msgpack.packb(asdict(self))
 
-    @classmethod
-    def decode(cls, data: bytes) -> StepPlan:
-        return cls(**msgpack.unpackb(data))
+@dataclass
+class KVCommand:
+    """Send (prefill role) or receive (decode role) one request's KV, in this rank's part."""
+
+    op: str  # "send" | "recv"
+    transfer_id: str
+    block_ids: list[int]
+
+
+PeerMessage = StepPlan | KVCommand
+
+
+def encode_message(message: PeerMessage) -> bytes:
+    kind = "step" if isinstance(message, StepPlan) else "kv"
+    return msgpack.packb({"kind": kind, **asdict(message)})
+
+
+def decode_message(data: bytes) -> PeerMessage:
+    fields = msgpack.unpackb(data)
+    kind = fields.pop("kind")
+    return StepPlan(**fields) if kind == "step" else KVCommand(**fields)
 
 
 _SHUTDOWN = b"shutdown"
@@ -56,8 +75,8 @@ class StepSender:
             sock.connect(peer_address(base_address, rank))
             self._sockets.append(sock)
 
-    def send(self, plan: StepPlan) -> None:
-        data = plan.encode()
+    def send(self, message: PeerMessage) -> None:
+        data = encode_message(message)
         for sock in self._sockets:
             sock.send(data, copy=False)
 
@@ -77,10 +96,10 @@ class StepReceiver:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(peer_address(base_address, rank))
 
-    def receive(self) -> StepPlan | None:
-        """The next plan, or None when the leader shuts the group down."""
+    def receive(self) -> PeerMessage | None:
+        """The next message, or None when the leader shuts the group down."""
         data = self._sock.recv()
-        return None if data == _SHUTDOWN else StepPlan.decode(data)
+        return None if data == _SHUTDOWN else decode_message(data)
 
     def close(self) -> None:
         self._sock.close()

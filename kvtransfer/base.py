@@ -1,0 +1,140 @@
+"""The KV transfer interface and the registry of backends.
+
+A backend moves the KV of one request from the ranks of a prefill group to the ranks of a
+decode group, following the resharding plan. Each rank calls it for its own part: a prefill
+rank ``send``s its pieces, a decode rank ``recv``s the pieces it needs. Both return a
+``Transfer`` handle; a synchronous backend returns one that is already complete.
+
+Ordering invariant: between one prefill rank and one decode rank, transfers are issued in the
+same order on both sides (the decode leader accepts transfers in order, and every rank issues
+its part in accept order), as point-to-point collectives require.
+
+A new backend (NIXL, CUDA IPC, RDMA) subclasses ``TransferBackend`` and registers itself with
+``@register_backend("name")``; the workers only ever see this interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.parallel import HeadShard, head_shard
+from kvtransfer.plan import Piece, resharding_plan
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    num_bytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    backend: str = "gloo"  # a key of the registry: gloo, gloo-async, nccl, nccl-async
+    # Bound on the packed KV a sender keeps for transfers in flight; beyond it, the sender waits.
+    max_staging_bytes: int = 4 << 30
+
+    def __post_init__(self) -> None:
+        if self.backend not in _REGISTRY:
+            raise ValueError(f"unknown KV transfer backend {self.backend!r}; available: {sorted(_REGISTRY)}")
+        if self.max_staging_bytes < 1:
+            raise ValueError("max_staging_bytes must be positive")
+
+
+@dataclass(frozen=True)
+class TransferTopology:
+    """One (prefill group, decode group) pair as seen from one of its ranks."""
+
+    num_heads: int
+    num_kv_heads: int
+    prefill_ranks: tuple[int, ...]  # global ranks, index = TP rank in the prefill group
+    decode_ranks: tuple[int, ...]
+    global_rank: int
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.global_rank in self.prefill_ranks
+
+    @property
+    def tp_rank(self) -> int:
+        ranks = self.prefill_ranks if self.is_prefill else self.decode_ranks
+        return ranks.index(self.global_rank)
+
+    def plan(self) -> tuple[Piece, ...]:
+        return resharding_plan(self.num_heads, self.num_kv_heads, len(self.prefill_ranks), len(self.decode_ranks))
+
+    def src_shard(self, rank: int) -> HeadShard:
+        return head_shard(self.num_heads, self.num_kv_heads, len(self.prefill_ranks), rank)
+
+    def dst_shard(self, rank: int) -> HeadShard:
+        return head_shard(self.num_heads, self.num_kv_heads, len(self.decode_ranks), rank)
+
+
+class Transfer(ABC):
+    """A transfer in flight on this rank."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """Non-blocking: has this rank's part completed (received data already in the cache)?"""
+
+    @abstractmethod
+    def wait(self) -> TransferStats:
+        """Block until complete; the received KV is then in this rank's cache."""
+
+
+class TransferBackend(ABC):
+    """Moves KV blocks of ``kv_cache`` (``[layers, 2, blocks, block_size, kv_heads, head_dim]``)."""
+
+    is_async: bool = False
+
+    def __init__(self, config: TransferConfig, topology: TransferTopology, kv_cache: torch.Tensor) -> None:
+        self.config = config
+        self.topology = topology
+        self.kv_cache = kv_cache
+
+    @abstractmethod
+    def send(self, block_ids: list[int]) -> Transfer:
+        """Prefill rank: send this rank's pieces of the KV in ``block_ids`` to every decode rank."""
+
+    @abstractmethod
+    def recv(self, block_ids: list[int]) -> Transfer:
+        """Decode rank: receive this rank's pieces into ``block_ids`` (its own numbering)."""
+
+    @property
+    @abstractmethod
+    def staging_bytes(self) -> int:
+        """Bytes of packed KV this rank holds for sends not yet complete."""
+
+    def block_bytes(self) -> int:
+        """Bytes one block of this rank's KV (all layers, K and V, all its heads) takes."""
+        layers, _, _, block_size, heads, head_dim = self.kv_cache.shape
+        return 2 * layers * block_size * heads * head_dim * self.kv_cache.element_size()
+
+    def close(self) -> None:
+        """Wait for whatever is still in flight."""
+
+
+_REGISTRY: dict[str, Callable[[TransferConfig, TransferTopology, torch.Tensor], TransferBackend]] = {}
+
+
+def register_backend(name: str) -> Callable:
+    def wrap(factory: Callable) -> Callable:
+        _REGISTRY[name] = factory
+        return factory
+
+    return wrap
+
+
+def create_backend(config: TransferConfig, topology: TransferTopology, kv_cache: torch.Tensor) -> TransferBackend:
+    return _REGISTRY[config.backend](config, topology, kv_cache)
+
+
+def available_backends() -> list[str]:
+    return sorted(_REGISTRY)

@@ -1,0 +1,129 @@
+"""KV transfer over torch.distributed point-to-point: NCCL on GPUs, gloo on CPUs, one code path.
+
+Sender: gather the request's blocks, sliced to each piece's heads, into one contiguous buffer
+per destination rank (one message per request per destination, never one per block), then
+``isend``. The gather runs on the compute stream, so a later step that reuses those blocks is
+ordered after it: the engine may free the blocks as soon as ``send`` returns. The buffer lives
+until the send completes (counted in ``staging_bytes``).
+
+Receiver: ``irecv`` one buffer per piece, then scatter it into the rank's own, differently
+numbered blocks when the receive completes.
+
+Sync backends wait before returning; async ones return at once and are polled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from kvtransfer.base import Transfer, TransferBackend, TransferConfig, TransferStats, TransferTopology, register_backend
+
+
+class _TorchTransfer(Transfer):
+    def __init__(
+        self,
+        works: list[dist.Work],
+        buffers: list[torch.Tensor],
+        on_complete: list[tuple[torch.Tensor, slice, torch.Tensor]],
+        kv_cache: torch.Tensor,
+        release: Callable[[int], None],
+    ) -> None:
+        self.works = works
+        self.buffers = buffers
+        self.on_complete = on_complete  # (buffer, head slice, block index) to scatter on receive
+        self.kv_cache = kv_cache
+        self.release = release
+        self.started = time.perf_counter()
+        self.stats: TransferStats | None = None
+
+    def done(self) -> bool:
+        if self.stats is not None:
+            return True
+        if not all(w.is_completed() for w in self.works):
+            return False
+        self.wait()
+        return True
+
+    def wait(self) -> TransferStats:
+        if self.stats is None:
+            for work in self.works:
+                work.wait()  # on CUDA: makes the current stream wait for the NCCL stream
+            for buffer, heads, blocks in self.on_complete:
+                self.kv_cache[:, :, blocks, :, heads] = buffer
+            num_bytes = sum(b.numel() * b.element_size() for b in self.buffers)
+            self.stats = TransferStats(num_bytes, time.perf_counter() - self.started)
+            self.release(num_bytes if not self.on_complete else 0)
+            self.buffers, self.on_complete = [], []
+        return self.stats
+
+
+class TorchDistributedBackend(TransferBackend):
+    def __init__(self, config: TransferConfig, topology: TransferTopology, kv_cache: torch.Tensor,
+                 is_async: bool) -> None:
+        super().__init__(config, topology, kv_cache)
+        self.is_async = is_async
+        self._staging = 0
+        me = topology.tp_rank
+        plan = topology.plan()
+        if topology.is_prefill:
+            shard = topology.src_shard(me)
+            self._pieces = [(topology.decode_ranks[p.dst_rank], p.src_slice(shard), p.num_heads)
+                            for p in plan if p.src_rank == me]
+        else:
+            shard = topology.dst_shard(me)
+            self._pieces = [(topology.prefill_ranks[p.src_rank], p.dst_slice(shard), p.num_heads)
+                            for p in plan if p.dst_rank == me]
+        self._pending: list[_TorchTransfer] = []
+
+    @property
+    def staging_bytes(self) -> int:
+        return self._staging
+
+    def _release(self, num_bytes: int) -> None:
+        self._staging -= num_bytes
+
+    def _index(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.int64).to(self.kv_cache.device, non_blocking=True)
+
+    def send(self, block_ids: list[int]) -> Transfer:
+        blocks = self._index(block_ids)
+        buffers, works = [], []
+        for peer, heads, _ in self._pieces:
+            packed = self.kv_cache[:, :, blocks, :, heads].contiguous()
+            buffers.append(packed)
+            works.append(dist.isend(packed, dst=peer))
+        self._staging += sum(b.numel() * b.element_size() for b in buffers)
+        return self._finish(_TorchTransfer(works, buffers, [], self.kv_cache, self._release))
+
+    def recv(self, block_ids: list[int]) -> Transfer:
+        blocks = self._index(block_ids)
+        layers, _, _, block_size, _, head_dim = self.kv_cache.shape
+        buffers, works, scatters = [], [], []
+        for peer, heads, num_heads in self._pieces:
+            buffer = torch.empty(layers, 2, len(block_ids), block_size, num_heads, head_dim,
+                                 dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+            buffers.append(buffer)
+            works.append(dist.irecv(buffer, src=peer))
+            scatters.append((buffer, heads, blocks))
+        return self._finish(_TorchTransfer(works, buffers, scatters, self.kv_cache, self._release))
+
+    def _finish(self, transfer: _TorchTransfer) -> Transfer:
+        if not self.is_async:
+            transfer.wait()
+        else:
+            self._pending = [t for t in self._pending if t.stats is None]
+            self._pending.append(transfer)
+        return transfer
+
+    def close(self) -> None:
+        for transfer in self._pending:
+            transfer.wait()
+        self._pending = []
+
+
+for _name, _async in (("gloo", False), ("gloo-async", True), ("nccl", False), ("nccl-async", True)):
+    register_backend(_name)(lambda c, t, kv, _a=_async: TorchDistributedBackend(c, t, kv, is_async=_a))

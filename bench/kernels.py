@@ -1,0 +1,257 @@
+"""Kernel micro-benchmarks on one GPU: each Triton kernel against its torch reference.
+
+    python -m bench.kernels --out out/kernels.json [--dtype bfloat16] [--sweep prefill] [--sweep decode]
+
+Shapes are Qwen2.5-1.5B's (12 query heads, 2 KV heads, head_dim 128, hidden 1536,
+intermediate 8960, block_size 16). Every Triton kernel is timed as CUDA-graph replays
+(``triton.testing.do_bench_cudagraph``: GPU time without launch gaps, as the decode graph runs
+them). Prefill attention, which runs eagerly, is also timed eagerly (``do_bench``, L2 flushed;
+this includes the host's launch cost whenever that exceeds the GPU time); its reference syncs
+with the host, so it is timed eagerly only. For one prompt without prefix, prefill is compared
+with ``torch.nn.functional.scaled_dot_product_attention`` on contiguous, head-expanded K/V
+(SDPA's best case: no paging, no GQA), timed as graph replays too. ``--sweep prefill|decode``
+also times alternative tile and partition settings.
+Prints a table and writes every row as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+from kernels import activation, decode_attention, prefill_attention, rmsnorm, rope
+
+HQ, HKV, HEAD_DIM, HIDDEN, INTER, BLOCK = 12, 2, 128, 1536, 8960, 16
+Row = dict[str, Any]
+
+
+def graph_us(fn: Callable[[], Any]) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
+
+
+def eager_us(fn: Callable[[], Any]) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def max_err(a: Any, b: Any) -> float:
+    if isinstance(a, tuple):
+        return max(max_err(x, y) for x, y in zip(a, b))
+    return (a.float() - b.float()).abs().max().item()
+
+
+Timer = Callable[[Callable[[], Any]], float]
+
+
+def row(op: str, shape: str, kernel: Callable[[], Any], ref: Callable[[], Any], kernel_timer: Timer,
+        ref_timer: Timer | None, work: tuple[str, float] | None = None, extra: dict[str, Any] | None = None) -> Row:
+    """Time the kernel (and the reference unless ref_timer is None); check it against the
+    reference; ``work`` = (unit, amount per call) gives a throughput in tera-units per second."""
+    result: Row = {"op": op, "shape": shape, "triton_us": kernel_timer(kernel), "max_abs_err": max_err(kernel(), ref()),
+                   "timing": f"triton {kernel_timer.__name__}"}
+    if ref_timer is not None:
+        result["ref_us"] = ref_timer(ref)
+        result["speedup"] = result["ref_us"] / result["triton_us"]
+        result["timing"] += f", ref {ref_timer.__name__}"
+    if work is not None:
+        unit, amount = work
+        result["throughput"] = f"{amount / (result['triton_us'] * 1e-6) / 1e12:.2f} {unit}"
+    result.update(extra or {})
+    return result
+
+
+def paged_cache(context_lens: list[int], dtype: torch.dtype, gen: torch.Generator
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V behind shuffled block tables: (k_cache, v_cache, block_tables, context_lens)."""
+    needed = [math.ceil(n / BLOCK) for n in context_lens]
+    num_blocks = sum(needed)
+    shape = (num_blocks, BLOCK, HKV, HEAD_DIM)
+    k = torch.randn(shape, device="cuda", dtype=dtype)
+    v = torch.randn(shape, device="cuda", dtype=dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(context_lens), max(needed), dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(needed):
+        tables[b, :n] = perm[start:start + n]
+        start += n
+    lens = torch.tensor(context_lens, dtype=torch.int32, device="cuda")
+    return k, v, tables.cuda(), lens
+
+
+def bench_elementwise(dtype: torch.dtype) -> Iterator[Row]:
+    for rows in (1, 128, 2048):
+        x = torch.randn(rows, HIDDEN, device="cuda", dtype=dtype)
+        res = torch.randn_like(x)
+        w = torch.randn(HIDDEN, device="cuda", dtype=dtype)
+        moved = 2 * x.numel() * x.element_size()
+        yield row("rms_norm", f"{rows}x{HIDDEN}", lambda: rmsnorm.rms_norm(x, w, 1e-6),
+                  lambda: rmsnorm.rms_norm_ref(x, w, 1e-6), graph_us, graph_us, ("TB/s", moved))
+        yield row("fused_add_rms_norm", f"{rows}x{HIDDEN}",
+                  lambda: rmsnorm.fused_add_rms_norm(x, res, w, 1e-6),
+                  lambda: rmsnorm.fused_add_rms_norm_ref(x, res, w, 1e-6), graph_us, graph_us, ("TB/s", 2 * moved))
+        gate_up = torch.randn(rows, 2 * INTER, device="cuda", dtype=dtype)
+        yield row("silu_and_mul", f"{rows}x{2 * INTER}", lambda: activation.silu_and_mul(gate_up),
+                  lambda: activation.silu_and_mul_ref(gate_up), graph_us, graph_us,
+                  ("TB/s", 1.5 * gate_up.numel() * gate_up.element_size()))
+
+
+def bench_rope(dtype: torch.dtype) -> Iterator[Row]:
+    max_pos = 4096
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).cuda()
+    for tokens in (1, 128, 2048):
+        qkv = torch.randn(tokens, (HQ + 2 * HKV) * HEAD_DIM, device="cuda", dtype=dtype)
+        q, k, v = qkv.split([HQ * HEAD_DIM, HKV * HEAD_DIM, HKV * HEAD_DIM], dim=-1)
+        q, k, v = q.view(tokens, HQ, HEAD_DIM), k.view(tokens, HKV, HEAD_DIM), v.view(tokens, HKV, HEAD_DIM)
+        positions = torch.randint(0, max_pos, (tokens,), device="cuda")
+        num_blocks = math.ceil(tokens / BLOCK) + 1
+        k_cache = torch.zeros(num_blocks, BLOCK, HKV, HEAD_DIM, device="cuda", dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        slots = torch.randperm(num_blocks * BLOCK, device="cuda")[:tokens]
+        args = (q, k, v, positions, cos_sin, k_cache, v_cache, slots)
+        yield row("rope_and_store_kv", f"T={tokens}", lambda: rope.rope_and_store_kv(*args),
+                  lambda: rope.rope_and_store_kv_ref(*args), graph_us, graph_us,
+                  ("TB/s", 2 * qkv.numel() * qkv.element_size()))
+
+
+DECODE_SHAPES = [(1, 1024), (1, 4096), (8, 4096), (32, 2048), (128, 1024), (128, 4096)]
+
+
+def bench_decode(dtype: torch.dtype, gen: torch.Generator, shapes: list[tuple[int, int]] = DECODE_SHAPES,
+                 label: str = "") -> Iterator[Row]:
+    for batch, ctx in shapes:
+        k_cache, v_cache, tables, lens = paged_cache([ctx] * batch, dtype, gen)
+        q = torch.randn(batch, HQ, HEAD_DIM, device="cuda", dtype=dtype)
+        args = (q, k_cache, v_cache, tables, lens, HEAD_DIM**-0.5, ctx)
+        size = decode_attention._partition_size(ctx, batch, HKV, q.device)
+        kv_bytes = 2 * batch * ctx * HKV * HEAD_DIM * k_cache.element_size()
+        yield row("paged_decode_attention" + label, f"B={batch} ctx={ctx}",
+                  lambda: decode_attention.paged_decode_attention(*args),
+                  lambda: decode_attention.paged_decode_attention_ref(*args), graph_us, graph_us, ("TB/s", kv_bytes),
+                  {"partition_size": size, "partitions": math.ceil(ctx / size)})
+
+
+PREFILL_SHAPES = [([2048], [2048]), ([512], [2048]), ([512] * 4, [512] * 4), ([1, 300, 1000, 17], [1, 800, 3000, 529])]
+
+
+def bench_prefill(dtype: torch.dtype, gen: torch.Generator, shapes: list[tuple[list[int], list[int]]] = PREFILL_SHAPES,
+                  label: str = "") -> Iterator[Row]:
+    """Triton timed as graph replays (GPU time) and eagerly (with the host's launch cost);
+    the reference eagerly; SDPA, for a single prompt without prefix, as graph replays."""
+    for query_lens, context_lens in shapes:
+        k_cache, v_cache, tables, lens = paged_cache(context_lens, dtype, gen)
+        q = torch.randn(sum(query_lens), HQ, HEAD_DIM, device="cuda", dtype=dtype)
+        cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        args = (q, k_cache, v_cache, cu, tables, lens, HEAD_DIM**-0.5, max(query_lens))
+        pairs = sum(ql * (cl - ql) + ql * (ql + 1) // 2 for ql, cl in zip(query_lens, context_lens))
+        flops = 4 * pairs * HQ * HEAD_DIM
+
+        def kernel() -> torch.Tensor:
+            return prefill_attention.paged_prefill_attention(*args)
+
+        extra: dict[str, Any] = {"triton_eager_us": eager_us(kernel)}
+        if not label and len(query_lens) == 1 and query_lens == context_lens:
+            # SDPA on contiguous K/V with the KV heads expanded outside the timing: its best case
+            group = HQ // HKV
+            qs = q.transpose(0, 1)[None]
+            ks, vs = (decode_attention.gather_kv(c, tables, context_lens[0])[0].transpose(0, 1)
+                      .repeat_interleave(group, 0)[None].contiguous() for c in (k_cache, v_cache))
+
+            def sdpa() -> torch.Tensor:
+                return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=HEAD_DIM**-0.5)
+
+            extra["sdpa_us"] = graph_us(sdpa)
+            extra["sdpa_max_abs_err"] = max_err(kernel(), sdpa()[0].transpose(0, 1))
+        shape = f"q={'+'.join(map(str, query_lens))} ctx={'+'.join(map(str, context_lens))}"
+        yield row("paged_prefill_attention" + label, shape, kernel,
+                  lambda: prefill_attention.paged_prefill_attention_ref(*args), graph_us,
+                  None if label else eager_us, ("TFLOP/s", flops), extra)
+
+
+@contextmanager
+def patched(module: Any, name: str, value: Any) -> Iterator[None]:
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+def sweep_prefill(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:
+    """Alternative (BLOCK_M, BLOCK_N, num_warps, num_stages), each checked against the reference."""
+    for tiles in [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4),
+                  (64, 64, 8, 3), (64, 128, 4, 3), (64, 32, 4, 4), (128, 32, 4, 4)]:
+        with patched(prefill_attention, "_tile_config", lambda head_dim, tiles=tiles: tiles):
+            yield from bench_prefill(dtype, gen, [([2048], [2048]), ([1, 300, 1000, 17], [1, 800, 3000, 529])],
+                                     label=f" tiles={tiles}")
+
+
+def sweep_decode(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:
+    """Alternative partition targets and key-tile sizes."""
+    shapes = [(1, 4096), (8, 4096), (128, 4096)]
+    for target in (1, 2, 8, 16):
+        with patched(decode_attention, "_TARGET_PROGRAMS_PER_SM", target):
+            yield from bench_decode(dtype, gen, shapes, label=f" target={target}/SM")
+    with patched(decode_attention, "_BLOCK_N", 32):
+        yield from bench_decode(dtype, gen, shapes, label=" BLOCK_N=32")
+
+
+SWEEPS = {"prefill": sweep_prefill, "decode": sweep_decode}
+
+
+def print_table(rows: list[Row]) -> None:
+    def num(r: Row, key: str, fmt: str, width: int) -> str:
+        return format(r[key], fmt) if key in r else " " * width
+
+    header = (f"{'op':48s} {'shape':34s} {'triton us':>9s} {'eager us':>8s} {'ref us':>8s} {'x ref':>6s} "
+              f"{'sdpa us':>7s} {'max err':>8s}  throughput")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['op']:48s} {r['shape']:34s} {r['triton_us']:9.1f} {num(r, 'triton_eager_us', '8.1f', 8)} "
+              f"{num(r, 'ref_us', '8.1f', 8)} {num(r, 'speedup', '6.1f', 6)} {num(r, 'sdpa_us', '7.1f', 7)} "
+              f"{r['max_abs_err']:8.1e}  {r.get('throughput', '')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("out/kernels.json"), help="JSON results path")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--sweep", action="append", choices=sorted(SWEEPS), default=[],
+                        help="also time alternative prefill tiles / decode partitions (repeatable)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.kernels needs a CUDA device", file=sys.stderr)
+        return 1
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    rows: list[Row] = []
+    parts = [bench_elementwise(dtype), bench_rope(dtype), bench_decode(dtype, gen), bench_prefill(dtype, gen)]
+    for part in (*parts, *(SWEEPS[name](dtype, gen) for name in args.sweep)):
+        for r in part:
+            rows.append(r)
+            print(f"  {r['op']} {r['shape']}: {r['triton_us']:.1f} us", file=sys.stderr, flush=True)
+    print_table(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "dtype": args.dtype}
+    args.out.write_text(json.dumps({**meta, "results": rows}, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,402 @@
+"""Each Triton kernel against its torch reference.
+
+CPU (CI): every kernel runs under Triton's interpreter at tiny shapes, in fp32 and fp16 (never
+bf16: the interpreter's bf16 arithmetic is wrong). ``triton.jit`` picks interpreter or compiler
+when a kernel module is imported, and ``triton.language``'s own jitted helpers (``tl.sum``,
+``tl.max``...) are fixed when triton is imported, so TRITON_INTERPRET=1 must be in the
+environment before the first ``import triton`` of the process: tests/conftest.py sets it at its
+top on machines without CUDA, and pytest loads it before any test module (the engine's modules,
+which import ``kernels.*`` for the references, come later). The ``interpreter`` fixture checks
+that this held instead of trusting it. The interpreter costs about 18 ms per program instance:
+each case keeps to a few dozen programs.
+
+GPU (``-m gpu``; conftest skips them without CUDA): real Qwen2.5-1.5B shapes (12 query heads,
+2 KV heads, head_dim 128, hidden 1536, intermediate 8960, block_size 16), bf16 and fp16, random
+inputs, and a CUDA-graph capture of decode attention replayed with new lengths and tables.
+
+Paged-cache fixtures poison every slot that holds no live token with NaN (the reference gets a
+zeroed copy, since it gathers whole blocks): a kernel that lets any stale slot into its math,
+even with a zero softmax weight, fails with NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy
+import pytest
+import torch
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+
+from kernels import activation, decode_attention, prefill_attention, rmsnorm, rope
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def interpreter() -> None:
+    """Require the kernels to run under Triton's interpreter (see the module docstring)."""
+    if not isinstance(rmsnorm._rms_norm_kernel, InterpretedFunction):
+        if torch.cuda.is_available():
+            pytest.skip("kernels are compiled for the GPU here; the gpu tests cover them")
+        pytest.fail("TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does it)")
+    if _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 4):
+        # Older interpreters loop to a loaded bound through int() of a 1-element array,
+        # which NumPy 2.4 refuses; triton 3.7+ (the CI's) is fine with any NumPy.
+        pytest.skip("the interpreter of triton < 3.7 needs numpy < 2.4")
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int(minor)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> None:
+    assert not actual.isnan().any(), "kernel output has NaN"
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+# Tolerances. fp32 (interpreter only): summation order differs from torch's, nothing else.
+# fp16 / bf16: both sides compute in fp32 and round once to the output dtype, so elementwise
+# outputs may differ by an ulp or two after rounding (relative ulp: fp16 2^-10, bf16 2^-7).
+# Attention kernels feed the stored 16-bit q/K/V straight to tl.dot (products exact in the fp32
+# accumulator) but round the softmax weights to 16 bits before the P @ V dot: one relative ulp
+# per weight, which averages out over the context; outputs (|o| <~ 3) stay within a few ulps.
+ELEMENTWISE_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+ATTENTION_TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+# --------------------------------------------------------------------------------------------
+# Paged-cache fixture shared by the attention tests
+# --------------------------------------------------------------------------------------------
+
+
+def make_paged_cache(
+    context_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype, device: torch.device, gen: torch.Generator, spare_blocks: int = 3,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V for ``context_lens`` tokens behind shuffled block tables.
+
+    Returns (k_cache, v_cache, k_clean, v_clean, block_tables): the first pair has NaN in
+    every slot no live token owns; the clean pair has zeros there (for the references). Block
+    table entries past a sequence's blocks point at random (stale) blocks.
+    """
+    needed = [math.ceil(n / block_size) for n in context_lens]
+    num_blocks = sum(needed) + spare_blocks
+    max_blocks = max(needed) + 1
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k = torch.randn(shape, generator=gen, dtype=torch.float32).to(device, dtype)
+    v = torch.randn(shape, generator=gen, dtype=torch.float32).to(device, dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.randint(0, num_blocks, (len(context_lens), max_blocks), generator=gen, dtype=torch.int32)
+    live = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for b, n in enumerate(context_lens):
+        blocks = torch.tensor([perm.pop() for _ in range(needed[b])], dtype=torch.long)
+        tables[b, : needed[b]] = blocks.int()
+        pos = torch.arange(n)
+        live[blocks[pos // block_size] * block_size + pos % block_size] = True
+    dead = ~live.to(device).view(num_blocks, block_size, 1, 1)
+    nan = float("nan")
+    return (k.masked_fill(dead, nan), v.masked_fill(dead, nan), k.masked_fill(dead, 0), v.masked_fill(dead, 0),
+            tables.to(device))
+
+
+def rand(gen: torch.Generator, *shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(device, dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Case runners: one body per kernel, used by the CPU (interpreter) and the GPU tests
+# --------------------------------------------------------------------------------------------
+
+
+def check_rms_norm(rows: tuple[int, ...], hidden: int, dtype: torch.dtype, device: torch.device,
+                   strided: bool = False) -> None:
+    gen = torch.Generator().manual_seed(1)
+    wide = rand(gen, *rows, hidden + (16 if strided else 0), dtype=dtype, device=device)
+    x = wide[..., :hidden]  # a row stride larger than hidden when strided
+    residual = rand(gen, *rows, hidden, dtype=dtype, device=device)
+    weight = rand(gen, hidden, dtype=dtype, device=device)
+    x_before, r_before = x.clone(), residual.clone()
+    atol, rtol = ELEMENTWISE_TOL[dtype]
+    assert_close(rmsnorm.rms_norm(x, weight, 1e-6), rmsnorm.rms_norm_ref(x, weight, 1e-6), atol, rtol)
+    out, summed = rmsnorm.fused_add_rms_norm(x, residual, weight, 1e-6)
+    out_ref, summed_ref = rmsnorm.fused_add_rms_norm_ref(x, residual, weight, 1e-6)
+    assert torch.equal(summed, summed_ref)  # one fp32 add, one rounding: bit-exact
+    assert_close(out, out_ref, atol, rtol)
+    assert torch.equal(x, x_before) and torch.equal(residual, r_before)
+
+
+def check_silu_and_mul(rows: tuple[int, ...], inter: int, dtype: torch.dtype, device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = rand(gen, *rows, 2 * inter, dtype=dtype, device=device) * 3
+    out = activation.silu_and_mul(x)
+    assert out.shape == (*rows, inter)
+    assert_close(out, activation.silu_and_mul_ref(x), *ELEMENTWISE_TOL[dtype])
+
+
+def check_rope(num_tokens: int, num_pad: int, num_heads: int, num_kv_heads: int, head_dim: int,
+               block_size: int, dtype: torch.dtype, cache_dtype: torch.dtype, device: torch.device) -> None:
+    """``num_pad`` trailing padding tokens all map to dummy slot 0, the others to shuffled slots."""
+    gen = torch.Generator().manual_seed(3)
+    total = num_tokens + num_pad
+    max_pos = 4 * total + 8
+    qkv = rand(gen, total, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.view(total, num_heads, head_dim)  # strided views, as the engine passes them
+    k = k.view(total, num_kv_heads, head_dim)
+    v = v.view(total, num_kv_heads, head_dim)
+    positions = torch.randint(0, max_pos, (total,), generator=gen).to(device)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+    num_blocks = math.ceil(total / block_size) + 2
+    slots = 1 + torch.randperm(num_blocks * block_size - 1, generator=gen)[:num_tokens]
+    slot_mapping = torch.cat((slots, torch.zeros(num_pad, dtype=torch.long))).to(device)
+    k_cache = rand(gen, num_blocks, block_size, num_kv_heads, head_dim, dtype=cache_dtype, device=device)
+    v_cache = rand(gen, num_blocks, block_size, num_kv_heads, head_dim, dtype=cache_dtype, device=device)
+    k_cache_ref, v_cache_ref = k_cache.clone(), v_cache.clone()
+    q_before, k_before = q.clone(), k.clone()
+
+    q_rot, k_rot = rope.rope_and_store_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    q_ref, k_ref = rope.rope_and_store_kv_ref(q, k, v, positions, cos_sin_cache, k_cache_ref, v_cache_ref,
+                                              slot_mapping)
+    atol, rtol = ELEMENTWISE_TOL[dtype]
+    assert_close(q_rot, q_ref, atol, rtol)
+    assert_close(k_rot, k_ref, atol, rtol)
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)  # out of place, as the reference
+    # Padding tokens race on the dummy slot (each writes its heads and halves separately, so
+    # the slot may end up a mix of several): its content is unspecified and skipped. Every
+    # other slot must match, written ones and untouched ones alike.
+    flat = (-1, num_kv_heads, head_dim)
+    keep = torch.ones(num_blocks * block_size, dtype=torch.bool, device=device)
+    keep[0] = num_pad == 0
+    atol_c, rtol_c = ELEMENTWISE_TOL[cache_dtype if cache_dtype != torch.float32 else dtype]
+    assert_close(k_cache.view(flat)[keep], k_cache_ref.view(flat)[keep], atol_c, rtol_c)
+    assert torch.equal(v_cache.view(flat)[keep], v_cache_ref.view(flat)[keep])  # a plain copy
+
+
+def check_decode(context_lens: list[int], max_context_len: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(4)
+    batch = len(context_lens)
+    k_cache, v_cache, k_clean, v_clean, tables = make_paged_cache(
+        context_lens, block_size, num_kv_heads, head_dim, dtype, device, gen)
+    # q as a strided view (a slice of a wider buffer), as the engine passes it
+    q = rand(gen, batch, num_heads + 1, head_dim, dtype=dtype, device=device)[:, 1:]
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    out = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, max_context_len)
+    ref = decode_attention.paged_decode_attention_ref(q, k_clean, v_clean, tables, lens, scale, max_context_len)
+    assert out.shape == (batch, num_heads, head_dim) and out.dtype == dtype
+    assert_close(out, ref, *ATTENTION_TOL[dtype])
+
+
+def check_prefill(query_lens: list[int], context_lens: list[int], num_heads: int, num_kv_heads: int,
+                  head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache, k_clean, v_clean, tables = make_paged_cache(
+        context_lens, block_size, num_kv_heads, head_dim, dtype, device, gen)
+    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q = rand(gen, sum(query_lens), num_heads, head_dim, dtype=dtype, device=device)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    max_q = max(query_lens)
+    out = prefill_attention.paged_prefill_attention(q, k_cache, v_cache, cu, tables, lens, scale, max_q)
+    ref = prefill_attention.paged_prefill_attention_ref(q, k_clean, v_clean, cu, tables, lens, scale, max_q)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, ref, *ATTENTION_TOL[dtype])
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: the interpreter at tiny shapes
+# --------------------------------------------------------------------------------------------
+
+CPU_DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize(("rows", "hidden", "strided"), [((3,), 40, False), ((2, 2), 64, True)])
+def test_rms_norm_interpreted(interpreter: None, rows: tuple[int, ...], hidden: int, strided: bool,
+                              dtype: torch.dtype) -> None:
+    check_rms_norm(rows, hidden, dtype, CPU, strided)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize(("rows", "inter"), [((3,), 50), ((1, 2), 1100)])  # 1100: two column blocks
+def test_silu_and_mul_interpreted(interpreter: None, rows: tuple[int, ...], inter: int, dtype: torch.dtype) -> None:
+    check_silu_and_mul(rows, inter, dtype, CPU)
+
+
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                    (torch.float32, torch.float16)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 16), (3, 1, 12)])
+def test_rope_and_store_kv_interpreted(interpreter: None, num_heads: int, num_kv_heads: int, head_dim: int,
+                                       dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    check_rope(5, 3, num_heads, num_kv_heads, head_dim, 4, dtype, cache_dtype, CPU)
+
+
+# Decode partitions: the policy sees 4 "SMs" on CPU, so it aims at 16 programs and never goes
+# below 64 tokens a partition. Ids say which path each case takes.
+DECODE_CPU_CASES = {
+    # one partition (direct output); lengths 1, non-multiples of block_size; G = 2
+    "single": dict(context_lens=[1, 7, 30], max_context_len=30, num_heads=4, num_kv_heads=2, block_size=4),
+    # 4 partitions of 64: seq 0 has 3 empty ones, seq 1 two, seq 2 none (ends mid-partition)
+    "split-empty": dict(context_lens=[1, 70, 250], max_context_len=256, num_heads=4, num_kv_heads=2, block_size=16),
+    # batch 1, long context: 8 partitions of 128 (fills the "GPU"); GQA group of 4
+    "split-long": dict(context_lens=[1000], max_context_len=1000, num_heads=8, num_kv_heads=2, block_size=16),
+    # MHA (group 1), max_context_len far above every length (a CUDA-graph-sized grid)
+    "mha-graph-grid": dict(context_lens=[5, 33], max_context_len=512, num_heads=2, num_kv_heads=2, block_size=16),
+}
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("case", list(DECODE_CPU_CASES))
+def test_paged_decode_attention_interpreted(interpreter: None, case: str, dtype: torch.dtype) -> None:
+    check_decode(**DECODE_CPU_CASES[case], head_dim=16, dtype=dtype, device=CPU)
+
+
+def test_decode_partition_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split fills an H200 (132 SMs) at batch 1 and stops splitting once the batch does."""
+    monkeypatch.setattr(decode_attention, "_num_sms", lambda device: 132)
+    size = decode_attention._partition_size
+    gpu = torch.device("cuda", 0)
+    assert size(4096, 1, 2, gpu) == 64  # 64 partitions x 2 KV heads: about one program per SM
+    assert math.ceil(4096 / size(4096, 128, 2, gpu)) == 2  # 256 (b, kv head) programs already
+    assert size(10, 1, 2, gpu) == 64  # never below one 64-token tile
+    long = size(32768, 1, 2, gpu)
+    # a power of two, so rounding up can halve the 4-per-SM target but no more
+    assert long & (long - 1) == 0 and math.ceil(32768 / long) * 2 >= 2 * 132
+
+
+# Prefill cases (query_lens, context_lens); context_len > q_len means a cached prefix.
+PREFILL_CPU_CASES = {
+    # small tiles (16 x 16): several query tiles, full and diagonal key tiles, a prefix
+    "small-tiles": dict(query_lens=[5, 1, 37], context_lens=[5, 9, 61], tiles=(16, 16, 4, 1)),
+    # an empty sequence in the batch (q_len 0), one exactly a tile long, and query tiles whose
+    # first position sits just before a key-tile boundary (prefix 14: positions 14 and 30)
+    "empty-seq": dict(query_lens=[16, 0, 7, 20], context_lens=[16, 3, 30, 34], tiles=(16, 16, 4, 1)),
+    # the GPU tile config (128 x 64): two query tiles over a 40-token prefix
+    "gpu-tiles": dict(query_lens=[150], context_lens=[190], tiles=None),
+}
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("case", list(PREFILL_CPU_CASES))
+def test_paged_prefill_attention_interpreted(interpreter: None, monkeypatch: pytest.MonkeyPatch, case: str,
+                                             dtype: torch.dtype) -> None:
+    spec = dict(PREFILL_CPU_CASES[case])
+    tiles = spec.pop("tiles")
+    if tiles is not None:
+        monkeypatch.setattr(prefill_attention, "_tile_config", lambda head_dim: tiles)
+    check_prefill(**spec, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=dtype, device=CPU)
+
+
+def test_wrappers_reject_bad_inputs() -> None:
+    """Shape, dtype and stride errors are ValueErrors raised before any launch."""
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="weight"):
+        rmsnorm.rms_norm(x, torch.randn(7), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        rmsnorm.rms_norm(x.t(), torch.randn(4), 1e-6)
+    with pytest.raises(ValueError, match="even"):
+        activation.silu_and_mul(torch.randn(4, 7))
+    with pytest.raises(ValueError, match="int32"):
+        decode_attention.paged_decode_attention(
+            torch.randn(2, 4, 16), torch.randn(8, 4, 2, 16), torch.randn(8, 4, 2, 16),
+            torch.zeros(2, 3, dtype=torch.int64), torch.ones(2, dtype=torch.int32), 0.25, 8)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        prefill_attention.paged_prefill_attention(
+            torch.randn(3, 3, 16), torch.randn(8, 4, 2, 16), torch.randn(8, 4, 2, 16),
+            torch.tensor([0, 3], dtype=torch.int32), torch.zeros(1, 3, dtype=torch.int32),
+            torch.full((1,), 3, dtype=torch.int32), 0.25, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: real shapes (Qwen2.5-1.5B)
+# --------------------------------------------------------------------------------------------
+
+HQ, HKV, HEAD_DIM, HIDDEN, INTER, BLOCK = 12, 2, 128, 1536, 8960, 16
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture
+def cuda() -> torch.device:
+    return torch.device("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("rows", [1, 8, 32, 128, 2048])
+def test_rms_norm_gpu(cuda: torch.device, rows: int, dtype: torch.dtype) -> None:
+    check_rms_norm((rows,), HIDDEN, dtype, cuda, strided=rows == 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("rows", [1, 32, 2048])
+def test_silu_and_mul_gpu(cuda: torch.device, rows: int, dtype: torch.dtype) -> None:
+    check_silu_and_mul((rows,), INTER, dtype, cuda)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize(("tokens", "pad"), [(1, 0), (8, 24), (128, 0), (2048, 0)])
+def test_rope_and_store_kv_gpu(cuda: torch.device, tokens: int, pad: int, dtype: torch.dtype) -> None:
+    check_rope(tokens, pad, HQ, HKV, HEAD_DIM, BLOCK, dtype, dtype, cuda)
+
+
+DECODE_GPU_CASES = {
+    "b1-4096": ([4096], 4096),
+    "b1-777-graph-grid": ([777], 4096),
+    "b8-mixed": ([1, 15, 16, 17, 1000, 2049, 4000, 4096], 4096),
+    "b32": ([(i * 131) % 2048 + 1 for i in range(32)], 2048),
+    "b128": ([(i * 997) % 4096 + 1 for i in range(128)], 4096),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("case", list(DECODE_GPU_CASES))
+def test_paged_decode_attention_gpu(cuda: torch.device, case: str, dtype: torch.dtype) -> None:
+    context_lens, max_context_len = DECODE_GPU_CASES[case]
+    check_decode(context_lens, max_context_len, HQ, HKV, HEAD_DIM, BLOCK, dtype, cuda)
+
+
+@pytest.mark.gpu
+def test_paged_decode_attention_cuda_graph(cuda: torch.device) -> None:
+    """Captured once for (batch, max_context_len), replayed after the lengths and tables change."""
+    gen = torch.Generator().manual_seed(6)
+    batch, max_len, dtype = 4, 2048, torch.bfloat16
+    k_cache, v_cache, _, _, tables = make_paged_cache(
+        [max_len] * batch, BLOCK, HKV, HEAD_DIM, dtype, cuda, gen)
+    q = rand(gen, batch, HQ, HEAD_DIM, dtype=dtype, device=cuda)
+    lens = torch.full((batch,), 10, dtype=torch.int32, device=cuda)
+    args = (q, k_cache, v_cache, tables, lens, HEAD_DIM**-0.5, max_len)
+    decode_attention.paged_decode_attention(*args)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention.paged_decode_attention(*args)
+    for new_lens in ([1, 2048, 300, 17], [2048, 5, 1024, 1025]):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        tables.copy_(tables[torch.randperm(batch, generator=gen)])
+        q.copy_(rand(gen, batch, HQ, HEAD_DIM, dtype=dtype, device=cuda))
+        graph.replay()
+        ref = decode_attention.paged_decode_attention_ref(*args)
+        assert_close(out, ref, *ATTENTION_TOL[dtype])
+
+
+PREFILL_GPU_CASES = {
+    "one-2048": ([2048], [2048]),
+    "mixed-prefix": ([1, 300, 1000, 17], [1, 800, 3000, 529]),
+    "chunk-of-long": ([512], [4096]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("case", list(PREFILL_GPU_CASES))
+def test_paged_prefill_attention_gpu(cuda: torch.device, case: str, dtype: torch.dtype) -> None:
+    query_lens, context_lens = PREFILL_GPU_CASES[case]
+    check_prefill(query_lens, context_lens, HQ, HKV, HEAD_DIM, BLOCK, dtype, cuda)

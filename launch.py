@@ -1,89 +1,117 @@
-"""Command-line entry point.
+"""Start a disaggregated prefill/decode cluster (or a colocated baseline) and serve clients.
 
-Until the cluster lands (router + prefill/decode groups), this runs the engine in one process:
-it loads the model (the embedded demo model by default), streams the answer to each prompt
-and prints per-request timings.
+    python launch.py --prefill-tp 2 --decode-tp 1            # serve on tcp://127.0.0.1:5555
+    python launch.py --prefill-tp 2 --decode-tp 1 --demo     # answer a few prompts, then stop
+    python launch.py --config configs/2p1d.yaml --port 6000  # a preset; flags override it
+
+Ctrl-C or SIGTERM drains in-flight requests and exits 0.
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
+import threading
 import time
 
 import click
 
-DEFAULT_PROMPTS = (
+from cluster.config import ClusterConfig
+from cluster.launcher import Cluster, ClusterError
+
+DEMO_PROMPTS = (
     "What is the capital of France?",
     "Write a haiku about a graphics card.",
     "In one sentence, why do language models cache keys and values?",
 )
 
 
-@click.command()
-@click.option("--model", default="demo", show_default=True,
-              help="'demo', a random-weight preset name (configs/models), or a Hugging Face directory.")
-@click.option("--prompt", "prompts", multiple=True, help="A prompt (repeatable). Default: three demo prompts.")
-@click.option("--max-tokens", default=64, show_default=True, type=int)
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy.")
-@click.option("--top-p", default=1.0, show_default=True, type=float)
-@click.option("--top-k", default=-1, show_default=True, type=int, help="-1 disables top-k.")
-@click.option("--seed", default=None, type=int, help="Per-request sampling seed.")
-@click.option("--dtype", default="auto", show_default=True, help="auto: bfloat16 on CUDA, float32 on CPU.")
-@click.option("--device", default="auto", show_default=True)
-@click.option("--max-model-len", default=2048, show_default=True, type=int)
-@click.option("--raw", is_flag=True, help="Send prompts as they are, without the chat template.")
-def main(
-    model: str, prompts: tuple[str, ...], max_tokens: int, temperature: float, top_p: float, top_k: int,
-    seed: int | None, dtype: str, device: str, max_model_len: int, raw: bool,
-) -> None:
-    from transformers import AutoTokenizer
+def run_demo(endpoint: str, prompts: tuple[str, ...], max_tokens: int) -> None:
+    """Stream each prompt's answer through the client and print its latencies."""
+    from cluster.client import Chunk, Client
 
-    from engine.config import EngineConfig
-    from engine.presets import resolve_model
-    from engine.detokenizer import IncrementalDetokenizer
-    from engine.engine import LLMEngine
-    from engine.sampling import RequestError, SamplingParams
-    from engine.tokenization import encode_prompt
+    with Client(endpoint, timeout=600) as client:
+        for prompt in prompts:
+            click.echo(f"\n>>> {prompt}")
+            started = time.monotonic()
+            arrivals: list[float] = []
+            for message in client.stream(prompt, max_tokens=max_tokens, temperature=0.0):
+                if isinstance(message, Chunk):
+                    arrivals.extend([time.monotonic()] * len(message.token_ids))
+                    sys.stdout.write(message.text)
+                    sys.stdout.flush()
+                else:
+                    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+                    itl = f"{statistics.mean(gaps) * 1e3:.1f} ms" if gaps else "n/a"
+                    ttft = (arrivals[0] - started) * 1e3 if arrivals else float("nan")
+                    transfer = message.timings.get("transfer")
+                    click.echo(
+                        f"\n[{message.usage['prompt_tokens']} prompt + {message.usage['completion_tokens']} generated, "
+                        f"{message.finish_reason}] TTFT {ttft:.0f} ms, inter-token {itl} mean"
+                        + (f", KV transfer {transfer * 1e3:.1f} ms" if transfer is not None else ""),
+                        err=True,
+                    )
 
-    model_dir = resolve_model(model)
-    started = time.monotonic()
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, device=device, max_model_len=max_model_len))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    click.echo(f"loaded {model_dir.name} on {engine.runner.device} ({engine.runner.dtype}) "
-               f"in {time.monotonic() - started:.1f} s; KV pool {engine.runner.num_blocks} blocks", err=True)
+
+@click.command(context_settings={"show_default": True})
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              help="A cluster preset (configs/*.yaml); flags given here override it.")
+@click.option("--model", default=None, help="'demo' (default), a shape preset (random weights) or a HF directory.")
+@click.option("--mode", type=click.Choice(["disagg", "colocated"]), default=None, help="[default: disagg]")
+@click.option("--prefill-tp", type=int, default=None, help="[default: 1]")
+@click.option("--decode-tp", type=int, default=None, help="[default: 1]")
+@click.option("--prefill-groups", type=int, default=None, help="[default: 1]")
+@click.option("--decode-groups", type=int, default=None, help="[default: 1]")
+@click.option("--colocated-groups", type=int, default=None, help="colocated mode [default: 1]")
+@click.option("--colocated-tp", type=int, default=None, help="colocated mode [default: 1]")
+@click.option("--transfer", type=click.Choice(["auto", "nccl", "nccl-async", "gloo", "gloo-async"]), default=None,
+              help="KV transfer backend [default: nccl-async on GPUs, gloo on CPU]")
+@click.option("--devices", default=None, help="Comma-separated GPU ids [default: all visible]")
+@click.option("--host", default=None, help="[default: 127.0.0.1]")
+@click.option("--port", type=int, default=None, help="[default: 5555]")
+@click.option("--max-model-len", type=int, default=None, help="[default: 4096]")
+@click.option("--kv-memory-fraction", "gpu_memory_utilization", type=float, default=None,
+              help="Fraction of each GPU for weights + KV cache [default: 0.85]")
+@click.option("--graph-max-batch", "cuda_graph_max_batch", type=int, default=None,
+              help="Largest CUDA-graph decode batch [default: 128]")
+@click.option("--enforce-eager", is_flag=True, default=None, help="No CUDA graphs.")
+@click.option("--no-chunked-prefill", "enable_chunked_prefill", flag_value=False, default=None,
+              help="Prefill whole prompts in their own steps (colocated baseline without chunking).")
+@click.option("--dispatch", type=click.Choice(["round-robin", "least-tokens"]), default=None,
+              help="[default: round-robin]")
+@click.option("--drain-timeout", type=float, default=None, help="Seconds to finish in-flight requests on shutdown.")
+@click.option("--demo", is_flag=True, help="Answer a few prompts through the client, then shut down.")
+@click.option("--demo-max-tokens", type=int, default=48)
+def main(config_path: str | None, devices: str | None, demo: bool, demo_max_tokens: int, **flags: object) -> None:
+    overrides = {k: v for k, v in flags.items() if v is not None}
+    if devices is not None:
+        overrides["devices"] = tuple(int(d) for d in devices.split(",") if d.strip())
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    except RequestError as e:
-        raise click.BadParameter(str(e)) from None
-    for i, prompt in enumerate(prompts or DEFAULT_PROMPTS):
-        token_ids = encode_prompt(tokenizer, prompt, chat=not raw)
-        click.echo(f"\n>>> {prompt}")
-        detok = IncrementalDetokenizer(tokenizer)
-        submitted = time.monotonic()
-        try:
-            engine.add_request(f"cli-{i}", token_ids, params)
-        except RequestError as e:
-            click.echo(f"[rejected] {e}", err=True)
-            continue
-        token_times: list[float] = []
-        reason = None
-        while engine.has_unfinished():
-            for out in engine.step():
-                token_times.extend([time.monotonic()] * len(out.new_token_ids))
-                sys.stdout.write(detok.add(out.new_token_ids))
-                sys.stdout.flush()
-                reason = out.finish_reason if out.finished else reason
-        sys.stdout.write(detok.flush() + "\n")
-        gaps = [b - a for a, b in zip(token_times, token_times[1:])]
-        ttft = (token_times[0] - submitted) * 1e3 if token_times else float("nan")
-        itl = statistics.mean(gaps) * 1e3 if gaps else float("nan")
-        total = token_times[-1] - submitted if token_times else float("nan")
-        click.echo(
-            f"[{len(token_ids)} prompt tokens, {len(token_times)} generated, finish={reason}] "
-            f"TTFT {ttft:.1f} ms, inter-token {itl:.1f} ms mean, {len(token_times) / total:.1f} tok/s",
-            err=True,
-        )
+        config = ClusterConfig.from_yaml(config_path, **overrides) if config_path else ClusterConfig(**overrides)
+    except (TypeError, ValueError) as e:
+        raise click.UsageError(str(e)) from None
+    cluster = Cluster(config)
+    started = time.monotonic()
+    try:
+        cluster.start()
+    except (ClusterError, ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"ready in {time.monotonic() - started:.1f} s: {cluster.summary()}", err=True)
+    click.echo(f"endpoint {cluster.endpoint}", err=True)
+    finished = threading.Event()
+    if demo:
+        def demo_thread() -> None:
+            try:
+                run_demo(cluster.endpoint, DEMO_PROMPTS, demo_max_tokens)
+            finally:
+                finished.set()
+
+        threading.Thread(target=demo_thread, daemon=True).start()
+    try:
+        cluster.serve(until=finished.is_set)
+    except ClusterError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo("stopped: every process exited cleanly", err=True)
 
 
 if __name__ == "__main__":

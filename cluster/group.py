@@ -120,6 +120,16 @@ class RankProcesses:
                     self.terminate()
                     raise RuntimeError(f"rank {index} exited with code {proc.exitcode} (its error is on stderr)")
 
+    def failure(self) -> str | None:
+        """A description of the first rank that exited non-zero, if any (non-blocking)."""
+        for index, proc in enumerate(self.processes):
+            if proc.exitcode not in (None, 0):
+                return f"rank {index} exited with code {proc.exitcode} (its error is on stderr)"
+        return None
+
+    def alive(self) -> bool:
+        return any(proc.is_alive() for proc in self.processes)
+
     def terminate(self) -> None:
         for proc in self.processes:
             if proc.is_alive():

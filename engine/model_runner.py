@@ -218,6 +218,8 @@ class ModelRunner:
                 self.run(message)
         finally:
             receiver.close()
+            if kv_agent is not None:
+                kv_agent.close()
             self.close()
 
     def close(self) -> None:

@@ -39,6 +39,7 @@ class KVCommand:
     op: str  # "send" | "recv"
     transfer_id: str
     block_ids: list[int]
+    peer_group: int = 0  # the decode group sent to, or the prefill group received from
 
 
 PeerMessage = StepPlan | KVCommand

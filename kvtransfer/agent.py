@@ -2,42 +2,51 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from engine.step_plan import KVCommand
 from kvtransfer.base import Transfer, TransferBackend, TransferStats
 
 
 class KVTransferAgent:
-    def __init__(self, backend: TransferBackend) -> None:
-        self.backend = backend
-        self._transfers: dict[str, Transfer] = {}
+    """Routes each command to the backend of its peer group and tracks transfers by id."""
+
+    def __init__(self, backends: Mapping[int, TransferBackend]) -> None:
+        self.backends = dict(backends)
+        self._transfers: dict[str, tuple[str, Transfer]] = {}
 
     def execute(self, command: KVCommand) -> Transfer:
         """Issue this rank's part of a transfer (commands arrive in the same order on every rank)."""
         if command.transfer_id in self._transfers:
             raise ValueError(f"transfer {command.transfer_id!r} is already in flight on this rank")
         self._prune()
+        backend = self.backends[command.peer_group]
         if command.op == "send":
-            transfer = self.backend.send(command.block_ids)
+            transfer = backend.send(command.block_ids)
         elif command.op == "recv":
-            transfer = self.backend.recv(command.block_ids)
+            transfer = backend.recv(command.block_ids)
         else:
             raise ValueError(f"unknown KV command {command.op!r}")
-        self._transfers[command.transfer_id] = transfer
+        self._transfers[command.transfer_id] = (command.op, transfer)
         return transfer
 
     def done(self, transfer_id: str) -> bool:
-        return self._transfers[transfer_id].done()
+        return self._transfers[transfer_id][1].done()
 
     def wait(self, transfer_id: str) -> TransferStats:
         """Block until this rank's part is complete (received KV in the cache); forget it."""
-        return self._transfers.pop(transfer_id).wait()
+        return self._transfers.pop(transfer_id)[1].wait()
+
+    def staging_bytes(self) -> int:
+        return sum(b.staging_bytes for b in self.backends.values())
 
     def _prune(self) -> None:
-        """Drop completed sends nobody waits for (peers), releasing their staging buffers."""
-        for transfer_id in [t for t, tr in self._transfers.items() if tr.done()]:
-            if self.backend.topology.is_prefill:
+        """Forget completed sends nobody waits for (peers), releasing their staging buffers."""
+        for transfer_id, (op, transfer) in list(self._transfers.items()):
+            if op == "send" and transfer.done():
                 del self._transfers[transfer_id]
 
     def close(self) -> None:
-        self.backend.close()
+        for backend in self.backends.values():
+            backend.close()
         self._transfers.clear()

@@ -39,7 +39,7 @@ def _exchange(rank: int, p: int, d: int, backend: str, meta: dict, reference: di
     shard = topology.src_shard(rank) if topology.is_prefill else topology.dst_shard(rank - MAX_P)
     layers, _, _, block_size, _, head_dim = reference[meta["requests"][0]].shape
     cache = torch.full((layers, 2, NUM_BLOCKS + 1, block_size, shard.num_kv_heads, head_dim), float("nan"))
-    agent = KVTransferAgent(create_backend(TransferConfig(backend), topology, cache))
+    agent = KVTransferAgent({0: create_backend(TransferConfig(backend), topology, cache)})
     side = "src" if topology.is_prefill else "dst"
     heads = slice(shard.kv_start, shard.kv_end)
     for request_id in meta["requests"]:  # the same order on every rank; all 16 in flight at once

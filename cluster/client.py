@@ -1,0 +1,219 @@
+"""Client library (blocking and asyncio) and CLI for a running cluster.
+
+    python -m cluster.client "What is the capital of France?" --max-tokens 64 --stream
+
+Requests are multiplexed over one DEALER socket; replies are matched by ``request_id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import sys
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import click
+import zmq
+import zmq.asyncio
+
+from cluster.protocol import Abort, Chunk, Error, Final, Generate, Message, Sampling, decode, encode
+
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
+
+
+class ClusterError(RuntimeError):
+    """The cluster answered a request with an error."""
+
+    def __init__(self, error: Error) -> None:
+        super().__init__(f"{error.code}: {error.message}")
+        self.code = error.code
+        self.error = error
+
+
+class ClusterUnavailable(TimeoutError):
+    def __init__(self, endpoint: str, timeout: float) -> None:
+        super().__init__(f"no answer from a cluster at {endpoint} within {timeout:.0f} s "
+                         "(is it running? start one with: python launch.py)")
+
+
+_ids = itertools.count()
+
+
+def _request(prompt: str | None, token_ids: list[int] | None, stream: bool, chat: bool,
+             request_id: str | None, sampling: dict[str, Any]) -> Generate:
+    request_id = request_id or f"{os.getpid()}-{next(_ids)}"
+    return Generate(request_id=request_id, prompt=prompt, token_ids=token_ids, sampling=Sampling(**sampling),
+                    stream=stream, chat=chat)
+
+
+class Client:
+    """Blocking client. ``timeout`` bounds the wait for each reply message."""
+
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 60.0) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._socket = zmq.Context.instance().socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(endpoint)
+        self._buffered: dict[str, list[Message]] = {}
+
+    def close(self) -> None:
+        self._socket.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def send_raw(self, data: bytes) -> None:
+        """Send bytes as they are (for testing the cluster's handling of bad input)."""
+        self._socket.send(data)
+
+    def receive(self) -> Message:
+        """The next reply, whatever request it belongs to."""
+        if not self._socket.poll(self.timeout * 1000):
+            raise ClusterUnavailable(self.endpoint, self.timeout)
+        return decode(self._socket.recv())
+
+    def _next_for(self, request_id: str) -> Message:
+        queue = self._buffered.get(request_id)
+        if queue:
+            return queue.pop(0)
+        while True:
+            message = self.receive()
+            rid = getattr(message, "request_id", None)
+            if rid == request_id:
+                return message
+            self._buffered.setdefault(rid or "", []).append(message)
+
+    def submit(self, prompt: str | None = None, *, token_ids: list[int] | None = None, stream: bool = False,
+               chat: bool = True, request_id: str | None = None, **sampling: Any) -> str:
+        """Send a request without waiting; returns its request_id (see ``result``/``chunks``)."""
+        request = _request(prompt, token_ids, stream, chat, request_id, sampling)
+        self._socket.send(encode(request))
+        return request.request_id or ""
+
+    def chunks(self, request_id: str) -> Iterator[Chunk | Final]:
+        """Chunks of a streaming request in order, then its Final; raises ClusterError on an error."""
+        while True:
+            message = self._next_for(request_id)
+            if isinstance(message, Error):
+                raise ClusterError(message)
+            assert isinstance(message, (Chunk, Final))
+            yield message
+            if isinstance(message, Final):
+                return
+
+    def result(self, request_id: str) -> Final:
+        for message in self.chunks(request_id):
+            if isinstance(message, Final):
+                return message
+        raise AssertionError("unreachable")
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> Final:
+        return self.result(self.submit(prompt, **kwargs))
+
+    def stream(self, prompt: str | None = None, **kwargs: Any) -> Iterator[Chunk | Final]:
+        return self.chunks(self.submit(prompt, stream=True, **kwargs))
+
+    def abort(self, request_id: str) -> None:
+        self._socket.send(encode(Abort(request_id)))
+
+
+class AsyncClient:
+    """asyncio client: many concurrent requests over one socket."""
+
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 60.0) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._ctx = zmq.asyncio.Context.instance()
+        self._socket = self._ctx.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(endpoint)
+        self._queues: dict[str, asyncio.Queue[Message]] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def _read(self) -> None:
+        while True:
+            message = decode(await self._socket.recv())
+            queue = self._queues.get(getattr(message, "request_id", None) or "")
+            if queue is not None:
+                queue.put_nowait(message)
+
+    async def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None, chat: bool = True,
+                     request_id: str | None = None, **sampling: Any) -> AsyncIterator[Chunk | Final]:
+        """Chunks in order, then the Final; raises ClusterError on an error reply."""
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        request = _request(prompt, token_ids, True, chat, request_id, sampling)
+        queue: asyncio.Queue[Message] = asyncio.Queue()
+        self._queues[request.request_id or ""] = queue
+        try:
+            await self._socket.send(encode(request))
+            while True:
+                try:
+                    message = await asyncio.wait_for(queue.get(), self.timeout)
+                except asyncio.TimeoutError:
+                    raise ClusterUnavailable(self.endpoint, self.timeout) from None
+                if isinstance(message, Error):
+                    raise ClusterError(message)
+                assert isinstance(message, (Chunk, Final))
+                yield message
+                if isinstance(message, Final):
+                    return
+        finally:
+            self._queues.pop(request.request_id or "", None)
+
+    async def generate(self, prompt: str | None = None, **kwargs: Any) -> Final:
+        final = None
+        async for message in self.stream(prompt, **kwargs):
+            if isinstance(message, Final):
+                final = message
+        assert final is not None
+        return final
+
+    async def abort(self, request_id: str) -> None:
+        await self._socket.send(encode(Abort(request_id)))
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._socket.close()
+
+
+@click.command()
+@click.argument("prompt")
+@click.option("--endpoint", default=DEFAULT_ENDPOINT, show_default=True)
+@click.option("--max-tokens", default=64, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float)
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--top-k", default=-1, show_default=True, type=int)
+@click.option("--seed", default=None, type=int)
+@click.option("--stream/--no-stream", default=True, show_default=True)
+@click.option("--raw", is_flag=True, help="Do not apply the chat template.")
+@click.option("--timeout", default=60.0, show_default=True, type=float)
+def main(prompt: str, endpoint: str, max_tokens: int, temperature: float, top_p: float, top_k: int,
+         seed: int | None, stream: bool, raw: bool, timeout: float) -> None:
+    sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+    with Client(endpoint, timeout) as client:
+        try:
+            request_id = client.submit(prompt, stream=stream, chat=not raw, **sampling)
+            for message in client.chunks(request_id):
+                if isinstance(message, Chunk):
+                    sys.stdout.write(message.text)
+                    sys.stdout.flush()
+                else:
+                    if not stream:
+                        sys.stdout.write(message.text)
+                    t = message.timings
+                    click.echo(f"\n[{message.finish_reason}, {message.usage}] TTFT {t.get('first_token', 0) * 1e3:.1f} ms, "
+                               f"total {t.get('total', 0) * 1e3:.1f} ms", err=True)
+        except (ClusterError, ClusterUnavailable) as e:
+            raise click.ClickException(str(e)) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Starting, serving and stopping a whole cluster: router in this process, ranks spawned."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from cluster.config import Addresses, ClusterConfig, GroupLayout
+from cluster.group import RankProcesses, free_port, group_specs
+from cluster.worker import WorkerSpec, worker_main
+from engine.config import ModelConfig
+from engine.presets import resolve_model
+from router.router import Router
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+class Cluster:
+    """``start()`` spawns every rank and waits for the groups; ``serve()`` runs the router until
+    SIGINT/SIGTERM, then drains in-flight requests and stops every process."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self._stop_requested = False
+        self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-")
+        self.addresses = Addresses(self._tmp.name, f"tcp://{config.host}:{config.port}")
+        self.processes: RankProcesses | None = None
+        self.router: Router | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return self.addresses.client
+
+    def summary(self) -> str:
+        c = self.config
+        if c.mode == "colocated":
+            groups = f"{c.colocated_groups} colocated group(s) x tp{c.colocated_tp}"
+        else:
+            groups = (f"{c.prefill_groups} prefill x tp{c.prefill_tp} -> {c.decode_groups} decode x tp{c.decode_tp}"
+                      f", transfer {self.transfer.backend}")
+        where = "GPUs " + ",".join(str(d) for p in self.placement for d in (p or ())) if self.placement[0] else "CPU"
+        return f"{Path(self.model_dir).name}: {groups} on {where}, dispatch {c.dispatch}"
+
+    def start(self) -> None:
+        c = self.config
+        self.model_dir = str(resolve_model(c.model))
+        model = ModelConfig.from_pretrained(self.model_dir)
+        visible = torch.cuda.device_count()
+        self.placement = c.placement(visible)
+        on_gpu = self.placement[0] is not None
+        self.transfer = c.resolved_transfer(on_gpu)
+        engine = c.engine_config(self.model_dir)
+        max_model_len = engine.resolved_max_model_len(model)
+        layout = GroupLayout.of(c)
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        specs: list[WorkerSpec] = []
+        for (role, group, tp), devices in zip(c.groups(), self.placement):
+            ranks = layout.ranks[role][group]
+            for rank_spec in group_specs(engine, tp, ranks[0], c.world_size, init_method, layout.all_groups(),
+                                         devices, self.addresses.steps(role, group)):
+                specs.append(WorkerSpec(rank_spec, role, group, self.addresses, layout, self.transfer))
+        self.router = Router(c, self.addresses, _load_tokenizer(self.model_dir), model.vocab_size, max_model_len)
+        self.processes = RankProcesses(worker_main, [(spec,) for spec in specs])
+        deadline = time.monotonic() + c.start_timeout
+        while not self.router.all_ready():
+            self.router.poll(100)
+            failure = self.processes.failure()
+            if failure is not None:
+                self._abandon()
+                raise ClusterError(f"a worker failed to start: {failure}")
+            if time.monotonic() > deadline:
+                self._abandon()
+                raise ClusterError(f"workers not ready after {c.start_timeout:.0f} s")
+
+    def request_stop(self, *_: object) -> None:
+        self._stop_requested = True
+
+    def serve(self, until: object = None) -> None:
+        """Route requests until a stop is requested (signal, or ``until()`` returning True)."""
+        assert self.router is not None and self.processes is not None
+        previous = {sig: signal.signal(sig, self.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while not self._stop_requested and not (callable(until) and until()):
+                self.router.poll(50)
+                self._check_workers()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        self.shutdown()
+
+    def _check_workers(self) -> None:
+        assert self.router is not None and self.processes is not None
+        failure = self.processes.failure()
+        if failure is not None:
+            self.router.fail_all("worker_failed", f"a worker died: {failure}")
+            self._abandon()
+            raise ClusterError(failure)
+
+    def shutdown(self) -> None:
+        """Stop admitting, let in-flight requests finish (up to drain_timeout), stop the workers."""
+        assert self.router is not None and self.processes is not None
+        self.router.stop_accepting()
+        deadline = time.monotonic() + self.config.drain_timeout
+        while self.router.requests and time.monotonic() < deadline:
+            self.router.poll(50)
+            self._check_workers()
+        if self.router.requests:
+            self.router.fail_all("shutdown", f"the cluster shut down before this request finished "
+                                             f"(drain timeout {self.config.drain_timeout:.0f} s)")
+        self.router.shutdown_workers()
+        try:
+            self.processes.wait(timeout=60)
+        finally:
+            self.router.poll(0)
+            self.router.close()
+            self._tmp.cleanup()
+
+    def _abandon(self) -> None:
+        if self.processes is not None:
+            self.processes.terminate()
+        if self.router is not None:
+            self.router.close()
+        self._tmp.cleanup()
+
+
+def _load_tokenizer(model_dir: str) -> object | None:
+    """The model's tokenizer, or None for checkpoints without one (random-weight presets)."""
+    has_tokenizer = any((Path(model_dir) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
+    if not has_tokenizer:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

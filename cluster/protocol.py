@@ -1,0 +1,276 @@
+"""The wire protocol: typed, versioned messages and their one msgpack codec.
+
+Every message is a msgpack map with ``type`` and ``version``; the other keys are the fields of
+the dataclass registered for that type. ``decode`` never raises anything but ``ProtocolError``
+(garbage bytes, wrong shape, unknown type or field, wrong version, bad field types), so a
+process that reads a socket can answer bad input with an error instead of dying. No pickles.
+
+Client-facing messages are documented in ``docs/protocol.md``; the internal ones travel
+between the router and the worker leaders, and between prefill and decode leaders.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be decoded; ``code`` is the error code sent back."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+_TYPES: dict[str, type[Message]] = {}
+
+
+@dataclass
+class Message:
+    type: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.type:
+            _TYPES[cls.type] = cls
+
+
+def encode(message: Message) -> bytes:
+    body = {"type": message.type, "version": PROTOCOL_VERSION}
+    body.update(dataclasses.asdict(message))
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def _check(value: Any, hint: Any, name: str) -> Any:
+    """Validate (and lightly normalise) one field against its type hint."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _check(value, option, name)
+            except ProtocolError as e:
+                errors.append(e.message)
+        raise ProtocolError("invalid_field", errors[0] if errors else f"field {name!r} may not be null")
+    if hint is Any:
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ProtocolError("invalid_field", f"field {name!r} must be a list")
+        (item,) = typing.get_args(hint)
+        return [_check(v, item, name) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError("invalid_field", f"field {name!r} must be a map")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ProtocolError("invalid_field", f"field {name!r} must be a number")
+        return float(value)
+    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ProtocolError("invalid_field", f"field {name!r} must be an integer")
+    if hint in (str, bool, bytes) and not isinstance(value, hint):
+        raise ProtocolError("invalid_field", f"field {name!r} must be {hint.__name__}")
+    if isinstance(hint, type) and issubclass(hint, Message):
+        return _from_fields(hint, value, name)
+    return value
+
+
+def _from_fields(cls: type[Message], body: Any, where: str) -> Message:
+    if not isinstance(body, dict):
+        raise ProtocolError("invalid_field", f"{where!r} must be a map")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(body) - set(fields))
+    if unknown:
+        raise ProtocolError("unknown_field", f"unknown field {unknown[0]!r} in {cls.type or where}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in body:
+            kwargs[name] = _check(body[name], hints[name], name)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ProtocolError("missing_field", f"missing field {name!r} in {cls.type or where}")
+    return cls(**kwargs)
+
+
+def decode(data: bytes) -> Message:
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError("malformed", f"not a msgpack message: {type(e).__name__}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("malformed", "a message must be a msgpack map")
+    request_id = body.get("request_id") if isinstance(body.get("request_id"), str) else None
+    kind = body.pop("type", None)
+    version = body.pop("version", None)
+    if kind not in _TYPES:
+        raise ProtocolError("unknown_type", f"unknown message type {kind!r}", request_id)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            "unsupported_version", f"protocol version {version!r} is not supported (this is {PROTOCOL_VERSION})",
+            request_id,
+        )
+    try:
+        return _from_fields(_TYPES[kind], body, kind)
+    except ProtocolError as e:
+        e.request_id = request_id
+        raise
+
+
+# -- client <-> router -----------------------------------------------------------------------
+
+
+@dataclass
+class Sampling(Message):
+    """Sampling parameters (see ``engine.sampling.SamplingParams`` for the ranges)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class Generate(Message):
+    """Client -> router. Exactly one of ``prompt`` (text) and ``token_ids``."""
+
+    type: ClassVar[str] = "generate"
+    request_id: str | None = None  # the client's id, echoed back; the router makes one if absent
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    sampling: Sampling = field(default_factory=Sampling)
+    stream: bool = True
+    chat: bool = True  # apply the model's chat template to a text prompt
+
+
+@dataclass
+class Abort(Message):
+    """Client -> router (and router -> workers): stop a request."""
+
+    type: ClassVar[str] = "abort"
+    request_id: str
+
+
+@dataclass
+class Chunk(Message):
+    """Router -> client: new tokens of a streaming request, in order."""
+
+    type: ClassVar[str] = "chunk"
+    request_id: str
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class Final(Message):
+    """Router -> client: the terminal message of a request that ran (finished or aborted)."""
+
+    type: ClassVar[str] = "final"
+    request_id: str
+    finish_reason: str  # stop | length | abort
+    token_ids: list[int]  # every generated token
+    text: str
+    usage: dict[str, int]  # prompt_tokens, completion_tokens
+    timings: dict[str, float]  # seconds: queue, prefill, transfer, first_token, decode, total
+
+
+@dataclass
+class Error(Message):
+    """Router -> client: the terminal message of a request that failed, or a reply to bad input."""
+
+    type: ClassVar[str] = "error"
+    request_id: str | None
+    code: str
+    message: str
+
+
+# -- router <-> workers, prefill <-> decode ----------------------------------------------------
+
+
+@dataclass
+class WorkRequest(Message):
+    """Router -> prefill (or colocated) leader."""
+
+    type: ClassVar[str] = "work"
+    request_id: str
+    token_ids: list[int]
+    sampling: Sampling
+    decode_group: int  # where the prefill group sends the KV (unused when colocated)
+
+
+@dataclass
+class TokenOutput(Message):
+    """Worker leader -> router: tokens of a request, ``index`` = position of the first one."""
+
+    type: ClassVar[str] = "tokens"
+    request_id: str
+    index: int
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class WorkerError(Message):
+    """Worker leader -> router: a request the worker could not serve."""
+
+    type: ClassVar[str] = "worker_error"
+    request_id: str
+    code: str
+    message: str
+
+
+@dataclass
+class KVAnnounce(Message):
+    """Prefill leader -> decode leader: a prefilled request whose KV is ready to move."""
+
+    type: ClassVar[str] = "kv_announce"
+    request_id: str
+    prefill_group: int
+    token_ids: list[int]  # the prompt
+    first_token: int
+    sampling: Sampling
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class KVReply(Message):
+    """Decode leader -> prefill leader: ``accepted`` (receive posted) or refused (no blocks)."""
+
+    type: ClassVar[str] = "kv_reply"
+    request_id: str
+    accepted: bool
+
+
+@dataclass
+class Ready(Message):
+    """Worker leader -> router: the group is up."""
+
+    type: ClassVar[str] = "ready"
+    role: str
+    group: int
+    num_blocks: int
+
+
+@dataclass
+class Shutdown(Message):
+    """Router -> worker leaders: no more requests; drain and exit."""
+
+    type: ClassVar[str] = "shutdown"

@@ -1,0 +1,213 @@
+"""A worker rank process, and the leader loop every role shares.
+
+The leader (TP rank 0 of a group) owns the engine and the group's control sockets: a PULL
+inbox bound at its address (the router and the other role's leaders push to it) and PUSH
+sockets to the router and to other leaders. Peers run ``ModelRunner.run_peer``.
+
+``Leader`` is the colocated ("pd") role: the engine serves whole requests. The prefill and
+decode roles subclass it (``prefill_worker``, ``decode_worker``).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import dataclass
+
+import torch.distributed as dist
+import zmq
+
+from cluster.config import Addresses, GroupLayout
+from cluster.group import RankSpec, init_distributed
+from cluster.protocol import (
+    Abort,
+    Message,
+    ProtocolError,
+    Ready,
+    Sampling,
+    Shutdown,
+    TokenOutput,
+    WorkerError,
+    WorkRequest,
+    decode,
+    encode,
+)
+from engine.config import ModelConfig
+from engine.engine import LLMEngine, RequestOutput
+from engine.model_runner import ModelRunner
+from engine.parallel import TensorParallel
+from engine.sampling import RequestError, SamplingParams
+from kvtransfer.agent import KVTransferAgent
+from kvtransfer.base import TransferConfig, TransferTopology, create_backend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    rank: RankSpec
+    role: str  # prefill | decode | colocated
+    group: int
+    addresses: Addresses
+    layout: GroupLayout
+    transfer: TransferConfig
+
+
+def sampling_params(sampling: Sampling) -> SamplingParams:
+    """Protocol sampling fields -> engine parameters (raises RequestError naming a bad field)."""
+    return SamplingParams(
+        max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+        top_k=sampling.top_k, seed=sampling.seed, stop_token_ids=tuple(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+    )
+
+
+class Leader:
+    """The colocated role, and the socket plumbing and loop of every role."""
+
+    role = "colocated"
+
+    def __init__(self, spec: WorkerSpec, engine: LLMEngine, agent: KVTransferAgent | None) -> None:
+        self.spec = spec
+        self.engine = engine
+        self.agent = agent
+        self.ctx = zmq.Context.instance()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.bind(spec.addresses.leader(self.role, spec.group))
+        self.to_router = self._push(spec.addresses.router)
+        self._leaders: dict[tuple[str, int], zmq.Socket] = {}
+        self.next_index: dict[str, int] = {}  # request -> index of its next output token
+        self.stopping = False
+
+    def _push(self, address: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(address)
+        return sock
+
+    def send_router(self, message: Message) -> None:
+        self.to_router.send(encode(message))
+
+    def send_leader(self, role: str, group: int, message: Message) -> None:
+        key = (role, group)
+        if key not in self._leaders:
+            self._leaders[key] = self._push(self.spec.addresses.leader(role, group))
+        self._leaders[key].send(encode(message))
+
+    # -- loop ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        self.send_router(Ready(self.role, self.spec.group, self.engine.runner.num_blocks))
+        try:
+            while not self.stopping or self.transfers_pending():
+                timeout = 0 if self.busy() else 20
+                while self.inbox.poll(timeout):
+                    self._dispatch(self.inbox.recv())
+                    timeout = 0
+                self.background()
+                if self.engine.has_unfinished() and not self.stopping:
+                    for out in self.engine.step():
+                        self.on_output(out)
+        finally:
+            self.close()
+
+    def busy(self) -> bool:
+        return self.engine.has_unfinished() or self.transfers_pending()
+
+    def transfers_pending(self) -> bool:
+        """KV handed to or from another group and not yet settled (must finish before exit)."""
+        return False
+
+    def background(self) -> None:
+        """Work between steps that is not a message (transfers to poll, retries)."""
+
+    def _dispatch(self, data: bytes) -> None:
+        try:
+            message = decode(data)
+        except ProtocolError as e:  # internal sockets: log and carry on
+            logger.error("%s%d: dropped a bad internal message: %s", self.role, self.spec.group, e)
+            return
+        self.handle(message)
+
+    def handle(self, message: Message) -> None:
+        if isinstance(message, WorkRequest):
+            self.add(message)
+        elif isinstance(message, Abort):
+            self.abort(message.request_id)
+        elif isinstance(message, Shutdown):
+            self.stopping = True
+        else:
+            logger.error("%s%d: unexpected %s", self.role, self.spec.group, message.type)
+
+    def add(self, request: WorkRequest, prefill_only: bool = False) -> bool:
+        """Queue a request in the engine; a refused one gets a terminal error at the router."""
+        try:
+            self.engine.add_request(request.request_id, request.token_ids, sampling_params(request.sampling),
+                                    prefill_only=prefill_only)
+        except RequestError as e:
+            self.send_router(WorkerError(request.request_id, "invalid_request", str(e)))
+            return False
+        self.next_index[request.request_id] = 0
+        return True
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self.next_index.pop(request_id, None)
+
+    def on_output(self, out: RequestOutput) -> None:
+        self.emit(out, out.timings)
+
+    def emit(self, out: RequestOutput, timings: dict[str, float]) -> None:
+        index = self.next_index.get(out.request_id, 0)
+        self.send_router(TokenOutput(out.request_id, index, out.new_token_ids, out.finished, out.finish_reason,
+                                     timings if out.finished else {}))
+        if out.finished:
+            self.next_index.pop(out.request_id, None)
+        else:
+            self.next_index[out.request_id] = index + len(out.new_token_ids)
+
+    def close(self) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+        if self.agent is not None:
+            self.agent.close()
+        self.engine.close()  # releases the TP peers and the CUDA graphs before the group goes
+        for sock in (self.inbox, self.to_router, *self._leaders.values()):
+            sock.close()
+
+
+def _agent(spec: WorkerSpec, kv_cache: object, model: ModelConfig) -> KVTransferAgent | None:
+    """Backends to every group of the other role (prefill -> each decode group, and back)."""
+    if spec.role == "colocated":
+        return None
+    other = "decode" if spec.role == "prefill" else "prefill"
+    mine = spec.layout.ranks[spec.role][spec.group]
+    backends = {}
+    for index, ranks in enumerate(spec.layout.ranks[other]):
+        prefill, decode_ = (mine, ranks) if spec.role == "prefill" else (ranks, mine)
+        topology = TransferTopology(model.num_heads, model.num_kv_heads, prefill, decode_, spec.rank.global_rank)
+        backends[index] = create_backend(spec.transfer, topology, kv_cache)  # type: ignore[arg-type]
+    return KVTransferAgent(backends)
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """Entry point of a rank process: join the world, build the engine, serve until shutdown."""
+    from decode_worker.worker import DecodeLeader
+    from prefill_worker.worker import PrefillLeader
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher drives shutdown, not Ctrl-C
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {spec.role}{spec.group}.{spec.rank.engine.parallel.tp_rank} %(levelname)s %(message)s")
+    tp: TensorParallel = init_distributed(spec.rank)
+    try:
+        config = spec.rank.engine
+        if config.parallel.is_leader:
+            engine = LLMEngine(config, tp)
+            agent = _agent(spec, engine.runner.kv_cache, engine.model_config)
+            leader_cls = {"prefill": PrefillLeader, "decode": DecodeLeader, "colocated": Leader}[spec.role]
+            leader_cls(spec, engine, agent).run()
+        else:
+            model = ModelConfig.from_pretrained(config.model)
+            runner = ModelRunner(config, model, tp)
+            runner.run_peer(_agent(spec, runner.kv_cache, model))
+    finally:
+        dist.destroy_process_group()

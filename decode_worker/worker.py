@@ -1,0 +1,92 @@
+"""The decode role: receive prefilled requests' KV, then decode them with continuous batching.
+
+Lifecycle of a request here:
+1. ``KVAnnounce`` from a prefill leader -> reserve blocks for the prompt's KV. None free: reply
+   refused (the prefill side keeps the KV and retries). Otherwise reply accepted, then every
+   rank of the group posts its receive (the command rides the step channel, in order).
+2. Receive complete (sync: at once; async: polled between steps, so several are in flight while
+   the group keeps decoding) -> the request joins continuous batching; its first decode step
+   makes each peer wait for its own part first (``StepPlan.kv_ready``).
+3. Tokens stream to the router from output index 1 (index 0, the first token, came from
+   prefill); the final one carries the transfer time and size.
+
+Invariant: a posted receive always completes (the prefill side always sends once accepted),
+so an abort during a transfer frees the blocks only after it.
+"""
+
+from __future__ import annotations
+
+from cluster.protocol import KVAnnounce, KVReply, Message, WorkerError
+from cluster.worker import Leader, sampling_params
+from engine.engine import RequestOutput
+from engine.sampling import RequestError
+from engine.step_plan import KVCommand
+
+
+class DecodeLeader(Leader):
+    role = "decode"
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.receiving: dict[str, KVAnnounce] = {}
+        self.aborted_in_flight: set[str] = set()
+        self.transfer_timings: dict[str, dict[str, float]] = {}
+
+    def transfers_pending(self) -> bool:
+        return bool(self.receiving)
+
+    def handle(self, message: Message) -> None:
+        if isinstance(message, KVAnnounce):
+            self.on_announce(message)
+        else:
+            super().handle(message)
+
+    def on_announce(self, announce: KVAnnounce) -> None:
+        request_id = announce.request_id
+        try:
+            blocks = self.engine.reserve(request_id, announce.token_ids, announce.first_token,
+                                         sampling_params(announce.sampling))
+        except RequestError as e:
+            self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
+            self.send_router(WorkerError(request_id, "invalid_request", str(e)))
+            return
+        if blocks is None:
+            self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
+            return
+        self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=True))
+        command = KVCommand("recv", request_id, blocks, peer_group=announce.prefill_group)
+        self.engine.runner.broadcast(command)
+        assert self.agent is not None
+        self.agent.execute(command)
+        self.receiving[request_id] = announce
+        self.next_index[request_id] = 1
+
+    def background(self) -> None:
+        assert self.agent is not None
+        for request_id in [r for r in self.receiving if self.agent.done(r)]:
+            announce = self.receiving.pop(request_id)
+            stats = self.agent.wait(request_id)
+            if request_id in self.aborted_in_flight:
+                self.aborted_in_flight.discard(request_id)
+                self.engine.abort(request_id)
+                continue
+            self.transfer_timings[request_id] = {
+                **announce.timings, "transfer": stats.seconds, "transfer_bytes": float(stats.num_bytes),
+            }
+            self.engine.admit(request_id)
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.receiving:
+            self.aborted_in_flight.add(request_id)  # free after the receive lands
+            return
+        self.transfer_timings.pop(request_id, None)
+        super().abort(request_id)
+
+    def on_output(self, out: RequestOutput) -> None:
+        # Queue and prefill times come from the prefill group; this engine adds the decode time.
+        timings = dict(self.transfer_timings.get(out.request_id, {}))
+        if "decode" in out.timings:
+            timings["decode"] = out.timings["decode"]
+        if out.finished:
+            self.transfer_timings.pop(out.request_id, None)
+        self.emit(out, timings)

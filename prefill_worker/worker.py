@@ -1,0 +1,133 @@
+"""The prefill role: run prompts, return the first token at once, hand the KV to a decode group.
+
+Lifecycle of a request here:
+1. ``WorkRequest`` -> the engine, as a prefill-only request.
+2. First token sampled -> sent to the router immediately (this is the TTFT), and the request
+   is *announced* to its decode group (``KVAnnounce``) while its KV blocks stay held.
+3. ``KVReply`` accepted -> every rank of the group sends its pieces; the blocks are freed when
+   this rank's send completes (sync: at once; async: polled between steps).
+   ``KVReply`` refused (the decode group has no free blocks) -> the announcement is retried
+   later with back-off; the KV stays here meanwhile (back-pressure, never a drop).
+
+Invariant: once a decode group has accepted a transfer it has posted the receive, so the send
+always happens, even for a request aborted in between (its blocks are freed afterwards).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from cluster.protocol import KVAnnounce, KVReply, Message, WorkRequest
+from cluster.worker import Leader
+from engine.engine import RequestOutput
+from engine.step_plan import KVCommand
+
+_RETRY_FIRST_S = 0.002
+_RETRY_MAX_S = 0.05
+
+
+@dataclass
+class _Handoff:
+    announce: KVAnnounce
+    decode_group: int
+    block_ids: list[int]
+    retry_at: float = 0.0
+    backoff: float = _RETRY_FIRST_S
+    aborted: bool = False
+
+
+class PrefillLeader(Leader):
+    role = "prefill"
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.work: dict[str, WorkRequest] = {}  # until prefilled: where the KV goes, how to sample
+        self.to_announce: deque[_Handoff] = deque()  # waiting for staging room or a retry
+        self.announced: dict[str, _Handoff] = {}  # waiting for the decode group's reply
+        self.sending: set[str] = set()  # async sends in flight
+
+    def busy(self) -> bool:
+        return super().busy() or bool(self.to_announce)
+
+    def transfers_pending(self) -> bool:
+        # Announced requests await a reply: an accepted one has a receive posted on the other side.
+        return bool(self.announced) or bool(self.sending)
+
+    def handle(self, message: Message) -> None:
+        if isinstance(message, WorkRequest):
+            if self.add(message, prefill_only=True):
+                self.work[message.request_id] = message
+        elif isinstance(message, KVReply):
+            self.on_reply(message)
+        else:
+            super().handle(message)
+
+    def abort(self, request_id: str) -> None:
+        handoff = self.announced.get(request_id)
+        if handoff is not None:
+            handoff.aborted = True  # the reply decides: send anyway (accepted) or just free
+            return
+        for queued in list(self.to_announce):
+            if queued.announce.request_id == request_id:
+                self.to_announce.remove(queued)
+        if request_id not in self.sending:  # an in-flight send frees its blocks when done
+            super().abort(request_id)
+        self.work.pop(request_id, None)
+
+    def on_output(self, out: RequestOutput) -> None:
+        work = self.work.pop(out.request_id)
+        if out.finish_reason != "prefilled":  # the first token already ended it
+            self.emit(out, out.timings)
+            return
+        # For the router the request goes on: decoding continues in the decode group.
+        self.emit(RequestOutput(out.request_id, out.new_token_ids), {})
+        announce = KVAnnounce(out.request_id, self.spec.group, work.token_ids, out.new_token_ids[0],
+                              work.sampling, out.timings)
+        self.to_announce.append(_Handoff(announce, work.decode_group, out.kv_block_ids or []))
+
+    def background(self) -> None:
+        assert self.agent is not None
+        for request_id in [r for r in self.sending if self.agent.done(r)]:
+            self.agent.wait(request_id)
+            self._release(request_id)
+        now = time.monotonic()
+        for _ in range(len(self.to_announce)):
+            handoff = self.to_announce.popleft()
+            if handoff.retry_at > now or not self._staging_room(handoff):
+                self.to_announce.append(handoff)
+                continue
+            self.announced[handoff.announce.request_id] = handoff
+            self.send_leader("decode", handoff.decode_group, handoff.announce)
+
+    def _staging_room(self, handoff: _Handoff) -> bool:
+        """Bound the packed KV held for sends in flight (the first one always goes)."""
+        assert self.agent is not None
+        backend = self.agent.backends[handoff.decode_group]
+        needed = len(handoff.block_ids) * backend.block_bytes()
+        in_flight = self.agent.staging_bytes()
+        return in_flight == 0 or in_flight + needed <= self.spec.transfer.max_staging_bytes
+
+    def on_reply(self, reply: KVReply) -> None:
+        handoff = self.announced.pop(reply.request_id, None)
+        if handoff is None:
+            return
+        if not reply.accepted:
+            if handoff.aborted:
+                self._release(reply.request_id)
+                return
+            handoff.retry_at = time.monotonic() + handoff.backoff
+            handoff.backoff = min(handoff.backoff * 2, _RETRY_MAX_S)
+            self.to_announce.append(handoff)
+            return
+        assert self.agent is not None
+        command = KVCommand("send", reply.request_id, handoff.block_ids, peer_group=handoff.decode_group)
+        self.engine.runner.broadcast(command)
+        self.agent.execute(command)
+        self.sending.add(reply.request_id)
+
+    def _release(self, request_id: str) -> None:
+        self.sending.discard(request_id)
+        if request_id in self.engine.held:
+            self.engine.release_kv(request_id)

@@ -1,0 +1,287 @@
+"""The router: the cluster's ZMQ front door.
+
+Clients talk to a ROUTER socket (``cluster.protocol``). The router validates every request
+before dispatch (protocol shape, sampling ranges, vocabulary, length), tokenizes text, picks a
+prefill group and a decode group (or a colocated group), and turns the workers' token outputs
+into ordered chunks with incremental text and one final message.
+
+Invariant: every accepted request ends with exactly one terminal message to its client
+(``Final`` or ``Error``); bad input gets an ``Error`` reply and never stops the loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from cluster.config import Addresses, ClusterConfig
+from cluster.protocol import (
+    Abort,
+    Chunk,
+    Error,
+    Final,
+    Generate,
+    Message,
+    ProtocolError,
+    Ready,
+    Shutdown,
+    TokenOutput,
+    WorkerError,
+    WorkRequest,
+    decode,
+    encode,
+)
+from cluster.worker import sampling_params
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling import RequestError
+from engine.tokenization import encode_prompt
+from router.policy import create_policy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    """The router's record of one accepted request."""
+
+    client: bytes  # ZMQ identity of the client connection
+    client_request_id: str
+    stream: bool
+    num_prompt_tokens: int
+    entry_group: tuple[str, int]  # prefill (or colocated) group
+    decode_group: int | None
+    outstanding_tokens: int
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    pending: dict[int, TokenOutput] = field(default_factory=dict)  # out-of-order outputs by index
+    detokenizer: IncrementalDetokenizer | None = None
+
+
+class Router:
+    def __init__(self, config: ClusterConfig, addresses: Addresses, tokenizer: Any, vocab_size: int,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.addresses = addresses
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.ctx = zmq.Context.instance()
+        self.frontend = self.ctx.socket(zmq.ROUTER)
+        self.frontend.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.frontend.bind(addresses.client)
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.bind(addresses.router)
+        self.leaders: dict[tuple[str, int], zmq.Socket] = {}
+        for role, group, _ in config.groups():
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(addresses.leader(role, group))
+            self.leaders[(role, group)] = sock
+        entry_role = "colocated" if config.mode == "colocated" else "prefill"
+        self.entry_load = {g: 0 for r, g, _ in config.groups() if r == entry_role}
+        self.decode_load = {g: 0 for r, g, _ in config.groups() if r == "decode"}
+        self.entry_role = entry_role
+        self.entry_policy = create_policy(config.dispatch)
+        self.decode_policy = create_policy(config.dispatch)
+        self.requests: dict[str, RequestState] = {}
+        self.by_client: dict[tuple[bytes, str], str] = {}
+        self.ready: set[tuple[str, int]] = set()
+        self.accepting = True
+        self._ids = itertools.count()
+
+    # -- start-up and shutdown -----------------------------------------------------------
+
+    def all_ready(self) -> bool:
+        return len(self.ready) == len(self.leaders)
+
+    def poll(self, timeout_ms: int) -> None:
+        """Handle whatever arrives within ``timeout_ms`` (then everything already queued)."""
+        poller = zmq.Poller()
+        poller.register(self.frontend, zmq.POLLIN)
+        poller.register(self.inbox, zmq.POLLIN)
+        events = dict(poller.poll(timeout_ms))
+        while self.inbox in events or self.frontend in events:
+            if self.inbox in events:
+                self._on_worker(self.inbox.recv())
+            if self.frontend in events:
+                frames = self.frontend.recv_multipart()
+                if len(frames) == 2:
+                    self._on_client(frames[0], frames[1])
+            events = dict(poller.poll(0))
+
+    def stop_accepting(self) -> None:
+        self.accepting = False
+
+    def fail_all(self, code: str, message: str) -> None:
+        """End every in-flight request with an error (drain timeout, dead worker)."""
+        for request_id in list(self.requests):
+            self._abort_workers(request_id)
+            self._terminal_error(request_id, code, message)
+
+    def shutdown_workers(self) -> None:
+        for key, sock in self.leaders.items():
+            sock.send(encode(Shutdown()))
+
+    def close(self) -> None:
+        for sock in (self.frontend, self.inbox, *self.leaders.values()):
+            sock.close()
+
+    # -- clients -------------------------------------------------------------------------
+
+    def _reply(self, client: bytes, message: Message) -> None:
+        self.frontend.send_multipart([client, encode(message)])
+
+    def _on_client(self, client: bytes, data: bytes) -> None:
+        try:
+            message = decode(data)
+        except ProtocolError as e:
+            self._reply(client, Error(e.request_id, e.code, e.message))
+            return
+        if isinstance(message, Generate):
+            self._on_generate(client, message)
+        elif isinstance(message, Abort):
+            request_id = self.by_client.get((client, message.request_id))
+            if request_id is None:
+                self._reply(client, Error(message.request_id, "unknown_request",
+                                          f"no request {message.request_id!r} is running for this client"))
+                return
+            self._abort_workers(request_id)
+            self._final(request_id, "abort")
+        else:
+            self._reply(client, Error(getattr(message, "request_id", None), "unexpected_type",
+                                      f"clients may send generate or abort, not {message.type}"))
+
+    def _on_generate(self, client: bytes, request: Generate) -> None:
+        client_id = request.request_id or f"req-{next(self._ids)}"
+        if not self.accepting:
+            self._reply(client, Error(client_id, "shutting_down", "the cluster is shutting down"))
+            return
+        if (client, client_id) in self.by_client:
+            self._reply(client, Error(client_id, "duplicate_request_id", f"request_id {client_id!r} is already running"))
+            return
+        try:
+            token_ids = self._prompt_tokens(request)
+            params = sampling_params(request.sampling)
+            self._check_lengths(token_ids, params.max_tokens, params.stop_token_ids)
+        except RequestError as e:
+            self._reply(client, Error(client_id, "invalid_request", str(e)))
+            return
+        request_id = f"{next(self._ids)}"
+        outstanding = len(token_ids) + params.max_tokens
+        entry = self.entry_policy.pick(self.entry_load)
+        decode_group = self.decode_policy.pick(self.decode_load) if self.decode_load else None
+        self.entry_load[entry] += outstanding
+        if decode_group is not None:
+            self.decode_load[decode_group] += outstanding
+        state = RequestState(client, client_id, request.stream, len(token_ids), (self.entry_role, entry),
+                             decode_group, outstanding)
+        if self.tokenizer is not None:
+            state.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        self.requests[request_id] = state
+        self.by_client[(client, client_id)] = request_id
+        work = WorkRequest(request_id, token_ids, request.sampling, decode_group if decode_group is not None else -1)
+        self.leaders[state.entry_group].send(encode(work))
+
+    def _prompt_tokens(self, request: Generate) -> list[int]:
+        if (request.prompt is None) == (request.token_ids is None):
+            raise RequestError("prompt", "give exactly one of prompt (text) and token_ids")
+        if request.prompt is not None:
+            if not request.prompt:
+                raise RequestError("prompt", "is empty")
+            if self.tokenizer is None:
+                raise RequestError("prompt", "this model has no tokenizer: send token_ids")
+            return encode_prompt(self.tokenizer, request.prompt, chat=request.chat)
+        token_ids = request.token_ids or []
+        if not token_ids:
+            raise RequestError("token_ids", "is empty")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError("token_ids", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return token_ids
+
+    def _check_lengths(self, token_ids: list[int], max_tokens: int, stop_token_ids: tuple[int, ...]) -> None:
+        if len(token_ids) + max_tokens > self.max_model_len:
+            raise RequestError(
+                "max_tokens", f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"maximum model length {self.max_model_len}",
+            )
+        bad = next((t for t in stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise RequestError("stop_token_ids", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+    # -- workers -------------------------------------------------------------------------
+
+    def _on_worker(self, data: bytes) -> None:
+        try:
+            message = decode(data)
+        except ProtocolError as e:
+            logger.error("router: dropped a bad worker message: %s", e)
+            return
+        if isinstance(message, TokenOutput):
+            self._on_tokens(message)
+        elif isinstance(message, WorkerError):
+            if message.request_id in self.requests:
+                self._abort_workers(message.request_id)
+                self._terminal_error(message.request_id, message.code, message.message)
+        elif isinstance(message, Ready):
+            self.ready.add((message.role, message.group))
+            logger.info("%s group %d ready (%d KV blocks)", message.role, message.group, message.num_blocks)
+
+    def _on_tokens(self, output: TokenOutput) -> None:
+        state = self.requests.get(output.request_id)
+        if state is None:
+            return  # aborted or failed earlier: its terminal message is already out
+        state.pending[output.index] = output
+        while len(state.token_ids) in state.pending:  # apply outputs in index order
+            current = state.pending.pop(len(state.token_ids))
+            if state.first_token is None:
+                state.first_token = time.monotonic()
+            state.token_ids.extend(current.token_ids)
+            delta = state.detokenizer.add(current.token_ids) if state.detokenizer else ""
+            if current.finished and state.detokenizer:
+                delta += state.detokenizer.flush()
+            state.text.append(delta)
+            if state.stream:
+                self._reply(state.client, Chunk(state.client_request_id, current.token_ids, delta))
+            if current.finished:
+                self._final(output.request_id, current.finish_reason or "stop", current.timings)
+                return
+
+    # -- terminal messages ---------------------------------------------------------------
+
+    def _release(self, request_id: str) -> RequestState:
+        state = self.requests.pop(request_id)
+        self.by_client.pop((state.client, state.client_request_id), None)
+        self.entry_load[state.entry_group[1]] -= state.outstanding_tokens
+        if state.decode_group is not None:
+            self.decode_load[state.decode_group] -= state.outstanding_tokens
+        return state
+
+    def _final(self, request_id: str, reason: str, worker_timings: dict[str, float] | None = None) -> None:
+        state = self._release(request_id)
+        now = time.monotonic()
+        timings = {k: v for k, v in (worker_timings or {}).items()}
+        timings["total"] = now - state.arrival
+        if state.first_token is not None:
+            timings["first_token"] = state.first_token - state.arrival
+        self._reply(state.client, Final(
+            state.client_request_id, reason, state.token_ids, "".join(state.text),
+            {"prompt_tokens": state.num_prompt_tokens, "completion_tokens": len(state.token_ids)}, timings,
+        ))
+
+    def _terminal_error(self, request_id: str, code: str, message: str) -> None:
+        state = self._release(request_id)
+        self._reply(state.client, Error(state.client_request_id, code, message))
+
+    def _abort_workers(self, request_id: str) -> None:
+        state = self.requests[request_id]
+        self.leaders[state.entry_group].send(encode(Abort(request_id)))
+        if state.decode_group is not None:
+            self.leaders[("decode", state.decode_group)].send(encode(Abort(request_id)))

@@ -72,6 +72,8 @@ def run_demo(endpoint: str, prompts: tuple[str, ...], max_tokens: int) -> None:
 @click.option("--max-model-len", type=int, default=None, help="[default: 4096]")
 @click.option("--kv-memory-fraction", "gpu_memory_utilization", type=float, default=None,
               help="Fraction of each GPU for weights + KV cache [default: 0.85]")
+@click.option("--num-blocks", type=int, default=None, help="Fixed KV blocks per rank [default: sized from memory]")
+@click.option("--max-num-seqs", type=int, default=None, help="Most sequences a group runs at once [default: 256]")
 @click.option("--graph-max-batch", "cuda_graph_max_batch", type=int, default=None,
               help="Largest CUDA-graph decode batch [default: 128]")
 @click.option("--enforce-eager", is_flag=True, default=None, help="No CUDA graphs.")

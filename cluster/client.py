@@ -18,7 +18,7 @@ import click
 import zmq
 import zmq.asyncio
 
-from cluster.protocol import Abort, Chunk, Error, Final, Generate, Message, Sampling, decode, encode
+from cluster.protocol import Abort, Chunk, Error, Final, Generate, Message, Sampling, Stats, StatsRequest, decode, encode
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
 
@@ -121,6 +121,15 @@ class Client:
 
     def abort(self, request_id: str) -> None:
         self._socket.send(encode(Abort(request_id)))
+
+    def stats(self) -> Stats:
+        """The cluster's state: requests in flight and each group's KV pool and queues."""
+        self._socket.send(encode(StatsRequest()))
+        while True:
+            message = self.receive()
+            if isinstance(message, Stats):
+                return message
+            self._buffered.setdefault(getattr(message, "request_id", None) or "", []).append(message)
 
 
 class AsyncClient:

@@ -92,6 +92,8 @@ def _check(value: Any, hint: Any, name: str) -> Any:
 def _from_fields(cls: type[Message], body: Any, where: str) -> Message:
     if not isinstance(body, dict):
         raise ProtocolError("invalid_field", f"{where!r} must be a map")
+    if not all(isinstance(key, str) for key in body):
+        raise ProtocolError("malformed", f"map keys in {where!r} must be strings")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(body) - set(fields))
@@ -116,9 +118,9 @@ def decode(data: bytes) -> Message:
     request_id = body.get("request_id") if isinstance(body.get("request_id"), str) else None
     kind = body.pop("type", None)
     version = body.pop("version", None)
-    if kind not in _TYPES:
+    if not isinstance(kind, str) or kind not in _TYPES:
         raise ProtocolError("unknown_type", f"unknown message type {kind!r}", request_id)
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(
             "unsupported_version", f"protocol version {version!r} is not supported (this is {PROTOCOL_VERSION})",
             request_id,
@@ -191,6 +193,22 @@ class Final(Message):
 
 
 @dataclass
+class StatsRequest(Message):
+    """Client -> router: ask for the cluster's state."""
+
+    type: ClassVar[str] = "stats_request"
+
+
+@dataclass
+class Stats(Message):
+    """Router -> client: requests in flight, and each group's latest report (``worker_stats``)."""
+
+    type: ClassVar[str] = "stats"
+    requests_in_flight: int
+    groups: dict[str, dict[str, int]]  # "prefill0" -> WorkerStats fields
+
+
+@dataclass
 class Error(Message):
     """Router -> client: the terminal message of a request that failed, or a reply to bad input."""
 
@@ -257,6 +275,21 @@ class KVReply(Message):
     type: ClassVar[str] = "kv_reply"
     request_id: str
     accepted: bool
+
+
+@dataclass
+class WorkerStats(Message):
+    """Worker leader -> router, periodically: the group's KV pool and queues."""
+
+    type: ClassVar[str] = "worker_stats"
+    role: str
+    group: int
+    num_blocks: int
+    free_blocks: int
+    running: int
+    waiting: int
+    kv_held: int  # prefill: prefilled requests keeping their KV; decode: receives in flight
+    kv_refused: int  # prefill: announcements the decode side refused (back-pressure), cumulative
 
 
 @dataclass

@@ -10,8 +10,11 @@ decode roles subclass it (``prefill_worker``, ``decode_worker``).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import signal
+import sys
+import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -28,6 +31,7 @@ from cluster.protocol import (
     Shutdown,
     TokenOutput,
     WorkerError,
+    WorkerStats,
     WorkRequest,
     decode,
     encode,
@@ -41,6 +45,8 @@ from kvtransfer.agent import KVTransferAgent
 from kvtransfer.base import TransferConfig, TransferTopology, create_backend
 
 logger = logging.getLogger(__name__)
+
+_STATS_INTERVAL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,7 @@ class Leader:
         self._leaders: dict[tuple[str, int], zmq.Socket] = {}
         self.next_index: dict[str, int] = {}  # request -> index of its next output token
         self.stopping = False
+        self.kv_refused = 0
 
     def _push(self, address: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.PUSH)
@@ -98,6 +105,7 @@ class Leader:
 
     def run(self) -> None:
         self.send_router(Ready(self.role, self.spec.group, self.engine.runner.num_blocks))
+        next_stats = 0.0
         try:
             while not self.stopping or self.transfers_pending():
                 timeout = 0 if self.busy() else 20
@@ -108,8 +116,17 @@ class Leader:
                 if self.engine.has_unfinished() and not self.stopping:
                     for out in self.engine.step():
                         self.on_output(out)
+                if time.monotonic() >= next_stats:
+                    self.send_router(self.stats())
+                    next_stats = time.monotonic() + _STATS_INTERVAL_S
         finally:
             self.close()
+
+    def stats(self) -> WorkerStats:
+        engine = self.engine
+        return WorkerStats(self.role, self.spec.group, engine.block_manager.num_blocks,
+                           engine.block_manager.num_free_blocks, len(engine.scheduler.running),
+                           len(engine.scheduler.waiting), len(engine.held) + len(engine.reserved), self.kv_refused)
 
     def busy(self) -> bool:
         return self.engine.has_unfinished() or self.transfers_pending()
@@ -190,11 +207,21 @@ def _agent(spec: WorkerSpec, kv_cache: object, model: ModelConfig) -> KVTransfer
     return KVTransferAgent(backends)
 
 
+def _die_with_launcher() -> None:
+    """Linux: have the kernel SIGKILL this rank if the launcher dies, so no rank is orphaned."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
 def worker_main(spec: WorkerSpec) -> None:
     """Entry point of a rank process: join the world, build the engine, serve until shutdown."""
     from decode_worker.worker import DecodeLeader
     from prefill_worker.worker import PrefillLeader
 
+    _die_with_launcher()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher drives shutdown, not Ctrl-C
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {spec.role}{spec.group}.{spec.rank.engine.parallel.tp_rank} %(levelname)s %(message)s")
     tp: TensorParallel = init_distributed(spec.rank)

@@ -113,7 +113,10 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, [*prompt_token_ids, first_token], params,
                        num_prompt_tokens=len(prompt_token_ids))
-        if not self.block_manager.can_allocate(seq, len(prompt_token_ids)):
+        # Keep one free block per running or arriving sequence for its next tokens: admitting work
+        # that would force a preemption right away is worse than asking the prefill side to wait.
+        headroom = len(self.scheduler.running) + len(self.reserved)
+        if self.block_manager.blocks_needed(seq, len(prompt_token_ids)) + headroom > self.block_manager.num_free_blocks:
             return None
         self.block_manager.allocate(seq, len(prompt_token_ids))
         seq.num_computed_tokens = len(prompt_token_ids)

@@ -38,8 +38,10 @@ class SamplingParams:
             raise RequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
             raise RequestError("top_k", f"must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise RequestError("seed", f"must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
+        ):
+            raise RequestError("seed", f"must be an integer in [0, 2^63), got {self.seed!r}")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise RequestError("stop_token_ids", "must be non-negative integers")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -100,8 +102,9 @@ class Sampler:
             rows = torch.tensor(sampled_rows, device=logits.device)
             sub = logits[rows]
             temps = torch.tensor([params[i].temperature for i in sampled_rows], device=logits.device)
-            top_k = torch.tensor(
-                [params[i].top_k if params[i].top_k > 0 else vocab for i in sampled_rows], device=logits.device
+            top_k = torch.tensor(  # -1 (off) and anything past the vocabulary keep every token
+                [min(params[i].top_k, vocab) if params[i].top_k > 0 else vocab for i in sampled_rows],
+                device=logits.device,
             )
             top_p = torch.tensor([params[i].top_p for i in sampled_rows], device=logits.device)
             probs = top_k_top_p_mask(sub / temps[:, None], top_k, top_p).softmax(dim=-1)

@@ -14,6 +14,7 @@ Sync backends wait before returning; async ones return at once and are polled.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -39,19 +40,35 @@ class _TorchTransfer(Transfer):
         self.release = release
         self.started = time.perf_counter()
         self.stats: TransferStats | None = None
+        # gloo's send/recv works only learn they are complete inside wait(): a helper thread
+        # waits for them so that polling stays non-blocking. NCCL works answer is_completed().
+        self._landed: threading.Event | None = None
+        if kv_cache.device.type == "cpu":
+            self._landed = threading.Event()
+            threading.Thread(target=self._wait_works, daemon=True).start()
+
+    def _wait_works(self) -> None:
+        for work in self.works:
+            work.wait()
+        assert self._landed is not None
+        self._landed.set()
 
     def done(self) -> bool:
         if self.stats is not None:
             return True
-        if not all(w.is_completed() for w in self.works):
+        landed = self._landed.is_set() if self._landed is not None else all(w.is_completed() for w in self.works)
+        if not landed:
             return False
         self.wait()
         return True
 
     def wait(self) -> TransferStats:
         if self.stats is None:
-            for work in self.works:
-                work.wait()  # on CUDA: makes the current stream wait for the NCCL stream
+            if self._landed is not None:
+                self._landed.wait()
+            else:
+                for work in self.works:
+                    work.wait()  # makes the current stream wait for the NCCL stream
             for buffer, heads, blocks in self.on_complete:
                 self.kv_cache[:, :, blocks, :, heads] = buffer
             num_bytes = sum(b.numel() * b.element_size() for b in self.buffers)

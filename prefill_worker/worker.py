@@ -23,6 +23,7 @@ from cluster.protocol import KVAnnounce, KVReply, Message, WorkRequest
 from cluster.worker import Leader
 from engine.engine import RequestOutput
 from engine.step_plan import KVCommand
+from kvtransfer.base import Transfer
 
 _RETRY_FIRST_S = 0.002
 _RETRY_MAX_S = 0.05
@@ -46,7 +47,7 @@ class PrefillLeader(Leader):
         self.work: dict[str, WorkRequest] = {}  # until prefilled: where the KV goes, how to sample
         self.to_announce: deque[_Handoff] = deque()  # waiting for staging room or a retry
         self.announced: dict[str, _Handoff] = {}  # waiting for the decode group's reply
-        self.sending: set[str] = set()  # async sends in flight
+        self.sending: dict[str, Transfer] = {}  # sends in flight
 
     def busy(self) -> bool:
         return super().busy() or bool(self.to_announce)
@@ -89,8 +90,7 @@ class PrefillLeader(Leader):
 
     def background(self) -> None:
         assert self.agent is not None
-        for request_id in [r for r in self.sending if self.agent.done(r)]:
-            self.agent.wait(request_id)
+        for request_id in [r for r, transfer in self.sending.items() if transfer.done()]:
             self._release(request_id)
         now = time.monotonic()
         for _ in range(len(self.to_announce)):
@@ -114,6 +114,7 @@ class PrefillLeader(Leader):
         if handoff is None:
             return
         if not reply.accepted:
+            self.kv_refused += 1
             if handoff.aborted:
                 self._release(reply.request_id)
                 return
@@ -124,10 +125,9 @@ class PrefillLeader(Leader):
         assert self.agent is not None
         command = KVCommand("send", reply.request_id, handoff.block_ids, peer_group=handoff.decode_group)
         self.engine.runner.broadcast(command)
-        self.agent.execute(command)
-        self.sending.add(reply.request_id)
+        self.sending[reply.request_id] = self.agent.execute(command)
 
     def _release(self, request_id: str) -> None:
-        self.sending.discard(request_id)
+        self.sending.pop(request_id, None)
         if request_id in self.engine.held:
             self.engine.release_kv(request_id)

@@ -11,6 +11,7 @@ Invariant: every accepted request ends with exactly one terminal message to its 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -30,8 +31,11 @@ from cluster.protocol import (
     ProtocolError,
     Ready,
     Shutdown,
+    Stats,
+    StatsRequest,
     TokenOutput,
     WorkerError,
+    WorkerStats,
     WorkRequest,
     decode,
     encode,
@@ -93,6 +97,7 @@ class Router:
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.ready: set[tuple[str, int]] = set()
+        self.worker_stats: dict[str, dict[str, int]] = {}
         self.accepting = True
         self._ids = itertools.count()
 
@@ -144,6 +149,14 @@ class Router:
         except ProtocolError as e:
             self._reply(client, Error(e.request_id, e.code, e.message))
             return
+        try:
+            self._handle_client(client, message)
+        except Exception as e:  # a router bug must cost one request, never the cluster
+            logger.exception("router: failed on a %s message", message.type)
+            request_id = getattr(message, "request_id", None)
+            self._reply(client, Error(request_id, "internal_error", f"{type(e).__name__}: {e}"))
+
+    def _handle_client(self, client: bytes, message: Message) -> None:
         if isinstance(message, Generate):
             self._on_generate(client, message)
         elif isinstance(message, Abort):
@@ -154,9 +167,11 @@ class Router:
                 return
             self._abort_workers(request_id)
             self._final(request_id, "abort")
+        elif isinstance(message, StatsRequest):
+            self._reply(client, Stats(len(self.requests), dict(self.worker_stats)))
         else:
             self._reply(client, Error(getattr(message, "request_id", None), "unexpected_type",
-                                      f"clients may send generate or abort, not {message.type}"))
+                                      f"clients may send generate, abort or stats_request, not {message.type}"))
 
     def _on_generate(self, client: bytes, request: Generate) -> None:
         client_id = request.request_id or f"req-{next(self._ids)}"
@@ -230,6 +245,9 @@ class Router:
             if message.request_id in self.requests:
                 self._abort_workers(message.request_id)
                 self._terminal_error(message.request_id, message.code, message.message)
+        elif isinstance(message, WorkerStats):
+            stats = dataclasses.asdict(message)
+            self.worker_stats[f"{stats.pop('role')}{stats.pop('group')}"] = stats
         elif isinstance(message, Ready):
             self.ready.add((message.role, message.group))
             logger.info("%s group %d ready (%d KV blocks)", message.role, message.group, message.num_blocks)

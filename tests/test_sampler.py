@@ -87,3 +87,10 @@ def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> Non
     with pytest.raises(RequestError) as info:
         SamplingParams(**kwargs)
     assert info.value.field == field and field in str(info.value)
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token() -> None:
+    """A huge top_k (msgpack allows up to 2^64 - 1) must not overflow the sampler."""
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(1))
+    tokens = Sampler()(logits, [SamplingParams(temperature=1.0, top_k=2**64 - 1, seed=3)] * 2, ["a", "b"])
+    assert all(0 <= t < 10 for t in tokens)

@@ -1,0 +1,244 @@
+"""The real multi-process cluster on CPU (gloo), against the single-process engine.
+
+Each fixture starts ``python launch.py ...`` as a subprocess (router + every rank), talks to it
+through the client library only, and stops it with SIGTERM, checking that it exits 0.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from cluster.client import Chunk, Client, ClusterError, Final
+from cluster.group import free_port
+from engine.config import CacheConfig, EngineConfig
+from engine.engine import LLMEngine
+from engine.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+MAX_MODEL_LEN = 512
+
+
+class RunningCluster:
+    """``launch.py`` in a subprocess; its output goes to a file (a pipe nobody reads would fill)."""
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self.port = free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "launch.py", "--port", str(self.port), "--max-model-len", str(MAX_MODEL_LEN), *args],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 300
+        while "endpoint " not in self.output():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"cluster did not start:\n{self.output()[-4000:]}")
+            time.sleep(0.2)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, timeout: float = 120.0) -> Client:
+        return Client(self.endpoint, timeout)
+
+    def stop(self, timeout: float = 120.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def cluster_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    started: list[RunningCluster] = []
+
+    def start(*args: str) -> RunningCluster:
+        cluster = RunningCluster(list(args), tmp_path_factory.mktemp("cluster") / "launch.log")
+        started.append(cluster)
+        return cluster
+
+    yield start
+    for cluster in started:
+        if cluster.proc.poll() is None:
+            cluster.proc.kill()
+
+
+def oracle(model_dir: Path, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", max_model_len=MAX_MODEL_LEN,
+                                    cache=CacheConfig(num_blocks=256)))
+    return engine.generate(prompts, params)
+
+
+def mixed_requests(vocab: int, n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.choice([1, 5, 16, 17, 40, 90]))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randrange(1, 30), temperature=0.0, ignore_eos=True) for _ in range(n)]
+    return prompts, params
+
+
+def run_concurrently(client: Client, prompts: list[list[int]], params: list[SamplingParams]) -> list[Final]:
+    """Submit every request at once (streaming), then check each stream and return its Final."""
+    ids = [client.submit(token_ids=p, stream=True, max_tokens=sp.max_tokens, temperature=0.0,
+                         ignore_eos=sp.ignore_eos) for p, sp in zip(prompts, params)]
+    finals = []
+    for request_id in ids:
+        chunks: list[Chunk] = []
+        for message in client.chunks(request_id):
+            if isinstance(message, Chunk):
+                chunks.append(message)
+            else:
+                assert [t for c in chunks for t in c.token_ids] == message.token_ids, "chunks out of order"
+                assert "".join(c.text for c in chunks) == message.text
+                finals.append(message)
+    return finals
+
+
+def wait_until_idle(client: Client, timeout: float = 60.0) -> dict[str, dict[str, int]]:
+    """Poll stats until nothing is in flight and every group's blocks are all free again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = client.stats()
+        groups = stats.groups
+        if stats.requests_in_flight == 0 and groups and all(
+            g["free_blocks"] == g["num_blocks"] and g["kv_held"] == 0 for g in groups.values()
+        ):
+            return groups
+        assert time.monotonic() < deadline, f"cluster not idle: {stats}"
+        time.sleep(0.3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transfer", ["gloo", "gloo-async"])
+def test_2p1d_matches_single_process_then_survives_bad_input_and_aborts(
+    cluster_factory, tiny_model_dirs: dict[str, Path], transfer: str
+) -> None:
+    model_dir = tiny_model_dirs["tiny-llama-odd"]  # 9 query / 3 KV heads: tp 2 splits them unevenly
+    cluster = cluster_factory("--model", str(model_dir), "--prefill-tp", "2", "--decode-tp", "1",
+                              "--transfer", transfer, "--num-blocks", "200")
+    prompts, params = mixed_requests(500, 16, seed=1)
+    expected = oracle(model_dir, prompts, params)
+    with cluster.client() as client:
+        finals = run_concurrently(client, prompts, params)
+        assert [f.token_ids for f in finals] == expected
+        assert all(f.finish_reason == "length" for f in finals)
+        decoded = next(f for f in finals if len(f.token_ids) > 1)  # went through both groups
+        assert {"queue", "prefill", "transfer", "transfer_bytes", "decode", "first_token", "total"} <= set(decoded.timings)
+
+        # Abort mid-stream: the client gets an "abort" final; every block on both sides comes back.
+        request_id = client.submit(token_ids=prompts[5], stream=True, max_tokens=400, temperature=0.0, ignore_eos=True)
+        chunks = client.chunks(request_id)
+        next(chunks)
+        next(chunks)
+        client.abort(request_id)
+        tail = list(chunks)
+        assert isinstance(tail[-1], Final) and tail[-1].finish_reason == "abort"
+        groups = wait_until_idle(client)
+        assert set(groups) == {"prefill0", "decode0"}
+
+        # Bad input at the socket: each gets an error naming the problem; a request beside them completes.
+        good = client.submit(token_ids=prompts[3], stream=False, max_tokens=8, temperature=0.0, ignore_eos=True)
+        bad_inputs = {
+            b"\xff\x00garbage": "malformed",
+            msgpack.packb([1, 2, 3]): "malformed",
+            msgpack.packb({"type": "teleport", "version": 1}): "unknown_type",
+            msgpack.packb({"type": "generate", "version": 99, "token_ids": [1]}): "unsupported_version",
+            msgpack.packb({"type": "generate", "version": 1, "token_ids": [1], "colour": "red"}): "unknown_field",
+            msgpack.packb({"type": "generate", "version": 1, "token_ids": "abc"}): "invalid_field",
+        }
+        for data, code in bad_inputs.items():
+            client.send_raw(data)
+            reply = client.receive()
+            while getattr(reply, "request_id", None) == good:  # the good request's reply may come first
+                client._buffered.setdefault(good, []).append(reply)
+                reply = client.receive()
+            assert reply.type == "error" and reply.code == code, (data, reply)
+        invalid = {
+            "token_ids": {"token_ids": [1, 2, 10_000]},
+            "max_tokens": {"token_ids": list(range(100)), "max_tokens": MAX_MODEL_LEN},
+            "temperature": {"token_ids": [1], "temperature": -1.0},
+            "top_p": {"token_ids": [1], "top_p": 0.0},
+            "top_k": {"token_ids": [1], "top_k": 0},
+            "prompt": {"prompt": "text needs a tokenizer"},
+        }
+        for field, kwargs in invalid.items():
+            with pytest.raises(ClusterError) as info:
+                client.generate(**kwargs)
+            assert info.value.code == "invalid_request" and field in str(info.value)
+        assert client.result(good).token_ids == oracle(model_dir, [prompts[3]], [SamplingParams(
+            max_tokens=8, temperature=0.0, ignore_eos=True)])[0]
+        wait_until_idle(client)
+    assert cluster.stop() == 0, cluster.output()[-4000:]
+
+
+@pytest.mark.slow
+def test_decode_back_pressure_makes_prefill_wait(cluster_factory, tiny_model_dirs: dict[str, Path]) -> None:
+    """A decode pool of 32 blocks (512 tokens) cannot take 16 requests of up to 210 tokens at once:
+    the decode side refuses, the prefill side keeps the KV and retries, and every request completes."""
+    model_dir = tiny_model_dirs["tiny-qwen2"]
+    cluster = cluster_factory("--model", str(model_dir), "--prefill-tp", "1", "--decode-tp", "2",
+                              "--transfer", "gloo-async", "--num-blocks", "32")
+    prompts, params = mixed_requests(512, 16, seed=2)
+    params = [SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)] * 16
+    expected = oracle(model_dir, prompts, params)
+    with cluster.client() as client:
+        finals = run_concurrently(client, prompts, params)
+        assert [f.token_ids for f in finals] == expected
+        groups = wait_until_idle(client)
+        assert groups["prefill0"]["kv_refused"] > 0, "the decode side never refused: no back-pressure tested"
+    assert cluster.stop() == 0
+
+
+@pytest.mark.slow
+def test_demo_model_text_prompts_and_colocated_mode_agree(cluster_factory, demo_model_dir: Path) -> None:
+    """Text in, text out, on the real demo model: disaggregated (2p1d, async) and colocated
+    (chunked prefill) give the single-process engine's greedy tokens."""
+    from transformers import AutoTokenizer
+
+    from engine.tokenization import encode_prompt
+
+    questions = ["What is the capital of France?", "Name a colour.", "Count to five.", "Say hi. ☃ 日本"] * 4
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    prompts = [encode_prompt(tokenizer, q) for q in questions]
+    params = [SamplingParams(max_tokens=12, temperature=0.0)] * len(prompts)
+    expected = oracle(demo_model_dir, prompts, params)
+    for mode_args in (["--prefill-tp", "2", "--decode-tp", "1", "--transfer", "gloo-async"],
+                      ["--mode", "colocated", "--colocated-groups", "1", "--max-num-seqs", "8"]):
+        cluster = cluster_factory("--model", "demo", "--num-blocks", "400", *mode_args)
+        with cluster.client() as client:
+            ids = [client.submit(q, stream=True, max_tokens=12, temperature=0.0) for q in questions]
+            finals = [client.result(i) for i in ids]
+            assert [f.token_ids for f in finals] == expected, mode_args
+            assert [f.text for f in finals] == [tokenizer.decode(t, skip_special_tokens=True) for t in expected]
+            wait_until_idle(client)
+        assert cluster.stop() == 0
+
+
+@pytest.mark.slow
+def test_sigterm_under_load_ends_every_request_and_exits_zero(cluster_factory, tiny_model_dirs: dict[str, Path]) -> None:
+    cluster = cluster_factory("--model", str(tiny_model_dirs["tiny-llama"]), "--prefill-tp", "1", "--decode-tp", "1",
+                              "--drain-timeout", "3", "--num-blocks", "200")
+    client = cluster.client(timeout=60)
+    short = [client.submit(token_ids=[1, 2, 3], max_tokens=5, temperature=0.0, ignore_eos=True) for _ in range(4)]
+    endless = [client.submit(token_ids=[4, 5, 6], max_tokens=450, temperature=0.0, ignore_eos=True) for _ in range(4)]
+    time.sleep(1.0)
+    cluster.proc.send_signal(signal.SIGTERM)
+    for request_id in short:
+        assert len(client.result(request_id).token_ids) == 5
+    outcomes = []
+    for request_id in endless:
+        try:
+            outcomes.append(client.result(request_id).finish_reason)
+        except ClusterError as e:
+            outcomes.append(e.code)
+    assert set(outcomes) <= {"length", "shutdown"}
+    cluster.proc.wait(timeout=90)
+    assert cluster.proc.returncode == 0
+    client.close()

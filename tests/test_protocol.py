@@ -1,0 +1,395 @@
+"""The wire codec: every message round-trips, and bad bytes become ``ProtocolError`` with the
+error code the router sends back (never another exception). Pure unit tests: no sockets."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import msgpack
+import pytest
+
+from cluster import protocol
+from cluster.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Chunk,
+    Error,
+    Final,
+    Generate,
+    KVAnnounce,
+    KVReply,
+    Message,
+    ProtocolError,
+    Ready,
+    Sampling,
+    Shutdown,
+    TokenOutput,
+    WorkerError,
+    WorkRequest,
+    decode,
+    encode,
+)
+
+
+def pack(body: Any) -> bytes:
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode_error(data: bytes) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        decode(data)
+    return info.value
+
+
+def generate(**fields: Any) -> bytes:
+    return pack({"type": "generate", "version": PROTOCOL_VERSION, "request_id": "r1", **fields})
+
+
+# -- round trips -------------------------------------------------------------------------------
+
+SAMPLING = Sampling(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=123, stop_token_ids=[2, 3],
+                    ignore_eos=True)
+
+MESSAGES: list[Message] = [
+    Generate(),
+    Generate(request_id="r1", prompt="héllo ✓", sampling=SAMPLING, stream=False, chat=False),
+    Generate(request_id="r2", token_ids=[1, 2, 3]),
+    Abort("r1"),
+    Chunk("r1", [5, 6], "ab"),
+    Chunk("r1", [], ""),
+    Final("r1", "length", [5, 6, 7], "abc", {"prompt_tokens": 3, "completion_tokens": 3},
+          {"queue": 0.001, "prefill": 0.02, "transfer": 0.003, "transfer_bytes": 4096.0, "decode": 0.1,
+           "first_token": 0.025, "total": 0.13}),
+    Final("r1", "abort", [], "", {"prompt_tokens": 3, "completion_tokens": 0}, {"total": 0.5}),
+    Error("r1", "invalid_request", "max_tokens: must be an integer >= 1, got 0"),
+    Error(None, "malformed", "not a msgpack message: ExtraData"),
+    WorkRequest("7", [1, 2, 3], SAMPLING, decode_group=1),
+    WorkRequest("8", [1], Sampling(), decode_group=-1),
+    TokenOutput("7", 0, [9]),
+    TokenOutput("7", 1, [10, 11], finished=True, finish_reason="stop", timings={"decode": 0.01}),
+    WorkerError("7", "invalid_request", "prompt_token_ids: token id 9999 is outside the vocabulary"),
+    KVAnnounce("7", 0, [1, 2, 3], 9, SAMPLING, {"queue": 0.0, "prefill": 0.01}),
+    KVAnnounce("8", 1, [1], 4, Sampling()),
+    KVReply("7", accepted=True),
+    KVReply("7", accepted=False),
+    Ready("prefill", 0, 1024),
+    Shutdown(),
+]
+
+
+# The stats messages are being added beside this file; cover them when they are there.
+if hasattr(protocol, "StatsRequest"):
+    MESSAGES += [
+        protocol.StatsRequest(),
+        protocol.Stats(2, {"prefill0": {"num_blocks": 64, "free_blocks": 60, "running": 1, "waiting": 0,
+                                        "kv_held": 1, "kv_refused": 0}}),
+        protocol.Stats(0, {}),
+        protocol.WorkerStats("decode", 0, 64, 10, 3, 1, 2, 0),
+    ]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: m.type)
+def test_every_message_round_trips(message: Message) -> None:
+    data = encode(message)
+    assert isinstance(data, bytes)
+    decoded = decode(data)
+    assert type(decoded) is type(message)
+    assert decoded == message
+
+
+def test_every_registered_type_is_covered() -> None:
+    assert {m.type for m in MESSAGES} == set(protocol._TYPES)
+    assert {"generate", "abort", "chunk", "final", "error", "work", "tokens", "worker_error", "kv_announce",
+            "kv_reply", "ready", "shutdown"} <= set(protocol._TYPES)
+
+
+def test_wire_form_is_a_plain_map_with_type_and_version() -> None:
+    body = msgpack.unpackb(encode(Generate(request_id="r1", token_ids=[1], sampling=SAMPLING)), raw=False)
+    assert body == {
+        "type": "generate", "version": 1, "request_id": "r1", "prompt": None, "token_ids": [1],
+        "sampling": {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "seed": 123,
+                     "stop_token_ids": [2, 3], "ignore_eos": True},
+        "stream": True, "chat": True,
+    }
+    assert PROTOCOL_VERSION == 1
+
+
+def test_defaults_fill_absent_fields() -> None:
+    message = decode(pack({"type": "generate", "version": 1, "prompt": "hi"}))
+    assert message == Generate(request_id=None, prompt="hi", token_ids=None, sampling=Sampling(), stream=True,
+                               chat=True)
+    assert Sampling() == Sampling(max_tokens=16, temperature=1.0, top_p=1.0, top_k=-1, seed=None,
+                                  stop_token_ids=[], ignore_eos=False)
+    partial = decode(generate(sampling={"temperature": 0.0}))
+    assert partial.sampling == Sampling(temperature=0.0)
+
+
+def test_nulls_are_accepted_for_optional_fields() -> None:
+    message = decode(generate(request_id=None, prompt=None, token_ids=[4], sampling={"seed": None}))
+    assert message.request_id is None and message.prompt is None and message.sampling.seed is None
+
+
+# -- numbers -----------------------------------------------------------------------------------
+
+
+def test_an_int_is_accepted_for_a_float_field() -> None:
+    message = decode(generate(prompt="x", sampling={"temperature": 0, "top_p": 1}))
+    assert message.sampling.temperature == 0.0 and type(message.sampling.temperature) is float
+    assert message.sampling.top_p == 1.0 and type(message.sampling.top_p) is float
+
+
+def test_single_precision_floats_are_accepted() -> None:
+    data = msgpack.packb({"type": "generate", "version": 1, "sampling": {"top_p": 0.5}}, use_single_float=True)
+    assert decode(data).sampling.top_p == 0.5
+
+
+def test_a_float_is_refused_for_an_int_field() -> None:
+    error = decode_error(generate(sampling={"max_tokens": 4.0}))
+    assert error.code == "invalid_field" and "max_tokens" in error.message
+
+
+# -- malformed ---------------------------------------------------------------------------------
+
+GARBAGE = [
+    b"",  # empty frame
+    b"\xc1",  # the one byte msgpack never uses
+    b"\x81",  # a map of one entry, cut off
+    pack({"type": "abort", "version": 1, "request_id": "r1"})[:-3],  # truncated in a string
+    pack({"type": "generate", "version": 1, "token_ids": list(range(100))})[:20],  # truncated in an array
+    pack({"type": "abort", "version": 1, "request_id": "r1"}) + b"\x00",  # trailing bytes
+    b"\xa3\xff\xfe\xfd",  # a string that is not UTF-8
+    b"\x81\x01\x02",  # {1: 2}: map keys must be strings
+    b"\x81\x80\x01",  # {{}: 1}: a map as a key
+    b"\xdd\xff\xff\xff\xff",  # a 4-billion-element array announced, no data
+    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"\x80\x04\x95\x00\x00\x00\x00",  # the start of a pickle
+]
+
+
+@pytest.mark.parametrize("data", GARBAGE, ids=range(len(GARBAGE)))
+def test_garbage_bytes_are_malformed(data: bytes) -> None:
+    error = decode_error(data)
+    assert error.code == "malformed"
+    assert error.request_id is None
+
+
+@pytest.mark.parametrize("body", [[1, 2, 3], ["generate", 1], 7, -1, 1.5, "generate", b"bytes", None, True])
+def test_a_msgpack_value_that_is_not_a_map_is_malformed(body: Any) -> None:
+    error = decode_error(pack(body))
+    assert error.code == "malformed"
+    assert "map" in error.message
+
+
+def test_a_nested_map_with_int_keys_is_malformed() -> None:
+    assert decode_error(generate(sampling={1: 2})).code == "malformed"
+
+
+# -- type and version --------------------------------------------------------------------------
+
+
+def test_a_map_without_type_is_an_unknown_type() -> None:
+    error = decode_error(pack({"version": 1, "request_id": "r1", "prompt": "hi"}))
+    assert error.code == "unknown_type"
+    assert error.request_id == "r1"
+    assert decode_error(pack({})).code == "unknown_type"
+
+
+@pytest.mark.parametrize("kind", ["generat", "GENERATE", "", "Message", 3, None, 1.5, b"generate"])
+def test_an_unknown_type_is_refused(kind: Any) -> None:
+    error = decode_error(pack({"type": kind, "version": 1, "request_id": "r1"}))
+    assert error.code == "unknown_type"
+    assert error.request_id == "r1"
+
+
+@pytest.mark.parametrize("version", [0, 2, -1, "1", None, [1]])
+def test_a_wrong_version_is_refused(version: Any) -> None:
+    error = decode_error(pack({"type": "generate", "version": version, "request_id": "r1", "prompt": "hi"}))
+    assert error.code == "unsupported_version"
+    assert error.request_id == "r1"
+
+
+def test_a_missing_version_is_refused() -> None:
+    error = decode_error(pack({"type": "abort", "request_id": "r1"}))
+    assert error.code == "unsupported_version"
+    assert error.request_id == "r1"
+
+
+# -- fields ------------------------------------------------------------------------------------
+
+
+def test_an_unknown_field_is_named() -> None:
+    error = decode_error(generate(prompt="hi", max_tokens=5))
+    assert error.code == "unknown_field"
+    assert "'max_tokens'" in error.message
+    assert error.request_id == "r1"
+
+
+def test_an_unknown_sampling_key_is_named() -> None:
+    error = decode_error(generate(prompt="hi", sampling={"temperature": 0.0, "frequency_penalty": 1.0}))
+    assert error.code == "unknown_field"
+    assert "'frequency_penalty'" in error.message and "sampling" in error.message
+    assert error.request_id == "r1"
+
+
+def test_an_unknown_field_on_a_server_message_is_refused() -> None:
+    body = msgpack.unpackb(encode(Chunk("r1", [1], "a")), raw=False)
+    error = decode_error(pack({**body, "extra": 1}))
+    assert error.code == "unknown_field" and "'extra'" in error.message
+
+
+@pytest.mark.parametrize(("body", "name"), [
+    ({"type": "abort", "version": 1}, "request_id"),
+    ({"type": "chunk", "version": 1, "request_id": "r1", "token_ids": [1]}, "text"),
+    ({"type": "error", "version": 1, "request_id": None, "code": "malformed"}, "message"),
+    ({"type": "kv_reply", "version": 1, "request_id": "r1"}, "accepted"),
+    ({"type": "ready", "version": 1, "role": "decode", "group": 0}, "num_blocks"),
+])
+def test_a_missing_required_field_is_named(body: dict, name: str) -> None:
+    error = decode_error(pack(body))
+    assert error.code == "missing_field"
+    assert repr(name) in error.message
+
+
+def test_error_request_id_is_required_but_may_be_null() -> None:
+    assert decode(pack({"type": "error", "version": 1, "request_id": None, "code": "c", "message": "m"})) == \
+        Error(None, "c", "m")
+    assert decode_error(pack({"type": "error", "version": 1, "code": "c", "message": "m"})).code == "missing_field"
+
+
+@pytest.mark.parametrize(("fields", "name"), [
+    ({"sampling": {"max_tokens": "16"}}, "max_tokens"),  # string where int
+    ({"sampling": {"top_k": True}}, "top_k"),  # bool where int
+    ({"sampling": {"seed": False}}, "seed"),  # bool where int-or-null
+    ({"sampling": {"temperature": "0.5"}}, "temperature"),  # string where float
+    ({"sampling": {"temperature": True}}, "temperature"),  # bool where float
+    ({"sampling": {"stop_token_ids": ["2"]}}, "stop_token_ids"),  # list of str where list of int
+    ({"sampling": {"stop_token_ids": 2}}, "stop_token_ids"),  # int where list
+    ({"sampling": {"ignore_eos": 1}}, "ignore_eos"),  # int where bool
+    ({"sampling": [16, 1.0]}, "sampling"),  # nested sampling not a map
+    ({"sampling": "greedy"}, "sampling"),
+    ({"sampling": None}, "sampling"),
+    ({"token_ids": ["1", "2"]}, "token_ids"),  # list of str where list of int
+    ({"token_ids": [1, True]}, "token_ids"),  # bool inside a list of int
+    ({"token_ids": [1.0, 2.0]}, "token_ids"),
+    ({"token_ids": "1 2 3"}, "token_ids"),
+    ({"token_ids": {"0": 1}}, "token_ids"),
+    ({"prompt": 42}, "prompt"),
+    ({"prompt": b"raw bytes"}, "prompt"),  # msgpack bin is not a string
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"stream": "yes"}, "stream"),
+    ({"stream": None}, "stream"),
+    ({"chat": 0}, "chat"),
+])
+def test_a_field_of_the_wrong_type_is_invalid(fields: dict, name: str) -> None:
+    error = decode_error(generate(**fields))
+    assert error.code == "invalid_field"
+    assert repr(name) in error.message
+    assert error.request_id == "r1"
+
+
+@pytest.mark.parametrize("request_id", [7, True, ["r1"], {"id": "r1"}, b"r1", 1.5])
+def test_a_non_string_request_id_is_invalid_and_not_carried(request_id: Any) -> None:
+    error = decode_error(pack({"type": "abort", "version": 1, "request_id": request_id}))
+    assert error.code == "invalid_field" and "request_id" in error.message
+    assert error.request_id is None
+
+
+def test_null_request_id_is_refused_where_required() -> None:
+    error = decode_error(pack({"type": "abort", "version": 1, "request_id": None}))
+    assert error.code == "invalid_field"
+    assert error.request_id is None
+
+
+# -- request_id on errors ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("body", "code"), [
+    ({"type": "nope", "version": 1}, "unknown_type"),
+    ({"version": 1}, "unknown_type"),
+    ({"type": "generate", "version": 9}, "unsupported_version"),
+    ({"type": "generate", "version": 1, "bogus": 1}, "unknown_field"),
+    ({"type": "generate", "version": 1, "sampling": {"bogus": 1}}, "unknown_field"),
+    ({"type": "generate", "version": 1, "stream": "no"}, "invalid_field"),
+    ({"type": "generate", "version": 1, "sampling": {"top_k": "5"}}, "invalid_field"),
+    ({"type": "generate", "version": 1, "sampling": 5}, "invalid_field"),
+    ({"type": "chunk", "version": 1, "token_ids": []}, "missing_field"),
+])
+def test_the_request_id_of_a_bad_message_is_carried_on_the_error(body: dict, code: str) -> None:
+    error = decode_error(pack({**body, "request_id": "abc-1"}))
+    assert error.code == code
+    assert error.request_id == "abc-1"
+
+
+def test_no_request_id_is_carried_when_the_message_has_none() -> None:
+    assert decode_error(pack({"type": "chunk", "version": 1, "token_ids": [], "text": ""})).request_id is None
+    assert decode_error(pack({"type": "generate", "version": 1, "bogus": 1})).request_id is None
+
+
+def test_a_protocol_error_is_a_value_error_with_code_and_message() -> None:
+    error = decode_error(pack({"type": "nope", "version": 1}))
+    assert isinstance(error, ValueError)
+    assert error.message == str(error) and error.code == "unknown_type"
+
+
+# -- property: arbitrary bytes -----------------------------------------------------------------
+
+
+def _random_inputs(rng: random.Random) -> list[bytes]:
+    valid = [encode(m) for m in MESSAGES]
+    inputs = []
+    for i in range(200):
+        kind = i % 4
+        if kind == 0:  # pure noise
+            inputs.append(bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 64))))
+        elif kind == 1:  # a valid message, truncated
+            data = rng.choice(valid)
+            inputs.append(data[: rng.randrange(0, len(data))])
+        elif kind == 2:  # a valid message with a few bytes flipped
+            data = bytearray(rng.choice(valid))
+            for _ in range(rng.randint(1, 4)):
+                data[rng.randrange(len(data))] = rng.getrandbits(8)
+            inputs.append(bytes(data))
+        else:  # a map header followed by noise
+            inputs.append(bytes([0x80 | rng.randrange(1, 16)])
+                          + bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 48))))
+    return inputs
+
+
+def test_random_bytes_never_raise_anything_but_protocol_error() -> None:
+    rng = random.Random(20240601)
+    outcomes = {"decoded": 0}
+    for data in _random_inputs(rng):
+        try:
+            message = decode(data)
+        except ProtocolError as e:
+            assert isinstance(e.code, str) and e.code
+            assert e.request_id is None or isinstance(e.request_id, str)
+            outcomes[e.code] = outcomes.get(e.code, 0) + 1
+        else:
+            assert isinstance(message, Message)
+            outcomes["decoded"] += 1
+    assert outcomes.get("malformed", 0) > 0  # the generator does reach the codec's error paths
+
+
+# -- decode raises only ProtocolError, whatever the values' types ---------------------------------
+
+
+@pytest.mark.parametrize("kind", [["generate"], {"a": 1}])
+def test_an_unhashable_type_value_is_an_unknown_type(kind: Any) -> None:
+    error = decode_error(pack({"type": kind, "version": 1, "request_id": "r1"}))
+    assert error.code == "unknown_type"
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_non_string_keys_are_malformed(nested: bool) -> None:
+    extra = {b"k": 1, "z": 2}
+    body = {"type": "generate", "version": 1, "request_id": "r1"}
+    body.update({"sampling": extra} if nested else extra)
+    assert decode_error(pack(body)).code == "malformed"
+
+
+@pytest.mark.parametrize("version", [True, 1.0])
+def test_version_must_be_the_integer_1(version: Any) -> None:
+    error = decode_error(pack({"type": "abort", "version": version, "request_id": "r1"}))
+    assert error.code == "unsupported_version"

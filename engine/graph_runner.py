@@ -24,9 +24,11 @@ logger = logging.getLogger(__name__)
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
-    """1, 2, 4, then every multiple of 8 up to ``max_batch_size`` (as vLLM does)."""
-    small = [b for b in (1, 2, 4) if b <= max_batch_size]
-    return small + list(range(8, max_batch_size + 1, 8))
+    """1, 2, 4, then multiples of 8 (as vLLM does), the last one covering ``max_batch_size``."""
+    buckets = [b for b in (1, 2, 4) if b < max_batch_size]
+    if max_batch_size <= 4:
+        return buckets + [max_batch_size]
+    return buckets + list(range(8, -(-max_batch_size // 8) * 8 + 1, 8))
 
 
 class CudaGraphRunner:

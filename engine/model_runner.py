@@ -191,6 +191,10 @@ class ModelRunner:
         """
         plan = self.plan(batch)
         plan.kv_ready = kv_ready or []
+        return self.step(plan)
+
+    def step(self, plan: StepPlan) -> torch.Tensor:
+        """Leader: send a ready plan to the TP peers and run it; the logits of its sampled rows."""
         if self._sender is not None:
             self._sender.send(plan)
         logits = self.run(plan)

@@ -1,0 +1,162 @@
+"""Serve N concurrent greedy requests through real clusters and compare them with one engine.
+
+    python -m bench.cluster_check --model qwen2.5-1.5b --devices 0,1 --out check.json
+
+For each topology (disaggregated with sync and async NCCL transfer, colocated), starts
+``launch.py`` as a subprocess, submits every request at once (streaming), and records each
+request's output tokens, time to first token and inter-token gaps. The reference is the
+single-process engine on the first device with the same prompts. Greedy bf16 decoding may
+legitimately diverge after a near-tie (different batch shapes round differently), so the
+report gives exact matches and the matching prefix, not only a pass/fail.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import torch
+
+from cluster.client import Chunk, Client
+from cluster.group import free_port
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.presets import resolve_model
+from engine.sampling import SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def start_cluster(model: str, args: list[str], max_model_len: int, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "launch.py", "--model", model, "--port", str(port),
+                                 "--max-model-len", str(max_model_len), *args],
+                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while "endpoint " not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"cluster {args} did not start:\n{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.5)
+    return proc, f"tcp://127.0.0.1:{port}"
+
+
+def serve(endpoint: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """Submit every prompt at once; per request: tokens, TTFT and inter-token gaps (seconds)."""
+    with Client(endpoint, timeout=600) as client:
+        sent = time.monotonic()
+        ids = [client.submit(token_ids=p, stream=True, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+               for p in prompts]
+        records: dict[str, dict] = {i: {"arrivals": []} for i in ids}
+        pending = set(ids)
+        while pending:
+            message = client.receive()
+            record = records[message.request_id]
+            if isinstance(message, Chunk):
+                record["arrivals"].append(time.monotonic())
+            elif message.type == "final":
+                record.update(tokens=message.token_ids, timings=message.timings)
+                pending.discard(message.request_id)
+            else:
+                raise RuntimeError(f"request failed: {message}")
+    out = []
+    for request_id in ids:
+        arrivals = records[request_id]["arrivals"]
+        out.append({
+            "tokens": records[request_id]["tokens"],
+            "ttft": arrivals[0] - sent,
+            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])],
+            "transfer": records[request_id]["timings"].get("transfer"),
+        })
+    return out
+
+
+def agreement(reference: list[list[int]], got: list[list[int]]) -> dict[str, float]:
+    prefixes = []
+    for ref, out in zip(reference, got):
+        same = next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
+        prefixes.append(same / max(1, len(ref)))
+    return {"exact": sum(r == g for r, g in zip(reference, got)) / len(reference),
+            "mean_prefix": statistics.mean(prefixes)}
+
+
+@click.command()
+@click.option("--model", default="qwen2.5-1.5b")
+@click.option("--devices", default="0,1")
+@click.option("--num-requests", default=64, show_default=True)
+@click.option("--max-tokens", default=64, show_default=True)
+@click.option("--max-model-len", default=4096, show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False), default="cluster_check.json")
+def main(model: str, devices: str, num_requests: int, max_tokens: int, max_model_len: int, out: str) -> None:
+    model_dir = str(resolve_model(model))
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(0)
+    lengths = [n for n in (16, 100, 500, 1000, 2000) if n + max_tokens <= max_model_len]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.choice(lengths))] for _ in range(num_requests)]
+    first_device = devices.split(",")[0] if devices else None
+    engine = LLMEngine(EngineConfig(model=model_dir, max_model_len=max_model_len,
+                                    device=f"cuda:{first_device}" if first_device else "cpu"))
+    reference = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    engine.close()
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the clusters' ranks need this device's memory
+    device_args = ["--devices", devices] if devices else []
+    topologies = {
+        "disagg-nccl": ["--transfer", "nccl", *device_args],
+        "disagg-nccl-async": ["--transfer", "nccl-async", *device_args],
+        "colocated-2x1": ["--mode", "colocated", "--colocated-groups", "2", *device_args],
+    }
+    if not devices:
+        topologies = {"disagg-gloo": ["--transfer", "gloo"], "colocated": ["--mode", "colocated"]}
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, args in topologies.items():
+            proc, endpoint = start_cluster(model, args, max_model_len, Path(tmp) / f"{name}.log")
+            try:
+                records = serve(endpoint, prompts, max_tokens)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                code = proc.wait(timeout=300)
+            gaps = [g for r in records for g in r["gaps"]]
+            ttfts = [r["ttft"] for r in records]
+            transfers = [r["transfer"] for r in records if r["transfer"] is not None]
+            results[name] = {
+                "exit_code": code,
+                **agreement(reference, [r["tokens"] for r in records]),
+                "ttft_ms": {q: percentile(ttfts, q) * 1e3 for q in (50, 90, 99)},
+                "itl_ms": {q: percentile(gaps, q) * 1e3 for q in (50, 90, 99)},
+                "transfer_ms_mean": statistics.mean(transfers) * 1e3 if transfers else None,
+            }
+    print(f"{num_requests} concurrent requests, prompts of {lengths} tokens, {max_tokens} output tokens each")
+    print(f"{'topology':20} {'exit':>4} {'exact':>6} {'prefix':>7} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} "
+          f"{'p90':>7} {'p99':>7} {'xfer ms':>8}")
+    for name, r in results.items():
+        xfer = f"{r['transfer_ms_mean']:.2f}" if r["transfer_ms_mean"] is not None else "-"
+        print(f"{name:20} {r['exit_code']:>4} {r['exact']:>6.2f} {r['mean_prefix']:>7.3f} {r['ttft_ms'][50]:>9.1f} "
+              f"{r['ttft_ms'][99]:>8.1f} {r['itl_ms'][50]:>8.2f} {r['itl_ms'][90]:>7.2f} {r['itl_ms'][99]:>7.2f} {xfer:>8}")
+    Path(out).write_text(json.dumps({"model": model, "devices": devices, "num_requests": num_requests,
+                                     "max_tokens": max_tokens, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

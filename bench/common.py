@@ -1,0 +1,280 @@
+"""Helpers shared by the engine benchmarks and the GPU tests.
+
+Step plans built straight on a ``ModelRunner``'s block pool (no scheduler), per-step timing,
+run metadata, and a tensor-parallel group harness whose leader runs a task on its runner
+while the peers follow its steps.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import transformers
+
+from cluster.group import RankProcesses, RankSpec, free_port, group_specs, init_distributed
+from engine.config import EngineConfig, ModelConfig
+from engine.model_runner import ModelRunner
+from engine.presets import ensure_preset_model
+from engine.step_plan import StepPlan
+
+# Device-to-device copy ceiling of one H200 (bytes read + written), /work/shared/ENVIRONMENT.md.
+H200_BANDWIDTH = 4.29e12
+
+
+def parse_ints(text: str) -> list[int]:
+    """``"1,8,32"`` -> ``[1, 8, 32]``."""
+    values = [int(part) for part in text.split(",") if part.strip()]
+    if not values or min(values) < 1:
+        raise ValueError(f"expected a comma-separated list of positive integers, got {text!r}")
+    return values
+
+
+def model_dir(preset: str, model: str | None, dtype: str, device: torch.device) -> Path:
+    """The checkpoint to benchmark: ``model`` if given, else preset ``preset`` with random weights."""
+    if model is not None:
+        return Path(model)
+    # On a GPU the weights are drawn there: a 7B is seconds instead of minutes.
+    return ensure_preset_model(preset, dtype=dtype, device=device.type)
+
+
+# -- plans on a runner's pool -------------------------------------------------------------
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def block_tables(lengths: Sequence[int], block_size: int, num_blocks: int,
+                 generator: torch.Generator) -> list[list[int]]:
+    """Distinct pool blocks for sequences of ``lengths`` tokens, in shuffled order (as a busy pool has)."""
+    needed = [blocks_for(n, block_size) for n in lengths]
+    if sum(needed) > num_blocks:
+        raise ValueError(f"{sum(needed)} blocks needed, the pool has {num_blocks}")
+    perm = torch.randperm(num_blocks, generator=generator).tolist()
+    tables, start = [], 0
+    for n in needed:
+        tables.append(perm[start:start + n])
+        start += n
+    return tables
+
+
+def _padded(tables: list[list[int]]) -> list[list[int]]:
+    width = max(len(t) for t in tables)
+    return [t + [0] * (width - len(t)) for t in tables]
+
+
+def decode_plan(tables: list[list[int]], context_lens: Sequence[int], block_size: int,
+                token_ids: Sequence[int]) -> StepPlan:
+    """One decode step: sequence ``b`` adds its token at position ``context_lens[b] - 1``."""
+    positions = [c - 1 for c in context_lens]
+    slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)]
+    batch = len(tables)
+    return StepPlan(
+        input_ids=list(token_ids), positions=positions, slot_mapping=slots, block_tables=_padded(tables),
+        context_lens=list(context_lens), cu_seqlens_q=list(range(batch + 1)), sample_rows=list(range(batch)),
+        is_decode=True,
+    )
+
+
+def uniform_decode_plan(runner: ModelRunner, token_ids: Sequence[int], context: int,
+                        generator: torch.Generator) -> StepPlan:
+    """A decode step of ``len(token_ids)`` sequences of context ``context`` each, in distinct
+    shuffled blocks of ``runner``'s pool."""
+    tables = block_tables([context] * len(token_ids), runner.block_size, runner.num_blocks, generator)
+    return decode_plan(tables, [context] * len(token_ids), runner.block_size, token_ids)
+
+
+def prefill_plan(tables: list[list[int]], prompts: Sequence[Sequence[int]], block_size: int,
+                 all_rows: bool = False) -> StepPlan:
+    """Whole prompts in one step; samples each prompt's last token, or every token if ``all_rows``."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    cu_seqlens = [0]
+    for table, prompt in zip(tables, prompts):
+        input_ids.extend(prompt)
+        positions.extend(range(len(prompt)))
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(len(prompt)))
+        cu_seqlens.append(cu_seqlens[-1] + len(prompt))
+    rows = list(range(cu_seqlens[-1])) if all_rows else [end - 1 for end in cu_seqlens[1:]]
+    return StepPlan(
+        input_ids=input_ids, positions=positions, slot_mapping=slots, block_tables=_padded(tables),
+        context_lens=[len(p) for p in prompts], cu_seqlens_q=cu_seqlens, sample_rows=rows, is_decode=False,
+    )
+
+
+def fill_kv_random(runner: ModelRunner, seed: int = 0) -> None:
+    """Standard-normal K/V in every pool block but the dummy one (which stays zero, as graph
+    padding expects): attention then reads real-looking data, never a zero fast path."""
+    gen = torch.Generator(device=runner.device).manual_seed(seed)
+    runner.kv_cache[:, :, : runner.num_blocks].normal_(generator=gen)
+
+
+def teacher_forced_logits(runner: ModelRunner, prompt: Sequence[int]) -> torch.Tensor:
+    """fp32 logits ``[len(prompt), vocab]`` (on CPU) of one prefill of ``prompt`` in pool blocks
+    0, 1, ...: the prediction after every prefix, as a teacher-forced comparison needs."""
+    tables = [list(range(blocks_for(len(prompt), runner.block_size)))]
+    logits = runner.step(prefill_plan(tables, [prompt], runner.block_size, all_rows=True))
+    assert logits is not None
+    return logits.float().cpu()
+
+
+def compare_greedy(runner: ModelRunner, prompts: Sequence[Sequence[int]], got: Sequence[Sequence[int]],
+                   want: Sequence[Sequence[int]]) -> tuple[int, list[str]]:
+    """Greedy outputs ``got`` against the reference ``want`` that ``runner``'s engine produced.
+
+    Returns the number of identical outputs and a line for every output that first diverges
+    at a step where ``runner``'s logits (teacher-forced over the prompt and the common prefix)
+    do not rank ``got``'s token first or second: a rounding difference can only flip a
+    near-tie, which leaves the other token second.
+    """
+    identical, bad = 0, []
+    for i, (prompt, a, b) in enumerate(zip(prompts, got, want)):
+        if list(a) == list(b):
+            identical += 1
+            continue
+        k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if k == min(len(a), len(b)):
+            bad.append(f"request {i}: {len(a)} tokens against {len(b)}")
+            continue
+        top2 = teacher_forced_logits(runner, [*prompt, *b[:k]])[-1].topk(2).indices.tolist()
+        if a[k] not in top2:
+            bad.append(f"request {i}: token {a[k]} at step {k}, reference top-2 {top2}")
+    return identical, bad
+
+
+def weight_bytes(runner: ModelRunner) -> int:
+    """Bytes of this rank's parameters (tied embeddings count once): what one decode step reads."""
+    return sum(p.numel() * p.element_size() for p in runner.model.parameters())
+
+
+def kv_bytes_per_token(runner: ModelRunner) -> int:
+    """Bytes of K and V per token on this rank, all layers."""
+    return runner.block_bytes // runner.block_size
+
+
+# -- timing ---------------------------------------------------------------------------------
+
+
+def time_steps(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> list[float]:
+    """Milliseconds of each of ``iters`` calls of ``fn`` after ``warmup`` untimed ones.
+
+    On CUDA each call sits between two events on the current stream, so a call's time is what
+    the GPU spent from its first to its last kernel, idle gaps (host overhead the GPU waited
+    for) included; on CPU it is wall time.
+    """
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return times
+    torch.cuda.synchronize(device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start_event, end_event in events:
+        start_event.record()
+        fn()
+        end_event.record()
+    torch.cuda.synchronize(device)
+    return [s.elapsed_time(e) for s, e in events]
+
+
+def summary(times_ms: Sequence[float]) -> dict[str, float]:
+    """Median (the reported number), min and max of per-call times."""
+    return {"median_ms": statistics.median(times_ms), "min_ms": min(times_ms), "max_ms": max(times_ms)}
+
+
+def command_line(module: str, argv: Sequence[str] | None) -> str:
+    """How this run was started: the process's own command line, or ``module`` called with ``argv``."""
+    return " ".join(sys.orig_argv) if argv is None else " ".join(["python", "-m", module, *argv])
+
+
+def metadata(device: torch.device, command: str, **extra: Any) -> dict[str, Any]:
+    """Date, host, versions and command line of this run."""
+    try:
+        import triton
+
+        triton_version: str | None = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "gpu_count": torch.cuda.device_count() if device.type == "cuda" else 0,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "transformers": transformers.__version__,
+        "command": command,
+        **extra,
+    }
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain-text table, columns right-aligned except the first."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+# -- tensor-parallel groups ------------------------------------------------------------------
+
+LeaderTask = Callable[[ModelRunner, Any], Any]
+
+
+def _tp_rank_main(spec: RankSpec, task: LeaderTask, payload: Any, random_kv: bool, result_path: str) -> None:
+    tp = init_distributed(spec)
+    try:
+        runner = ModelRunner(spec.engine, ModelConfig.from_pretrained(spec.engine.model), tp)
+        if random_kv:
+            fill_kv_random(runner, seed=spec.engine.parallel.tp_rank)
+        if spec.engine.parallel.is_leader:
+            try:
+                result = task(runner, payload)
+            finally:
+                runner.close()  # releases the peers from their step loop, then the graphs
+            torch.save(result, result_path)
+        else:
+            runner.run_peer()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_tp_group(engine: EngineConfig, tp_size: int, devices: Sequence[int] | None, task: LeaderTask,
+                 payload: Any, random_kv: bool = False, timeout: float = 600.0) -> Any:
+    """Spawn a TP group of ``tp_size`` ranks; return what ``task(leader_runner, payload)`` returned.
+
+    ``task`` must be a module-level function (it is pickled by name into the spawned ranks) and
+    must send every step to the peers, e.g. through ``ModelRunner.step``; its result travels
+    back through ``torch.save`` (tensors, numbers, strings, lists and dicts of them).
+    """
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-tp-") as run_dir:
+        specs = group_specs(
+            engine, tp_size, first_rank=0, world_size=tp_size, init_method=f"tcp://127.0.0.1:{free_port()}",
+            tp_groups=(tuple(range(tp_size)),), devices=devices, step_address=f"ipc://{run_dir}/steps",
+        )
+        result = Path(run_dir) / "result.pt"
+        RankProcesses(_tp_rank_main, [(spec, task, payload, random_kv, str(result)) for spec in specs]).wait(timeout)
+        return torch.load(result, weights_only=True)

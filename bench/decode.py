@@ -1,0 +1,336 @@
+"""Decode and prefill step times of the engine against Hugging Face transformers, one process.
+
+    python -m bench.decode --preset qwen2.5-1.5b --out results.json
+    python -m bench.decode --preset tiny-llama --device cpu --batch-sizes 1,2 --contexts 16,32 \\
+        --prefill-lens 32 --iters 2          # CPU smoke run
+
+What is timed (median of ``--iters`` calls after ``--warmup``; CUDA events on GPU):
+
+* ours, decode: ``ModelRunner.run(plan)`` for a decode ``StepPlan`` of B sequences of context C
+  (one new token each at position C-1, written to its slot), built straight on the runner's
+  block pool (distinct, shuffled blocks holding random K/V). On CUDA ``run`` replays the
+  captured graph of the batch's bucket; the call includes the host-side plan-to-tensor copies.
+  The runner's max_model_len is the longest case plus one block (``--max-model-len``): graphs
+  size their split-KV grid for it. "eager" is the same plan through ``runner.forward(*runner.inputs(plan))``, what
+  ``run`` does with ``enforce_eager=True`` (its grid sized for the batch's own context).
+* ours, prefill: ``ModelRunner.run`` of one prefill step (eager; logits of each last token).
+* HF, decode: one ``model(input_ids=[B, 1], past_key_values=StaticCache, logits_to_keep=1)``
+  step (the argument is ``cache`` from transformers 5.24 on); the cache holds random K/V, is
+  rewound to position C-1 before the timed run and advances one position per step, and
+  ``max_cache_len = C + iters`` (what ``generate`` would allocate). On CUDA the step is
+  ``model.get_compiled_call(config)``, the compiled forward (inductor, "reduce-overhead", i.e.
+  CUDA graphs) that ``generate(cache_implementation="static")`` uses for its decode steps, with
+  dynamic shapes by default to save compile time (``--hf compiled-static``: generate's own
+  config, see ``HF_COMPILE_OPTIONS``); compile and graph recording happen in the untimed
+  warm-up (``hf_warmup_s``). ``--hf eager`` times the plain forward.
+* HF, prefill: one uncompiled forward of the same prompt(s) with ``use_cache=False`` and
+  ``logits_to_keep=1`` (``generate`` runs its prefill uncompiled too).
+
+The bandwidth floor of a decode step is (weight bytes + B * C * KV bytes per token) / 4.29 TB/s
+(the H200's measured copy rate); "% of floor" is floor / measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch._dynamo
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, CompileConfig, StaticCache
+
+from bench.common import (
+    H200_BANDWIDTH,
+    block_tables,
+    blocks_for,
+    command_line,
+    fill_kv_random,
+    fmt,
+    format_table,
+    kv_bytes_per_token,
+    metadata,
+    model_dir,
+    parse_ints,
+    prefill_plan,
+    summary,
+    time_steps,
+    uniform_decode_plan,
+    weight_bytes,
+)
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_dtype
+from engine.model_runner import ModelRunner
+from engine.step_plan import StepPlan
+
+# transformers' CompileConfig per --hf mode. "compiled-static" is exactly what generate() uses
+# with a static cache (inductor, "reduce-overhead" = CUDA graphs, automatic dynamic shapes):
+# the cache's static-address tensors keep their shapes static, so every (batch, context)
+# compiles anew (tens of seconds each for a 1.5B model). "compiled" marks shapes dynamic
+# from the start: one compile for batch 1 and one for every other shape, CUDA graphs recorded
+# per shape as before; its kernels differ only in the fused elementwise ops (matmuls and
+# attention are library calls either way).
+HF_COMPILE_OPTIONS: dict[str, dict[str, Any]] = {"compiled": {"dynamic": True}, "compiled-static": {}}
+
+
+@dataclass
+class Case:
+    """One measured shape: a decode step of ``batch`` x context ``context``, or a prefill of
+    ``batch`` prompts of ``context`` tokens each."""
+
+    kind: str  # decode | prefill
+    batch: int
+    context: int
+    results: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        if self.kind == "decode":
+            return f"decode B={self.batch} C={self.context}"
+        return f"prefill {self.batch}x{self.context}"
+
+    def token_ids(self, vocab: int, seed: int) -> torch.Tensor:
+        """The case's input tokens, ``[batch, 1]`` (decode) or ``[batch, context]``: the same
+        for our engine and for transformers."""
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randint(0, vocab, (self.batch, 1 if self.kind == "decode" else self.context), generator=gen)
+
+
+def parse_prefill_batches(text: str) -> list[tuple[int, int]]:
+    """``"8x512,4x256"`` -> ``[(8, 512), (4, 256)]``; empty for ``""``."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        count, _, length = part.partition("x")
+        out.append((int(count), int(length)))
+    if any(n < 1 or length < 1 for n, length in out):
+        raise ValueError(f"prefill batches must look like 8x512, got {text!r}")
+    return out
+
+
+def build_runner(path: Path, device: torch.device, dtype: str, cases: Sequence[Case], block_size: int,
+                 max_model_len: int | None) -> ModelRunner:
+    """A runner whose pool holds the largest case and whose graphs cover the largest decode batch.
+
+    ``max_model_len`` defaults to the longest case plus one block. The graphs size their
+    split-KV grid for it, so serving with a far longer one (the model's own limit) costs short
+    contexts extra, empty programs: pass it to measure that.
+    """
+    model_config = ModelConfig.from_pretrained(path)
+    longest = max(c.context for c in cases)
+    if longest > model_config.max_position_embeddings:
+        raise ValueError(f"context {longest} exceeds the model's {model_config.max_position_embeddings} positions")
+    if max_model_len is None:
+        max_model_len = min(longest + block_size, model_config.max_position_embeddings)
+    elif max_model_len < longest:
+        raise ValueError(f"--max-model-len {max_model_len} is shorter than the longest case ({longest})")
+    decode = [c for c in cases if c.kind == "decode"]
+    max_batch = max([c.batch for c in decode], default=1)
+    num_blocks = max(c.batch * blocks_for(c.context, block_size) for c in cases)
+    max_tokens = max(c.batch * (1 if c.kind == "decode" else c.context) for c in cases)
+    config = EngineConfig(
+        model=str(path), dtype=dtype, device=str(device), max_model_len=max_model_len,
+        cuda_graph_max_batch=max_batch,
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max(max_tokens, max_batch)),
+    )
+    return ModelRunner(config, model_config)
+
+
+def run_ours(runner: ModelRunner, cases: Sequence[Case], warmup: int, iters: int, seed: int,
+             progress: tqdm) -> None:
+    """Time every case on ``runner``; results go into ``case.results``."""
+    fill_kv_random(runner, seed)
+    gen = torch.Generator().manual_seed(seed)
+    vocab, bs = runner.model_config.vocab_size, runner.block_size
+    w_bytes, kv_token = weight_bytes(runner), kv_bytes_per_token(runner)
+
+    def timed(fn: Callable[[], Any]) -> dict[str, float]:
+        return summary(time_steps(fn, runner.device, warmup, iters))
+
+    def eager(plan: StepPlan) -> torch.Tensor | None:
+        return runner.forward(*runner.inputs(plan))
+
+    for case in cases:
+        progress.set_postfix_str(f"ours {case.name}")
+        tokens = case.token_ids(vocab, seed)
+        if case.kind == "decode":
+            plan = uniform_decode_plan(runner, tokens[:, 0].tolist(), case.context, gen)
+            if runner.graph_runner is not None:
+                assert runner.graph_runner.can_run(plan), "the decode batch must fit a captured bucket"
+                case.results["ours_graph"] = timed(partial(runner.run, plan))
+            case.results["ours_eager"] = timed(partial(eager, plan))
+            kv_read = case.batch * case.context * kv_token
+            floor_ms = (w_bytes + kv_read) / H200_BANDWIDTH * 1e3
+            best = case.results.get("ours_graph", case.results["ours_eager"])["median_ms"]
+            case.results.update(kv_bytes_read=kv_read, floor_ms=floor_ms, floor_fraction=floor_ms / best,
+                                tokens_per_s=case.batch / best * 1e3)
+        else:
+            tables = block_tables([case.context] * case.batch, bs, runner.num_blocks, gen)
+            plan = prefill_plan(tables, tokens.tolist(), bs)
+            case.results["ours_eager"] = timed(partial(runner.run, plan))
+            best = case.results["ours_eager"]["median_ms"]
+            case.results["tokens_per_s"] = case.batch * case.context / best * 1e3
+        progress.update()
+
+
+def time_hf_decode(step: Callable[[], Any], cache: StaticCache, position: int, device: torch.device, warmup: int,
+                   iters: int) -> dict[str, Any]:
+    """Time ``step`` on a filled static cache whose next write goes to ``position``."""
+    for layer in cache.layers:
+        layer.keys.normal_()
+        layer.values.normal_()
+
+    def rewind() -> None:
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(position)
+
+    start = time.perf_counter()
+    for _ in range(max(warmup, 3)):  # compile, record the graph, replay once
+        rewind()
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    warmup_s = time.perf_counter() - start
+    rewind()
+    return {"hf_warmup_s": warmup_s, "hf": summary(time_steps(step, device, 0, iters))}
+
+
+def run_hf(path: Path, device: torch.device, dtype: torch.dtype, mode: str, cases: Sequence[Case],
+           warmup: int, iters: int, seed: int, progress: tqdm) -> None:
+    """Time every case on transformers' model of the same checkpoint (see the module docstring)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    # transformers 5.24 renamed the forward's `past_key_values` to `cache` (5.17 has the former).
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    step_fn = model.__call__
+    if mode in HF_COMPILE_OPTIONS:
+        # Every static shape compiles anew: without room for that many recompilations dynamo
+        # would silently fall back to eager for the later cases.
+        torch._dynamo.config.recompile_limit = 64
+        torch._dynamo.config.accumulated_recompile_limit = 1024
+        step_fn = model.get_compiled_call(CompileConfig(**HF_COMPILE_OPTIONS[mode]))
+    vocab = model.config.vocab_size
+    for case in cases:
+        progress.set_postfix_str(f"HF {case.name}")
+        ids = case.token_ids(vocab, seed).to(device)
+        try:
+            with torch.no_grad():
+                if case.kind == "decode":
+                    cache = StaticCache(config=model.config, max_cache_len=case.context + iters)
+                    # The first, uncompiled call allocates the cache (as generate's prefill does).
+                    model(input_ids=ids, **{cache_arg: cache}, use_cache=True, logits_to_keep=1)
+                    step = partial(step_fn, input_ids=ids, **{cache_arg: cache}, use_cache=True, logits_to_keep=1)
+                    case.results.update(time_hf_decode(step, cache, case.context - 1, device, warmup, iters))
+                    del cache, step
+                else:
+                    prefill = partial(model, input_ids=ids, use_cache=False, logits_to_keep=1)
+                    case.results["hf"] = summary(time_steps(prefill, device, warmup, iters))
+        except Exception as error:  # noqa: BLE001 (one failed baseline, e.g. OOM, must not lose the rest)
+            case.results["hf_error"] = f"{type(error).__name__}: {error}"
+            tqdm.write(f"HF {case.name} failed: {case.results['hf_error']}")
+        if "hf" in case.results:
+            ours = case.results.get("ours_graph", case.results["ours_eager"])["median_ms"]
+            case.results["speedup_vs_hf"] = case.results["hf"]["median_ms"] / ours
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        progress.update()
+
+
+def table(cases: Sequence[Case]) -> str:
+    def median(case: Case, key: str) -> float | None:
+        entry = case.results.get(key)
+        return None if entry is None else entry["median_ms"]
+
+    def percent(value: float | None) -> str:
+        return "-" if value is None else f"{100 * value:.0f}%"
+
+    rows = []
+    for c in cases:
+        r = c.results
+        hf = "error" if "hf_error" in r else fmt(median(c, "hf"))
+        rows.append([
+            c.name, fmt(median(c, "ours_graph")), fmt(median(c, "ours_eager")), fmt(r.get("tokens_per_s"), 0),
+            hf, fmt(r.get("speedup_vs_hf"), 2), fmt(r.get("floor_ms")), percent(r.get("floor_fraction")),
+        ])
+    headers = ["case", "ours graph ms", "ours eager ms", "ours tok/s", "HF ms", "HF/ours", "floor ms", "% of floor"]
+    return format_table(headers, rows)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="qwen2.5-1.5b", help="model-shape preset with random weights")
+    parser.add_argument("--model", help="a Hugging Face model directory (instead of --preset)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", help="compute dtype (default bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--batch-sizes", default="1,8,32,128", type=parse_ints, help="decode batch sizes")
+    parser.add_argument("--contexts", default="128,2048", type=parse_ints, help="decode context lengths")
+    parser.add_argument("--prefill-lens", default="2048", type=parse_ints, help="single-prompt prefill lengths")
+    parser.add_argument("--prefill-batches", default="8x512", type=parse_prefill_batches,
+                        help="batched prefills, COUNTxLENGTH[,...] ('' for none)")
+    parser.add_argument("--iters", default=50, type=int, help="timed calls per measurement (median reported)")
+    parser.add_argument("--warmup", default=5, type=int, help="untimed calls before each measurement")
+    parser.add_argument("--hf", choices=[*HF_COMPILE_OPTIONS, "eager", "off"],
+                        help="transformers baseline (default: compiled on CUDA, eager on CPU)")
+    parser.add_argument("--max-model-len", type=int,
+                        help="the runner's max_model_len (default: longest case + one block)")
+    parser.add_argument("--block-size", default=16, type=int)
+    parser.add_argument("--seed", default=0, type=int)
+    parser.add_argument("--out", type=Path, help="write every number as JSON here")
+    args = parser.parse_args(argv)
+    if args.iters < 1 or args.warmup < 0:
+        parser.error("--iters must be >= 1 and --warmup >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                          else "cpu" if args.device == "auto" else args.device)
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    hf_mode = args.hf or ("compiled" if device.type == "cuda" else "eager")
+    path = model_dir(args.preset, args.model, "bfloat16", device)
+    cases = [Case("decode", b, c) for c in args.contexts for b in args.batch_sizes]
+    cases += [Case("prefill", 1, n) for n in args.prefill_lens]
+    cases += [Case("prefill", count, length) for count, length in args.prefill_batches]
+
+    runs = 2 if hf_mode != "off" else 1
+    with tqdm(total=runs * len(cases), unit="case", desc="bench.decode") as progress:
+        runner = build_runner(path, device, dtype, cases, args.block_size, args.max_model_len)
+        info = {"max_model_len": runner.max_model_len, "num_blocks": runner.num_blocks,
+                "graph_buckets": runner.graph_runner.buckets if runner.graph_runner else None,
+                "weight_bytes": weight_bytes(runner), "kv_bytes_per_token": kv_bytes_per_token(runner)}
+        run_ours(runner, cases, args.warmup, args.iters, args.seed, progress)
+        runner.close()  # frees the graphs; the weights and pool go with the runner
+        del runner
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if hf_mode != "off":
+            run_hf(path, device, parse_dtype(dtype), hf_mode, cases, args.warmup, args.iters, args.seed, progress)
+
+    result = {
+        "metadata": metadata(
+            device, command_line("bench.decode", argv), preset=None if args.model else args.preset,
+            model_dir=str(path), dtype=dtype, hf_mode=hf_mode, hf_compile=HF_COMPILE_OPTIONS.get(hf_mode),
+            iters=args.iters, warmup=args.warmup, block_size=args.block_size,
+            bandwidth_bytes_per_s=H200_BANDWIDTH, **info,
+        ),
+        "cases": [{"case": c.name, "kind": c.kind, "batch": c.batch, "context": c.context, **c.results}
+                  for c in cases],
+    }
+    print(table(cases))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

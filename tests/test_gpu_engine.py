@@ -1,0 +1,275 @@
+"""The engine on one GPU: CUDA-graph replay against eager, padding isolation, bf16 parity with
+transformers. Skipped without CUDA.
+
+How bf16 results are judged. Two correct bf16 implementations of one model do not agree bit
+for bit: they round at different places (fused q/k/v, RoPE in fp32, split-KV attention, ...).
+Measured on the tiny presets (CPU, 256 teacher-forced positions), transformers' own bf16 logits
+pick the fp32 argmax at only 95.7-96.9 % of the positions, and ours and transformers' bf16
+agree at 93-97 %: random weights leave many near-ties, which rounding decides either way. So
+each bf16 comparison is calibrated against an fp32 oracle of the same weights:
+
+* accuracy: our bf16 error against the fp32 oracle (mean and max over all logits) is at most
+  1.5x the error of transformers' own bf16 forward (measured on CPU: 0.6-0.9x);
+* top-1: at the *decided* positions, where the oracle's top-2 margin exceeds 6x transformers'
+  mean bf16 error (chosen from the oracle and transformers, not from our numbers; at 4x / 8x
+  that was 79-86 % / 63-77 % of the positions on the tiny presets, 61 % / 34 % on the
+  Qwen2.5-1.5B shape, whose random logits are more crowded), our top-1 equals transformers' at
+  >= 99 % of them (measured at 4x and above: 100 %).
+
+A wrong rotary angle, bias, norm or mask moves logits by about their standard deviation (~1),
+fifty times the bf16 error (~0.02), and fails both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from bench.common import block_tables, compare_greedy, decode_plan, fill_kv_random, teacher_forced_logits
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.engine import LLMEngine
+from engine.model_runner import ModelRunner
+from engine.presets import ensure_preset_model, load_preset, write_random_checkpoint
+from engine.sampling import SamplingParams
+from engine.step_plan import StepPlan
+
+pytestmark = pytest.mark.gpu
+
+TINY = ["tiny-llama", "tiny-llama-odd", "tiny-qwen2"]
+REAL_SHAPE = "qwen2.5-1.5b"
+MAX_MODEL_LEN = 512
+BLOCK = 16
+# Teacher-forced comparison length and the calibration factors of the module docstring.
+POSITIONS = 256
+ERROR_RATIO = 1.5
+DECIDED_MARGIN = 6.0
+
+
+@pytest.fixture(scope="module")
+def bf16_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """bf16 checkpoints: the tiny presets (seed 0) and the Qwen2.5-1.5B shape (seed 0)."""
+    root = tmp_path_factory.mktemp("bf16-models")
+    dirs = {name: write_random_checkpoint(load_preset(name), root / name, seed=0, dtype="bfloat16") for name in TINY}
+    dirs[REAL_SHAPE] = ensure_preset_model(REAL_SHAPE, dtype="bfloat16", device="cuda")
+    return dirs
+
+
+def engine_config(path: Path, **overrides: object) -> EngineConfig:
+    base = EngineConfig(model=str(path), dtype="bfloat16", device="cuda", max_model_len=MAX_MODEL_LEN,
+                        cache=CacheConfig(block_size=BLOCK, num_blocks=128 * MAX_MODEL_LEN // BLOCK))
+    return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
+
+
+def free_cuda() -> None:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+# -- CUDA graphs ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class GraphRunners:
+    graphs: ModelRunner  # bf16, CUDA graphs for batches up to 128
+    fp32: ModelRunner  # fp32, eager, same K/V contents: the rounding-noise yardstick
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-llama-odd", REAL_SHAPE])
+def graph_runners(request: pytest.FixtureRequest, bf16_dirs: dict[str, Path]) -> Iterator[GraphRunners]:
+    path = bf16_dirs[request.param]
+    model_config = ModelConfig.from_pretrained(path)
+    graphs = ModelRunner(engine_config(path), model_config)
+    fill_kv_random(graphs, seed=1)
+    fp32 = ModelRunner(engine_config(path, dtype="float32", enforce_eager=True), model_config)
+    fp32.kv_cache.copy_(graphs.kv_cache)  # bf16 values are exact in fp32
+    yield GraphRunners(graphs, fp32)
+    graphs.close()
+    del graphs, fp32
+    free_cuda()
+
+
+def random_decode_plan(runner: ModelRunner, batch: int, gen: torch.Generator) -> StepPlan:
+    """``batch`` sequences of random contexts in [1, max_model_len] in distinct random blocks."""
+    contexts = torch.randint(1, runner.max_model_len + 1, (batch,), generator=gen).tolist()
+    tables = block_tables(contexts, runner.block_size, runner.num_blocks, gen)
+    tokens = torch.randint(0, runner.model_config.vocab_size, (batch,), generator=gen).tolist()
+    return decode_plan(tables, contexts, runner.block_size, tokens)
+
+
+def padded_eager_logits(runner: ModelRunner, plan: StepPlan, bucket: int) -> torch.Tensor:
+    """The eager forward of exactly what the bucket's graph runs: ``plan`` padded to ``bucket``
+    rows as ``CudaGraphRunner.run`` pads it, block tables as wide as the graph's, and
+    ``max_context_len = max_model_len`` (the graph's split-KV grid)."""
+    batch, pad = len(plan.input_ids), bucket - len(plan.input_ids)
+    dummy = runner.num_blocks
+    width = -(-runner.max_model_len // runner.block_size)
+    tables = [row + [dummy] * (width - len(row)) for row in plan.block_tables] + [[dummy] * width] * pad
+    padded = StepPlan(
+        input_ids=plan.input_ids + [0] * pad, positions=plan.positions + [0] * pad,
+        slot_mapping=plan.slot_mapping + [dummy * runner.block_size] * pad, block_tables=tables,
+        context_lens=plan.context_lens + [1] * pad, cu_seqlens_q=list(range(bucket + 1)),
+        sample_rows=list(range(bucket)), is_decode=True,
+    )
+    input_ids, positions, context, rows = runner.inputs(padded)
+    context = dataclasses.replace(context, max_context_len=runner.max_model_len)
+    logits = runner.forward(input_ids, positions, context, rows)
+    assert logits is not None
+    return logits[:batch]
+
+
+def test_graph_replay_matches_eager(graph_runners: GraphRunners) -> None:
+    """Every bucket, and batch sizes that need padding.
+
+    * Bitwise: a replay equals the eager forward of the same padded batch (same kernels, same
+      shapes, same inputs, so the same bits).
+    * Against the plain eager step of the unpadded batch (``run`` with ``enforce_eager``), which
+      differs only by GEMM row counts and the split-KV grid, i.e. by rounding: the difference
+      is at most 2x the bf16-vs-fp32 difference of that eager step (mean and max).
+    """
+    runner, fp32 = graph_runners.graphs, graph_runners.fp32
+    assert runner.graph_runner is not None
+    buckets = runner.graph_runner.buckets
+    assert buckets[-1] == 128
+    gen = torch.Generator().manual_seed(0)
+    for batch in sorted(set(buckets) | {3, 5, 13, 63, 127}):
+        bucket = next(b for b in buckets if b >= batch)
+        plan = random_decode_plan(runner, batch, gen)
+        replayed = runner.run(plan)
+        assert replayed is not None and replayed.shape == (batch, runner.model_config.vocab_size)
+        replayed = replayed.clone()  # the graph's output buffer is overwritten by the next replay
+        padded = padded_eager_logits(runner, plan, bucket)
+        assert torch.equal(replayed, padded), (
+            f"batch {batch} (bucket {bucket}): replay differs from the eager padded forward by up to "
+            f"{(replayed - padded).abs().max().item():.3g}"
+        )
+        eager = runner.forward(*runner.inputs(plan))
+        exact = fp32.forward(*fp32.inputs(plan))
+        assert eager is not None and exact is not None
+        diff, noise = (replayed - eager).abs(), (eager - exact).abs()
+        assert diff.max() <= 2 * noise.max() and diff.mean() <= 2 * noise.mean(), (
+            f"batch {batch}: graph vs eager max {diff.max().item():.3g} mean {diff.mean().item():.3g}; "
+            f"bf16 vs fp32 max {noise.max().item():.3g} mean {noise.mean().item():.3g}"
+        )
+
+
+def test_padding_rows_leave_real_kv_alone(graph_runners: GraphRunners) -> None:
+    """A padded replay writes exactly one slot per real sequence, plus the dummy block.
+
+    A batch of 13 runs first so that the static buffers hold stale rows that the next, smaller
+    batch (5, bucket 8) must reset for its padding rows 5..7.
+    """
+    runner = graph_runners.graphs
+    gen = torch.Generator().manual_seed(2)
+    runner.run(random_decode_plan(runner, 13, gen))
+    plan = random_decode_plan(runner, 5, gen)
+    before = runner.kv_cache.clone()
+    runner.run(plan)
+    torch.cuda.synchronize()
+    # [layers, 2, blocks + 1, block_size, heads, dim] -> which (block, offset) slots changed.
+    changed = (runner.kv_cache != before).flatten(4).any(dim=-1).any(dim=0).any(dim=0).flatten()
+    changed_slots = set(torch.nonzero(changed).flatten().tolist())
+    dummy = set(range(runner.num_blocks * runner.block_size, (runner.num_blocks + 1) * runner.block_size))
+    assert changed_slots - dummy == set(plan.slot_mapping)
+
+
+# -- parity with transformers -----------------------------------------------------------------
+
+
+def hf_logits(path: Path, prompt: list[int], dtype: torch.dtype, attn: str = "sdpa") -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).cuda().eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt], device="cuda")).logits[0].float().cpu()
+    del model
+    free_cuda()
+    return logits
+
+
+def our_logits(path: Path, prompt: list[int], dtype: str) -> torch.Tensor:
+    runner = ModelRunner(engine_config(path, dtype=dtype, enforce_eager=True,
+                                       cache=CacheConfig(block_size=BLOCK, num_blocks=POSITIONS // BLOCK)),
+                         ModelConfig.from_pretrained(path))
+    logits = teacher_forced_logits(runner, prompt)
+    del runner
+    free_cuda()
+    return logits
+
+
+def top2_margin(logits: torch.Tensor) -> torch.Tensor:
+    top = logits.topk(2, dim=-1).values
+    return top[:, 0] - top[:, 1]
+
+
+@pytest.mark.parametrize("name", [*TINY, REAL_SHAPE])
+def test_teacher_forced_logits_match_transformers(bf16_dirs: dict[str, Path], name: str) -> None:
+    """One 256-token prefill returning logits at every position, against transformers' forward.
+
+    The fp32 oracle is transformers in fp32 with its eager (matmul + softmax) attention. In fp32
+    our engine must match it to a small fraction of the bf16 error and pick the same top-1
+    almost everywhere; in bf16 the calibrated criteria of the module docstring apply.
+    """
+    path = bf16_dirs[name]
+    vocab = ModelConfig.from_pretrained(path).vocab_size
+    prompt = torch.randint(0, vocab, (POSITIONS,), generator=torch.Generator().manual_seed(0)).tolist()
+    oracle = hf_logits(path, prompt, torch.float32, attn="eager")
+    hf_bf16 = hf_logits(path, prompt, torch.bfloat16)
+    ours_bf16 = our_logits(path, prompt, "bfloat16")
+    ours_fp32 = our_logits(path, prompt, "float32")
+
+    hf_err, our_err = (hf_bf16 - oracle).abs(), (ours_bf16 - oracle).abs()
+    report = (f"{name}: |ours-fp32| mean {our_err.mean():.4f} max {our_err.max():.4f}; "
+              f"|hf-fp32| mean {hf_err.mean():.4f} max {hf_err.max():.4f}")
+    assert our_err.mean() <= ERROR_RATIO * hf_err.mean(), report
+    assert our_err.max() <= ERROR_RATIO * hf_err.max(), report
+
+    decided = top2_margin(oracle) > DECIDED_MARGIN * hf_err.mean()
+    assert decided.float().mean() >= 0.2, f"{report}; too few decided positions: {decided.float().mean():.2f}"
+    same = ours_bf16.argmax(-1) == hf_bf16.argmax(-1)
+    assert same[decided].float().mean() >= 0.99, (
+        f"{report}; top-1 agreement {same[decided].float().mean():.4f} at {int(decided.sum())} decided positions "
+        f"({same.float().mean():.4f} overall)"
+    )
+
+    fp32_diff = (ours_fp32 - oracle).abs()
+    assert fp32_diff.max() <= 0.05 * hf_err.max(), f"fp32: max |ours-hf| {fp32_diff.max():.3g}; {report}"
+    assert (ours_fp32.argmax(-1) == oracle.argmax(-1)).float().mean() >= 0.99
+
+
+# -- the engine with graphs against the engine without ----------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-llama-odd"])
+def test_greedy_decode_with_graphs_matches_eager(bf16_dirs: dict[str, Path], name: str) -> None:
+    """12 requests with staggered lengths, so decode batches shrink through buckets 16, 8, 4, 2, 1.
+
+    Graph and eager decode steps differ by rounding only (see the replay test), so a greedy run
+    may flip at a near-tie and continue differently from there (tp 2 against tp 1 in bf16, a
+    comparable rounding difference, left 69-75 % of 24-token greedy runs identical on the tiny
+    presets). Required: every request identical, or first diverging where the eager engine's
+    logits (teacher-forced over the common prefix) rank the graph engine's token second at
+    worst, as a near-tie does and a bug almost never does (2 of 500 tokens); and at least half
+    identical.
+    """
+    path = bf16_dirs[name]
+    config = engine_config(path, max_model_len=256, cache=CacheConfig(block_size=BLOCK, num_blocks=256))
+    vocab = ModelConfig.from_pretrained(path).vocab_size
+    gen = torch.Generator().manual_seed(3)
+    lengths = (3, 7, 12, 16, 17, 25, 31, 40, 48, 64, 80, 100)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    with_graphs = LLMEngine(config)
+    assert with_graphs.runner.graph_runner is not None
+    graph_out = with_graphs.generate(prompts, params)
+    with_graphs.close()
+    eager = LLMEngine(dataclasses.replace(config, enforce_eager=True))
+    eager_out = eager.generate(prompts, params)
+
+    identical, bad = compare_greedy(eager.runner, prompts, graph_out, eager_out)
+    assert not bad, bad
+    assert identical >= len(prompts) / 2, f"only {identical}/{len(prompts)} requests identical"
+    del with_graphs, eager
+    free_cuda()

@@ -293,8 +293,12 @@ class EngineConfig:
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            device = torch.device(self.device)
+        if device.type == "cuda" and device.index is None:  # set_device and graphs need an index
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -1,0 +1,567 @@
+"""End-to-end serving benchmark: streaming load from ``AsyncClient`` against a running cluster.
+
+    python -m bench.serve --endpoint tcp://127.0.0.1:5555 --workload random --input-len 512 \\
+        --output-len 128 --len-dist uniform --rates 1,2,4,8 --num-requests 200 --out run.json --plot-dir plots
+    python -m bench.serve --workload mixed --rate 4 --slo-ttft-ms 500 --slo-tpot-ms 50
+    python -m bench.serve --workload text --num-requests 20 --concurrency 4      # the demo model
+
+Load: ``--rate R`` sends requests as a Poisson process of R req/s (``inf``: all at once),
+``--rates`` runs several rates in turn on the same requests and arrival pattern (scaled),
+``--concurrency N`` keeps at most N in flight (alone: a closed loop of N clients; with a rate:
+a cap). ``--warmup`` requests run once, all at once (within the cap), before the first rate
+and are left out of the metrics. Every request streams, greedy (temperature 0); token workloads set
+``ignore_eos`` so every output is exactly as long as asked.
+
+Workloads (token ids drawn uniformly from ``[0, --vocab-size)``):
+
+* ``random``: ``--input-len`` / ``--output-len`` tokens, ``--len-dist`` fixed, uniform on
+  [L/2, 3L/2], or lognormal of mean L (sigma 0.5, capped at 4L).
+* ``mixed``: short chats as ``random``, except a ``--long-fraction`` of the requests whose
+  prompts are uniform in ``--long-len`` (default 4096-8192 tokens): long prefills arriving while
+  the short ones decode, the interference disaggregation removes.
+* ``shared-prefix``: ``--num-prefixes`` system prompts of ``--prefix-len`` tokens, each request
+  one of them followed by a question of ``--input-len`` tokens, prefixes interleaved.
+* ``text``: prompts from ``--prompts-file`` (``bench/prompts.txt``), sent as text (chat
+  template applied by the router), stopping at the model's end of sequence or ``--output-len``.
+
+Metric definitions are in ``bench/metrics.py``. The JSON (``--out``) holds the config, each
+rate's metrics (also per request kind when there are several) and every request's record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import platform
+import random
+import shlex
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+from tqdm import tqdm
+
+from bench.metrics import RequestRecord, compute_metrics, itls
+from cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable
+from cluster.protocol import Chunk
+
+WORKLOADS = ("random", "mixed", "shared-prefix", "text")
+LEN_DISTS = ("fixed", "uniform", "lognormal")
+PROMPTS_FILE = Path(__file__).resolve().with_name("prompts.txt")
+DEFAULT_VOCAB_SIZE = 32000  # Llama-2's: below every supported model's vocabulary
+LOGNORMAL_SIGMA = 0.5
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of a workload: token ids or a text prompt, and its output budget."""
+
+    kind: str
+    max_tokens: int
+    token_ids: list[int] | None = None
+    prompt: str | None = None
+
+    @property
+    def ignore_eos(self) -> bool:
+        # Token workloads must produce exactly max_tokens; text prompts end as the model decides.
+        return self.token_ids is not None
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to send and how fast (every field is a CLI option of the same name)."""
+
+    workload: str = "random"
+    num_requests: int = 100
+    warmup: int = 2
+    seed: int = 0
+    rates: tuple[float | None, ...] = (None,)  # req/s of each point; None: all at once
+    concurrency: int | None = None
+    input_len: int = 128
+    output_len: int = 128
+    len_dist: str = "fixed"
+    long_fraction: float = 0.1
+    long_len: tuple[int, int] = (4096, 8192)
+    num_prefixes: int = 4
+    prefix_len: int = 1024
+    prompts_file: str = str(PROMPTS_FILE)
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+    max_model_len: int | None = None  # cut prompts so that prompt + output fits
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    timeout: float = 600.0  # longest wait for any one reply message
+
+    def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
+        if self.len_dist not in LEN_DISTS:
+            raise ValueError(f"len_dist must be one of {', '.join(LEN_DISTS)}, got {self.len_dist!r}")
+        for name in ("num_requests", "input_len", "output_len", "num_prefixes", "prefix_len", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError("warmup must be >= 0")
+        if not self.rates or any(r is not None and not r > 0 for r in self.rates):
+            raise ValueError(f"rates must be positive (or inf), got {self.rates}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        if not 0.0 <= self.long_fraction <= 1.0:
+            raise ValueError("long_fraction must be in [0, 1]")
+        if not 1 <= self.long_len[0] <= self.long_len[1]:
+            raise ValueError(f"long_len must be LOW-HIGH with 1 <= LOW <= HIGH, got {self.long_len}")
+        if self.max_model_len is not None and self.max_model_len <= self.max_output_len:
+            raise ValueError(f"max_model_len {self.max_model_len} leaves no room for a prompt "
+                             f"before {self.max_output_len} output tokens")
+
+    @property
+    def max_output_len(self) -> int:
+        return longest(self.output_len, self.len_dist)
+
+
+# -- workloads ------------------------------------------------------------------------------
+
+
+def longest(mean: int, dist: str) -> int:
+    """The largest length :func:`draw_length` can return."""
+    return {"fixed": mean, "uniform": mean + mean // 2, "lognormal": 4 * mean}[dist]
+
+
+def draw_length(rng: random.Random, mean: int, dist: str) -> int:
+    """A length of mean ``mean`` (lognormal: before the cap at 4x)."""
+    if dist == "fixed":
+        return mean
+    if dist == "uniform":
+        return rng.randint(max(1, mean // 2), longest(mean, dist))
+    # mu chosen so that the mean is `mean`: E = exp(mu + sigma^2 / 2)
+    value = rng.lognormvariate(math.log(mean) - LOGNORMAL_SIGMA**2 / 2, LOGNORMAL_SIGMA)
+    return min(max(1, round(value)), longest(mean, dist))
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    prompts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def build_requests(config: BenchConfig, count: int) -> list[RequestSpec]:
+    """``count`` requests of ``config.workload``, the same for the same seed."""
+    rng = random.Random(config.seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(config.vocab_size) for _ in range(n)]
+
+    def output_len() -> int:
+        return draw_length(rng, config.output_len, config.len_dist)
+
+    def input_len() -> int:
+        return draw_length(rng, config.input_len, config.len_dist)
+
+    if config.workload == "text":
+        prompts = read_prompts(config.prompts_file)
+        order = [prompts[i % len(prompts)] for i in range(count)]
+        rng.shuffle(order)
+        return [RequestSpec("text", output_len(), prompt=p) for p in order]
+
+    specs: list[RequestSpec] = []
+    if config.workload == "shared-prefix":
+        prefixes = [tokens(config.prefix_len) for _ in range(config.num_prefixes)]
+        groups = [i % config.num_prefixes for i in range(count)]
+        rng.shuffle(groups)
+        for group in groups:
+            question = tokens(input_len())
+            specs.append(RequestSpec("shared-prefix", output_len(), token_ids=prefixes[group] + question))
+    elif config.workload == "mixed":
+        long = set(rng.sample(range(count), round(count * config.long_fraction)))
+        for i in range(count):
+            if i in long:
+                specs.append(RequestSpec("long", output_len(), token_ids=tokens(rng.randint(*config.long_len))))
+            else:
+                specs.append(RequestSpec("short", output_len(), token_ids=tokens(input_len())))
+    else:
+        specs = [RequestSpec("random", output_len(), token_ids=tokens(input_len())) for _ in range(count)]
+    if config.max_model_len is not None:
+        limit = config.max_model_len
+        specs = [dataclasses.replace(s, token_ids=s.token_ids[: limit - s.max_tokens]) for s in specs]
+    return specs
+
+
+def arrival_times(count: int, rate: float | None, seed: int) -> list[float]:
+    """Send times (s) of a Poisson process of ``rate`` req/s, the first at 0; all 0 if None.
+
+    The same seed gives the same exponential draws at every rate, so a sweep replays one
+    arrival pattern compressed or stretched."""
+    if rate is None:
+        return [0.0] * count
+    rng = random.Random(seed)
+    times, now = [], 0.0
+    for _ in range(count):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
+# -- load generation ------------------------------------------------------------------------
+
+
+async def stream_one(client: AsyncClient, spec: RequestSpec, record: RequestRecord, start: float) -> None:
+    """Send one request and fill ``record`` with what arrives, timestamped on arrival."""
+    record.sent = time.perf_counter() - start
+    try:
+        async for message in client.stream(spec.prompt, token_ids=spec.token_ids, request_id=record.request_id,
+                                           max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=spec.ignore_eos):
+            now = time.perf_counter() - start
+            if isinstance(message, Chunk):
+                record.chunk_times.append(now)
+                record.chunk_tokens.append(len(message.token_ids))
+            else:
+                record.finished = now
+                record.finish_reason = message.finish_reason
+                record.prompt_tokens = message.usage.get("prompt_tokens")
+                record.output_tokens = len(message.token_ids)
+                record.timings = dict(message.timings)
+    except (ClusterError, ClusterUnavailable) as e:
+        record.finished = time.perf_counter() - start
+        record.error = str(e)
+
+
+async def run_requests(client: AsyncClient, specs: Sequence[RequestSpec], rate: float | None,
+                       concurrency: int | None, seed: int, tag: str, warmup: bool = False) -> list[RequestRecord]:
+    """Send ``specs`` at ``rate`` (at most ``concurrency`` in flight); wait for every one to end."""
+    slots: Any = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
+    records = [
+        RequestRecord(f"{tag}/{i}", spec.kind, spec.max_tokens, scheduled=at, sent=at,
+                      prompt_len=len(spec.token_ids) if spec.token_ids is not None else None, warmup=warmup)
+        for i, (spec, at) in enumerate(zip(specs, arrival_times(len(specs), rate, seed)))
+    ]
+    start = time.perf_counter()
+    with tqdm(total=len(specs), desc=tag, unit="req", file=sys.stderr, dynamic_ncols=True) as progress:
+        async def one(spec: RequestSpec, record: RequestRecord) -> None:
+            await asyncio.sleep(max(0.0, record.scheduled - (time.perf_counter() - start)))
+            async with slots:
+                await stream_one(client, spec, record, start)
+            progress.update()
+
+        await asyncio.gather(*(one(spec, record) for spec, record in zip(specs, records)))
+    return records
+
+
+def point_result(rate: float | None, config: BenchConfig, records: list[RequestRecord]) -> dict[str, Any]:
+    """One load point: its metrics (overall and per request kind) and every record."""
+    def metrics(subset: list[RequestRecord]) -> dict[str, Any]:
+        return compute_metrics(subset, config.slo_ttft_ms, config.slo_tpot_ms)
+
+    kinds = sorted({r.kind for r in records})
+    return {
+        "rate": rate,
+        "concurrency": config.concurrency,
+        "metrics": metrics(records),
+        "by_kind": {k: metrics([r for r in records if r.kind == k]) for k in kinds} if len(kinds) > 1 else {},
+        "records": [dataclasses.asdict(r) for r in records],
+    }
+
+
+async def run_benchmark(config: BenchConfig, endpoint: str) -> dict[str, Any]:
+    """Warm-up, then every rate in turn on the same requests; returns the results document."""
+    specs = build_requests(config, config.warmup + config.num_requests)
+    warmup, measured = specs[: config.warmup], specs[config.warmup :]
+    client = AsyncClient(endpoint, timeout=config.timeout)
+    try:
+        warmup_records = await run_requests(client, warmup, None, config.concurrency, config.seed, "warmup",
+                                            warmup=True)
+        points = []
+        for rate in config.rates:
+            records = await run_requests(client, measured, rate, config.concurrency, config.seed,
+                                         f"rate {rate_label(rate, config.concurrency)}")
+            points.append(point_result(rate, config, records))
+    finally:
+        client.close()
+    return {
+        "meta": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": platform.node(),
+            "command": shlex.join(sys.orig_argv),
+            "endpoint": endpoint,
+        },
+        "config": dataclasses.asdict(config),
+        "warmup": [dataclasses.asdict(r) for r in warmup_records],
+        "points": points,
+    }
+
+
+# -- reporting ------------------------------------------------------------------------------
+
+TABLE_HEADERS = ("rate", "req/s", "tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50", "ITL p99",
+                 "E2E p50", "E2E p99", "goodput", "xfer mean")
+
+
+def rate_label(rate: float | None, concurrency: int | None = None) -> str:
+    label = "inf" if rate is None else f"{rate:g}"
+    return label if concurrency is None else f"{label} c={concurrency}"
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def metrics_row(metrics: dict[str, Any]) -> list[str]:
+    """The table cells after the first column: throughputs, latency percentiles (ms), goodput."""
+    latencies = [_num(metrics[f"{name}_ms"][stat])
+                 for name in ("ttft", "tpot", "itl", "e2e") for stat in ("p50", "p99")]
+    return [_num(metrics["request_throughput"], 2), _num(metrics["output_throughput"]), *latencies,
+            _num(metrics["goodput"], 2), _num(metrics["transfer_ms"]["mean"], 2)]
+
+
+def point_row(point: dict[str, Any]) -> list[str]:
+    return [rate_label(point["rate"], point["concurrency"]), *metrics_row(point["metrics"])]
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool = False,
+                 labels: int = 1) -> str:
+    """Plain text or Markdown; the first ``labels`` columns left-aligned, the numbers right-aligned."""
+    if markdown:
+        rule = ["---"] * labels + ["---:"] * (len(headers) - labels)
+        return "\n".join("| " + " | ".join(cells) + " |" for cells in (headers, rule, *rows))
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i < labels else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def results_table(points: Sequence[dict[str, Any]]) -> str:
+    return format_table(TABLE_HEADERS, [point_row(p) for p in points])
+
+
+def failure_summary(points: Sequence[dict[str, Any]]) -> list[str]:
+    """A line per load point with failed requests, naming the first error."""
+    lines = []
+    for point in points:
+        failed = [r for r in point["records"] if not RequestRecord(**r).ok]
+        if failed:
+            example = failed[0]["error"] or failed[0]["finish_reason"]
+            lines.append(f"rate {rate_label(point['rate'], point['concurrency'])}: {len(failed)} of "
+                         f"{len(point['records'])} requests failed, e.g. {example}")
+    return lines
+
+
+def x_value(point: dict[str, Any]) -> float:
+    """A point's place on a rate axis: its offered rate, or the rate it reached if unpaced."""
+    return point["rate"] if point["rate"] is not None else point["metrics"]["request_throughput"]
+
+
+def itl_samples_ms(point: dict[str, Any]) -> list[float]:
+    records = [RequestRecord(**r) for r in point["records"]]
+    return sorted(gap * 1e3 for r in records if r.ok and not r.warmup for gap in itls(r))
+
+
+def write_plots(series: dict[str, Sequence[dict[str, Any]]], plot_dir: Path) -> list[Path]:
+    """PNG plots of one or more runs (``series``: label -> load points, same rates in each):
+    ITL CDF, TTFT p50/p99 and ITL p99 versus rate, goodput versus rate. Returns the files
+    written; none, with a warning, when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        warnings.warn("matplotlib is not installed: no plots written (pip install matplotlib)", stacklevel=2)
+        return []
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    written = [_plot_itl_cdf(plt, series, plot_dir / "itl_cdf.png"),
+               _plot_latency(plt, series, plot_dir / "latency_vs_rate.png")]
+    if any(p["metrics"]["goodput"] is not None for points in series.values() for p in points):
+        written.append(_plot_goodput(plt, series, plot_dir / "goodput_vs_rate.png"))
+    return written
+
+
+def _log_scale(ax: Any, axis: Any) -> None:
+    """A log axis labelled in plain numbers ("1200", not "1.2 x 10^3"), minor ticks only on short ranges."""
+    from matplotlib.ticker import LogFormatter
+
+    (ax.set_xscale if axis is ax.xaxis else ax.set_yscale)("log")
+    axis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+    axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _plot_itl_cdf(plt: Any, series: dict[str, Sequence[dict[str, Any]]], path: Path) -> Path:
+    # One run: a curve per rate on one panel. Several: a panel per rate, a curve per run.
+    names = list(series)
+    first = series[names[0]]
+    if len(names) == 1:
+        panels = [(names[0], [(f"rate {rate_label(p['rate'], p['concurrency'])}", p) for p in first])]
+    else:
+        panels = [(f"rate {rate_label(p['rate'], p['concurrency'])}", [(n, series[n][i]) for n in names])
+                  for i, p in enumerate(first)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False, sharey=True)
+    for ax, (title, curves) in zip(axes[0], panels):
+        for label, point in curves:
+            samples = itl_samples_ms(point)
+            if samples:
+                ax.step(samples, [(i + 1) / len(samples) for i in range(len(samples))], where="post", label=label)
+        _log_scale(ax, ax.xaxis)  # prefill stalls sit orders of magnitude above the typical step
+        ax.set_xlabel("inter-token latency (ms)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[0][0].set_ylabel("fraction of tokens")
+    return _save(plt, fig, path)
+
+
+def _by_rate(points: Sequence[dict[str, Any]], get: Callable[[dict[str, Any]], float | None]) -> tuple[list, list]:
+    pairs = sorted(((x_value(p), get(p["metrics"])) for p in points), key=lambda pair: pair[0])
+    return [x for x, y in pairs if y is not None], [y for _, y in pairs if y is not None]
+
+
+def _plot_latency(plt: Any, series: dict[str, Sequence[dict[str, Any]]], path: Path) -> Path:
+    fig, (ttft_ax, itl_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (name, points) in enumerate(series.items()):
+        color = f"C{i}"
+        ttft_ax.plot(*_by_rate(points, lambda m: m["ttft_ms"]["p50"]), "o--", color=color, markerfacecolor="none",
+                     label=f"{name} p50")
+        ttft_ax.plot(*_by_rate(points, lambda m: m["ttft_ms"]["p99"]), "o-", color=color, label=f"{name} p99")
+        itl_ax.plot(*_by_rate(points, lambda m: m["itl_ms"]["p99"]), "o-", color=color, label=f"{name} p99")
+    for ax, what in ((ttft_ax, "TTFT"), (itl_ax, "inter-token latency")):
+        _log_scale(ax, ax.yaxis)  # overload multiplies latencies: a linear axis flattens the rest
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(f"{what} (ms)")
+        ax.set_title(f"{what} versus rate")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    return _save(plt, fig, path)
+
+
+def _plot_goodput(plt: Any, series: dict[str, Sequence[dict[str, Any]]], path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (name, points) in enumerate(series.items()):
+        ax.plot(*_by_rate(points, lambda m: m["goodput"]), "o-", color=f"C{i}", label=name)
+    metrics = next(iter(series.values()))[0]["metrics"]
+    slo = ", ".join(f"{k} <= {metrics[f'slo_{k.lower()}_ms']:g} ms" for k in ("TTFT", "TPOT")
+                    if metrics[f"slo_{k.lower()}_ms"] is not None)
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("goodput (req/s)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"goodput ({slo})", fontsize="medium")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    return _save(plt, fig, path)
+
+
+def write_json(results: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def parse_rates(text: str) -> tuple[float | None, ...]:
+    """``"1,2,inf"`` -> ``(1.0, 2.0, None)``."""
+    rates = [float(part) for part in text.split(",") if part.strip()]
+    return tuple(None if math.isinf(r) else r for r in rates)
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """``"4096-8192"`` -> ``(4096, 8192)``; ``"4096"`` -> ``(4096, 4096)``."""
+    low, _, high = text.partition("-")
+    return int(low), int(high or low)
+
+
+def vocab_size_of(model_dir: Path | None) -> int:
+    """``vocab_size`` of ``model_dir``'s config.json, or the default without a directory."""
+    if model_dir is None:
+        return DEFAULT_VOCAB_SIZE
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+LOAD_OPTIONS = (
+    click.option("--workload", type=click.Choice(WORKLOADS), default="random"),
+    click.option("--num-requests", type=int, default=100, help="Requests per rate (warm-up not included)."),
+    click.option("--warmup", type=int, default=2, help="Requests sent before the first rate, not measured."),
+    click.option("--seed", type=int, default=0, help="Seed of the prompts, lengths and arrivals."),
+    click.option("--rate", default=None, help="Poisson arrivals of this many req/s ('inf': all at once)."),
+    click.option("--rates", default=None, help="A sweep: comma-separated rates, run in turn (e.g. 1,2,4,8)."),
+    click.option("--concurrency", type=int, default=None, help="Most requests in flight."),
+    click.option("--input-len", type=int, default=128, help="Prompt tokens (mean) of random/short requests; "
+                                                           "shared-prefix: the question after the prefix."),
+    click.option("--output-len", type=int, default=128, help="Output tokens (mean; text: the most)."),
+    click.option("--len-dist", type=click.Choice(LEN_DISTS), default="fixed",
+                 help="Distribution of input and output lengths around their means."),
+    click.option("--long-fraction", type=float, default=0.1, help="mixed: fraction of long-prompt requests."),
+    click.option("--long-len", default="4096-8192", help="mixed: long prompt length range in tokens (LOW-HIGH)."),
+    click.option("--num-prefixes", type=int, default=4, help="shared-prefix: number of system prompts."),
+    click.option("--prefix-len", type=int, default=1024, help="shared-prefix: system prompt tokens."),
+    click.option("--prompts-file", type=click.Path(exists=True, dir_okay=False), default=str(PROMPTS_FILE),
+                 help="text: one prompt per line."),
+    click.option("--max-model-len", type=int, default=None, help="Cut prompts so that prompt + output fits."),
+    click.option("--slo-ttft-ms", type=float, default=None, help="Goodput: TTFT objective."),
+    click.option("--slo-tpot-ms", type=float, default=None, help="Goodput: TPOT objective."),
+    click.option("--timeout", type=float, default=600.0, help="Seconds to wait for any one reply."),
+)
+
+
+def load_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add the workload and load options (shared with bench.compare)."""
+    for option in reversed(LOAD_OPTIONS):
+        command = option(command)
+    return command
+
+
+def config_from_options(rate: str | None, rates: str | None, long_len: str, **options: Any) -> BenchConfig:
+    """A BenchConfig from the options of :func:`load_options` (plus ``vocab_size``)."""
+    if rate is not None and rates is not None:
+        raise click.UsageError("give --rate or --rates, not both")
+    try:
+        return BenchConfig(rates=parse_rates(rates or rate or "inf"), long_len=parse_range(long_len), **options)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+@click.command(context_settings={"show_default": True})
+@click.option("--endpoint", default=DEFAULT_ENDPOINT, help="The cluster's client endpoint.")
+@load_options
+@click.option("--model-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="The served model's directory: its config.json gives the vocabulary size.")
+@click.option("--vocab-size", type=int, default=None,
+              help=f"Token ids are drawn below this [default: from --model-dir, else {DEFAULT_VOCAB_SIZE}].")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the results JSON (config, metrics, every request's record) here.")
+@click.option("--plot-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Write PNG plots here (needs matplotlib).")
+def main(endpoint: str, model_dir: Path | None, vocab_size: int | None, out: Path | None, plot_dir: Path | None,
+         **options: Any) -> None:
+    """Stream a workload at a cluster at one or more request rates and report its latencies."""
+    config = config_from_options(vocab_size=vocab_size or vocab_size_of(model_dir), **options)
+    results = asyncio.run(run_benchmark(config, endpoint))
+    click.echo(f"{config.workload}, {config.num_requests} requests per rate, latencies in ms, "
+               f"goodput in req/s, xfer = mean KV transfer (ms)")
+    click.echo(results_table(results["points"]))
+    for line in failure_summary(results["points"]):
+        click.echo(f"warning: {line}", err=True)
+    if out is not None:
+        write_json(results, out)
+        click.echo(f"results: {out}")
+    if plot_dir is not None:
+        for path in write_plots({config.workload: results["points"]}, plot_dir):
+            click.echo(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""The serving benchmark: metrics on synthetic timelines with known answers, workloads, and a
+short end-to-end run of ``python -m bench.serve`` against a real CPU cluster on the demo model."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.compare import LaunchedCluster, required_model_len, write_report
+from bench.metrics import RequestRecord, compute_metrics, e2e, itls, meets_slo, percentile, summarize, tpot, ttft
+from bench.serve import BenchConfig, RequestSpec, arrival_times, build_requests, write_plots
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def record(sent: float, chunks: list[tuple[float, int]], finished: float, **kwargs: object) -> RequestRecord:
+    """A completed request: ``chunks`` are (arrival time, tokens)."""
+    return RequestRecord(
+        request_id=f"r{sent}", kind="random", max_tokens=sum(n for _, n in chunks), scheduled=sent, sent=sent,
+        chunk_times=[t for t, _ in chunks], chunk_tokens=[n for _, n in chunks], finished=finished,
+        finish_reason="length", output_tokens=sum(n for _, n in chunks), **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def test_percentile_interpolates_linearly_between_order_statistics() -> None:
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0) == 1.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 100) == 4.0
+    assert percentile(list(range(11)), 90) == pytest.approx(9.0)
+    assert percentile(list(range(101)), 99) == pytest.approx(99.0)
+    assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+    assert percentile([7.0], 99) == 7.0
+    stats = summarize([0.001, 0.002, 0.003, 0.010])  # seconds in, ms out
+    assert stats == pytest.approx({"mean": 4.0, "p50": 2.5, "p90": 7.9, "p99": 9.79, "max": 10.0})
+    assert summarize([]) == dict.fromkeys(("mean", "p50", "p90", "p99", "max"))
+
+
+def test_ttft_tpot_e2e_and_itl_from_chunk_timestamps() -> None:
+    # Sent at 1.0; first token at 1.5; one at 1.6; two together at 2.0; one at 2.05; final at 2.1.
+    r = record(1.0, [(1.5, 1), (1.6, 1), (2.0, 2), (2.05, 1)], finished=2.1)
+    assert ttft(r) == pytest.approx(0.5)
+    assert e2e(r) == pytest.approx(1.1)
+    assert tpot(r) == pytest.approx((1.1 - 0.5) / 4)
+    # The 0.4 s gap before the two-token chunk counts as two tokens of 0.2 s each.
+    assert itls(r) == pytest.approx([0.1, 0.2, 0.2, 0.05])
+    assert len(itls(r)) == r.output_tokens - 1
+
+    single = record(0.0, [(0.3, 1)], finished=0.31)
+    assert tpot(single) is None and itls(single) == []
+    assert meets_slo(single, slo_ttft_ms=400, slo_tpot_ms=1)  # no TPOT: only the TTFT SLO applies
+    assert not meets_slo(single, slo_ttft_ms=200, slo_tpot_ms=None)
+
+
+def test_compute_metrics_throughput_and_goodput_counting() -> None:
+    records = [
+        record(0.0, [(0.1, 1), (0.15, 1), (0.2, 1)], finished=0.2, timings={"transfer": 0.004}),  # TTFT 100, TPOT 50
+        record(0.5, [(0.9, 1), (0.95, 1), (1.0, 1)], finished=1.0, timings={"transfer": 0.006}),  # TTFT 400: misses
+        record(1.0, [(1.1, 1), (1.3, 1), (1.5, 1)], finished=1.5),  # TPOT 200: misses the TPOT SLO
+        record(1.5, [(1.6, 1), (1.62, 1), (1.64, 1)], finished=2.0),  # TTFT 100, TPOT 200 (final late): misses
+        record(2.0, [(2.1, 1)], finished=2.1),  # one token: TTFT 100, meets both
+        RequestRecord("failed", "random", 3, 2.5, 2.5, finished=2.6, error="invalid_request: too long"),
+        record(-5.0, [(-4.0, 1)], finished=9.0, warmup=True),  # ignored entirely
+    ]
+    m = compute_metrics(records, slo_ttft_ms=300, slo_tpot_ms=100)
+    assert (m["num_requests"], m["completed"], m["failed"]) == (6, 5, 1)
+    assert m["duration_s"] == pytest.approx(2.6)  # first send (0.0) -> last terminal message (2.6)
+    assert m["output_tokens"] == 13
+    assert m["request_throughput"] == pytest.approx(5 / 2.6)
+    assert m["output_throughput"] == pytest.approx(13 / 2.6)
+    assert m["goodput"] == pytest.approx(2 / 2.6)  # the first and the one-token request
+    assert m["slo_attainment"] == pytest.approx(2 / 6)  # the failed request counts against it
+    assert m["ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert m["ttft_ms"]["max"] == pytest.approx(400.0)
+    assert m["tpot_ms"]["mean"] == pytest.approx((50 + 50 + 200 + 200) / 4)
+    assert m["itl_ms"]["max"] == pytest.approx(200.0)
+    assert m["e2e_ms"]["max"] == pytest.approx(500.0)
+    assert m["transfer_ms"]["mean"] == pytest.approx(5.0)
+
+    no_slo = compute_metrics(records)
+    assert no_slo["goodput"] is None and no_slo["slo_attainment"] is None
+    only_ttft = compute_metrics(records, slo_ttft_ms=300)
+    assert only_ttft["goodput"] == pytest.approx(4 / 2.6)
+
+
+def test_workloads_lengths_vocabulary_and_arrivals() -> None:
+    config = BenchConfig(workload="random", input_len=40, output_len=10, len_dist="uniform", vocab_size=100, seed=3)
+    specs = build_requests(config, 200)
+    assert specs == build_requests(config, 200)  # same seed, same requests
+    assert all(20 <= len(s.token_ids or []) <= 60 and 5 <= s.max_tokens <= 15 for s in specs)
+    assert all(0 <= t < 100 for s in specs for t in s.token_ids or [])
+    assert all(s.ignore_eos for s in specs)
+
+    lognormal = build_requests(BenchConfig(input_len=40, len_dist="lognormal", num_requests=1), 2000)
+    lengths = [len(s.token_ids or []) for s in lognormal]
+    assert max(lengths) <= 160 and 34 < statistics.mean(lengths) < 44
+
+    mixed = build_requests(BenchConfig(workload="mixed", input_len=8, output_len=4, long_fraction=0.25,
+                                       long_len=(100, 200), max_model_len=150), 40)
+    long = [s for s in mixed if s.kind == "long"]
+    assert len(long) == 10 and all(len(s.token_ids or []) + s.max_tokens <= 150 for s in long)
+    assert all(len(s.token_ids or []) == 8 for s in mixed if s.kind == "short")
+
+    shared = build_requests(BenchConfig(workload="shared-prefix", num_prefixes=3, prefix_len=16, input_len=4), 30)
+    prefixes = {tuple((s.token_ids or [])[:16]) for s in shared}
+    assert len(prefixes) == 3 and all(len(s.token_ids or []) == 20 for s in shared)
+
+    text = build_requests(BenchConfig(workload="text", output_len=16), 45)
+    lines = (REPO / "bench" / "prompts.txt").read_text().splitlines()
+    assert len(lines) >= 40 and all(s.prompt in lines and not s.ignore_eos for s in text)
+    assert len({s.prompt for s in text}) == len(set(lines))  # 45 requests cover every prompt
+
+    assert arrival_times(3, None, 0) == [0.0, 0.0, 0.0]
+    slow, fast = arrival_times(2000, 2.0, 1), arrival_times(2000, 8.0, 1)
+    assert slow[0] == 0.0 and fast == pytest.approx([t / 4 for t in slow])  # one pattern, scaled
+    assert statistics.mean(b - a for a, b in zip(slow, slow[1:])) == pytest.approx(0.5, rel=0.1)
+
+    assert required_model_len([RequestSpec("x", 10, token_ids=[1] * 300)], 8192) == 512
+    assert required_model_len([RequestSpec("x", 10, token_ids=[1] * 300)], 400) == 400
+
+
+def test_plots_are_skipped_with_a_warning_without_matplotlib(monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    with pytest.warns(UserWarning, match="matplotlib is not installed"):
+        assert write_plots({"run": []}, tmp_path) == []
+
+
+@pytest.mark.slow
+def test_load_generator_against_a_cpu_cluster(tmp_path: Path, demo_model_dir: Path) -> None:
+    args = ["--model", "demo", "--prefill-tp", "1", "--decode-tp", "1", "--num-blocks", "300",
+            "--max-model-len", "1024"]
+    with LaunchedCluster(args, tmp_path / "launch.log", start_timeout=300) as cluster:
+        out = tmp_path / "run.json"
+        bench = subprocess.run(
+            [sys.executable, "-m", "bench.serve", "--endpoint", cluster.endpoint, "--workload", "random",
+             "--input-len", "24", "--output-len", "6", "--len-dist", "uniform", "--num-requests", "5",
+             "--warmup", "1", "--rates", "8,inf", "--model-dir", str(demo_model_dir), "--slo-ttft-ms", "20000",
+             "--slo-tpot-ms", "5000", "--out", str(out), "--plot-dir", str(tmp_path / "plots")],
+            cwd=REPO, capture_output=True, text=True, timeout=300,
+        )
+        assert bench.returncode == 0, bench.stderr[-4000:]
+        text = subprocess.run(
+            [sys.executable, "-m", "bench.serve", "--endpoint", cluster.endpoint, "--workload", "text",
+             "--output-len", "8", "--num-requests", "3", "--warmup", "0", "--concurrency", "2",
+             "--out", str(tmp_path / "text.json")],
+            cwd=REPO, capture_output=True, text=True, timeout=300,
+        )
+        assert text.returncode == 0, text.stderr[-4000:]
+        assert cluster.stop() == 0, cluster.output()[-4000:]
+
+    table = bench.stdout.splitlines()
+    assert table[1].split()[:3] == ["rate", "req/s", "tok/s"]
+    assert [line.split()[0] for line in table[3:5]] == ["8", "inf"]
+    results = json.loads(out.read_text())
+    assert results["config"]["rates"] == [8.0, None] and results["config"]["vocab_size"] == 49152
+    assert len(results["warmup"]) == 1 and results["warmup"][0]["warmup"]
+    for point in results["points"]:
+        m = point["metrics"]
+        assert (m["completed"], m["failed"]) == (5, 0)
+        assert m["goodput"] == pytest.approx(m["request_throughput"])  # generous SLOs: every request meets them
+        assert m["transfer_ms"]["mean"] > 0  # disaggregated: every request moved its KV
+        for r in point["records"]:
+            assert r["finish_reason"] == "length" and r["output_tokens"] == r["max_tokens"]  # ignore_eos
+            assert sum(r["chunk_tokens"]) == r["output_tokens"] and r["prompt_tokens"] == r["prompt_len"]
+            times = [r["sent"], *r["chunk_times"], r["finished"]]
+            assert times == sorted(times)
+            assert {"queue", "prefill", "transfer", "decode", "first_token", "total"} <= set(r["timings"])
+    text_records = json.loads((tmp_path / "text.json").read_text())["points"][0]["records"]
+    assert all(r["error"] is None and r["prompt_len"] is None and r["prompt_tokens"] > 10 for r in text_records)
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in bench.stderr
+    else:
+        assert {p.name for p in (tmp_path / "plots").iterdir()} == {
+            "itl_cdf.png", "latency_vs_rate.png", "goodput_vs_rate.png"}
+
+    # The comparison report over these results, as if from two systems.
+    setup = {"date": "today", "host": "here", "command": "bench", "model": "demo", "devices": "CPU",
+             "max_model_len": 1024, "workload": "random", "systems": {"disagg": [], "colocated-chunked": []}}
+    report = write_report(tmp_path, {"disagg": results, "colocated-chunked": results}, setup, plots=[])
+    rows = [line for line in report.read_text().splitlines() if line.startswith("| 8 ") or line.startswith("| inf ")]
+    assert [row.split(" | ")[1] for row in rows] == ["disagg", "colocated-chunked"] * 2

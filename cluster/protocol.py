@@ -12,6 +12,7 @@ between the router and the worker leaders, and between prefill and decode leader
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -45,9 +46,25 @@ class Message:
             _TYPES[cls.type] = cls
 
 
+@functools.cache
+def _fields(cls: type[Message]) -> tuple[tuple[str, Any, bool], ...]:
+    """``(name, type hint, required)`` of each field, resolved once per class (hot path)."""
+    hints = typing.get_type_hints(cls)
+    return tuple(
+        (f.name, hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        for f in dataclasses.fields(cls)
+    )
+
+
+def _plain(message: Message) -> dict[str, Any]:
+    """Fields as a shallow dict (nested messages as dicts); lists are packed as they are."""
+    return {name: _plain(v) if isinstance(v := getattr(message, name), Message) else v
+            for name, _, _ in _fields(type(message))}
+
+
 def encode(message: Message) -> bytes:
     body = {"type": message.type, "version": PROTOCOL_VERSION}
-    body.update(dataclasses.asdict(message))
+    body.update(_plain(message))
     return msgpack.packb(body, use_bin_type=True)
 
 
@@ -71,6 +88,8 @@ def _check(value: Any, hint: Any, name: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ProtocolError("invalid_field", f"field {name!r} must be a list")
         (item,) = typing.get_args(hint)
+        if item is int and all(type(v) is int for v in value):  # token ids: the common, long case
+            return list(value)
         return [_check(v, item, name) for v in value]
     if origin is dict:
         if not isinstance(value, dict):
@@ -94,16 +113,15 @@ def _from_fields(cls: type[Message], body: Any, where: str) -> Message:
         raise ProtocolError("invalid_field", f"{where!r} must be a map")
     if not all(isinstance(key, str) for key in body):
         raise ProtocolError("malformed", f"map keys in {where!r} must be strings")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(body) - set(fields))
+    fields = _fields(cls)
+    unknown = sorted(set(body) - {name for name, _, _ in fields})
     if unknown:
         raise ProtocolError("unknown_field", f"unknown field {unknown[0]!r} in {cls.type or where}")
     kwargs = {}
-    for name, f in fields.items():
+    for name, hint, required in fields:
         if name in body:
-            kwargs[name] = _check(body[name], hints[name], name)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            kwargs[name] = _check(body[name], hint, name)
+        elif required:
             raise ProtocolError("missing_field", f"missing field {name!r} in {cls.type or where}")
     return cls(**kwargs)
 

@@ -57,9 +57,16 @@ def _fields(cls: type[Message]) -> tuple[tuple[str, Any, bool], ...]:
 
 
 def _plain(message: Message) -> dict[str, Any]:
-    """Fields as a shallow dict (nested messages as dicts); lists are packed as they are."""
-    return {name: _plain(v) if isinstance(v := getattr(message, name), Message) else v
-            for name, _, _ in _fields(type(message))}
+    """Fields as a shallow dict; nested messages (alone or in a list) become dicts too."""
+    out = {}
+    for name, _, _ in _fields(type(message)):
+        value = getattr(message, name)
+        if isinstance(value, Message):
+            value = _plain(value)
+        elif isinstance(value, list) and value and isinstance(value[0], Message):
+            value = [_plain(v) for v in value]
+        out[name] = value
+    return out
 
 
 def encode(message: Message) -> bytes:
@@ -261,6 +268,14 @@ class TokenOutput(Message):
     finished: bool = False
     finish_reason: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TokenOutputs(Message):
+    """Worker leader -> router: every request's new tokens of one engine step, in one message."""
+
+    type: ClassVar[str] = "token_outputs"
+    outputs: list[TokenOutput]
 
 
 @dataclass

@@ -30,6 +30,7 @@ from cluster.protocol import (
     Sampling,
     Shutdown,
     TokenOutput,
+    TokenOutputs,
     WorkerError,
     WorkerStats,
     WorkRequest,
@@ -85,6 +86,7 @@ class Leader:
         self.next_index: dict[str, int] = {}  # request -> index of its next output token
         self.stopping = False
         self.kv_refused = 0
+        self._outputs: list[TokenOutput] = []
 
     def _push(self, address: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.PUSH)
@@ -116,6 +118,7 @@ class Leader:
                 if self.engine.has_unfinished() and not self.stopping:
                     for out in self.engine.step():
                         self.on_output(out)
+                    self.flush_outputs()
                 if time.monotonic() >= next_stats:
                     self.send_router(self.stats())
                     next_stats = time.monotonic() + _STATS_INTERVAL_S
@@ -175,13 +178,21 @@ class Leader:
         self.emit(out, out.timings)
 
     def emit(self, out: RequestOutput, timings: dict[str, float]) -> None:
+        """Queue a request's new tokens for the router (sent once per step, ``flush_outputs``)."""
         index = self.next_index.get(out.request_id, 0)
-        self.send_router(TokenOutput(out.request_id, index, out.new_token_ids, out.finished, out.finish_reason,
-                                     timings if out.finished else {}))
+        self._outputs.append(TokenOutput(out.request_id, index, out.new_token_ids, out.finished, out.finish_reason,
+                                         timings if out.finished else {}))
         if out.finished:
             self.next_index.pop(out.request_id, None)
         else:
             self.next_index[out.request_id] = index + len(out.new_token_ids)
+
+    def flush_outputs(self) -> None:
+        """One message per step for every request's tokens: per-request messages cost more than
+        the decode step itself at large batch sizes."""
+        if self._outputs:
+            self.send_router(TokenOutputs(self._outputs))
+            self._outputs = []
 
     def close(self) -> None:
         for request_id in list(self.engine.requests):
@@ -204,7 +215,9 @@ def _agent(spec: WorkerSpec, kv_cache: object, model: ModelConfig) -> KVTransfer
         prefill, decode_ = (mine, ranks) if spec.role == "prefill" else (ranks, mine)
         topology = TransferTopology(model.num_heads, model.num_kv_heads, prefill, decode_, spec.rank.global_rank)
         backends[index] = create_backend(spec.transfer, topology, kv_cache)  # type: ignore[arg-type]
-    return KVTransferAgent(backends)
+    agent = KVTransferAgent(backends)
+    agent.warm_up()
+    return agent
 
 
 def _die_with_launcher() -> None:

@@ -46,6 +46,11 @@ class KVTransferAgent:
             if op == "send" and transfer.done():
                 del self._transfers[transfer_id]
 
+    def warm_up(self) -> None:
+        """Connect to every peer group, in group order (the same order on every rank)."""
+        for group in sorted(self.backends):
+            self.backends[group].warm_up()
+
     def close(self) -> None:
         for backend in self.backends.values():
             backend.close()

@@ -117,6 +117,10 @@ class TransferBackend(ABC):
         layers, _, _, block_size, heads, head_dim = self.kv_cache.shape
         return 2 * layers * block_size * heads * head_dim * self.kv_cache.element_size()
 
+    def warm_up(self) -> None:
+        """Open this rank's connections to its peers now, not on the first request (NCCL builds a
+        communicator per rank pair lazily, which costs ~100 ms). Every rank of both groups calls it."""
+
     def close(self) -> None:
         """Wait for whatever is still in flight."""
 

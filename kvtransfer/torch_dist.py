@@ -136,6 +136,15 @@ class TorchDistributedBackend(TransferBackend):
             self._pending.append(transfer)
         return transfer
 
+    def warm_up(self) -> None:
+        probe = torch.zeros(1, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+        op = dist.isend if self.topology.is_prefill else dist.irecv
+        works = [op(probe.clone(), peer) for peer, _, _ in self._pieces]
+        for work in works:
+            work.wait()
+        if self.kv_cache.device.type == "cuda":
+            torch.cuda.synchronize(self.kv_cache.device)
+
     def close(self) -> None:
         for transfer in self._pending:
             transfer.wait()

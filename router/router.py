@@ -34,6 +34,7 @@ from cluster.protocol import (
     Stats,
     StatsRequest,
     TokenOutput,
+    TokenOutputs,
     WorkerError,
     WorkerStats,
     WorkRequest,
@@ -239,8 +240,9 @@ class Router:
         except ProtocolError as e:
             logger.error("router: dropped a bad worker message: %s", e)
             return
-        if isinstance(message, TokenOutput):
-            self._on_tokens(message)
+        if isinstance(message, TokenOutputs):
+            for output in message.outputs:
+                self._on_tokens(output)
         elif isinstance(message, WorkerError):
             if message.request_id in self.requests:
                 self._abort_workers(message.request_id)

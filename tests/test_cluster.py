@@ -242,3 +242,11 @@ def test_sigterm_under_load_ends_every_request_and_exits_zero(cluster_factory, t
     cluster.proc.wait(timeout=90)
     assert cluster.proc.returncode == 0
     client.close()
+
+
+def test_client_reports_a_missing_cluster_clearly() -> None:
+    from cluster.client import ClusterUnavailable
+
+    with Client(f"tcp://127.0.0.1:{free_port()}", timeout=0.5) as client:
+        with pytest.raises(ClusterUnavailable, match="is it running"):
+            client.generate(token_ids=[1, 2, 3], max_tokens=2)

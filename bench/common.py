@@ -39,6 +39,13 @@ def parse_ints(text: str) -> list[int]:
     return values
 
 
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is CUDA when present, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 def model_dir(preset: str, model: str | None, dtype: str, device: torch.device) -> Path:
     """The checkpoint to benchmark: ``model`` if given, else preset ``preset`` with random weights."""
     if model is not None:

@@ -60,6 +60,7 @@ from bench.common import (
     metadata,
     model_dir,
     parse_ints,
+    resolve_device,
     prefill_plan,
     summary,
     time_steps,
@@ -290,8 +291,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else "cpu" if args.device == "auto" else args.device)
+    device = resolve_device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     hf_mode = args.hf or ("compiled" if device.type == "cuda" else "eager")
     path = model_dir(args.preset, args.model, "bfloat16", device)

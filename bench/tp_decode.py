@@ -36,6 +36,7 @@ from bench.common import (
     metadata,
     model_dir,
     parse_ints,
+    resolve_device,
     run_tp_group,
     summary,
     time_steps,
@@ -101,8 +102,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else "cpu" if args.device == "auto" else args.device)
+    device = resolve_device(args.device)
     if device.type == "cuda" and max(args.tp) > torch.cuda.device_count():
         raise SystemExit(f"--tp {max(args.tp)} needs as many GPUs; {torch.cuda.device_count()} visible")
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")

@@ -114,18 +114,18 @@ class RankProcesses:
                 self.terminate()
                 raise TimeoutError(f"ranks {sorted(i for i, _ in pending.values())} still running after {timeout} s")
             for sentinel in ready:
-                index, proc = pending.pop(sentinel)
+                _, proc = pending.pop(sentinel)
                 proc.join()
                 if proc.exitcode != 0:
+                    failure = self.failure()  # every rank down so far: the first to die is among them
                     self.terminate()
-                    raise RuntimeError(f"rank {index} exited with code {proc.exitcode} (its error is on stderr)")
+                    raise RuntimeError(failure)
 
     def failure(self) -> str | None:
-        """A description of the first rank that exited non-zero, if any (non-blocking)."""
-        for index, proc in enumerate(self.processes):
-            if proc.exitcode not in (None, 0):
-                return f"rank {index} exited with code {proc.exitcode} (its error is on stderr)"
-        return None
+        """The ranks that exited non-zero so far, if any (non-blocking)."""
+        failed = [f"rank {i} exited with code {p.exitcode}" for i, p in enumerate(self.processes)
+                  if p.exitcode not in (None, 0)]
+        return "; ".join(failed) + " (errors are on stderr)" if failed else None
 
     def alive(self) -> bool:
         return any(proc.is_alive() for proc in self.processes)

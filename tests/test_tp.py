@@ -80,3 +80,25 @@ def test_demo_model_tp_matches_tp1(demo_model_dir: Path, tp: int) -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     expected = LLMEngine(config).generate(prompts, params)
     assert generate_tp(config, tp, prompts, params) == expected
+
+
+def _rank_dies_or_waits(rank: int, init: str) -> None:
+    """Rank 1 dies right after joining; rank 0 then waits in an all-reduce that never completes."""
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, world_size=2, rank=rank)
+    if rank == 1:
+        os._exit(3)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_dead_peer_stops_the_group_with_its_rank_named() -> None:
+    from cluster.group import RankProcesses, free_port
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    group = RankProcesses(_rank_dies_or_waits, [(0, init), (1, init)])
+    with pytest.raises(RuntimeError, match="rank 1 exited with code 3"):
+        group.wait(timeout=120)
+    assert not group.alive()

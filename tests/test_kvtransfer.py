@@ -32,13 +32,16 @@ PAIRS = [(p, d) for p in (1, 2, 3) for d in (1, 2, 4)]
 BACKENDS = ["gloo", "gloo-async"]
 
 
-def _exchange(rank: int, p: int, d: int, backend: str, meta: dict, reference: dict[str, torch.Tensor]) -> None:
+def _exchange(rank: int, p: int, d: int, backend: str, meta: dict, reference: dict[str, torch.Tensor],
+              first_decode_rank: int = MAX_P, device: str = "cpu") -> None:
     """This rank's part of moving every request's KV from a group of ``p`` to one of ``d``."""
     topology = TransferTopology(meta["num_heads"], meta["num_kv_heads"], tuple(range(p)),
-                                tuple(range(MAX_P, MAX_P + d)), rank)
-    shard = topology.src_shard(rank) if topology.is_prefill else topology.dst_shard(rank - MAX_P)
+                                tuple(range(first_decode_rank, first_decode_rank + d)), rank)
+    shard = topology.src_shard(rank) if topology.is_prefill else topology.dst_shard(rank - first_decode_rank)
     layers, _, _, block_size, _, head_dim = reference[meta["requests"][0]].shape
-    cache = torch.full((layers, 2, NUM_BLOCKS + 1, block_size, shard.num_kv_heads, head_dim), float("nan"))
+    cache = torch.full((layers, 2, NUM_BLOCKS + 1, block_size, shard.num_kv_heads, head_dim), float("nan"),
+                       device=device)
+    reference = {k: v.to(device) for k, v in reference.items()}
     agent = KVTransferAgent({0: create_backend(TransferConfig(backend), topology, cache)})
     side = "src" if topology.is_prefill else "dst"
     heads = slice(shard.kv_start, shard.kv_end)
@@ -52,7 +55,8 @@ def _exchange(rank: int, p: int, d: int, backend: str, meta: dict, reference: di
             assert agent.wait(request_id).num_bytes > 0
             got = cache[:, :, meta[side][request_id]]
             if not torch.equal(got, reference[request_id][:, :, :, :, heads]):
-                raise AssertionError(f"{backend} p={p} d={d}: KV of {request_id} differs on decode rank {rank - MAX_P}")
+                raise AssertionError(f"{backend} p={p} d={d}: KV of {request_id} differs on decode rank "
+                                     f"{rank - first_decode_rank}")
     agent.close()
 
 
@@ -114,3 +118,24 @@ def test_head_shards_used_by_the_backend_cover_the_model() -> None:
     topology = TransferTopology(8, 2, (0, 1, 2), (3,), 3)
     assert topology.dst_shard(0) == head_shard(8, 2, 1, 0)
     assert sum(piece.num_heads for piece in topology.plan()) == 2
+
+
+def _gpu_rank_main(rank: int, init: str, work_dir: str) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init, world_size=2, rank=rank)
+    try:
+        meta = json.loads((Path(work_dir) / "meta.json").read_text())
+        reference = load_file(str(Path(work_dir) / "kv.safetensors"))
+        for backend in ("nccl", "nccl-async"):
+            _exchange(rank, 1, 1, backend, meta, reference, first_decode_rank=1, device=f"cuda:{rank}")
+            torch.cuda.synchronize()
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_nccl_sync_and_async_deliver_bitwise_kv_from_gpu0_to_gpu1(reference_kv: Path) -> None:
+    init = f"tcp://127.0.0.1:{free_port()}"
+    RankProcesses(_gpu_rank_main, [(r, init, str(reference_kv)) for r in range(2)]).wait(300)

@@ -21,6 +21,7 @@ from cluster.worker import Leader, sampling_params
 from engine.engine import RequestOutput
 from engine.sampling import RequestError
 from engine.step_plan import KVCommand
+from kvtransfer.base import TransferStats
 
 
 class DecodeLeader(Leader):
@@ -30,7 +31,9 @@ class DecodeLeader(Leader):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.receiving: dict[str, KVAnnounce] = {}
         self.aborted_in_flight: set[str] = set()
-        self.transfer_timings: dict[str, dict[str, float]] = {}
+        # Prefill's timings and the transfer's stats, read when the request finishes (on CUDA the
+        # transfer time comes from events: reading it earlier would stall the loop).
+        self.handoffs: dict[str, tuple[dict[str, float], TransferStats]] = {}
 
     def transfers_pending(self) -> bool:
         return bool(self.receiving)
@@ -70,23 +73,24 @@ class DecodeLeader(Leader):
                 self.aborted_in_flight.discard(request_id)
                 self.engine.abort(request_id)
                 continue
-            self.transfer_timings[request_id] = {
-                **announce.timings, "transfer": stats.seconds, "transfer_bytes": float(stats.num_bytes),
-            }
+            self.handoffs[request_id] = (announce.timings, stats)
             self.engine.admit(request_id)
 
     def abort(self, request_id: str) -> None:
         if request_id in self.receiving:
             self.aborted_in_flight.add(request_id)  # free after the receive lands
             return
-        self.transfer_timings.pop(request_id, None)
+        self.handoffs.pop(request_id, None)
         super().abort(request_id)
 
     def on_output(self, out: RequestOutput) -> None:
-        # Queue and prefill times come from the prefill group; this engine adds the decode time.
-        timings = dict(self.transfer_timings.get(out.request_id, {}))
-        if "decode" in out.timings:
-            timings["decode"] = out.timings["decode"]
+        timings: dict[str, float] = {}
         if out.finished:
-            self.transfer_timings.pop(out.request_id, None)
+            # Queue and prefill times come from the prefill group; this group adds the rest.
+            prefill_timings, stats = self.handoffs.pop(out.request_id, ({}, None))
+            timings.update(prefill_timings)
+            if stats is not None:
+                timings.update(transfer=stats.seconds, transfer_bytes=float(stats.num_bytes))
+            if "decode" in out.timings:
+                timings["decode"] = out.timings["decode"]
         self.emit(out, timings)

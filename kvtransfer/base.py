@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,8 +27,24 @@ from kvtransfer.plan import Piece, resharding_plan
 
 @dataclass(frozen=True)
 class TransferStats:
+    """Bytes this rank moved for one transfer, and how long it took.
+
+    On CUDA the time comes from events recorded around the transfer on the compute stream
+    (``events``): host clocks would only see the enqueue. Reading ``seconds`` then waits for the
+    end event, so read it once the request is done, not on the hot path.
+    """
+
     num_bytes: int
-    seconds: float
+    host_seconds: float  # from submit to the host observing completion
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def seconds(self) -> float:
+        if self.events is None:
+            return self.host_seconds
+        start, end = self.events
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
     @property
     def gbps(self) -> float:

@@ -144,6 +144,7 @@ class Setup:
     settle_ms: float
     init_method: str
     run_dir: str
+    layer_groups: int = 1  # messages per request per destination (TransferConfig.layer_groups)
 
     @property
     def world_size(self) -> int:
@@ -218,8 +219,11 @@ class _Rank:
         tp = self.topology
         self.shard = tp.src_shard(self.tp_rank) if self.is_prefill else tp.dst_shard(self.tp_rank)
         self.pool = self._pool(self.shard.num_kv_heads, pattern_seed(setup.seed, rank))
-        self.sync_agent = KVTransferAgent({0: create_backend(TransferConfig(setup.backend_name(False)), tp, self.pool)})
-        self.async_agent = KVTransferAgent({0: create_backend(TransferConfig(setup.backend_name(True)), tp, self.pool)})
+        self.sync_agent, self.async_agent = (
+            KVTransferAgent({0: create_backend(TransferConfig(setup.backend_name(is_async), layer_groups=setup.layer_groups),
+                                               tp, self.pool)})
+            for is_async in (False, True)
+        )
         # This rank's pieces of the plan: (peer global rank, heads, local head slice, peer's head slice).
         self.pieces = []
         for p in tp.plan():
@@ -769,6 +773,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--num-blocks", type=int, default=None,
                    help="pool blocks per rank (default: the largest case's need plus 25%%)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layer-groups", type=int, default=1,
+                   help="messages per request per destination, each a range of layers (overlaps copies and wire)")
     p.add_argument("--settle-ms", type=float, default=2.0,
                    help="handoff: pause after the barrier before the announce (the decode leader waits idle)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds before the ranks are stopped")
@@ -809,7 +815,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             layers=model.num_layers, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
             head_dim=model.head_dim, num_blocks=num_blocks, cases=tuple(cases), iters=args.iters,
             warmup=args.warmup, seed=args.seed, settle_ms=args.settle_ms,
-            init_method=f"tcp://127.0.0.1:{free_port()}", run_dir=run_dir,
+            init_method=f"tcp://127.0.0.1:{free_port()}", run_dir=run_dir, layer_groups=args.layer_groups,
         )
         started = time.perf_counter()
         RankProcesses(_rank_main, [(setup, r) for r in range(world)]).wait(args.timeout)
@@ -838,6 +844,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "dtype": dtype_name,
         "prefill_tp": args.prefill_tp,
         "decode_tp": args.decode_tp,
+        "layer_groups": args.layer_groups,
         "layers": model.num_layers, "num_heads": model.num_heads, "num_kv_heads": model.num_kv_heads,
         "head_dim": model.head_dim,
         "block_size": BLOCK_SIZE,

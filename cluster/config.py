@@ -28,6 +28,7 @@ class ClusterConfig:
     colocated_groups: int = 1
     colocated_tp: int = 1
     transfer: str = "auto"  # auto: nccl-async on CUDA, gloo on CPU
+    transfer_layer_groups: int = 1  # KV messages per request per destination rank (layer ranges)
     devices: tuple[int, ...] | None = None  # GPU ids; None: all visible GPUs, or CPU without any
     host: str = "127.0.0.1"
     port: int = 5555
@@ -49,7 +50,7 @@ class ClusterConfig:
         if self.mode not in ("disagg", "colocated"):
             raise ValueError(f"mode must be disagg or colocated, got {self.mode!r}")
         for name in ("prefill_tp", "decode_tp", "prefill_groups", "decode_groups", "colocated_groups",
-                     "colocated_tp"):
+                     "colocated_tp", "transfer_layer_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.transfer not in ("auto", "nccl", "nccl-async", "gloo", "gloo-async"):
@@ -89,12 +90,12 @@ class ClusterConfig:
 
     def resolved_transfer(self, on_gpu: bool) -> TransferConfig:
         if self.transfer == "auto":
-            return TransferConfig("nccl-async" if on_gpu else "gloo")
+            return TransferConfig("nccl-async" if on_gpu else "gloo", layer_groups=self.transfer_layer_groups)
         if self.transfer.startswith("nccl") and not on_gpu:
             raise ValueError(f"--transfer {self.transfer} needs GPUs; use gloo on CPU")
         if self.transfer.startswith("gloo") and on_gpu:
             raise ValueError(f"--transfer {self.transfer} moves CPU tensors; use nccl on GPUs")
-        return TransferConfig(self.transfer)
+        return TransferConfig(self.transfer, layer_groups=self.transfer_layer_groups)
 
     def engine_config(self, model_dir: str) -> EngineConfig:
         chunked = self.enable_chunked_prefill

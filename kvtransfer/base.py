@@ -56,12 +56,17 @@ class TransferConfig:
     backend: str = "gloo"  # a key of the registry: gloo, gloo-async, nccl, nccl-async
     # Bound on the packed KV a sender keeps for transfers in flight; beyond it, the sender waits.
     max_staging_bytes: int = 4 << 30
+    # Messages per request per destination rank, each a contiguous range of layers: with more
+    # than one, gathering, the wire and scattering of different layer ranges overlap.
+    layer_groups: int = 1
 
     def __post_init__(self) -> None:
         if self.backend not in _REGISTRY:
             raise ValueError(f"unknown KV transfer backend {self.backend!r}; available: {sorted(_REGISTRY)}")
         if self.max_staging_bytes < 1:
             raise ValueError("max_staging_bytes must be positive")
+        if self.layer_groups < 1:
+            raise ValueError(f"layer_groups must be >= 1, got {self.layer_groups}")
 
 
 @dataclass(frozen=True)

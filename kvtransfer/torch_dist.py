@@ -1,7 +1,8 @@
 """KV transfer over torch.distributed point-to-point: NCCL on GPUs, gloo on CPUs, one code path.
 
 Sender: gather the request's blocks, sliced to each piece's heads, into one contiguous buffer
-per destination rank (one message per request per destination, never one per block), then
+per destination rank (one message per request per destination, never one per block; or one per
+layer range with ``layer_groups > 1``, so that gathering, wire and scattering overlap), then
 ``isend``. The gather runs on the compute stream, so a later step that reuses those blocks is
 ordered after it: the engine may free the blocks as soon as ``send`` returns. The buffer lives
 until the send completes (counted in ``staging_bytes``).
@@ -21,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from engine.parallel import split_range
 from kvtransfer.base import Transfer, TransferBackend, TransferConfig, TransferStats, TransferTopology, register_backend
 
 
@@ -29,7 +31,7 @@ class _TorchTransfer(Transfer):
         self,
         works: list[dist.Work],
         buffers: list[torch.Tensor],
-        on_complete: list[tuple[torch.Tensor, slice, torch.Tensor]],
+        on_complete: list[tuple[torch.Tensor, slice, slice, torch.Tensor]],
         kv_cache: torch.Tensor,
         release: Callable[[int], None],
         start_event: torch.cuda.Event | None,
@@ -37,7 +39,7 @@ class _TorchTransfer(Transfer):
         self.works = works
         self.start_event = start_event
         self.buffers = buffers
-        self.on_complete = on_complete  # (buffer, head slice, block index) to scatter on receive
+        self.on_complete = on_complete  # receiver: (buffer, layers, heads, block index) per work
         self.kv_cache = kv_cache
         self.release = release
         self.started = time.perf_counter()
@@ -68,12 +70,14 @@ class _TorchTransfer(Transfer):
         if self.stats is None:
             if self._landed is not None:
                 self._landed.wait()
-            else:
-                for work in self.works:
-                    work.wait()  # makes the current stream wait for the NCCL stream
-            for buffer, heads, blocks in self.on_complete:
-                # index_copy_ through the head view: one kernel, ~30% faster than an index_put.
-                self.kv_cache[:, :, :, :, heads].index_copy_(2, blocks, buffer)
+            for i, work in enumerate(self.works):
+                if self._landed is None:
+                    work.wait()  # makes the current stream wait for this message only, so the
+                    # scatter of one layer range overlaps the arrival of the next
+                if self.on_complete:
+                    buffer, layers, heads, blocks = self.on_complete[i]
+                    # index_copy_ through the view: one kernel, ~30% faster than an index_put.
+                    self.kv_cache[layers, :, :, :, heads].index_copy_(2, blocks, buffer)
             num_bytes = sum(b.numel() * b.element_size() for b in self.buffers)
             events = None
             if self.start_event is not None:
@@ -103,6 +107,9 @@ class TorchDistributedBackend(TransferBackend):
             self._pieces = [(topology.prefill_ranks[p.src_rank], p.dst_slice(shard), p.num_heads)
                             for p in plan if p.dst_rank == me]
         self._pending: list[_TorchTransfer] = []
+        num_layers = kv_cache.shape[0]
+        groups = min(config.layer_groups, num_layers)
+        self._layer_ranges = [slice(*split_range(num_layers, groups, g)) for g in range(groups)]
 
     @property
     def staging_bytes(self) -> int:
@@ -126,23 +133,25 @@ class TorchDistributedBackend(TransferBackend):
         blocks = self._index(block_ids)
         buffers, works = [], []
         for peer, heads, _ in self._pieces:
-            packed = self.kv_cache[:, :, :, :, heads].index_select(2, blocks)  # contiguous, one kernel
-            buffers.append(packed)
-            works.append(dist.isend(packed, dst=peer))
+            for layers in self._layer_ranges:
+                packed = self.kv_cache[layers, :, :, :, heads].index_select(2, blocks)  # contiguous
+                buffers.append(packed)
+                works.append(dist.isend(packed, dst=peer))
         self._staging += sum(b.numel() * b.element_size() for b in buffers)
         return self._finish(_TorchTransfer(works, buffers, [], self.kv_cache, self._release, start))
 
     def recv(self, block_ids: list[int]) -> Transfer:
         start = self._start_event()
         blocks = self._index(block_ids)
-        layers, _, _, block_size, _, head_dim = self.kv_cache.shape
+        _, _, _, block_size, _, head_dim = self.kv_cache.shape
         buffers, works, scatters = [], [], []
         for peer, heads, num_heads in self._pieces:
-            buffer = torch.empty(layers, 2, len(block_ids), block_size, num_heads, head_dim,
-                                 dtype=self.kv_cache.dtype, device=self.kv_cache.device)
-            buffers.append(buffer)
-            works.append(dist.irecv(buffer, src=peer))
-            scatters.append((buffer, heads, blocks))
+            for layer_range in self._layer_ranges:
+                buffer = torch.empty(layer_range.stop - layer_range.start, 2, len(block_ids), block_size, num_heads,
+                                     head_dim, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+                buffers.append(buffer)
+                works.append(dist.irecv(buffer, src=peer))
+                scatters.append((buffer, layer_range, heads, blocks))
         return self._finish(_TorchTransfer(works, buffers, scatters, self.kv_cache, self._release, start))
 
     def _finish(self, transfer: _TorchTransfer) -> Transfer:

@@ -29,10 +29,10 @@ from kvtransfer.base import TransferConfig, TransferTopology, create_backend
 NUM_BLOCKS = 96
 MAX_P, MAX_D = 3, 4  # one world of 7 ranks serves every pair: prefill 0..2, decode 3..6
 PAIRS = [(p, d) for p in (1, 2, 3) for d in (1, 2, 4)]
-BACKENDS = ["gloo", "gloo-async"]
+BACKENDS = [("gloo", 1), ("gloo-async", 1), ("gloo-async", 3)]  # (backend, layer groups per message)
 
 
-def _exchange(rank: int, p: int, d: int, backend: str, meta: dict, reference: dict[str, torch.Tensor],
+def _exchange(rank: int, p: int, d: int, backend: tuple[str, int], meta: dict, reference: dict[str, torch.Tensor],
               first_decode_rank: int = MAX_P, device: str = "cpu") -> None:
     """This rank's part of moving every request's KV from a group of ``p`` to one of ``d``."""
     topology = TransferTopology(meta["num_heads"], meta["num_kv_heads"], tuple(range(p)),
@@ -42,7 +42,8 @@ def _exchange(rank: int, p: int, d: int, backend: str, meta: dict, reference: di
     cache = torch.full((layers, 2, NUM_BLOCKS + 1, block_size, shard.num_kv_heads, head_dim), float("nan"),
                        device=device)
     reference = {k: v.to(device) for k, v in reference.items()}
-    agent = KVTransferAgent({0: create_backend(TransferConfig(backend), topology, cache)})
+    config = TransferConfig(backend[0], layer_groups=backend[1])
+    agent = KVTransferAgent({0: create_backend(config, topology, cache)})
     side = "src" if topology.is_prefill else "dst"
     heads = slice(shard.kv_start, shard.kv_end)
     for request_id in meta["requests"]:  # the same order on every rank; all 16 in flight at once
@@ -109,7 +110,8 @@ def reference_kv(tiny_model_dirs: dict[str, Path], tmp_path_factory: pytest.Temp
 @pytest.mark.slow
 def test_received_kv_is_bitwise_the_prefill_kv(reference_kv: Path) -> None:
     """Prefill TP 1, 2, 3 to decode TP 1, 2, 4 (2 KV heads: uneven, replicated, both ways), sync
-    and async, 16 requests in flight; a failing pair names itself in the rank's error."""
+    and async, one message or one per layer range, 16 requests in flight; a failing pair names
+    itself in the rank's error."""
     init = f"tcp://127.0.0.1:{free_port()}"
     RankProcesses(_rank_main, [(r, init, str(reference_kv)) for r in range(MAX_P + MAX_D)]).wait(600)
 
@@ -126,7 +128,7 @@ def _gpu_rank_main(rank: int, init: str, work_dir: str) -> None:
     try:
         meta = json.loads((Path(work_dir) / "meta.json").read_text())
         reference = load_file(str(Path(work_dir) / "kv.safetensors"))
-        for backend in ("nccl", "nccl-async"):
+        for backend in (("nccl", 1), ("nccl-async", 1), ("nccl-async", 4)):
             _exchange(rank, 1, 1, backend, meta, reference, first_decode_rank=1, device=f"cuda:{rank}")
             torch.cuda.synchronize()
             dist.barrier()

@@ -18,7 +18,20 @@ import click
 import zmq
 import zmq.asyncio
 
-from cluster.protocol import Abort, Chunk, Error, Final, Generate, Message, Sampling, Stats, StatsRequest, decode, encode
+from cluster.protocol import (
+    Abort,
+    Chunk,
+    Error,
+    Final,
+    Generate,
+    Message,
+    ProtocolError,
+    Sampling,
+    Stats,
+    StatsRequest,
+    decode,
+    encode,
+)
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
 
@@ -142,15 +155,25 @@ class AsyncClient:
         self._socket = self._ctx.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(endpoint)
-        self._queues: dict[str, asyncio.Queue[Message]] = {}
+        self._queues: dict[str, asyncio.Queue[Message | BaseException]] = {}
         self._reader: asyncio.Task | None = None
 
     async def _read(self) -> None:
-        while True:
-            message = decode(await self._socket.recv())
-            queue = self._queues.get(getattr(message, "request_id", None) or "")
-            if queue is not None:
-                queue.put_nowait(message)
+        """Route replies to their request's queue. A frame that does not decode is dropped (the
+        router never sends one); a socket failure is handed to every waiting request."""
+        try:
+            while True:
+                try:
+                    message: Message | BaseException = decode(await self._socket.recv())
+                except ProtocolError:
+                    continue
+                queue = self._queues.get(getattr(message, "request_id", None) or "")
+                if queue is not None:
+                    queue.put_nowait(message)
+        except (zmq.ZMQError, OSError) as e:
+            for queue in self._queues.values():
+                queue.put_nowait(e)
+            self._reader = None
 
     async def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None, chat: bool = True,
                      request_id: str | None = None, **sampling: Any) -> AsyncIterator[Chunk | Final]:
@@ -158,7 +181,7 @@ class AsyncClient:
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read())
         request = _request(prompt, token_ids, True, chat, request_id, sampling)
-        queue: asyncio.Queue[Message] = asyncio.Queue()
+        queue: asyncio.Queue[Message | BaseException] = asyncio.Queue()
         self._queues[request.request_id or ""] = queue
         try:
             await self._socket.send(encode(request))
@@ -167,6 +190,8 @@ class AsyncClient:
                     message = await asyncio.wait_for(queue.get(), self.timeout)
                 except asyncio.TimeoutError:
                     raise ClusterUnavailable(self.endpoint, self.timeout) from None
+                if isinstance(message, BaseException):
+                    raise message
                 if isinstance(message, Error):
                     raise ClusterError(message)
                 assert isinstance(message, (Chunk, Final))

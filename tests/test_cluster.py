@@ -250,3 +250,31 @@ def test_client_reports_a_missing_cluster_clearly() -> None:
     with Client(f"tcp://127.0.0.1:{free_port()}", timeout=0.5) as client:
         with pytest.raises(ClusterUnavailable, match="is it running"):
             client.generate(token_ids=[1, 2, 3], max_tokens=2)
+
+
+def test_async_client_skips_an_undecodable_frame_and_gets_its_final() -> None:
+    import asyncio
+
+    import zmq
+
+    from cluster.client import AsyncClient
+    from cluster.protocol import encode
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    async def run() -> Final:
+        client = AsyncClient(f"tcp://127.0.0.1:{port}", timeout=10)
+        task = asyncio.create_task(client.generate(token_ids=[1, 2], request_id="r1", max_tokens=1))
+        identity, _ = await asyncio.to_thread(router.recv_multipart)
+        router.send_multipart([identity, b"\xff not msgpack"])
+        router.send_multipart([identity, encode(Final("r1", "length", [7], "", {}, {}))])
+        try:
+            return await task
+        finally:
+            client.close()
+
+    try:
+        assert asyncio.run(run()).token_ids == [7]
+    finally:
+        router.close()

@@ -7,6 +7,7 @@ while the peers follow its steps.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import platform
 import statistics
@@ -37,6 +38,22 @@ def parse_ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise ValueError(f"expected a comma-separated list of positive integers, got {text!r}")
     return values
+
+
+def add_step_timing_args(parser: argparse.ArgumentParser) -> None:
+    """The options every step-timing benchmark shares."""
+    parser.add_argument("--iters", default=50, type=int, help="timed calls per measurement (median reported)")
+    parser.add_argument("--warmup", default=5, type=int, help="untimed calls before each measurement")
+    parser.add_argument("--block-size", default=16, type=int)
+    parser.add_argument("--seed", default=0, type=int)
+    parser.add_argument("--out", type=Path, help="write every number as JSON here")
+
+
+def parse_step_timing_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    args = parser.parse_args(argv)
+    if args.iters < 1 or args.warmup < 0:
+        parser.error("--iters must be >= 1 and --warmup >= 0")
+    return args
 
 
 def resolve_device(name: str) -> torch.device:

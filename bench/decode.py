@@ -49,6 +49,8 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, CompileConfig, StaticCache
 
 from bench.common import (
+    add_step_timing_args,
+    parse_step_timing_args,
     H200_BANDWIDTH,
     block_tables,
     blocks_for,
@@ -274,19 +276,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefill-lens", default="2048", type=parse_ints, help="single-prompt prefill lengths")
     parser.add_argument("--prefill-batches", default="8x512", type=parse_prefill_batches,
                         help="batched prefills, COUNTxLENGTH[,...] ('' for none)")
-    parser.add_argument("--iters", default=50, type=int, help="timed calls per measurement (median reported)")
-    parser.add_argument("--warmup", default=5, type=int, help="untimed calls before each measurement")
     parser.add_argument("--hf", choices=[*HF_COMPILE_OPTIONS, "eager", "off"],
                         help="transformers baseline (default: compiled on CUDA, eager on CPU)")
     parser.add_argument("--max-model-len", type=int,
                         help="the runner's max_model_len (default: longest case + one block)")
-    parser.add_argument("--block-size", default=16, type=int)
-    parser.add_argument("--seed", default=0, type=int)
-    parser.add_argument("--out", type=Path, help="write every number as JSON here")
-    args = parser.parse_args(argv)
-    if args.iters < 1 or args.warmup < 0:
-        parser.error("--iters must be >= 1 and --warmup >= 0")
-    return args
+    add_step_timing_args(parser)
+    return parse_step_timing_args(parser, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

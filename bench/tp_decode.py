@@ -27,6 +27,8 @@ import torch
 from tqdm import tqdm
 
 from bench.common import (
+    add_step_timing_args,
+    parse_step_timing_args,
     H200_BANDWIDTH,
     blocks_for,
     command_line,
@@ -88,16 +90,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--tp", default="1,2", type=parse_ints, help="TP degrees to time")
     parser.add_argument("--batch-sizes", default="1,32", type=parse_ints)
     parser.add_argument("--contexts", default="128,2048", type=parse_ints)
-    parser.add_argument("--iters", default=50, type=int)
-    parser.add_argument("--warmup", default=5, type=int)
-    parser.add_argument("--block-size", default=16, type=int)
-    parser.add_argument("--seed", default=0, type=int)
     parser.add_argument("--timeout", default=600.0, type=float, help="seconds one TP group may take")
-    parser.add_argument("--out", type=Path, help="write every number as JSON here")
-    args = parser.parse_args(argv)
-    if args.iters < 1 or args.warmup < 0:
-        parser.error("--iters must be >= 1 and --warmup >= 0")
-    return args
+    add_step_timing_args(parser)
+    return parse_step_timing_args(parser, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

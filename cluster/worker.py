@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 import zmq
 
@@ -204,7 +205,7 @@ class Leader:
             sock.close()
 
 
-def _agent(spec: WorkerSpec, kv_cache: object, model: ModelConfig) -> KVTransferAgent | None:
+def _agent(spec: WorkerSpec, kv_cache: torch.Tensor, model: ModelConfig) -> KVTransferAgent | None:
     """Backends to every group of the other role (prefill -> each decode group, and back)."""
     if spec.role == "colocated":
         return None
@@ -214,7 +215,7 @@ def _agent(spec: WorkerSpec, kv_cache: object, model: ModelConfig) -> KVTransfer
     for index, ranks in enumerate(spec.layout.ranks[other]):
         prefill, decode_ = (mine, ranks) if spec.role == "prefill" else (ranks, mine)
         topology = TransferTopology(model.num_heads, model.num_kv_heads, prefill, decode_, spec.rank.global_rank)
-        backends[index] = create_backend(spec.transfer, topology, kv_cache)  # type: ignore[arg-type]
+        backends[index] = create_backend(spec.transfer, topology, kv_cache)
     agent = KVTransferAgent(backends)
     agent.warm_up()
     return agent

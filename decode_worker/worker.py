@@ -17,18 +17,19 @@ so an abort during a transfer frees the blocks only after it.
 from __future__ import annotations
 
 from cluster.protocol import KVAnnounce, KVReply, Message, WorkerError
-from cluster.worker import Leader, sampling_params
-from engine.engine import RequestOutput
+from cluster.worker import Leader, WorkerSpec, sampling_params
+from engine.engine import LLMEngine, RequestOutput
 from engine.sampling import RequestError
 from engine.step_plan import KVCommand
+from kvtransfer.agent import KVTransferAgent
 from kvtransfer.base import TransferStats
 
 
 class DecodeLeader(Leader):
     role = "decode"
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, spec: WorkerSpec, engine: LLMEngine, agent: KVTransferAgent | None) -> None:
+        super().__init__(spec, engine, agent)
         self.receiving: dict[str, KVAnnounce] = {}
         self.aborted_in_flight: set[str] = set()
         # Prefill's timings and the transfer's stats, read when the request finishes (on CUDA the

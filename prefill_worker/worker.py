@@ -20,9 +20,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from cluster.protocol import KVAnnounce, KVReply, Message, WorkRequest
-from cluster.worker import Leader
-from engine.engine import RequestOutput
+from cluster.worker import Leader, WorkerSpec
+from engine.engine import LLMEngine, RequestOutput
 from engine.step_plan import KVCommand
+from kvtransfer.agent import KVTransferAgent
 from kvtransfer.base import Transfer
 
 _RETRY_FIRST_S = 0.002
@@ -42,8 +43,8 @@ class _Handoff:
 class PrefillLeader(Leader):
     role = "prefill"
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, spec: WorkerSpec, engine: LLMEngine, agent: KVTransferAgent | None) -> None:
+        super().__init__(spec, engine, agent)
         self.work: dict[str, WorkRequest] = {}  # until prefilled: where the KV goes, how to sample
         self.to_announce: deque[_Handoff] = deque()  # waiting for staging room or a retry
         self.announced: dict[str, _Handoff] = {}  # waiting for the decode group's reply

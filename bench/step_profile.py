@@ -51,7 +51,7 @@ def profile_rows(runner: ModelRunner, batch: int, context: int, steps: int, seed
         else:  # top-level CPU ops
             if event.cpu_parent is not None:
                 continue
-            micros = event.self_cpu_time_total
+            micros = event.cpu_time_total  # inclusive: a linear counts its matmul
         if micros > 0:
             totals[event.name] += micros
             calls[event.name] += 1

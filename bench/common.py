@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import platform
 import statistics
 import sys
@@ -54,6 +55,14 @@ def parse_step_timing_args(parser: argparse.ArgumentParser, argv: Sequence[str] 
     if args.iters < 1 or args.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
     return args
+
+
+def write_json(result: dict[str, Any], path: Path | None) -> None:
+    """Write a benchmark's result (when a path was given) and say where."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}")
 
 
 def resolve_device(name: str) -> torch.device:

@@ -42,6 +42,7 @@ from typing import Any
 import click
 
 from bench.metrics import tpot
+from bench.common import write_json
 from bench.serve import (
     TABLE_HEADERS,
     BenchConfig,
@@ -56,7 +57,6 @@ from bench.serve import (
     results_table,
     run_benchmark,
     run_requests,
-    write_json,
     write_plots,
 )
 from cluster.client import AsyncClient

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, CompileConfig, StaticCache
 
 from bench.common import (
+    write_json,
     add_step_timing_args,
     parse_step_timing_args,
     H200_BANDWIDTH,
@@ -321,10 +321,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   for c in cases],
     }
     print(table(cases))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    write_json(result, args.out)
     return result
 
 

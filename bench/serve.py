@@ -50,6 +50,7 @@ from typing import Any
 import click
 from tqdm import tqdm
 
+from bench.common import write_json
 from bench.metrics import RequestRecord, compute_metrics, itls
 from cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable
 from cluster.protocol import Chunk
@@ -462,11 +463,6 @@ def _plot_goodput(plt: Any, series: dict[str, Sequence[dict[str, Any]]], path: P
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
     return _save(plt, fig, path)
-
-
-def write_json(results: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1) + "\n")
 
 
 # -- command line ---------------------------------------------------------------------------

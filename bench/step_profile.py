@@ -10,7 +10,6 @@ step, with its share of the step; the JSON holds every row. On a CPU it profiles
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import fill_kv_random, format_table, model_dir, resolve_device, uniform_decode_plan
+from bench.common import fill_kv_random, format_table, model_dir, resolve_device, uniform_decode_plan, write_json
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.model_runner import ModelRunner
 
@@ -96,8 +95,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                          f"{100 * r['share']:.1f}%"] for r in rows[: args.top]]))
     result = {"batch": args.batch, "context": args.context, "device": str(device), "graph": not args.enforce_eager,
               "step_us": step_us, "rows": rows}
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, args.out)
     return result
 
 

@@ -17,7 +17,6 @@ per token) / 4.29 TB/s.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from bench.common import (
+    write_json,
     add_step_timing_args,
     parse_step_timing_args,
     H200_BANDWIDTH,
@@ -131,10 +131,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                              max_model_len=config.max_model_len, bandwidth_bytes_per_s=H200_BANDWIDTH),
         "groups": {str(tp): groups[tp] for tp in args.tp},
     }
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    write_json(result, args.out)
     return result
 
 

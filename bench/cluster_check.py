@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import json
 import random
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,37 +24,13 @@ from pathlib import Path
 import click
 
 from cluster.client import Chunk, Client
-from cluster.group import free_port
 from bench.common import compare_greedy
+from bench.compare import LaunchedCluster
+from bench.metrics import percentile
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import LLMEngine
 from engine.presets import resolve_model
 from engine.sampling import SamplingParams
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
-
-
-def start_cluster(model: str, args: list[str], max_model_len: int, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "launch.py", "--model", model, "--port", str(port),
-                                 "--max-model-len", str(max_model_len), *args],
-                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while "endpoint " not in log.read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"cluster {args} did not start:\n{log.read_text(errors='replace')[-3000:]}")
-        time.sleep(0.5)
-    return proc, f"tcp://127.0.0.1:{port}"
 
 
 def serve(endpoint: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
@@ -129,12 +102,10 @@ def main(model: str, devices: str, num_requests: int, max_tokens: int, max_model
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, args in topologies.items():
-            proc, endpoint = start_cluster(model, args, max_model_len, Path(tmp) / f"{name}.log")
-            try:
-                records = serve(endpoint, prompts, max_tokens)
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                code = proc.wait(timeout=300)
+            args = ["--model", model, "--max-model-len", str(max_model_len), *args]
+            with LaunchedCluster(args, Path(tmp) / f"{name}.log", start_timeout=600) as cluster:
+                records = serve(cluster.endpoint, prompts, max_tokens)
+                code = cluster.stop()
             gaps = [g for r in records for g in r["gaps"]]
             ttfts = [r["ttft"] for r in records]
             transfers = [r["transfer"] for r in records if r["transfer"] is not None]
@@ -145,7 +116,7 @@ def main(model: str, devices: str, num_requests: int, max_tokens: int, max_model
                 **agreement(reference, outputs),
                 "divergences_not_near_ties": not_near_ties,
                 "ttft_ms": {q: percentile(ttfts, q) * 1e3 for q in (50, 90, 99)},
-                "itl_ms": {q: percentile(gaps, q) * 1e3 for q in (50, 90, 99)},
+                "itl_ms": {q: percentile(gaps, q) * 1e3 if gaps else float("nan") for q in (50, 90, 99)},
                 "transfer_ms_mean": statistics.mean(transfers) * 1e3 if transfers else None,
             }
     print(f"{num_requests} concurrent requests, prompts of {lengths} tokens, {max_tokens} output tokens each")

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import random
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,58 +15,29 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from bench.compare import LaunchedCluster
 from cluster.client import Chunk, Client, ClusterError, Final
 from cluster.group import free_port
 from engine.config import CacheConfig, EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
 
-REPO = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 512
-
-
-class RunningCluster:
-    """``launch.py`` in a subprocess; its output goes to a file (a pipe nobody reads would fill)."""
-
-    def __init__(self, args: list[str], log_path: Path) -> None:
-        self.port = free_port()
-        self.endpoint = f"tcp://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "launch.py", "--port", str(self.port), "--max-model-len", str(MAX_MODEL_LEN), *args],
-                cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + 300
-        while "endpoint " not in self.output():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"cluster did not start:\n{self.output()[-4000:]}")
-            time.sleep(0.2)
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def client(self, timeout: float = 120.0) -> Client:
-        return Client(self.endpoint, timeout)
-
-    def stop(self, timeout: float = 120.0) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def cluster_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    started: list[RunningCluster] = []
+    started: list[LaunchedCluster] = []
 
-    def start(*args: str) -> RunningCluster:
-        cluster = RunningCluster(list(args), tmp_path_factory.mktemp("cluster") / "launch.log")
+    def start(*args: str) -> LaunchedCluster:
+        log = tmp_path_factory.mktemp("cluster") / "launch.log"
+        cluster = LaunchedCluster(["--max-model-len", str(MAX_MODEL_LEN), *args], log, start_timeout=300)
         started.append(cluster)
         return cluster
 
     yield start
     for cluster in started:
-        if cluster.proc.poll() is None:
-            cluster.proc.kill()
+        cluster.kill()
 
 
 def oracle(model_dir: Path, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
@@ -125,7 +94,7 @@ def test_2p1d_matches_single_process_then_survives_bad_input_and_aborts(
                               "--transfer", transfer, "--num-blocks", "200")
     prompts, params = mixed_requests(500, 16, seed=1)
     expected = oracle(model_dir, prompts, params)
-    with cluster.client() as client:
+    with Client(cluster.endpoint, timeout=120) as client:
         finals = run_concurrently(client, prompts, params)
         assert [f.token_ids for f in finals] == expected
         assert all(f.finish_reason == "length" for f in finals)
@@ -188,7 +157,7 @@ def test_decode_back_pressure_makes_prefill_wait(cluster_factory, tiny_model_dir
     prompts, params = mixed_requests(512, 16, seed=2)
     params = [SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)] * 16
     expected = oracle(model_dir, prompts, params)
-    with cluster.client() as client:
+    with Client(cluster.endpoint, timeout=120) as client:
         finals = run_concurrently(client, prompts, params)
         assert [f.token_ids for f in finals] == expected
         groups = wait_until_idle(client)
@@ -212,7 +181,7 @@ def test_demo_model_text_prompts_and_colocated_mode_agree(cluster_factory, demo_
     for mode_args in (["--prefill-tp", "2", "--decode-tp", "1", "--transfer", "gloo-async"],
                       ["--mode", "colocated", "--colocated-groups", "1", "--max-num-seqs", "8"]):
         cluster = cluster_factory("--model", "demo", "--num-blocks", "400", *mode_args)
-        with cluster.client() as client:
+        with Client(cluster.endpoint, timeout=120) as client:
             ids = [client.submit(q, stream=True, max_tokens=12, temperature=0.0) for q in questions]
             finals = [client.result(i) for i in ids]
             assert [f.token_ids for f in finals] == expected, mode_args
@@ -225,7 +194,7 @@ def test_demo_model_text_prompts_and_colocated_mode_agree(cluster_factory, demo_
 def test_sigterm_under_load_ends_every_request_and_exits_zero(cluster_factory, tiny_model_dirs: dict[str, Path]) -> None:
     cluster = cluster_factory("--model", str(tiny_model_dirs["tiny-llama"]), "--prefill-tp", "1", "--decode-tp", "1",
                               "--drain-timeout", "3", "--num-blocks", "200")
-    client = cluster.client(timeout=60)
+    client = Client(cluster.endpoint, timeout=60)
     short = [client.submit(token_ids=[1, 2, 3], max_tokens=5, temperature=0.0, ignore_eos=True) for _ in range(4)]
     endless = [client.submit(token_ids=[4, 5, 6], max_tokens=450, temperature=0.0, ignore_eos=True) for _ in range(4)]
     time.sleep(1.0)

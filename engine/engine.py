@@ -34,6 +34,29 @@ class RequestOutput:
     kv_block_ids: list[int] | None = None
 
 
+def validate_request(
+    token_ids: SequenceType[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+    tokens_field: str = "prompt_token_ids",
+) -> None:
+    """Raise ``RequestError`` naming the field if a model of this vocabulary and length cannot
+    serve the request. The router calls it before dispatch, the engine again on arrival."""
+    if len(token_ids) == 0:
+        raise RequestError("prompt", "is empty")
+    for t in token_ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise RequestError(tokens_field, f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
+    for t in params.stop_token_ids:
+        if t >= vocab_size:
+            raise RequestError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab_size})")
+    total = len(token_ids) + params.max_tokens
+    if total > max_model_len:
+        raise RequestError(
+            "max_tokens",
+            f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+            f"exceeds the maximum model length {max_model_len}",
+        )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tp: TensorParallel = TensorParallel()) -> None:
         self.config = config
@@ -66,22 +89,7 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: SequenceType[int], params: SamplingParams) -> None:
         """Raise ``RequestError`` naming the field if this request cannot be served."""
-        if len(prompt_token_ids) == 0:
-            raise RequestError("prompt", "is empty")
-        vocab = self.model_config.vocab_size
-        for t in prompt_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise RequestError("prompt_token_ids", f"token id {t!r} is outside the vocabulary [0, {vocab})")
-        for t in params.stop_token_ids:
-            if t >= vocab:
-                raise RequestError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab})")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise RequestError(
-                "max_tokens",
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the maximum model length {self.max_model_len}",
-            )
+        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
 
     def add_request(
         self, request_id: str, prompt_token_ids: SequenceType[int], params: SamplingParams, prefill_only: bool = False

@@ -43,6 +43,7 @@ from cluster.protocol import (
 )
 from cluster.worker import sampling_params
 from engine.detokenizer import IncrementalDetokenizer
+from engine.engine import validate_request
 from engine.sampling import RequestError
 from engine.tokenization import encode_prompt
 from router.policy import create_policy
@@ -185,7 +186,8 @@ class Router:
         try:
             token_ids = self._prompt_tokens(request)
             params = sampling_params(request.sampling)
-            self._check_lengths(token_ids, params.max_tokens, params.stop_token_ids)
+            # Text prompts were tokenized here: their ids are the model's own.
+            validate_request(token_ids, params, self.vocab_size, self.max_model_len, tokens_field="token_ids")
         except RequestError as e:
             self._reply(client, Error(client_id, "invalid_request", str(e)))
             return
@@ -214,23 +216,9 @@ class Router:
             if self.tokenizer is None:
                 raise RequestError("prompt", "this model has no tokenizer: send token_ids")
             return encode_prompt(self.tokenizer, request.prompt, chat=request.chat)
-        token_ids = request.token_ids or []
-        if not token_ids:
+        if not request.token_ids:
             raise RequestError("token_ids", "is empty")
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise RequestError("token_ids", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        return token_ids
-
-    def _check_lengths(self, token_ids: list[int], max_tokens: int, stop_token_ids: tuple[int, ...]) -> None:
-        if len(token_ids) + max_tokens > self.max_model_len:
-            raise RequestError(
-                "max_tokens", f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                f"maximum model length {self.max_model_len}",
-            )
-        bad = next((t for t in stop_token_ids if t >= self.vocab_size), None)
-        if bad is not None:
-            raise RequestError("stop_token_ids", f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return request.token_ids
 
     # -- workers -------------------------------------------------------------------------
 

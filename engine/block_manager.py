@@ -23,10 +23,6 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    @property
-    def dummy_slot(self) -> int:
-        return self.num_blocks * self.block_size
-
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -47,6 +43,3 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         self._free.extend(seq.block_table)
         seq.block_table = []
-
-    def slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

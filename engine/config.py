@@ -132,10 +132,6 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
         archs = hf.get("architectures") or []

@@ -21,22 +21,15 @@ _OPS = {
 }
 
 _impl: dict[str, Callable[..., Any]] = {}
-_backend: str | None = None
 
 
 def use_kernels(backend: str) -> None:
     """Bind every op to ``backend`` ("torch" or "triton")."""
-    global _backend
     if backend not in ("torch", "triton"):
         raise ValueError(f"kernel backend must be torch or triton, got {backend!r}")
     suffix = "_ref" if backend == "torch" else ""
     for name, module in _OPS.items():
         _impl[name] = getattr(importlib.import_module(module), name + suffix)
-    _backend = backend
-
-
-def backend() -> str | None:
-    return _backend
 
 
 def _op(name: str) -> Callable[..., Any]:

@@ -159,7 +159,3 @@ def register_backend(name: str) -> Callable:
 
 def create_backend(config: TransferConfig, topology: TransferTopology, kv_cache: torch.Tensor) -> TransferBackend:
     return _REGISTRY[config.backend](config, topology, kv_cache)
-
-
-def available_backends() -> list[str]:
-    return sorted(_REGISTRY)

@@ -30,10 +30,6 @@ def create_policy(name: str) -> DispatchPolicy:
     return _POLICIES[name]()
 
 
-def available_policies() -> list[str]:
-    return sorted(_POLICIES)
-
-
 @register_policy("round-robin")
 class RoundRobin(DispatchPolicy):
     def __init__(self) -> None:

@@ -84,6 +84,9 @@ class Router:
         self.frontend.bind(addresses.client)
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(addresses.router)
+        self._poller = zmq.Poller()  # built once: poll() runs every loop of the launcher
+        self._poller.register(self.frontend, zmq.POLLIN)
+        self._poller.register(self.inbox, zmq.POLLIN)
         self.leaders: dict[tuple[str, int], zmq.Socket] = {}
         for role, group, _ in config.groups():
             sock = self.ctx.socket(zmq.PUSH)
@@ -110,10 +113,7 @@ class Router:
 
     def poll(self, timeout_ms: int) -> None:
         """Handle whatever arrives within ``timeout_ms`` (then everything already queued)."""
-        poller = zmq.Poller()
-        poller.register(self.frontend, zmq.POLLIN)
-        poller.register(self.inbox, zmq.POLLIN)
-        events = dict(poller.poll(timeout_ms))
+        events = dict(self._poller.poll(timeout_ms))
         while self.inbox in events or self.frontend in events:
             if self.inbox in events:
                 self._on_worker(self.inbox.recv())
@@ -121,7 +121,7 @@ class Router:
                 frames = self.frontend.recv_multipart()
                 if len(frames) == 2:
                     self._on_client(frames[0], frames[1])
-            events = dict(poller.poll(0))
+            events = dict(self._poller.poll(0))
 
     def stop_accepting(self) -> None:
         self.accepting = False

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from kernels import activation, decode_attention, prefill_attention, rmsnorm, rope
+from kernels import activation, decode_attention, linear, prefill_attention, rmsnorm, rope
 
 HQ, HKV, HEAD_DIM, HIDDEN, INTER, BLOCK = 12, 2, 128, 1536, 8960, 16
 Row = dict[str, Any]
@@ -125,6 +125,22 @@ def bench_rope(dtype: torch.dtype) -> Iterator[Row]:
                   ("TB/s", 2 * qkv.numel() * qkv.element_size()))
 
 
+LINEAR_SHAPES = {"qkv_proj": (HQ * HEAD_DIM + 2 * HKV * HEAD_DIM, HIDDEN), "o_proj": (HIDDEN, HQ * HEAD_DIM),
+                 "gate_up_proj": (2 * INTER, HIDDEN), "down_proj": (HIDDEN, INTER), "lm_head": (151936, HIDDEN)}
+
+
+def bench_linear(dtype: torch.dtype, rows_list: tuple[int, ...] = (1, 2, 4, 8)) -> Iterator[Row]:
+    """The decode linear kernel against cuBLAS (F.linear, its reference), graph replays both."""
+    for name, (n, k) in LINEAR_SHAPES.items():
+        weight = torch.randn(n, k, device="cuda", dtype=dtype) / math.sqrt(k)
+        bias = torch.randn(n, device="cuda", dtype=dtype) if name == "qkv_proj" else None
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", dtype=dtype)
+            yield row(f"linear {name}", f"{rows}x{k} @ {n}x{k}", lambda: linear.linear_kernel(x, weight, bias),
+                      lambda: linear.linear_ref(x, weight, bias), graph_us, graph_us,
+                      ("TB/s", weight.numel() * weight.element_size()))
+
+
 DECODE_SHAPES = [(1, 1024), (1, 4096), (8, 4096), (32, 2048), (128, 1024), (128, 4096)]
 
 
@@ -200,7 +216,7 @@ def sweep_prefill(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:
 
 def sweep_decode(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:
     """Alternative partition targets and key-tile sizes."""
-    shapes = [(1, 4096), (8, 4096), (128, 4096)]
+    shapes = [(1, 4096), (8, 4096), (32, 2048), (128, 4096)]
     for target in (1, 2, 8, 16):
         with patched(decode_attention, "_TARGET_PROGRAMS_PER_SM", target):
             yield from bench_decode(dtype, gen, shapes, label=f" target={target}/SM")
@@ -239,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     rows: list[Row] = []
-    parts = [bench_elementwise(dtype), bench_rope(dtype), bench_decode(dtype, gen), bench_prefill(dtype, gen)]
+    parts = [bench_linear(dtype), bench_elementwise(dtype), bench_rope(dtype), bench_decode(dtype, gen), bench_prefill(dtype, gen)]
     for part in (*parts, *(SWEEPS[name](dtype, gen) for name in args.sweep)):
         for r in part:
             rows.append(r)

@@ -67,7 +67,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset : offset + end - start].copy_(source[start:end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -87,7 +87,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(source[:, self.in_start : self.in_end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(ops.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
 

@@ -139,7 +139,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` fp32 logits."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return torch.matmul(hidden, head.weight.t()).float()
+        return ops.linear(hidden, head.weight).float()
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]

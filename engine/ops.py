@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 _OPS = {
+    "linear": "kernels.linear",
     "rms_norm": "kernels.rmsnorm",
     "fused_add_rms_norm": "kernels.rmsnorm",
     "silu_and_mul": "kernels.activation",
@@ -40,6 +41,7 @@ def _op(name: str) -> Callable[..., Any]:
     return call
 
 
+linear = _op("linear")
 rms_norm = _op("rms_norm")
 fused_add_rms_norm = _op("fused_add_rms_norm")
 silu_and_mul = _op("silu_and_mul")

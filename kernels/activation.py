@@ -7,6 +7,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """``x = [gate | up]`` on the last dim (size 2*I); returns ``silu(gate) * up`` (size I)."""
@@ -17,11 +19,14 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_out, inter,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
     out = gate / (1.0 + tl.exp(-gate)) * up
@@ -52,5 +57,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if out2.numel() == 0:
         return out
     grid = (x2.shape[0], triton.cdiv(inter, _BLOCK))
-    _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), inter, BLOCK=_BLOCK, num_warps=4)
+    _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), inter, BLOCK=_BLOCK, num_warps=4,
+                                **pdl.launch_args(x.device))
     return out

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 def gather_kv(
     cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int
@@ -83,11 +85,14 @@ def _decode_partition_kernel(
     stride_ob, stride_oh,
     num_heads, group, head_dim, partition_size, num_partitions,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SINGLE_PARTITION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SINGLE_PARTITION: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     part = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     context_len = tl.minimum(tl.load(context_lens_ptr + seq), max_len)
     start = part * partition_size
     # Empty partitions exit at once; the single partition always writes (zeros for an empty
@@ -144,11 +149,14 @@ def _decode_partition_kernel(
 def _decode_reduce_kernel(
     m_ptr, l_ptr, part_ptr, context_lens_ptr, out_ptr,
     max_len, stride_ob, stride_oh, num_heads, head_dim, partition_size, num_partitions,
-    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (query head, sequence): merges that head's partition partials."""
     head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     context_len = tl.minimum(tl.load(context_lens_ptr + seq), max_len)
     used = tl.cdiv(context_len, partition_size)  # partitions that hold at least one token
     base = (seq * num_heads + head) * num_partitions
@@ -277,14 +285,14 @@ def paged_decode_attention(
         num_heads, group, head_dim, partition_size, num_partitions,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
         SINGLE_PARTITION=num_partitions == 1, DOT_PRECISION=_dot_precision(k_cache.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl.launch_args(q.device),
     )
     if num_partitions > 1:
         _decode_reduce_kernel[(num_heads, batch)](
             m, l, partials, context_lens, out,
             max_len, out.stride(0), out.stride(1), num_heads, head_dim, partition_size, num_partitions,
             BLOCK_P=min(16, triton.next_power_of_2(num_partitions)), BLOCK_D=block_d,
-            num_warps=4,
+            num_warps=4, **pdl.launch_args(q.device),
         )
     return out
 

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim; computed in fp32."""
@@ -31,15 +33,18 @@ def fused_add_rms_norm_ref(
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, stride_x, stride_out, hidden, eps,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # fp32 right after the load: bf16 arithmetic is wrong under the interpreter, and the
     # reference computes in fp32 too.
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
     tl.store(out_ptr + row * stride_out + cols, (x * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -48,18 +53,21 @@ def _rms_norm_kernel(
 def _fused_add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
     stride_x, stride_res, stride_out, stride_sum, hidden, eps,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
     # The reference rounds the sum to x's dtype before normalising it: do the same round trip.
     summed = (x + r).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row * stride_sum + cols, summed, mask=mask)
     s = summed.to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / hidden + eps)
     tl.store(out_ptr + row * stride_out + cols, (s * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -112,7 +120,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return out
     block, num_warps = _launch_config(hidden)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, weight, out2, x2.stride(0), out2.stride(0), hidden, eps, BLOCK=block, num_warps=num_warps
+        x2, weight, out2, x2.stride(0), out2.stride(0), hidden, eps, BLOCK=block, num_warps=num_warps,
+        **pdl.launch_args(x.device),
     )
     return out
 
@@ -139,6 +148,6 @@ def fused_add_rms_norm(
     _fused_add_rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, out2, sum2,
         x2.stride(0), r2.stride(0), out2.stride(0), sum2.stride(0), hidden, eps,
-        BLOCK=block, num_warps=num_warps,
+        BLOCK=block, num_warps=num_warps, **pdl.launch_args(x.device),
     )
     return out, summed

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 def rope_and_store_kv_ref(
     q: torch.Tensor,
@@ -62,12 +64,15 @@ def _rope_and_store_kv_kernel(
     stride_qot, stride_qoh, stride_kot, stride_koh,
     stride_cb, stride_cs_slot, stride_ch,
     num_q_heads, num_kv_heads, half, block_size,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per token: all its q heads, k heads and v heads."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)[None, :]
     d_mask = d < half
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d_mask, other=0.0).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + half + d, mask=d_mask, other=0.0).to(tl.float32)
@@ -160,6 +165,6 @@ def rope_and_store_kv(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_q_heads, num_kv_heads, half, k_cache.shape[1],
         BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, BLOCK_HALF=block_half,
-        num_warps=4 if block_hq * block_half >= 512 else 1,
+        num_warps=4 if block_hq * block_half >= 512 else 1, **pdl.launch_args(q.device),
     )
     return q_out, k_out

@@ -29,7 +29,7 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels import activation, decode_attention, prefill_attention, rmsnorm, rope
+from kernels import activation, decode_attention, linear, prefill_attention, rmsnorm, rope
 
 CPU = torch.device("cpu")
 
@@ -64,6 +64,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol
 # accumulator) but round the softmax weights to 16 bits before the P @ V dot: one relative ulp
 # per weight, which averages out over the context; outputs (|o| <~ 3) stay within a few ulps.
 ELEMENTWISE_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+# Linear: fp32 sums of K products in another order (fp32), then one rounding to 16 bits.
+LINEAR_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 ATTENTION_TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 
 
@@ -134,6 +136,22 @@ def check_silu_and_mul(rows: tuple[int, ...], inter: int, dtype: torch.dtype, de
     out = activation.silu_and_mul(x)
     assert out.shape == (*rows, inter)
     assert_close(out, activation.silu_and_mul_ref(x), *ELEMENTWISE_TOL[dtype])
+
+
+def check_linear(rows: tuple[int, ...], n: int, k: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device, strided: bool = False) -> None:
+    gen = torch.Generator().manual_seed(3)
+    wide = rand(gen, *rows, k + (8 if strided else 0), dtype=dtype, device=device)
+    x = wide[..., :k]  # a row stride larger than K when strided
+    weight = rand(gen, n, k, dtype=dtype, device=device) / math.sqrt(k)  # outputs of order 1
+    b = rand(gen, n, dtype=dtype, device=device) if bias else None
+    out = linear.linear_kernel(x, weight, b)
+    assert out.shape == (*rows, n) and out.dtype == dtype
+    # The reference in fp32 on the same (rounded) inputs: both accumulate in fp32, the kernel
+    # then rounds once to the output dtype.
+    expected = linear.linear_ref(x.float(), weight.float(), None if b is None else b.float())
+    atol, rtol = LINEAR_TOL[dtype]
+    assert_close(out, expected, atol, rtol)
 
 
 def check_rope(num_tokens: int, num_pad: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -229,6 +247,15 @@ def test_silu_and_mul_interpreted(interpreter: None, rows: tuple[int, ...], inte
     check_silu_and_mul(rows, inter, dtype, CPU)
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize(("rows", "n", "k", "bias", "strided"),
+                         [((1,), 10, 600, True, False), ((3,), 9, 40, False, True), ((2, 2), 6, 4100, True, False)])
+def test_linear_interpreted(interpreter: None, rows: tuple[int, ...], n: int, k: int, bias: bool, strided: bool,
+                            dtype: torch.dtype) -> None:
+    """Ragged N and K tails; 4100 takes the long-row configuration (K tiles of 1024)."""
+    check_linear(rows, n, k, bias, dtype, CPU, strided)
+
+
 @pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, torch.float32), (torch.float16, torch.float16),
                                                     (torch.float32, torch.float16)])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 16), (3, 1, 12)])
@@ -300,6 +327,12 @@ def test_wrappers_reject_bad_inputs() -> None:
         rmsnorm.rms_norm(x, torch.randn(7), 1e-6)
     with pytest.raises(ValueError, match="contiguous"):
         rmsnorm.rms_norm(x.t(), torch.randn(4), 1e-6)
+    with pytest.raises(ValueError, match="do not chain"):
+        linear.linear_kernel(x, torch.randn(3, 7))
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        linear.linear_kernel(torch.randn(17, 8), torch.randn(3, 8))
+    with pytest.raises(ValueError, match="bias"):
+        linear.linear_kernel(x, torch.randn(3, 8), torch.randn(4))
     with pytest.raises(ValueError, match="even"):
         activation.silu_and_mul(torch.randn(4, 7))
     with pytest.raises(ValueError, match="int32"):
@@ -331,6 +364,27 @@ def cuda() -> torch.device:
 @pytest.mark.parametrize("rows", [1, 8, 32, 128, 2048])
 def test_rms_norm_gpu(cuda: torch.device, rows: int, dtype: torch.dtype) -> None:
     check_rms_norm((rows,), HIDDEN, dtype, cuda, strided=rows == 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 16])
+@pytest.mark.parametrize(("n", "k", "bias"), [(2048, HIDDEN, True), (HIDDEN, HIDDEN, False), (2 * INTER, HIDDEN, False),
+                                              (HIDDEN, INTER, False), (151936, HIDDEN, False)])
+def test_linear_gpu(cuda: torch.device, rows: int, n: int, k: int, bias: bool, dtype: torch.dtype) -> None:
+    """Every Qwen2.5-1.5B projection (qkv with its bias, o, gate/up, down, LM head)."""
+    check_linear((rows,), n, k, bias, dtype, cuda, strided=rows == 3)
+
+
+@pytest.mark.gpu
+def test_linear_dispatch(cuda: torch.device) -> None:
+    """linear() takes the kernel up to MAX_ROWS rows on a GPU and cuBLAS above, same results."""
+    weight = torch.randn(256, 512, device=cuda, dtype=torch.bfloat16)
+    for rows in (1, linear.MAX_ROWS, linear.MAX_ROWS + 1):
+        x = torch.randn(rows, 512, device=cuda, dtype=torch.bfloat16)
+        assert linear.uses_kernel(x) == (rows <= linear.MAX_ROWS)
+        assert_close(linear.linear(x, weight), linear.linear_ref(x.float(), weight.float()), 0.5, 1.6e-2)
+    assert not linear.uses_kernel(torch.randn(1, 512))
 
 
 @pytest.mark.gpu

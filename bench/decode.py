@@ -23,6 +23,10 @@ What is timed (median of ``--iters`` calls after ``--warmup``; CUDA events on GP
   dynamic shapes by default to save compile time (``--hf compiled-static``: generate's own
   config, see ``HF_COMPILE_OPTIONS``); compile and graph recording happen in the untimed
   warm-up (``hf_warmup_s``). ``--hf eager`` times the plain forward.
+* HF, generate (``--hf-generate``, batch-1 cases): ``model.generate(cache_implementation="static",
+  do_sample=False)`` as a user calls it, the decode loop included; per-token time is
+  (time for 1 + N tokens - time for 1 token) / N with a prompt of C-1 tokens, so its steps run at
+  contexts C..C+N-1 (``--hf-generate-tokens``, median of 3 after a compiling warm-up).
 * HF, prefill: one uncompiled forward of the same prompt(s) with ``use_cache=False`` and
   ``logits_to_keep=1`` (``generate`` runs its prefill uncompiled too).
 
@@ -35,6 +39,7 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -205,8 +210,28 @@ def time_hf_decode(step: Callable[[], Any], cache: StaticCache, position: int, d
     return {"hf_warmup_s": warmup_s, "hf": summary(time_steps(step, device, 0, iters))}
 
 
+def time_hf_generate(model: Any, prompt: torch.Tensor, new_tokens: int, device: torch.device) -> dict[str, Any]:
+    """Per-token decode time of ``generate`` with a static cache (see the module docstring)."""
+    def seconds(n: int) -> float:
+        start = time.perf_counter()
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, cache_implementation="static", pad_token_id=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    start = time.perf_counter()
+    seconds(1 + new_tokens)  # compiles the decode step and records its graph
+    seconds(1)
+    warmup_s = time.perf_counter() - start
+    long = statistics.median(seconds(1 + new_tokens) for _ in range(3))
+    short = statistics.median(seconds(1) for _ in range(3))
+    return {"hf_generate": {"median_ms": (long - short) / new_tokens * 1e3}, "hf_generate_warmup_s": warmup_s,
+            "hf_generate_tokens": new_tokens}
+
+
 def run_hf(path: Path, device: torch.device, dtype: torch.dtype, mode: str, cases: Sequence[Case],
-           warmup: int, iters: int, seed: int, progress: tqdm) -> None:
+           warmup: int, iters: int, seed: int, generate_tokens: int, progress: tqdm) -> None:
     """Time every case on transformers' model of the same checkpoint (see the module docstring)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     # transformers 5.24 renamed the forward's `past_key_values` to `cache` (5.17 has the former).
@@ -231,6 +256,11 @@ def run_hf(path: Path, device: torch.device, dtype: torch.dtype, mode: str, case
                     step = partial(step_fn, input_ids=ids, **{cache_arg: cache}, use_cache=True, logits_to_keep=1)
                     case.results.update(time_hf_decode(step, cache, case.context - 1, device, warmup, iters))
                     del cache, step
+                    if generate_tokens and case.batch == 1:
+                        prompt = torch.randint(0, vocab, (1, case.context - 1), device=device)
+                        case.results.update(time_hf_generate(model, prompt, generate_tokens, device))
+                        ours = case.results.get("ours_graph", case.results["ours_eager"])["median_ms"]
+                        case.results["speedup_vs_hf_generate"] = case.results["hf_generate"]["median_ms"] / ours
                 else:
                     prefill = partial(model, input_ids=ids, use_cache=False, logits_to_keep=1)
                     case.results["hf"] = summary(time_steps(prefill, device, warmup, iters))
@@ -259,9 +289,11 @@ def table(cases: Sequence[Case]) -> str:
         hf = "error" if "hf_error" in r else fmt(median(c, "hf"))
         rows.append([
             c.name, fmt(median(c, "ours_graph")), fmt(median(c, "ours_eager")), fmt(r.get("tokens_per_s"), 0),
-            hf, fmt(r.get("speedup_vs_hf"), 2), fmt(r.get("floor_ms")), percent(r.get("floor_fraction")),
+            hf, fmt(r.get("speedup_vs_hf"), 2), fmt(median(c, "hf_generate")), fmt(r.get("speedup_vs_hf_generate"), 2),
+            fmt(r.get("floor_ms")), percent(r.get("floor_fraction")),
         ])
-    headers = ["case", "ours graph ms", "ours eager ms", "ours tok/s", "HF ms", "HF/ours", "floor ms", "% of floor"]
+    headers = ["case", "ours graph ms", "ours eager ms", "ours tok/s", "HF ms", "HF/ours", "HF generate ms",
+               "HF gen/ours", "floor ms", "% of floor"]
     return format_table(headers, rows)
 
 
@@ -278,6 +310,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="batched prefills, COUNTxLENGTH[,...] ('' for none)")
     parser.add_argument("--hf", choices=[*HF_COMPILE_OPTIONS, "eager", "off"],
                         help="transformers baseline (default: compiled on CUDA, eager on CPU)")
+    parser.add_argument("--hf-generate", action="store_true",
+                        help="also time transformers' generate() with a static cache, batch-1 cases")
+    parser.add_argument("--hf-generate-tokens", default=64, type=int, help="decode tokens per timed generate")
     parser.add_argument("--max-model-len", type=int,
                         help="the runner's max_model_len (default: longest case + one block)")
     add_step_timing_args(parser)
@@ -308,7 +343,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if hf_mode != "off":
-            run_hf(path, device, parse_dtype(dtype), hf_mode, cases, args.warmup, args.iters, args.seed, progress)
+            run_hf(path, device, parse_dtype(dtype), hf_mode, cases, args.warmup, args.iters, args.seed,
+                   args.hf_generate_tokens if args.hf_generate else 0, progress)
 
     result = {
         "metadata": metadata(

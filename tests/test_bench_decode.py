@@ -33,7 +33,7 @@ def positive(entry: dict) -> bool:
 @pytest.mark.slow
 def test_decode_bench_cpu_smoke(preset_cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = preset_cache / "decode.json"
-    decode.main([*SMOKE, "--out", str(out)])
+    decode.main([*SMOKE, "--hf-generate", "--hf-generate-tokens", "4", "--out", str(out)])
     result = json.loads(out.read_text())
 
     meta = result["metadata"]
@@ -54,6 +54,10 @@ def test_decode_bench_cpu_smoke(preset_cache: Path, capsys: pytest.CaptureFixtur
         case = cases[name]
         assert case["floor_ms"] > 0 and case["floor_fraction"] > 0
         assert case["kv_bytes_read"] == case["batch"] * case["context"] * meta["kv_bytes_per_token"]
+        # generate() is timed for batch-1 cases only
+        assert ("hf_generate" in case) == (case["batch"] == 1), name
+        if case["batch"] == 1:
+            assert case["hf_generate"]["median_ms"] > 0 and case["speedup_vs_hf_generate"] > 0
 
     table = capsys.readouterr().out
     assert "% of floor" in table and "decode B=2 C=32" in table

@@ -98,17 +98,17 @@ class CudaGraphRunner:
         """Replay the bucket's graph for a decode plan; logits (leader) or hidden states ``[B, ...]``."""
         batch = len(plan.input_ids)
         bucket = next(b for b in self.buckets if b >= batch)
-        device = self.input_ids.device
 
-        def host(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        def load(buffer: torch.Tensor, values: list) -> None:
+            # Straight from pinned memory into the static buffer; the caching host allocator
+            # keeps the pinned block until the copy has run.
+            buffer.copy_(torch.tensor(values, dtype=buffer.dtype, pin_memory=True), non_blocking=True)
 
-        self.input_ids[:batch].copy_(host(plan.input_ids, torch.int64))
-        self.positions[:batch].copy_(host(plan.positions, torch.int64))
-        self.slot_mapping[:batch].copy_(host(plan.slot_mapping, torch.int64))
-        self.context_lens[:batch].copy_(host(plan.context_lens, torch.int32))
-        width = len(plan.block_tables[0])
-        self.block_tables[:batch, :width].copy_(host(plan.block_tables, torch.int32))
+        load(self.input_ids[:batch], plan.input_ids)
+        load(self.positions[:batch], plan.positions)
+        load(self.slot_mapping[:batch], plan.slot_mapping)
+        load(self.context_lens[:batch], plan.context_lens)
+        load(self.block_tables[:batch, : len(plan.block_tables[0])], plan.block_tables)
         # Padding rows: reset whatever an earlier, larger batch left there.
         self.input_ids[batch:bucket].zero_()
         self.positions[batch:bucket].zero_()

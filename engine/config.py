@@ -198,7 +198,8 @@ class CacheConfig:
     block_size: int = 16
     # Fixed number of blocks; when None it is derived from memory (see ``engine.model_runner``).
     num_blocks: int | None = None
-    # GPU: fraction of total device memory the process may use, weights and KV together.
+    # GPU: fraction of total device memory this engine may use, weights and KV together (other
+    # engines in the same process, like other processes, come out of the rest).
     gpu_memory_utilization: float = 0.90
     # CPU: bytes of KV pool when num_blocks is not given.
     cpu_kv_cache_bytes: int = 1 << 30

@@ -44,6 +44,9 @@ class ModelRunner:
         self.max_model_len = config.resolved_max_model_len(model_config)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        # What this process held before this runner (another engine, a benchmark's tensors):
+        # not this runner's to count against its memory budget.
+        self._allocated_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         ops.use_kernels(config.resolved_kernels())
         self.model = build_model(
             model_config, Path(config.model), tp, self.dtype, self.device, self.max_model_len
@@ -102,11 +105,17 @@ class ModelRunner:
         tokens = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         self.forward(tokens, torch.arange(num_tokens, device=self.device), context, tokens[-1:])
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        peak = torch.cuda.max_memory_allocated() - self._allocated_before  # this runner's weights + activations
         free, total = torch.cuda.mem_get_info()
         others = total - free - torch.cuda.memory_reserved()  # other processes, CUDA context
         del scratch
+        torch.cuda.empty_cache()
         budget = int(total * self.config.cache.gpu_memory_utilization) - peak - others
+        # Never more than is there once the step's activations have their room again (other
+        # engines of this process keep what they hold).
+        activations = peak - (torch.cuda.memory_allocated() - self._allocated_before)
+        available = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        budget = min(budget, available - activations)
         num_blocks = budget // self.block_bytes
         if num_blocks < 1:
             raise RuntimeError(

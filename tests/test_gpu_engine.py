@@ -273,3 +273,27 @@ def test_greedy_decode_with_graphs_matches_eager(bf16_dirs: dict[str, Path], nam
     assert identical >= len(prompts) / 2, f"only {identical}/{len(prompts)} requests identical"
     del with_graphs, eager
     free_cuda()
+
+
+# -- memory budget ----------------------------------------------------------------------------
+
+
+def test_second_engine_in_a_process_gets_its_own_share(bf16_dirs: dict[str, Path]) -> None:
+    """gpu_memory_utilization is per engine: a second engine of the same size and share in the
+    same process sizes its KV pool like the first (it used to count the first engine's memory
+    as its own and find no room at all)."""
+    config = dataclasses.replace(engine_config(bf16_dirs[REAL_SHAPE], enforce_eager=True),
+                                 cache=CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.25))
+    free_cuda()
+    before = torch.cuda.memory_allocated()
+    first = LLMEngine(config)
+    second = LLMEngine(config)
+    blocks = (first.runner.num_blocks, second.runner.num_blocks)
+    assert blocks[1] == pytest.approx(blocks[0], rel=0.02), blocks
+    # Together they hold no more than their two shares.
+    share = (torch.cuda.memory_allocated() - before) / torch.cuda.get_device_properties(0).total_memory
+    assert share < 2 * 0.25, (share, blocks)
+    first.close()
+    second.close()
+    del first, second
+    free_cuda()

@@ -9,7 +9,10 @@ single-process engine on the first device with the same prompts. Greedy bf16 dec
 legitimately diverge at a near-tie (different batch shapes round differently), so the report
 gives exact matches, the matching prefix, and the divergences that are *not* near-ties: those
 where the cluster's token is not in the reference's top 2 at the first differing step
-(teacher-forced through the reference engine). Those must be zero.
+(teacher-forced through the reference engine). Those must be zero. The JSON keeps every
+divergence with the reference's top-3 logits there and the logit gap to the cluster's token.
+
+``--topologies`` picks a subset (``colocated-1x1`` needs one GPU; the others two).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 import click
 
 from cluster.client import Chunk, Client
-from bench.common import compare_greedy
+from bench.common import compare_greedy, divergences
 from bench.compare import LaunchedCluster
 from bench.metrics import percentile
 from engine.config import CacheConfig, EngineConfig
@@ -78,8 +81,10 @@ def agreement(reference: list[list[int]], got: list[list[int]]) -> dict[str, flo
 @click.option("--num-requests", default=64, show_default=True)
 @click.option("--max-tokens", default=64, show_default=True)
 @click.option("--max-model-len", default=4096, show_default=True)
+@click.option("--topologies", help="comma-separated subset of the topologies (default: all for the devices)")
 @click.option("--out", type=click.Path(dir_okay=False), default="cluster_check.json")
-def main(model: str, devices: str, num_requests: int, max_tokens: int, max_model_len: int, out: str) -> None:
+def main(model: str, devices: str, num_requests: int, max_tokens: int, max_model_len: int, topologies: str | None,
+         out: str) -> None:
     model_dir = str(resolve_model(model))
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
@@ -92,16 +97,23 @@ def main(model: str, devices: str, num_requests: int, max_tokens: int, max_model
                                     cache=CacheConfig(gpu_memory_utilization=0.3)))
     reference = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     device_args = ["--devices", devices, "--kv-memory-fraction", "0.55"] if devices else []
-    topologies = {
+    available = {
         "disagg-nccl": ["--transfer", "nccl", *device_args],
         "disagg-nccl-async": ["--transfer", "nccl-async", *device_args],
         "colocated-2x1": ["--mode", "colocated", "--colocated-groups", "2", *device_args],
+        "colocated-1x1": ["--mode", "colocated", "--colocated-groups", "1", *device_args],
     }
+    chosen = topologies.split(",") if topologies else ["disagg-nccl", "disagg-nccl-async", "colocated-2x1"]
     if not devices:
-        topologies = {"disagg-gloo": ["--transfer", "gloo"], "colocated": ["--mode", "colocated"]}
+        available = {"disagg-gloo": ["--transfer", "gloo"], "colocated": ["--mode", "colocated"]}
+        chosen = topologies.split(",") if topologies else list(available)
+    unknown = set(chosen) - set(available)
+    if unknown:
+        raise click.BadParameter(f"unknown topologies {sorted(unknown)}; choose from {sorted(available)}")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, args in topologies.items():
+        for name in chosen:
+            args = available[name]
             args = ["--model", model, "--max-model-len", str(max_model_len), *args]
             with LaunchedCluster(args, Path(tmp) / f"{name}.log", start_timeout=600) as cluster:
                 records = serve(cluster.endpoint, prompts, max_tokens)
@@ -111,10 +123,12 @@ def main(model: str, devices: str, num_requests: int, max_tokens: int, max_model
             transfers = [r["transfer"] for r in records if r["transfer"] is not None]
             outputs = [r["tokens"] for r in records]
             _, not_near_ties = compare_greedy(engine.runner, prompts, outputs, reference)
+            found = divergences(engine.runner, prompts, outputs, reference)
             results[name] = {
                 "exit_code": code,
                 **agreement(reference, outputs),
                 "divergences_not_near_ties": not_near_ties,
+                "divergences": [{**vars(d), "gap": d.gap, "near_tie": d.near_tie} for d in found],
                 "ttft_ms": {q: percentile(ttfts, q) * 1e3 for q in (50, 90, 99)},
                 "itl_ms": {q: percentile(gaps, q) * 1e3 if gaps else float("nan") for q in (50, 90, 99)},
                 "transfer_ms_mean": statistics.mean(transfers) * 1e3 if transfers else None,
@@ -127,6 +141,12 @@ def main(model: str, devices: str, num_requests: int, max_tokens: int, max_model
         print(f"{name:20} {r['exit_code']:>4} {r['exact']:>6.2f} {r['mean_prefix']:>7.3f} "
               f"{len(r['divergences_not_near_ties']):>4} {r['ttft_ms'][50]:>9.1f} "
               f"{r['ttft_ms'][99]:>8.1f} {r['itl_ms'][50]:>8.2f} {r['itl_ms'][90]:>7.2f} {r['itl_ms'][99]:>7.2f} {xfer:>8}")
+    for name, r in results.items():
+        gaps = sorted(d["gap"] for d in r["divergences"])
+        if gaps:
+            print(f"{name}: {len(gaps)} divergences; the cluster's token scored below the reference's best by "
+                  f"median {statistics.median(gaps):.3f}, max {gaps[-1]:.3f} logits (top-1 minus top-2 there: "
+                  f"median {statistics.median(d['top_logits'][0] - d['top_logits'][1] for d in r['divergences']):.3f})")
     Path(out).write_text(json.dumps({"model": model, "devices": devices, "num_requests": num_requests,
                                      "max_tokens": max_tokens, "results": results}, indent=2))
 

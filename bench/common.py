@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -162,27 +163,62 @@ def teacher_forced_logits(runner: ModelRunner, prompt: Sequence[int]) -> torch.T
     return logits.float().cpu()
 
 
+@dataclass
+class Divergence:
+    """Where an output first departs from the reference, with the reference's view of that step
+    (its logits teacher-forced over the prompt and the common prefix)."""
+
+    request: int
+    step: int
+    got: int
+    want: int
+    top_ids: list[int]  # the reference's three best tokens there, best first
+    top_logits: list[float]
+    got_logit: float  # the reference's logit for the token the output took
+
+    @property
+    def near_tie(self) -> bool:
+        """A rounding difference can only flip a near-tie, which leaves the other token second."""
+        return self.got in self.top_ids[:2]
+
+    @property
+    def gap(self) -> float:
+        """How far below the reference's best token the output's token scored (logits)."""
+        return self.top_logits[0] - self.got_logit
+
+    def describe(self) -> str:
+        top = ", ".join(f"{t}: {v:.3f}" for t, v in zip(self.top_ids, self.top_logits))
+        return (f"request {self.request}: token {self.got} at step {self.step} (logit {self.got_logit:.3f}, "
+                f"{self.gap:.3f} below the best), reference top-3 {{{top}}}")
+
+
+def divergences(runner: ModelRunner, prompts: Sequence[Sequence[int]], got: Sequence[Sequence[int]],
+                want: Sequence[Sequence[int]]) -> list[Divergence]:
+    """The first divergence of every output of ``got`` that differs from ``want`` in a token
+    (outputs that only differ in length are left to the caller)."""
+    found = []
+    for i, (prompt, a, b) in enumerate(zip(prompts, got, want)):
+        k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if k is None:
+            continue
+        logits = teacher_forced_logits(runner, [*prompt, *b[:k]])[-1]
+        top = logits.topk(3)
+        found.append(Divergence(i, k, a[k], b[k], top.indices.tolist(), top.values.tolist(), logits[a[k]].item()))
+    return found
+
+
 def compare_greedy(runner: ModelRunner, prompts: Sequence[Sequence[int]], got: Sequence[Sequence[int]],
                    want: Sequence[Sequence[int]]) -> tuple[int, list[str]]:
     """Greedy outputs ``got`` against the reference ``want`` that ``runner``'s engine produced.
 
-    Returns the number of identical outputs and a line for every output that first diverges
-    at a step where ``runner``'s logits (teacher-forced over the prompt and the common prefix)
-    do not rank ``got``'s token first or second: a rounding difference can only flip a
-    near-tie, which leaves the other token second.
+    Returns the number of identical outputs and a line for every output that differs in length
+    or first diverges at a step where ``runner``'s logits do not rank ``got``'s token first or
+    second (not a near-tie, see :class:`Divergence`).
     """
-    identical, bad = 0, []
-    for i, (prompt, a, b) in enumerate(zip(prompts, got, want)):
-        if list(a) == list(b):
-            identical += 1
-            continue
-        k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        if k == min(len(a), len(b)):
-            bad.append(f"request {i}: {len(a)} tokens against {len(b)}")
-            continue
-        top2 = teacher_forced_logits(runner, [*prompt, *b[:k]])[-1].topk(2).indices.tolist()
-        if a[k] not in top2:
-            bad.append(f"request {i}: token {a[k]} at step {k}, reference top-2 {top2}")
+    identical = sum(list(a) == list(b) for a, b in zip(got, want))
+    bad = [f"request {i}: {len(a)} tokens against {len(b)}" for i, (a, b) in enumerate(zip(got, want))
+           if len(a) != len(b) and list(a[: len(b)]) == list(b[: len(a)])]
+    bad += [d.describe() for d in divergences(runner, prompts, got, want) if not d.near_tie]
     return identical, bad
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench import decode, tp_decode
-from bench.common import block_tables, compare_greedy, decode_plan, run_tp_group, teacher_forced_logits
+from bench.common import block_tables, compare_greedy, decode_plan, divergences, run_tp_group, teacher_forced_logits
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
 
@@ -117,3 +117,10 @@ def test_compare_greedy_flags_divergence_away_from_a_near_tie(tiny_runner: Model
     assert compare_greedy(tiny_runner, [prompt], [[ranked[1]]], want) == (0, [])  # second choice: a near-tie
     identical, bad = compare_greedy(tiny_runner, [prompt], [[ranked[-1]]], want)
     assert identical == 0 and len(bad) == 1 and "step 0" in bad[0]
+    # The record behind the line: the reference's top 3 and how far the output's token fell.
+    (record,) = divergences(tiny_runner, [prompt], [[ranked[-1]]], want)
+    assert (record.request, record.step, record.got, record.want) == (0, 0, ranked[-1], ranked[0])
+    assert record.top_ids == ranked[:3] and not record.near_tie
+    assert record.gap == pytest.approx((logits[ranked[0]] - logits[ranked[-1]]).item())
+    # Outputs that stop early are flagged without a logit comparison.
+    assert compare_greedy(tiny_runner, [prompt], [[]], want)[1] == ["request 0: 0 tokens against 1"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import decode, tp_decode
+from bench import batch_divergence, decode, tp_decode
 from bench.common import block_tables, compare_greedy, decode_plan, divergences, run_tp_group, teacher_forced_logits
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
@@ -124,3 +124,13 @@ def test_compare_greedy_flags_divergence_away_from_a_near_tie(tiny_runner: Model
     assert record.gap == pytest.approx((logits[ranked[0]] - logits[ranked[-1]]).item())
     # Outputs that stop early are flagged without a logit comparison.
     assert compare_greedy(tiny_runner, [prompt], [[]], want)[1] == ["request 0: 0 tokens against 1"]
+
+
+def test_batch_divergence_cpu_smoke(preset_cache: Path) -> None:
+    """fp32 on the CPU: two batch limits give the same greedy tokens, and the JSON says so."""
+    out = preset_cache / "divergence.json"
+    batch_divergence.main(["--model", "tiny-llama", "--device", "cpu", "--num-requests", "6", "--max-tokens", "6",
+                           "--max-model-len", "256", "--max-num-seqs", "6,2", "--out", str(out)],
+                          standalone_mode=False)
+    result = json.loads(out.read_text())
+    assert result["max_num_seqs"] == [6, 2] and result["identical"] == 6 and result["divergences"] == []

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.checks import as_rows
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -41,17 +42,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
     Grid: (rows, ceil(I / 1024)). Returns a new contiguous ``[..., I]`` tensor in x's dtype.
     """
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError(f"x's last dim must be even (gate | up), got shape {tuple(x.shape)}")
     inter = x.shape[-1] // 2
-    try:
-        x2 = x.view(-1, 2 * inter)
-    except RuntimeError as exc:
-        raise ValueError(f"x (strides {x.stride()}) cannot be viewed as [rows, {2 * inter}]") from exc
-    if x2.stride(1) != 1:
-        raise ValueError(f"x must be contiguous in its last dim, got strides {x.stride()}")
+    x2 = as_rows("x", x, 2 * inter)
     out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
     out2 = out.view(-1, inter)
     if out2.numel() == 0:

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.checks import as_rows
 
 MAX_ROWS = 1  # rows of x up to which linear() runs the Triton kernel; more go to cuBLAS
 _MAX_KERNEL_ROWS = 16  # each row re-reads the weight: a few rows at most
@@ -110,19 +111,12 @@ def linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     n, k = weight.shape
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    x2 = as_rows("x", x, k)
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and (t.dtype != x.dtype or t.device != x.device):
             raise ValueError(f"{name} is {t.dtype} on {t.device}, x is {x.dtype} on {x.device}")
     if weight.stride(1) != 1:
         raise ValueError(f"weight must have unit stride in K, got strides {weight.stride()}")
-    try:
-        x2 = x.view(-1, k)
-    except RuntimeError as exc:
-        raise ValueError(f"x (strides {x.stride()}) cannot be viewed as [rows, {k}]") from exc
-    if k > 1 and x2.stride(1) != 1:
-        raise ValueError(f"x must have unit stride in K, got strides {x.stride()}")
     rows = x2.shape[0]
     if rows > _MAX_KERNEL_ROWS:
         raise ValueError(f"linear_kernel takes at most {_MAX_KERNEL_ROWS} rows, got {rows}: use F.linear")

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.checks import FLOAT_DTYPES, as_rows
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -72,31 +73,13 @@ def _fused_add_rms_norm_kernel(
     tl.store(out_ptr + row * stride_out + cols, (s * inv_rms * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _rows(name: str, t: torch.Tensor, hidden: int) -> torch.Tensor:
-    """``t`` as a ``[rows, hidden]`` view with unit column stride (no copy), or ValueError."""
-    if t.shape[-1] != hidden:
-        raise ValueError(f"{name} has last dim {t.shape[-1]}, expected {hidden}")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-    try:
-        rows = t.view(-1, hidden)
-    except RuntimeError as exc:
-        raise ValueError(f"{name} (strides {t.stride()}) cannot be viewed as [rows, {hidden}]") from exc
-    if hidden > 1 and rows.stride(1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
-    return rows
-
-
 def _check_weight(x: torch.Tensor, weight: torch.Tensor) -> int:
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight must have shape ({hidden},), got {tuple(weight.shape)}")
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device}, x on {x.device}")
-    if weight.dtype not in _FLOAT_DTYPES or weight.stride(0) != 1:
+    if weight.dtype not in FLOAT_DTYPES or weight.stride(0) != 1:
         raise ValueError(f"weight must be a contiguous float tensor, got {weight.dtype} {weight.stride()}")
     return hidden
 
@@ -113,7 +96,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Returns a new contiguous tensor of x's shape and dtype.
     """
     hidden = _check_weight(x, weight)
-    x2 = _rows("x", x, hidden)
+    x2 = as_rows("x", x, hidden)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out2 = out.view(-1, hidden)
     if x2.shape[0] == 0:
@@ -138,7 +121,7 @@ def fused_add_rms_norm(
     if residual.shape != x.shape or residual.device != x.device:
         raise ValueError(f"residual {tuple(residual.shape)} on {residual.device} must match x "
                          f"{tuple(x.shape)} on {x.device}")
-    x2, r2 = _rows("x", x, hidden), _rows("residual", residual, hidden)
+    x2, r2 = as_rows("x", x, hidden), as_rows("residual", residual, hidden)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out2, sum2 = out.view(-1, hidden), summed.view(-1, hidden)

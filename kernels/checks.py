@@ -1,0 +1,23 @@
+"""Input checks the kernel wrappers share: they raise ValueError before any launch."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def as_rows(name: str, t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t [..., width]`` (a float tensor) as a ``[rows, width]`` view with unit stride along
+    ``width`` (no copy), or ValueError naming ``name``."""
+    if t.dim() == 0 or t.shape[-1] != width:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [..., {width}]")
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    try:
+        rows = t.view(-1, width)
+    except RuntimeError as exc:
+        raise ValueError(f"{name} (strides {t.stride()}) cannot be viewed as [rows, {width}]") from exc
+    if width > 1 and rows.stride(1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dim, got strides {t.stride()}")
+    return rows

@@ -68,6 +68,8 @@ def run_demo(endpoint: str, prompts: tuple[str, ...], max_tokens: int) -> None:
               help="KV transfer backend [default: nccl-async on GPUs, gloo on CPU]")
 @click.option("--transfer-layer-groups", type=int, default=None,
               help="KV messages per request and destination rank, each a range of layers [default: 1]")
+@click.option("--transfer-staging-mib", type=float, default=None,
+              help="KV buffers a rank may hold for transfers in flight, MiB [default: 4096]")
 @click.option("--devices", default=None, help="Comma-separated GPU ids [default: all visible]")
 @click.option("--host", default=None, help="[default: 127.0.0.1]")
 @click.option("--port", type=int, default=None, help="[default: 5555]")

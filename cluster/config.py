@@ -29,6 +29,7 @@ class ClusterConfig:
     colocated_tp: int = 1
     transfer: str = "auto"  # auto: nccl-async on CUDA, gloo on CPU
     transfer_layer_groups: int = 1  # KV messages per request per destination rank (layer ranges)
+    transfer_staging_mib: float = 4096.0  # KV buffers a rank may hold for transfers in flight
     devices: tuple[int, ...] | None = None  # GPU ids; None: all visible GPUs, or CPU without any
     host: str = "127.0.0.1"
     port: int = 5555
@@ -53,6 +54,8 @@ class ClusterConfig:
                      "colocated_tp", "transfer_layer_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.transfer_staging_mib > 0:
+            raise ValueError(f"transfer_staging_mib must be positive, got {self.transfer_staging_mib}")
         if self.transfer not in ("auto", "nccl", "nccl-async", "gloo", "gloo-async"):
             raise ValueError(f"unknown transfer backend {self.transfer!r}")
         if not 0 < self.port < 65536:
@@ -89,13 +92,15 @@ class ClusterConfig:
         return sum(tp for _, _, tp in self.groups())
 
     def resolved_transfer(self, on_gpu: bool) -> TransferConfig:
+        staging = max(1, int(self.transfer_staging_mib * 2**20))
         if self.transfer == "auto":
-            return TransferConfig("nccl-async" if on_gpu else "gloo", layer_groups=self.transfer_layer_groups)
+            return TransferConfig("nccl-async" if on_gpu else "gloo", max_staging_bytes=staging,
+                                  layer_groups=self.transfer_layer_groups)
         if self.transfer.startswith("nccl") and not on_gpu:
             raise ValueError(f"--transfer {self.transfer} needs GPUs; use gloo on CPU")
         if self.transfer.startswith("gloo") and on_gpu:
             raise ValueError(f"--transfer {self.transfer} moves CPU tensors; use nccl on GPUs")
-        return TransferConfig(self.transfer, layer_groups=self.transfer_layer_groups)
+        return TransferConfig(self.transfer, max_staging_bytes=staging, layer_groups=self.transfer_layer_groups)
 
     def engine_config(self, model_dir: str) -> EngineConfig:
         chunked = self.enable_chunked_prefill

@@ -1,7 +1,8 @@
 """The decode role: receive prefilled requests' KV, then decode them with continuous batching.
 
 Lifecycle of a request here:
-1. ``KVAnnounce`` from a prefill leader -> reserve blocks for the prompt's KV. None free: reply
+1. ``KVAnnounce`` from a prefill leader -> reserve blocks for the prompt's KV. None free, or its
+   receive buffers would take the leader's buffers in flight past ``max_staging_bytes``: reply
    refused (the prefill side keeps the KV and retries). Otherwise reply accepted, then every
    rank of the group posts its receive (the command rides the step channel, in order).
 2. Receive complete (sync: at once; async: polled between steps, so several are in flight while
@@ -47,6 +48,11 @@ class DecodeLeader(Leader):
 
     def on_announce(self, announce: KVAnnounce) -> None:
         request_id = announce.request_id
+        assert self.agent is not None
+        num_blocks = -(-len(announce.token_ids) // self.engine.config.cache.block_size)
+        if not self.agent.has_staging_room(announce.prefill_group, num_blocks, self.spec.transfer.max_staging_bytes):
+            self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
+            return
         try:
             blocks = self.engine.reserve(request_id, announce.token_ids, announce.first_token,
                                          sampling_params(announce.sampling))
@@ -60,7 +66,6 @@ class DecodeLeader(Leader):
         self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=True))
         command = KVCommand("recv", request_id, blocks, peer_group=announce.prefill_group)
         self.engine.runner.broadcast(command)
-        assert self.agent is not None
         self.agent.execute(command)
         self.receiving[request_id] = announce
         self.next_index[request_id] = 1

@@ -38,7 +38,16 @@ class KVTransferAgent:
         return self._transfers.pop(transfer_id)[1].wait()
 
     def staging_bytes(self) -> int:
+        """Bytes of KV buffers held for this rank's transfers in flight, sends and receives."""
         return sum(b.staging_bytes for b in self.backends.values())
+
+    def has_staging_room(self, peer_group: int, num_blocks: int, limit: int) -> bool:
+        """Whether a transfer of ``num_blocks`` blocks with ``peer_group`` fits under ``limit``
+        bytes of buffers in flight. With nothing in flight it always fits, so a request larger
+        than the limit still moves (alone)."""
+        in_flight = self.staging_bytes()
+        needed = num_blocks * self.backends[peer_group].block_bytes()
+        return in_flight == 0 or in_flight + needed <= limit
 
     def _prune(self) -> None:
         """Forget completed sends nobody waits for (peers), releasing their staging buffers."""

@@ -54,7 +54,8 @@ class TransferStats:
 @dataclass(frozen=True)
 class TransferConfig:
     backend: str = "gloo"  # a key of the registry: gloo, gloo-async, nccl, nccl-async
-    # Bound on the packed KV a sender keeps for transfers in flight; beyond it, the sender waits.
+    # Bound on the KV buffers a rank holds for transfers in flight (packed sends, posted
+    # receives); beyond it the prefill side holds its announce and the decode side refuses one.
     max_staging_bytes: int = 4 << 30
     # Messages per request per destination rank, each a contiguous range of layers: with more
     # than one, gathering, the wire and scattering of different layer ranges overlap.
@@ -131,7 +132,8 @@ class TransferBackend(ABC):
     @property
     @abstractmethod
     def staging_bytes(self) -> int:
-        """Bytes of packed KV this rank holds for sends not yet complete."""
+        """Bytes of KV buffers this rank holds for transfers not yet complete: packed sends and
+        posted receives."""
 
     def block_bytes(self) -> int:
         """Bytes one block of this rank's KV (all layers, K and V, all its heads) takes."""

@@ -8,7 +8,7 @@ ordered after it: the engine may free the blocks as soon as ``send`` returns. Th
 until the send completes (counted in ``staging_bytes``).
 
 Receiver: ``irecv`` one buffer per piece, then scatter it into the rank's own, differently
-numbered blocks when the receive completes.
+numbered blocks when the receive completes. The buffers count in ``staging_bytes`` until then.
 
 Sync backends wait before returning; async ones return at once and are polled.
 """
@@ -85,7 +85,7 @@ class _TorchTransfer(Transfer):
                 end.record()  # after the scatter (receiver) or the send (the stream waited for it)
                 events = (self.start_event, end)
             self.stats = TransferStats(num_bytes, time.perf_counter() - self.started, events)
-            self.release(num_bytes if not self.on_complete else 0)
+            self.release(num_bytes)
             self.buffers, self.on_complete = [], []
         return self.stats
 
@@ -152,6 +152,7 @@ class TorchDistributedBackend(TransferBackend):
                 buffers.append(buffer)
                 works.append(dist.irecv(buffer, src=peer))
                 scatters.append((buffer, layer_range, heads, blocks))
+        self._staging += sum(b.numel() * b.element_size() for b in buffers)
         return self._finish(_TorchTransfer(works, buffers, scatters, self.kv_cache, self._release, start))
 
     def _finish(self, transfer: _TorchTransfer) -> Transfer:

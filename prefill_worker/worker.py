@@ -105,10 +105,8 @@ class PrefillLeader(Leader):
     def _staging_room(self, handoff: _Handoff) -> bool:
         """Bound the packed KV held for sends in flight (the first one always goes)."""
         assert self.agent is not None
-        backend = self.agent.backends[handoff.decode_group]
-        needed = len(handoff.block_ids) * backend.block_bytes()
-        in_flight = self.agent.staging_bytes()
-        return in_flight == 0 or in_flight + needed <= self.spec.transfer.max_staging_bytes
+        return self.agent.has_staging_room(handoff.decode_group, len(handoff.block_ids),
+                                           self.spec.transfer.max_staging_bytes)
 
     def on_reply(self, reply: KVReply) -> None:
         handoff = self.announced.pop(reply.request_id, None)

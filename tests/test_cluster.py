@@ -149,11 +149,14 @@ def test_2p1d_matches_single_process_then_survives_bad_input_and_aborts(
 
 @pytest.mark.slow
 def test_decode_back_pressure_makes_prefill_wait(cluster_factory, tiny_model_dirs: dict[str, Path]) -> None:
-    """A decode pool of 32 blocks (512 tokens) cannot take 16 requests of up to 210 tokens at once:
-    the decode side refuses, the prefill side keeps the KV and retries, and every request completes."""
+    """A decode pool of 32 blocks (512 tokens) cannot take 16 requests of up to 210 tokens at once,
+    and with a 16 KiB bound on KV buffers in flight (a request's KV is 12-170 KiB a rank) each rank
+    moves one request's KV at a time while two prefill groups announce to one decode group: the
+    decode side refuses, the prefill side keeps the KV and retries, and every request completes."""
     model_dir = tiny_model_dirs["tiny-qwen2"]
-    cluster = cluster_factory("--model", str(model_dir), "--prefill-tp", "1", "--decode-tp", "2",
-                              "--transfer", "gloo-async", "--num-blocks", "32")
+    cluster = cluster_factory("--model", str(model_dir), "--prefill-tp", "1", "--prefill-groups", "2",
+                              "--decode-tp", "2", "--transfer", "gloo-async", "--num-blocks", "32",
+                              "--transfer-staging-mib", "0.015625")
     prompts, params = mixed_requests(512, 16, seed=2)
     params = [SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)] * 16
     expected = oracle(model_dir, prompts, params)
@@ -161,7 +164,8 @@ def test_decode_back_pressure_makes_prefill_wait(cluster_factory, tiny_model_dir
         finals = run_concurrently(client, prompts, params)
         assert [f.token_ids for f in finals] == expected
         groups = wait_until_idle(client)
-        assert groups["prefill0"]["kv_refused"] > 0, "the decode side never refused: no back-pressure tested"
+        refused = groups["prefill0"]["kv_refused"] + groups["prefill1"]["kv_refused"]
+        assert refused > 0, "the decode side never refused: no back-pressure tested"
     assert cluster.stop() == 0
 
 

@@ -46,12 +46,16 @@ def _exchange(rank: int, p: int, d: int, backend: tuple[str, int], meta: dict, r
     agent = KVTransferAgent({0: create_backend(config, topology, cache)})
     side = "src" if topology.is_prefill else "dst"
     heads = slice(shard.kv_start, shard.kv_end)
+    posted = 0  # receive buffers: each decode rank gets each of its heads once
     for request_id in meta["requests"]:  # the same order on every rank; all 16 in flight at once
         blocks = meta[side][request_id]
         if topology.is_prefill:
             cache[:, :, blocks] = reference[request_id][:, :, :, :, heads]
         agent.execute(KVCommand("send" if topology.is_prefill else "recv", request_id, blocks))
+        posted += len(blocks) * agent.backends[0].block_bytes()
     if not topology.is_prefill:
+        # Posted receives hold their buffers until waited for (sync ones are done already).
+        assert agent.staging_bytes() == (posted if backend[0].endswith("async") else 0)
         for request_id in meta["requests"]:
             assert agent.wait(request_id).num_bytes > 0
             got = cache[:, :, meta[side][request_id]]
@@ -59,6 +63,7 @@ def _exchange(rank: int, p: int, d: int, backend: tuple[str, int], meta: dict, r
                 raise AssertionError(f"{backend} p={p} d={d}: KV of {request_id} differs on decode rank "
                                      f"{rank - first_decode_rank}")
     agent.close()
+    assert agent.staging_bytes() == 0, f"{backend} p={p} d={d}: buffers still counted after close"
 
 
 def _rank_main(rank: int, init: str, work_dir: str) -> None:
@@ -114,6 +119,26 @@ def test_received_kv_is_bitwise_the_prefill_kv(reference_kv: Path) -> None:
     itself in the rank's error."""
     init = f"tcp://127.0.0.1:{free_port()}"
     RankProcesses(_rank_main, [(r, init, str(reference_kv)) for r in range(MAX_P + MAX_D)]).wait(600)
+
+
+class _Backend:
+    """Stands in for a backend: a fixed block size and buffers in flight."""
+
+    def __init__(self, block_bytes: int, staging_bytes: int) -> None:
+        self._block_bytes, self.staging_bytes = block_bytes, staging_bytes
+
+    def block_bytes(self) -> int:
+        return self._block_bytes
+
+
+def test_staging_room_counts_every_peer_group_and_lets_a_lone_transfer_through() -> None:
+    idle = KVTransferAgent({0: _Backend(100, 0), 1: _Backend(300, 0)})  # type: ignore[dict-item]
+    assert idle.has_staging_room(1, 50, limit=1000)  # 15000 bytes > limit, but nothing is in flight
+    busy = KVTransferAgent({0: _Backend(100, 400), 1: _Backend(300, 200)})  # type: ignore[dict-item]
+    assert busy.staging_bytes() == 600
+    assert busy.has_staging_room(0, 4, limit=1000)  # 600 + 400
+    assert not busy.has_staging_room(0, 5, limit=1000)  # 600 + 500
+    assert not busy.has_staging_room(1, 2, limit=1000)  # 600 + 600: the peer group's block size counts
 
 
 def test_head_shards_used_by_the_backend_cover_the_model() -> None:

@@ -5,6 +5,10 @@
 Runs decode steps of one (batch, context) case through ``ModelRunner.run`` (the CUDA graph on a
 GPU) under ``torch.profiler`` and prints, per kernel name, the calls and the device time per
 step, with its share of the step; the JSON holds every row. On a CPU it profiles the CPU ops.
+
+With programmatic dependent launch (``kernels/pdl.py``, on by default on Hopper) a kernel's span
+starts before its predecessor ends and includes its wait, so the rows overlap and their sum
+exceeds the step: profile with ``PDSERVE_PDL=0`` for per-kernel times.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench.common import fill_kv_random, format_table, model_dir, resolve_device, uniform_decode_plan, write_json
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.model_runner import ModelRunner
+from kernels import pdl
 
 
 def profile_rows(runner: ModelRunner, batch: int, context: int, steps: int, seed: int) -> tuple[list[dict], float]:
@@ -88,6 +93,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ), model_config)
     rows, step_us = profile_rows(runner, args.batch, args.context, args.steps, args.seed)
     runner.close()
+    if pdl.enabled(device):
+        print("note: kernels launch with PDL, so their spans overlap; PDSERVE_PDL=0 gives per-kernel times")
     print(f"decode B={args.batch} C={args.context} on {device}: {step_us:.1f} us of "
           f"{'kernels' if device.type == 'cuda' else 'CPU ops'} per step")
     print(format_table(["name", "calls/step", "us/step", "share"],

@@ -46,12 +46,16 @@ class Message:
             _TYPES[cls.type] = cls
 
 
+Checker = typing.Callable[[Any, str], Any]
+
+
 @functools.cache
-def _fields(cls: type[Message]) -> tuple[tuple[str, Any, bool], ...]:
-    """``(name, type hint, required)`` of each field, resolved once per class (hot path)."""
+def _fields(cls: type[Message]) -> tuple[tuple[str, Checker, bool], ...]:
+    """``(name, checker, required)`` of each field, built once per class (hot path)."""
     hints = typing.get_type_hints(cls)
     return tuple(
-        (f.name, hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        (f.name, _checker(hints[f.name]),
+         f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
         for f in dataclasses.fields(cls)
     )
 
@@ -75,44 +79,78 @@ def encode(message: Message) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
-def _check(value: Any, hint: Any, name: str) -> Any:
-    """Validate (and lightly normalise) one field against its type hint."""
+def _invalid(message: str) -> ProtocolError:
+    return ProtocolError("invalid_field", message)
+
+
+@functools.cache
+def _checker(hint: Any) -> Checker:
+    """A function ``(value, field name) -> value`` that validates (and lightly normalises) a
+    decoded value against the type hint ``hint``, raising ProtocolError; built once per hint."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in (o for o in options if o is not type(None)):
-            try:
-                return _check(value, option, name)
-            except ProtocolError as e:
-                errors.append(e.message)
-        raise ProtocolError("invalid_field", errors[0] if errors else f"field {name!r} may not be null")
+        nullable = type(None) in options
+        checks = [_checker(o) for o in options if o is not type(None)]
+
+        def check_union(value: Any, name: str) -> Any:
+            if value is None and nullable:
+                return None
+            errors = []
+            for check in checks:
+                try:
+                    return check(value, name)
+                except ProtocolError as e:
+                    errors.append(e.message)
+            raise _invalid(errors[0] if errors else f"field {name!r} may not be null")
+
+        return check_union
     if hint is Any:
-        return value
+        return lambda value, name: value
     if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ProtocolError("invalid_field", f"field {name!r} must be a list")
         (item,) = typing.get_args(hint)
-        if item is int and all(type(v) is int for v in value):  # token ids: the common, long case
-            return list(value)
-        return [_check(v, item, name) for v in value]
+        check_item = _checker(item)
+
+        def check_list(value: Any, name: str) -> Any:
+            if not isinstance(value, (list, tuple)):
+                raise _invalid(f"field {name!r} must be a list")
+            # Token ids, the common and long case: one type scan in C (bools are not ints here).
+            if item is int and set(map(type, value)) <= {int}:
+                return value if isinstance(value, list) else list(value)
+            return [check_item(v, name) for v in value]
+
+        return check_list
     if origin is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError("invalid_field", f"field {name!r} must be a map")
-        return value
+        def check_map(value: Any, name: str) -> Any:
+            if not isinstance(value, dict):
+                raise _invalid(f"field {name!r} must be a map")
+            return value
+
+        return check_map
     if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ProtocolError("invalid_field", f"field {name!r} must be a number")
-        return float(value)
-    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ProtocolError("invalid_field", f"field {name!r} must be an integer")
-    if hint in (str, bool, bytes) and not isinstance(value, hint):
-        raise ProtocolError("invalid_field", f"field {name!r} must be {hint.__name__}")
+        def check_number(value: Any, name: str) -> Any:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise _invalid(f"field {name!r} must be a number")
+            return float(value)
+
+        return check_number
+    if hint is int:
+        def check_int(value: Any, name: str) -> Any:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise _invalid(f"field {name!r} must be an integer")
+            return value
+
+        return check_int
+    if hint in (str, bool, bytes):
+        def check_plain(value: Any, name: str) -> Any:
+            if not isinstance(value, hint):
+                raise _invalid(f"field {name!r} must be {hint.__name__}")
+            return value
+
+        return check_plain
     if isinstance(hint, type) and issubclass(hint, Message):
-        return _from_fields(hint, value, name)
-    return value
+        return lambda value, name: _from_fields(hint, value, name)
+    return lambda value, name: value
 
 
 def _from_fields(cls: type[Message], body: Any, where: str) -> Message:
@@ -120,17 +158,21 @@ def _from_fields(cls: type[Message], body: Any, where: str) -> Message:
         raise ProtocolError("invalid_field", f"{where!r} must be a map")
     if not all(isinstance(key, str) for key in body):
         raise ProtocolError("malformed", f"map keys in {where!r} must be strings")
-    fields = _fields(cls)
-    unknown = sorted(set(body) - {name for name, _, _ in fields})
-    if unknown:
+    if not body.keys() <= _field_names(cls):
+        unknown = sorted(set(body) - _field_names(cls))
         raise ProtocolError("unknown_field", f"unknown field {unknown[0]!r} in {cls.type or where}")
     kwargs = {}
-    for name, hint, required in fields:
+    for name, check, required in _fields(cls):
         if name in body:
-            kwargs[name] = _check(body[name], hint, name)
+            kwargs[name] = check(body[name], name)
         elif required:
             raise ProtocolError("missing_field", f"missing field {name!r} in {cls.type or where}")
     return cls(**kwargs)
+
+
+@functools.cache
+def _field_names(cls: type[Message]) -> frozenset[str]:
+    return frozenset(name for name, _, _ in _fields(cls))
 
 
 def decode(data: bytes) -> Message:

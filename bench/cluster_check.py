@@ -1,8 +1,11 @@
 """Serve N concurrent greedy requests through real clusters and compare them with one engine.
 
     python -m bench.cluster_check --model qwen2.5-1.5b --devices 0,1 --out check.json
+    python -m bench.cluster_check --model qwen2.5-1.5b --devices 0,1,2 --prefill-tp 2   # 2p1d
 
-For each topology (disaggregated with sync and async NCCL transfer, colocated), starts
+For each topology (disaggregated with sync and async NCCL transfer, a prefill group of
+``--prefill-tp`` ranks and a decode group of ``--decode-tp``; colocated, one TP-1 group per
+device), starts
 ``launch.py`` as a subprocess, submits every request at once (streaming), and records each
 request's output tokens, time to first token and inter-token gaps. The reference is the
 single-process engine on the first device with the same prompts. Greedy bf16 decoding may
@@ -12,7 +15,8 @@ where the cluster's token is not in the reference's top 2 at the first differing
 (teacher-forced through the reference engine). Those must be zero. The JSON keeps every
 divergence with the reference's top-3 logits there and the logit gap to the cluster's token.
 
-``--topologies`` picks a subset (``colocated-1x1`` needs one GPU; the others two).
+``--topologies`` picks a subset (``colocated`` alone runs on one GPU; the disaggregated ones need
+prefill-tp + decode-tp GPUs).
 """
 
 from __future__ import annotations
@@ -81,10 +85,12 @@ def agreement(reference: list[list[int]], got: list[list[int]]) -> dict[str, flo
 @click.option("--num-requests", default=64, show_default=True)
 @click.option("--max-tokens", default=64, show_default=True)
 @click.option("--max-model-len", default=4096, show_default=True)
+@click.option("--prefill-tp", default=1, show_default=True)
+@click.option("--decode-tp", default=1, show_default=True)
 @click.option("--topologies", help="comma-separated subset of the topologies (default: all for the devices)")
 @click.option("--out", type=click.Path(dir_okay=False), default="cluster_check.json")
-def main(model: str, devices: str, num_requests: int, max_tokens: int, max_model_len: int, topologies: str | None,
-         out: str) -> None:
+def main(model: str, devices: str, num_requests: int, max_tokens: int, max_model_len: int, prefill_tp: int,
+         decode_tp: int, topologies: str | None, out: str) -> None:
     model_dir = str(resolve_model(model))
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
@@ -97,16 +103,16 @@ def main(model: str, devices: str, num_requests: int, max_tokens: int, max_model
                                     cache=CacheConfig(gpu_memory_utilization=0.3)))
     reference = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     device_args = ["--devices", devices, "--kv-memory-fraction", "0.55"] if devices else []
-    available = {
-        "disagg-nccl": ["--transfer", "nccl", *device_args],
-        "disagg-nccl-async": ["--transfer", "nccl-async", *device_args],
-        "colocated-2x1": ["--mode", "colocated", "--colocated-groups", "2", *device_args],
-        "colocated-1x1": ["--mode", "colocated", "--colocated-groups", "1", *device_args],
-    }
-    chosen = topologies.split(",") if topologies else ["disagg-nccl", "disagg-nccl-async", "colocated-2x1"]
-    if not devices:
-        available = {"disagg-gloo": ["--transfer", "gloo"], "colocated": ["--mode", "colocated"]}
-        chosen = topologies.split(",") if topologies else list(available)
+    disagg = ["--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp)]
+    num_devices = len(devices.split(",")) if devices else prefill_tp + decode_tp
+    colocated = ["--mode", "colocated", "--colocated-groups", str(num_devices), *device_args]
+    if devices:
+        available = {"disagg-nccl": [*disagg, "--transfer", "nccl", *device_args],
+                     "disagg-nccl-async": [*disagg, "--transfer", "nccl-async", *device_args],
+                     "colocated": colocated}
+    else:
+        available = {"disagg-gloo": [*disagg, "--transfer", "gloo"], "colocated": colocated}
+    chosen = topologies.split(",") if topologies else list(available)
     unknown = set(chosen) - set(available)
     if unknown:
         raise click.BadParameter(f"unknown topologies {sorted(unknown)}; choose from {sorted(available)}")

@@ -2,14 +2,17 @@
 
     python -m bench.compare --model qwen2.5-1.5b --devices 0,1 --workload mixed --rates 4,8,16,32 \\
         --num-requests 160 --isolated-decode --slo-ttft-ms 500 --out-dir results/pd-vs-colocated
+    python -m bench.compare --model qwen2.5-1.5b --devices 0,1,2 --prefill-tp 2 --workload mixed ...  # 2p1d
     python -m bench.compare --model demo --devices "" --workload text --num-requests 6 --rates 2   # CPU
 
 Three clusters run one after another, each ``launch.py`` in a subprocess on a free port with its
 log in OUT_DIR/<system>.log, stopped with SIGTERM and required to exit 0:
 
-* ``disagg``: one prefill and one decode group of TP 1, KV over nccl-async (gloo-async on CPU);
-* ``colocated-chunked``: ``configs/colocated.yaml``, two colocated groups of TP 1 with chunked
-  prefill (decodes and prompt chunks share a 2048-token step budget), least-tokens dispatch;
+* ``disagg``: one prefill group of ``--prefill-tp`` ranks and one decode group of ``--decode-tp``
+  (default 1 and 1), KV over nccl-async (gloo-async on CPU);
+* ``colocated-chunked``: ``configs/colocated.yaml``, one colocated group of TP 1 per device of
+  the disaggregated system (two for 1p1d, three for 2p1d) with chunked prefill (decodes and
+  prompt chunks share a 2048-token step budget), least-tokens dispatch;
 * ``colocated-no-chunk``: the same with ``--no-chunked-prefill`` (a prompt is prefilled whole,
   in a step of its own, while the group's decodes wait).
 
@@ -114,12 +117,15 @@ class LaunchedCluster:
         self.kill()
 
 
-def system_args(on_gpu: bool) -> dict[str, list[str]]:
-    """launch.py arguments of each compared system."""
-    colocated = ["--config", "configs/colocated.yaml", "--mode", "colocated", "--colocated-groups", "2",
-                 "--colocated-tp", "1"]
+def system_args(on_gpu: bool, prefill_tp: int = 1, decode_tp: int = 1) -> dict[str, list[str]]:
+    """launch.py arguments of each compared system: disaggregated with a prefill group of
+    ``prefill_tp`` ranks and a decode group of ``decode_tp``, and colocated with one tp-1 group per
+    device those two groups use, so both get the same GPUs."""
+    colocated = ["--config", "configs/colocated.yaml", "--mode", "colocated",
+                 "--colocated-groups", str(prefill_tp + decode_tp), "--colocated-tp", "1"]
     return {
-        "disagg": ["--prefill-tp", "1", "--decode-tp", "1", "--transfer", "nccl-async" if on_gpu else "gloo-async"],
+        "disagg": ["--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
+                   "--transfer", "nccl-async" if on_gpu else "gloo-async"],
         "colocated-chunked": colocated,
         "colocated-no-chunk": [*colocated, "--no-chunked-prefill"],
     }
@@ -224,7 +230,9 @@ def write_report(out_dir: Path, results: dict[str, dict[str, Any]], setup: dict[
 
 @click.command(context_settings={"show_default": True})
 @click.option("--model", default="demo", help="'demo', a shape preset (random weights) or a HF directory.")
-@click.option("--devices", default="", help="Two GPU ids (e.g. 0,1); empty: CPU.")
+@click.option("--devices", default="", help="GPU ids, prefill-tp + decode-tp of them (e.g. 0,1); empty: CPU.")
+@click.option("--prefill-tp", type=int, default=1, help="Ranks of the disaggregated prefill group.")
+@click.option("--decode-tp", type=int, default=1, help="Ranks of the disaggregated decode group.")
 @load_options
 @click.option("--num-blocks", type=int, default=None, help="Fixed KV blocks per rank [default: sized from memory].")
 @click.option("--isolated-decode", is_flag=True,
@@ -234,8 +242,8 @@ def write_report(out_dir: Path, results: dict[str, dict[str, Any]], setup: dict[
 @click.option("--replot", is_flag=True,
               help="Run nothing: rebuild report.md and the plots from OUT_DIR's JSON files (e.g. on a machine "
                    "with matplotlib, after a run on one without).")
-def main(model: str, devices: str, num_blocks: int | None, isolated_decode: bool, out_dir: Path,
-         start_timeout: float, replot: bool, **options: Any) -> None:
+def main(model: str, devices: str, prefill_tp: int, decode_tp: int, num_blocks: int | None, isolated_decode: bool,
+         out_dir: Path, start_timeout: float, replot: bool, **options: Any) -> None:
     """Run one workload against a disaggregated and two colocated clusters; write a report."""
     if replot:
         paths = [out_dir / f"{name}.json" for name in system_args(on_gpu=False)]
@@ -245,8 +253,11 @@ def main(model: str, devices: str, num_blocks: int | None, isolated_decode: bool
         publish(out_dir, results, next(iter(results.values()))["setup"])
         return
     device_ids = [d.strip() for d in devices.split(",") if d.strip()]
-    if len(device_ids) == 1:
-        raise click.UsageError("--devices: every system needs two GPUs (or none: CPU)")
+    if prefill_tp < 1 or decode_tp < 1:
+        raise click.UsageError("--prefill-tp and --decode-tp must be >= 1")
+    if device_ids and len(device_ids) != prefill_tp + decode_tp:
+        raise click.UsageError(f"--devices: both systems use prefill-tp + decode-tp = {prefill_tp + decode_tp} GPUs, "
+                               f"{len(device_ids)} given (or none: CPU)")
     model_dir = resolve_model(model)
     hf_config = json.loads((model_dir / "config.json").read_text())
     config = config_from_options(vocab_size=int(hf_config["vocab_size"]), **options)
@@ -266,7 +277,7 @@ def main(model: str, devices: str, num_blocks: int | None, isolated_decode: bool
         common += ["--devices", ",".join(device_ids)]
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""  # CPU even on a GPU machine
-    systems = system_args(on_gpu=bool(device_ids))
+    systems = system_args(bool(device_ids), prefill_tp, decode_tp)
     setup: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "host": os.uname().nodename,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.compare import LaunchedCluster, required_model_len, write_report
+from bench.compare import LaunchedCluster, required_model_len, system_args, write_report
 from bench.metrics import RequestRecord, compute_metrics, e2e, itls, meets_slo, percentile, summarize, tpot, ttft
 from bench.serve import BenchConfig, RequestSpec, arrival_times, build_requests, write_plots
 
@@ -187,3 +187,33 @@ def test_load_generator_against_a_cpu_cluster(tmp_path: Path, demo_model_dir: Pa
     report = write_report(tmp_path, {"disagg": results, "colocated-chunked": results}, setup, plots=[])
     rows = [line for line in report.read_text().splitlines() if line.startswith("| 8 ") or line.startswith("| inf ")]
     assert [row.split(" | ")[1] for row in rows] == ["disagg", "colocated-chunked"] * 2
+
+
+def test_compared_systems_get_the_same_devices() -> None:
+    """2p1d against colocated: the disaggregated groups' three ranks become three colocated groups."""
+    systems = system_args(on_gpu=True, prefill_tp=2, decode_tp=1)
+    disagg = systems["disagg"]
+    assert disagg[disagg.index("--prefill-tp") + 1] == "2" and disagg[disagg.index("--decode-tp") + 1] == "1"
+    assert disagg[disagg.index("--transfer") + 1] == "nccl-async"
+    for name in ("colocated-chunked", "colocated-no-chunk"):
+        args = systems[name]
+        assert args[args.index("--colocated-groups") + 1] == "3" and args[args.index("--colocated-tp") + 1] == "1"
+    assert "--no-chunked-prefill" in systems["colocated-no-chunk"]
+    assert system_args(on_gpu=False)["disagg"][-1] == "gloo-async"
+
+
+@pytest.mark.slow
+def test_cluster_check_2p1d_on_cpu(tmp_path: Path, tiny_model_dirs: dict[str, Path]) -> None:
+    """The headline topology through bench.cluster_check (as the three-GPU check runs it): fp32
+    on CPU, every output identical to the single-process engine, no divergence recorded."""
+    out = tmp_path / "check.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.cluster_check", "--model", str(tiny_model_dirs["tiny-qwen2"]), "--devices", "",
+         "--prefill-tp", "2", "--num-requests", "6", "--max-tokens", "6", "--max-model-len", "256",
+         "--topologies", "disagg-gloo", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(out.read_text())["results"]["disagg-gloo"]
+    assert result["exit_code"] == 0 and result["exact"] == 1.0
+    assert result["divergences"] == [] and result["divergences_not_near_ties"] == []

@@ -53,10 +53,8 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, CompileConfig, StaticCache
 
 from bench.common import (
-    write_json,
-    add_step_timing_args,
-    parse_step_timing_args,
     H200_BANDWIDTH,
+    add_step_timing_args,
     block_tables,
     blocks_for,
     command_line,
@@ -67,12 +65,14 @@ from bench.common import (
     metadata,
     model_dir,
     parse_ints,
-    resolve_device,
+    parse_step_timing_args,
     prefill_plan,
+    resolve_device,
     summary,
     time_steps,
     uniform_decode_plan,
     weight_bytes,
+    write_json,
 )
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_dtype
 from engine.model_runner import ModelRunner

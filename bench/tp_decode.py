@@ -26,10 +26,8 @@ import torch
 from tqdm import tqdm
 
 from bench.common import (
-    write_json,
-    add_step_timing_args,
-    parse_step_timing_args,
     H200_BANDWIDTH,
+    add_step_timing_args,
     blocks_for,
     command_line,
     fmt,
@@ -38,12 +36,14 @@ from bench.common import (
     metadata,
     model_dir,
     parse_ints,
+    parse_step_timing_args,
     resolve_device,
     run_tp_group,
     summary,
     time_steps,
     uniform_decode_plan,
     weight_bytes,
+    write_json,
 )
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.model_runner import ModelRunner

@@ -60,16 +60,30 @@ def _fields(cls: type[Message]) -> tuple[tuple[str, Checker, bool], ...]:
     )
 
 
+@functools.cache
+def _layout(cls: type[Message]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Field names of ``cls``, and those whose type may hold messages (alone or in a list)."""
+    hints = typing.get_type_hints(cls)
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    return names, tuple(name for name in names if _holds_messages(hints[name]))
+
+
+def _holds_messages(hint: Any) -> bool:
+    if isinstance(hint, type):
+        return issubclass(hint, Message)
+    return any(_holds_messages(arg) for arg in typing.get_args(hint))
+
+
 def _plain(message: Message) -> dict[str, Any]:
     """Fields as a shallow dict; nested messages (alone or in a list) become dicts too."""
-    out = {}
-    for name, _, _ in _fields(type(message)):
-        value = getattr(message, name)
+    names, nested = _layout(type(message))
+    out = {name: getattr(message, name) for name in names}
+    for name in nested:
+        value = out[name]
         if isinstance(value, Message):
-            value = _plain(value)
-        elif isinstance(value, list) and value and isinstance(value[0], Message):
-            value = [_plain(v) for v in value]
-        out[name] = value
+            out[name] = _plain(value)
+        elif isinstance(value, list):
+            out[name] = [_plain(v) if isinstance(v, Message) else v for v in value]
     return out
 
 
@@ -92,6 +106,9 @@ def _checker(hint: Any) -> Checker:
         options = typing.get_args(hint)
         nullable = type(None) in options
         checks = [_checker(o) for o in options if o is not type(None)]
+        if nullable and len(checks) == 1:  # ``X | None``, the common case
+            (check_value,) = checks
+            return lambda value, name: None if value is None else check_value(value, name)
 
         def check_union(value: Any, name: str) -> Any:
             if value is None and nullable:
@@ -156,9 +173,9 @@ def _checker(hint: Any) -> Checker:
 def _from_fields(cls: type[Message], body: Any, where: str) -> Message:
     if not isinstance(body, dict):
         raise ProtocolError("invalid_field", f"{where!r} must be a map")
-    if not all(isinstance(key, str) for key in body):
-        raise ProtocolError("malformed", f"map keys in {where!r} must be strings")
-    if not body.keys() <= _field_names(cls):
+    if not body.keys() <= _field_names(cls):  # field names are strings: so, then, are the keys
+        if not all(isinstance(key, str) for key in body):
+            raise ProtocolError("malformed", f"map keys in {where!r} must be strings")
         unknown = sorted(set(body) - _field_names(cls))
         raise ProtocolError("unknown_field", f"unknown field {unknown[0]!r} in {cls.type or where}")
     kwargs = {}

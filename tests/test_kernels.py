@@ -29,7 +29,7 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels import activation, decode_attention, linear, prefill_attention, rmsnorm, rope
+from kernels import activation, decode_attention, linear, pdl, prefill_attention, rmsnorm, rope
 
 CPU = torch.device("cpu")
 
@@ -454,3 +454,62 @@ PREFILL_GPU_CASES = {
 def test_paged_prefill_attention_gpu(cuda: torch.device, case: str, dtype: torch.dtype) -> None:
     query_lens, context_lens = PREFILL_GPU_CASES[case]
     check_prefill(query_lens, context_lens, HQ, HKV, HEAD_DIM, BLOCK, dtype, cuda)
+
+
+# --------------------------------------------------------------------------------------------
+# Programmatic dependent launch
+# --------------------------------------------------------------------------------------------
+
+
+def test_pdl_is_off_on_cpu_and_when_the_environment_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not pdl.enabled(CPU)
+    assert pdl.launch_args(CPU) == {"USE_PDL": False, "launch_pdl": False}
+    monkeypatch.setenv("PDSERVE_PDL", "0")
+    pdl.enabled.cache_clear()
+    try:
+        assert not pdl.enabled(torch.device("cuda", 0))  # decided before any CUDA query
+    finally:
+        pdl.enabled.cache_clear()
+
+
+def _decode_layer_chain(cuda: torch.device) -> list[torch.Tensor]:
+    """One decode layer's kernels back to back, each reading the previous one's output."""
+    gen = torch.Generator().manual_seed(9)
+    dtype = torch.bfloat16
+    _, _, k_cache, v_cache, tables = make_paged_cache([300], BLOCK, HKV, HEAD_DIM, dtype, cuda, gen)  # no NaN
+    hidden = rand(gen, 1, HIDDEN, dtype=dtype, device=cuda)
+    residual = rand(gen, 1, HIDDEN, dtype=dtype, device=cuda)
+    shapes = [((HQ + 2 * HKV) * HEAD_DIM, HIDDEN), (HIDDEN, HQ * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+    weights = [rand(gen, *shape, dtype=dtype, device=cuda) / math.sqrt(shape[1]) for shape in shapes]
+    norm = rand(gen, HIDDEN, dtype=dtype, device=cuda)
+    freqs = torch.arange(512, dtype=torch.float32)[:, None] * torch.rand(HEAD_DIM // 2, generator=gen)[None, :]
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(cuda)
+    positions = torch.tensor([299], device=cuda)
+    slots = (tables[0, 299 // BLOCK].long() * BLOCK + 299 % BLOCK).reshape(1)
+    lens = torch.tensor([300], dtype=torch.int32, device=cuda)
+    x, residual = rmsnorm.fused_add_rms_norm(hidden, residual, norm, 1e-6)
+    q, k, v = linear.linear_kernel(x, weights[0]).split([HQ * HEAD_DIM, HKV * HEAD_DIM, HKV * HEAD_DIM], dim=-1)
+    q, _ = rope.rope_and_store_kv(q.view(1, HQ, HEAD_DIM), k.view(1, HKV, HEAD_DIM), v.view(1, HKV, HEAD_DIM),
+                                  positions, cos_sin, k_cache, v_cache, slots)
+    attn = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, HEAD_DIM**-0.5, 4096)
+    o = linear.linear_kernel(attn.reshape(1, HQ * HEAD_DIM), weights[1])
+    x, residual = rmsnorm.fused_add_rms_norm(o, residual, norm, 1e-6)
+    down = linear.linear_kernel(activation.silu_and_mul(linear.linear_kernel(x, weights[2])), weights[3])
+    return [attn, o, down, residual, k_cache]
+
+
+@pytest.mark.gpu
+def test_pdl_changes_no_bits(cuda: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With programmatic dependent launch every kernel still reads its predecessor's finished
+    output: a decode layer's chain gives the same bits with PDL and without."""
+    if not pdl.enabled(cuda):
+        pytest.skip("PDL needs compute capability 9.0+")
+    with_pdl = _decode_layer_chain(cuda)
+    monkeypatch.setenv("PDSERVE_PDL", "0")
+    pdl.enabled.cache_clear()
+    try:
+        without = _decode_layer_chain(cuda)
+    finally:
+        pdl.enabled.cache_clear()
+    for a, b in zip(with_pdl, without):
+        assert torch.equal(a, b)

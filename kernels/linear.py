@@ -4,7 +4,7 @@ A decode step of one sequence feeds each linear layer a single row, so the layer
 matrix-vector product bound by the weight read. cuBLAS's kernels for these shapes reach
 0.8-4.1 TB/s on an H200 (its o_proj GEMV takes 6 us for 4.7 MB); the kernel here streams the
 weight with many small programs and reaches 1.9-4.8 TB/s on the Qwen2.5-1.5B shapes
-(`python -m bench.kernels`): 0.21 ms off a 1.7 ms batch-1 decode step. With two rows or more
+(`python -m bench.kernels`): 0.24 ms off a 1.71 ms batch-1 decode step. With two rows or more
 it loses to cuBLAS on the large shapes (each row re-reads the weight), so :func:`linear` uses
 it for ``MAX_ROWS`` = 1 only.
 """

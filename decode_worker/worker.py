@@ -49,7 +49,7 @@ class DecodeLeader(Leader):
     def on_announce(self, announce: KVAnnounce) -> None:
         request_id = announce.request_id
         assert self.agent is not None
-        num_blocks = -(-len(announce.token_ids) // self.engine.config.cache.block_size)
+        num_blocks = self.engine.block_manager.blocks_for(len(announce.token_ids))
         if not self.agent.has_staging_room(announce.prefill_group, num_blocks, self.spec.transfer.max_staging_bytes):
             self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
             return

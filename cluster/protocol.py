@@ -49,23 +49,26 @@ class Message:
 Checker = typing.Callable[[Any, str], Any]
 
 
+@dataclass(frozen=True)
+class _Spec:
+    """What the codec needs of a message class, resolved once per class (hot path)."""
+
+    fields: tuple[tuple[str, Checker, bool], ...]  # (name, checker, required) in field order
+    names: tuple[str, ...]
+    name_set: frozenset[str]
+    nested: tuple[str, ...]  # fields whose type may hold messages (alone or in a list)
+
+
 @functools.cache
-def _fields(cls: type[Message]) -> tuple[tuple[str, Checker, bool], ...]:
-    """``(name, checker, required)`` of each field, built once per class (hot path)."""
+def _spec(cls: type[Message]) -> _Spec:
     hints = typing.get_type_hints(cls)
-    return tuple(
+    fields = tuple(
         (f.name, _checker(hints[f.name]),
          f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
         for f in dataclasses.fields(cls)
     )
-
-
-@functools.cache
-def _layout(cls: type[Message]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Field names of ``cls``, and those whose type may hold messages (alone or in a list)."""
-    hints = typing.get_type_hints(cls)
-    names = tuple(f.name for f in dataclasses.fields(cls))
-    return names, tuple(name for name in names if _holds_messages(hints[name]))
+    names = tuple(name for name, _, _ in fields)
+    return _Spec(fields, names, frozenset(names), tuple(n for n in names if _holds_messages(hints[n])))
 
 
 def _holds_messages(hint: Any) -> bool:
@@ -76,9 +79,9 @@ def _holds_messages(hint: Any) -> bool:
 
 def _plain(message: Message) -> dict[str, Any]:
     """Fields as a shallow dict; nested messages (alone or in a list) become dicts too."""
-    names, nested = _layout(type(message))
-    out = {name: getattr(message, name) for name in names}
-    for name in nested:
+    spec = _spec(type(message))
+    out = {name: getattr(message, name) for name in spec.names}
+    for name in spec.nested:
         value = out[name]
         if isinstance(value, Message):
             out[name] = _plain(value)
@@ -173,23 +176,19 @@ def _checker(hint: Any) -> Checker:
 def _from_fields(cls: type[Message], body: Any, where: str) -> Message:
     if not isinstance(body, dict):
         raise ProtocolError("invalid_field", f"{where!r} must be a map")
-    if not body.keys() <= _field_names(cls):  # field names are strings: so, then, are the keys
+    spec = _spec(cls)
+    if not body.keys() <= spec.name_set:  # field names are strings: so, then, are the keys
         if not all(isinstance(key, str) for key in body):
             raise ProtocolError("malformed", f"map keys in {where!r} must be strings")
-        unknown = sorted(set(body) - _field_names(cls))
+        unknown = sorted(set(body) - spec.name_set)
         raise ProtocolError("unknown_field", f"unknown field {unknown[0]!r} in {cls.type or where}")
     kwargs = {}
-    for name, check, required in _fields(cls):
+    for name, check, required in spec.fields:
         if name in body:
             kwargs[name] = check(body[name], name)
         elif required:
             raise ProtocolError("missing_field", f"missing field {name!r} in {cls.type or where}")
     return cls(**kwargs)
-
-
-@functools.cache
-def _field_names(cls: type[Message]) -> frozenset[str]:
-    return frozenset(name for name, _, _ in _fields(cls))
 
 
 def decode(data: bytes) -> Message:

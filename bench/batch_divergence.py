@@ -72,7 +72,7 @@ def main(model: str, device: str, num_requests: int, max_tokens: int, max_model_
                 print("  " + d.describe())
     write_json({"model": model, "device": device, "max_num_seqs": limits, "num_requests": num_requests,
                 "max_tokens": max_tokens, "identical": identical,
-                "divergences": [{**vars(d), "gap": d.gap, "near_tie": d.near_tie} for d in found]}, out)
+                "divergences": [d.as_dict() for d in found]}, out)
 
 
 if __name__ == "__main__":

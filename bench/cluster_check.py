@@ -31,7 +31,7 @@ from pathlib import Path
 import click
 
 from cluster.client import Chunk, Client
-from bench.common import compare_greedy, divergences
+from bench.common import divergences, greedy_report
 from bench.compare import LaunchedCluster
 from bench.metrics import percentile
 from engine.config import CacheConfig, EngineConfig
@@ -119,8 +119,7 @@ def main(model: str, devices: str, num_requests: int, max_tokens: int, max_model
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in chosen:
-            args = available[name]
-            args = ["--model", model, "--max-model-len", str(max_model_len), *args]
+            args = ["--model", model, "--max-model-len", str(max_model_len), *available[name]]
             with LaunchedCluster(args, Path(tmp) / f"{name}.log", start_timeout=600) as cluster:
                 records = serve(cluster.endpoint, prompts, max_tokens)
                 code = cluster.stop()
@@ -128,13 +127,13 @@ def main(model: str, devices: str, num_requests: int, max_tokens: int, max_model
             ttfts = [r["ttft"] for r in records]
             transfers = [r["transfer"] for r in records if r["transfer"] is not None]
             outputs = [r["tokens"] for r in records]
-            _, not_near_ties = compare_greedy(engine.runner, prompts, outputs, reference)
             found = divergences(engine.runner, prompts, outputs, reference)
+            _, not_near_ties = greedy_report(outputs, reference, found)
             results[name] = {
                 "exit_code": code,
                 **agreement(reference, outputs),
                 "divergences_not_near_ties": not_near_ties,
-                "divergences": [{**vars(d), "gap": d.gap, "near_tie": d.near_tie} for d in found],
+                "divergences": [d.as_dict() for d in found],
                 "ttft_ms": {q: percentile(ttfts, q) * 1e3 for q in (50, 90, 99)},
                 "itl_ms": {q: percentile(gaps, q) * 1e3 if gaps else float("nan") for q in (50, 90, 99)},
                 "transfer_ms_mean": statistics.mean(transfers) * 1e3 if transfers else None,

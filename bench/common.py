@@ -186,6 +186,10 @@ class Divergence:
         """How far below the reference's best token the output's token scored (logits)."""
         return self.top_logits[0] - self.got_logit
 
+    def as_dict(self) -> dict[str, Any]:
+        """Every field, plus ``gap`` and ``near_tie``: a benchmark's JSON record."""
+        return {**vars(self), "gap": self.gap, "near_tie": self.near_tie}
+
     def describe(self) -> str:
         top = ", ".join(f"{t}: {v:.3f}" for t, v in zip(self.top_ids, self.top_logits))
         return (f"request {self.request}: token {self.got} at step {self.step} (logit {self.got_logit:.3f}, "
@@ -209,16 +213,20 @@ def divergences(runner: ModelRunner, prompts: Sequence[Sequence[int]], got: Sequ
 
 def compare_greedy(runner: ModelRunner, prompts: Sequence[Sequence[int]], got: Sequence[Sequence[int]],
                    want: Sequence[Sequence[int]]) -> tuple[int, list[str]]:
-    """Greedy outputs ``got`` against the reference ``want`` that ``runner``'s engine produced.
+    """Greedy outputs ``got`` against the reference ``want`` that ``runner``'s engine produced:
+    :func:`greedy_report` of their :func:`divergences`."""
+    return greedy_report(got, want, divergences(runner, prompts, got, want))
 
-    Returns the number of identical outputs and a line for every output that differs in length
-    or first diverges at a step where ``runner``'s logits do not rank ``got``'s token first or
-    second (not a near-tie, see :class:`Divergence`).
-    """
+
+def greedy_report(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]],
+                  found: Sequence[Divergence]) -> tuple[int, list[str]]:
+    """The number of identical outputs, and a line for every output that differs in length or
+    first diverges to a token the reference does not rank first or second (not a near-tie,
+    see :class:`Divergence`); ``found`` are the divergences of ``got`` from ``want``."""
     identical = sum(list(a) == list(b) for a, b in zip(got, want))
     bad = [f"request {i}: {len(a)} tokens against {len(b)}" for i, (a, b) in enumerate(zip(got, want))
            if len(a) != len(b) and list(a[: len(b)]) == list(b[: len(a)])]
-    bad += [d.describe() for d in divergences(runner, prompts, got, want) if not d.near_tie]
+    bad += [d.describe() for d in found if not d.near_tie]
     return identical, bad
 
 

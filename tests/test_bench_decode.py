@@ -122,6 +122,7 @@ def test_compare_greedy_flags_divergence_away_from_a_near_tie(tiny_runner: Model
     assert (record.request, record.step, record.got, record.want) == (0, 0, ranked[-1], ranked[0])
     assert record.top_ids == ranked[:3] and not record.near_tie
     assert record.gap == pytest.approx((logits[ranked[0]] - logits[ranked[-1]]).item())
+    assert record.as_dict() == {**vars(record), "gap": record.gap, "near_tie": False}  # the JSON record
     # Outputs that stop early are flagged without a logit comparison.
     assert compare_greedy(tiny_runner, [prompt], [[]], want)[1] == ["request 0: 0 tokens against 1"]
 

@@ -150,12 +150,12 @@ def bench_decode(dtype: torch.dtype, gen: torch.Generator, shapes: list[tuple[in
         k_cache, v_cache, tables, lens = paged_cache([ctx] * batch, dtype, gen)
         q = torch.randn(batch, HQ, HEAD_DIM, device="cuda", dtype=dtype)
         args = (q, k_cache, v_cache, tables, lens, HEAD_DIM**-0.5, ctx)
-        size = decode_attention._partition_size(ctx, batch, HKV, q.device)
+        parts = decode_attention._num_partitions(ctx, batch, HKV, q.device)
         kv_bytes = 2 * batch * ctx * HKV * HEAD_DIM * k_cache.element_size()
         yield row("paged_decode_attention" + label, f"B={batch} ctx={ctx}",
                   lambda: decode_attention.paged_decode_attention(*args),
                   lambda: decode_attention.paged_decode_attention_ref(*args), graph_us, graph_us, ("TB/s", kv_bytes),
-                  {"partition_size": size, "partitions": math.ceil(ctx / size)})
+                  {"partitions": parts})
 
 
 PREFILL_SHAPES = [([2048], [2048]), ([512], [2048]), ([512] * 4, [512] * 4), ([1, 300, 1000, 17], [1, 800, 3000, 529])]
@@ -215,13 +215,17 @@ def sweep_prefill(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:
 
 
 def sweep_decode(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:
-    """Alternative partition targets and key-tile sizes."""
+    """Alternative partition targets, key-tile sizes, warps and pipeline stages."""
     shapes = [(1, 4096), (8, 4096), (32, 2048), (128, 4096)]
     for target in (1, 2, 8, 16):
         with patched(decode_attention, "_TARGET_PROGRAMS_PER_SM", target):
             yield from bench_decode(dtype, gen, shapes, label=f" target={target}/SM")
-    with patched(decode_attention, "_BLOCK_N", 32):
-        yield from bench_decode(dtype, gen, shapes, label=" BLOCK_N=32")
+    for block_n in (32, 128):
+        with patched(decode_attention, "_BLOCK_N", block_n):
+            yield from bench_decode(dtype, gen, shapes, label=f" BLOCK_N={block_n}")
+    for warps, stages in ((4, 3), (4, 4), (8, 2), (8, 3), (2, 3)):
+        with patched(decode_attention, "_WARPS_STAGES", (warps, stages)):
+            yield from bench_decode(dtype, gen, shapes, label=f" warps={warps} stages={stages}")
 
 
 SWEEPS = {"prefill": sweep_prefill, "decode": sweep_decode}

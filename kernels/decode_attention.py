@@ -62,16 +62,26 @@ def paged_decode_attention_ref(
 # (running max m, running sum l, accumulator acc) in base 2: scores are pre-multiplied by
 # log2(e), so exp2 replaces exp and the partials stay consistent across kernels.
 #
-# The partition size is chosen on the host from tensor shapes and max_context_len only, so the
-# grid is static under CUDA graphs. With one partition the kernel writes the output directly;
-# otherwise it writes (m, l, acc / l) per partition and the reduce kernel merges them. A
-# partition starting at or beyond a sequence's context length does nothing and the reduce
-# kernel skips it (it recomputes how many partitions the sequence has), so short sequences in
-# a batch sized for a long max_context_len cost one early exit per empty program, and no
-# partial ever holds the max of an empty set (no NaN).
+# The number of partitions P is chosen on the host from the batch shape (enough programs to
+# fill the GPU) and capped by max_context_len / BLOCK_N, so the grid is static under CUDA
+# graphs. Each sequence then splits its own context into P partitions of equal size, rounded
+# up to whole BLOCK_N tiles (never below one): the split follows the live length, not
+# max_context_len, so a graph captured for a 32k max_model_len runs a 2k-token batch as well as
+# one captured for 2k, and a long sequence in a batch of short ones gets all P programs.
+# With P = 1 the kernel writes the output directly; otherwise it writes (m, l, acc / l) per
+# partition and the reduce kernel merges them. A partition starting at or beyond a sequence's
+# context length (rounding leaves some) does nothing and the reduce kernel skips it (it
+# recomputes the sequence's partition size), and no partial ever holds the max of an empty set
+# (no NaN).
 # --------------------------------------------------------------------------------------------
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _partition_size(context_len, num_partitions, BLOCK_N: tl.constexpr):
+    """Tokens per partition of one sequence: its context over the partitions, in whole tiles."""
+    return tl.maximum(tl.cdiv(tl.cdiv(context_len, num_partitions), BLOCK_N), 1) * BLOCK_N
 
 
 @triton.jit
@@ -83,7 +93,7 @@ def _decode_partition_kernel(
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_ob, stride_oh,
-    num_heads, group, head_dim, partition_size, num_partitions,
+    num_heads, group, head_dim, num_partitions,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -94,6 +104,7 @@ def _decode_partition_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     context_len = tl.minimum(tl.load(context_lens_ptr + seq), max_len)
+    partition_size = _partition_size(context_len, num_partitions, BLOCK_N)
     start = part * partition_size
     # Empty partitions exit at once; the single partition always writes (zeros for an empty
     # context, e.g. a padding row of a CUDA-graph batch).
@@ -148,8 +159,8 @@ def _decode_partition_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     m_ptr, l_ptr, part_ptr, context_lens_ptr, out_ptr,
-    max_len, stride_ob, stride_oh, num_heads, head_dim, partition_size, num_partitions,
-    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+    max_len, stride_ob, stride_oh, num_heads, head_dim, num_partitions,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (query head, sequence): merges that head's partition partials."""
     head = tl.program_id(0)
@@ -158,7 +169,8 @@ def _decode_reduce_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     context_len = tl.minimum(tl.load(context_lens_ptr + seq), max_len)
-    used = tl.cdiv(context_len, partition_size)  # partitions that hold at least one token
+    # partitions that hold at least one token, as the partition kernel split this sequence
+    used = tl.cdiv(context_len, _partition_size(context_len, num_partitions, BLOCK_N))
     base = (seq * num_heads + head) * num_partitions
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
@@ -187,6 +199,7 @@ def _decode_reduce_kernel(
 
 _BLOCK_N = 64  # tokens per KV tile: 4 pages of 16; [64, 128] bf16 tiles for K and for V
 _TARGET_PROGRAMS_PER_SM = 4  # enough resident programs per SM to hide the gather latency
+_WARPS_STAGES = (4, 2)  # num_warps, num_stages of the partition kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,15 +209,16 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _partition_size(max_context_len: int, batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Tokens per partition: a power of two >= _BLOCK_N, small enough that batch x kv heads x
-    partitions fills the GPU (several programs per SM) when batch x kv heads alone cannot.
+def _num_partitions(max_context_len: int, batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Partitions per (sequence, KV head): enough that batch x KV heads x partitions fills the GPU
+    (several programs per SM) when batch x KV heads alone cannot, and no more than
+    max_context_len has tiles.
 
     Depends only on host ints and shapes, so a CUDA graph captured for (batch, max_context_len)
     stays valid for every context length up to max_context_len.
     """
     wanted = triton.cdiv(_TARGET_PROGRAMS_PER_SM * _num_sms(device), batch * num_kv_heads)
-    return max(_BLOCK_N, triton.next_power_of_2(triton.cdiv(max_context_len, wanted)))
+    return max(1, min(wanted, triton.cdiv(max_context_len, _BLOCK_N)))
 
 
 def _check_paged_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -266,8 +280,7 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     # As in the reference, nothing past the block table's reach is read.
     max_len = min(max_context_len, block_tables.shape[1] * k_cache.shape[1])
-    partition_size = _partition_size(max_len, batch, num_kv_heads, q.device)
-    num_partitions = triton.cdiv(max_len, partition_size)
+    num_partitions = _num_partitions(max_len, batch, num_kv_heads, q.device)
     block_d = triton.next_power_of_2(head_dim)
     if num_partitions == 1:
         m = l = partials = out  # unused by the single-partition variant
@@ -282,16 +295,16 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        num_heads, group, head_dim, partition_size, num_partitions,
+        num_heads, group, head_dim, num_partitions,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
         SINGLE_PARTITION=num_partitions == 1, DOT_PRECISION=_dot_precision(k_cache.dtype),
-        num_warps=4, num_stages=2, **pdl.launch_args(q.device),
+        num_warps=_WARPS_STAGES[0], num_stages=_WARPS_STAGES[1], **pdl.launch_args(q.device),
     )
     if num_partitions > 1:
         _decode_reduce_kernel[(num_heads, batch)](
             m, l, partials, context_lens, out,
-            max_len, out.stride(0), out.stride(1), num_heads, head_dim, partition_size, num_partitions,
-            BLOCK_P=min(16, triton.next_power_of_2(num_partitions)), BLOCK_D=block_d,
+            max_len, out.stride(0), out.stride(1), num_heads, head_dim, num_partitions,
+            BLOCK_P=min(16, triton.next_power_of_2(num_partitions)), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
             num_warps=4, **pdl.launch_args(q.device),
         )
     return out

@@ -264,12 +264,13 @@ def test_rope_and_store_kv_interpreted(interpreter: None, num_heads: int, num_kv
     check_rope(5, 3, num_heads, num_kv_heads, head_dim, 4, dtype, cache_dtype, CPU)
 
 
-# Decode partitions: the policy sees 4 "SMs" on CPU, so it aims at 16 programs and never goes
-# below 64 tokens a partition. Ids say which path each case takes.
+# Decode partitions: the policy sees 4 "SMs" on CPU, so it aims at 16 programs; a partition is
+# never below one 64-token tile. Ids say which path each case takes.
 DECODE_CPU_CASES = {
     # one partition (direct output); lengths 1, non-multiples of block_size; G = 2
     "single": dict(context_lens=[1, 7, 30], max_context_len=30, num_heads=4, num_kv_heads=2, block_size=4),
-    # 4 partitions of 64: seq 0 has 3 empty ones, seq 1 two, seq 2 none (ends mid-partition)
+    # 3 partitions, sized per sequence: seq 0 fills one of 64 (two empty), seq 1 two of 64 (one
+    # empty), seq 2 two of 128 (ends mid-partition; one empty)
     "split-empty": dict(context_lens=[1, 70, 250], max_context_len=256, num_heads=4, num_kv_heads=2, block_size=16),
     # batch 1, long context: 8 partitions of 128 (fills the "GPU"); GQA group of 4
     "split-long": dict(context_lens=[1000], max_context_len=1000, num_heads=8, num_kv_heads=2, block_size=16),
@@ -285,16 +286,29 @@ def test_paged_decode_attention_interpreted(interpreter: None, case: str, dtype:
 
 
 def test_decode_partition_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The split fills an H200 (132 SMs) at batch 1 and stops splitting once the batch does."""
+    """The split fills an H200 (132 SMs) at batch 1, stops splitting once the batch does, and
+    does not grow with max_context_len once the GPU is full."""
     monkeypatch.setattr(decode_attention, "_num_sms", lambda device: 132)
-    size = decode_attention._partition_size
+    parts = decode_attention._num_partitions
     gpu = torch.device("cuda", 0)
-    assert size(4096, 1, 2, gpu) == 64  # 64 partitions x 2 KV heads: about one program per SM
-    assert math.ceil(4096 / size(4096, 128, 2, gpu)) == 2  # 256 (b, kv head) programs already
-    assert size(10, 1, 2, gpu) == 64  # never below one 64-token tile
-    long = size(32768, 1, 2, gpu)
-    # a power of two, so rounding up can halve the 4-per-SM target but no more
-    assert long & (long - 1) == 0 and math.ceil(32768 / long) * 2 >= 2 * 132
+    assert parts(4096, 1, 2, gpu) == 64  # every 64-token tile its own program: 128 programs
+    assert parts(32768, 1, 2, gpu) == 264  # 4 programs an SM, whatever the length
+    assert parts(4096, 128, 2, gpu) == 3  # 256 (b, kv head) programs already
+    assert parts(10, 1, 2, gpu) == 1  # never below one 64-token tile
+    assert parts(2064, 32, 2, gpu) == parts(32768, 32, 2, gpu) == 9
+
+
+def test_decode_split_ignores_max_context_len(interpreter: None) -> None:
+    """Each sequence splits its own context: a grid sized for a long max_context_len (a CUDA
+    graph captured for max_model_len) gives the bits of one sized for the live lengths."""
+    gen = torch.Generator().manual_seed(7)
+    k_cache, v_cache, _, _, tables = make_paged_cache([70, 250], 16, 2, 16, torch.float32, CPU, gen)
+    q = rand(gen, 2, 4, 16, dtype=torch.float32, device=CPU)
+    lens = torch.tensor([70, 250], dtype=torch.int32)
+    padded = torch.cat([tables, tables[:, :1].expand(-1, 240)], dim=1)  # room for 4096 tokens
+    exact = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 250)
+    graph_sized = decode_attention.paged_decode_attention(q, k_cache, v_cache, padded, lens, 0.25, 4096)
+    assert torch.equal(exact, graph_sized)
 
 
 # Prefill cases (query_lens, context_lens); context_len > q_len means a cached prefix.

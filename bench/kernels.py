@@ -1,6 +1,6 @@
 """Kernel micro-benchmarks on one GPU: each Triton kernel against its torch reference.
 
-    python -m bench.kernels --out out/kernels.json [--dtype bfloat16] [--sweep prefill] [--sweep decode]
+    python -m bench.kernels --out out/kernels.json [--dtype bfloat16] [--sweep prefill|decode|linear ...]
 
 Shapes are Qwen2.5-1.5B's (12 query heads, 2 KV heads, head_dim 128, hidden 1536,
 intermediate 8960, block_size 16). Every Triton kernel is timed as CUDA-graph replays
@@ -10,7 +10,7 @@ this includes the host's launch cost whenever that exceeds the GPU time); its re
 with the host, so it is timed eagerly only. For one prompt without prefix, prefill is compared
 with ``torch.nn.functional.scaled_dot_product_attention`` on contiguous, head-expanded K/V
 (SDPA's best case: no paging, no GQA), timed as graph replays too. ``--sweep prefill|decode``
-also times alternative tile and partition settings.
+also times alternative tile and partition settings; ``--sweep linear`` the tensor-core linear's.
 Prints a table and writes every row as JSON to ``--out``.
 """
 
@@ -129,16 +129,19 @@ LINEAR_SHAPES = {"qkv_proj": (HQ * HEAD_DIM + 2 * HKV * HEAD_DIM, HIDDEN), "o_pr
                  "gate_up_proj": (2 * INTER, HIDDEN), "down_proj": (HIDDEN, INTER), "lm_head": (151936, HIDDEN)}
 
 
-def bench_linear(dtype: torch.dtype, rows_list: tuple[int, ...] = (1, 2, 4, 8)) -> Iterator[Row]:
-    """The decode linear kernel against cuBLAS (F.linear, its reference), graph replays both."""
+def bench_linear(dtype: torch.dtype, rows_list: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> Iterator[Row]:
+    """What the decode linear layer runs (linear.linear: the one-row kernel, the tensor-core
+    kernel or cuBLAS, by row count; the op names it) against cuBLAS (F.linear, its reference),
+    graph replays both. Past MAX_DOT_ROWS both sides are cuBLAS."""
     for name, (n, k) in LINEAR_SHAPES.items():
         weight = torch.randn(n, k, device="cuda", dtype=dtype) / math.sqrt(k)
         bias = torch.randn(n, device="cuda", dtype=dtype) if name == "qkv_proj" else None
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", dtype=dtype)
-            yield row(f"linear {name}", f"{rows}x{k} @ {n}x{k}", lambda: linear.linear_kernel(x, weight, bias),
+            path = linear.linear_path(x, weight)
+            yield row(f"linear {name} ({path})", f"{rows}x{k} @ {n}x{k}", lambda: linear.linear(x, weight, bias),
                       lambda: linear.linear_ref(x, weight, bias), graph_us, graph_us,
-                      ("TB/s", weight.numel() * weight.element_size()))
+                      ("TB/s", weight.numel() * weight.element_size()), {"path": path})
 
 
 DECODE_SHAPES = [(1, 1024), (1, 4096), (8, 4096), (32, 2048), (128, 1024), (128, 4096)]
@@ -228,7 +231,18 @@ def sweep_decode(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:
             yield from bench_decode(dtype, gen, shapes, label=f" warps={warps} stages={stages}")
 
 
-SWEEPS = {"prefill": sweep_prefill, "decode": sweep_decode}
+def sweep_linear(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:
+    """Alternative (BLOCK_N, SPLIT_K) for the tensor-core linear at 2, 8 and 16 rows, each shape
+    class's chosen configuration among them."""
+    for block_n, split_k in [(32, 1), (32, 4), (64, 1), (64, 4), (64, 8), (128, 1), (128, 2)]:
+        config = (block_n, 128, split_k, 4, 3)
+        with patched(linear, "_dot_config", lambda n, k, config=config: config):
+            for r in bench_linear(dtype, (2, 8, 16)):
+                if r["path"] == "linear_dot":
+                    yield {**r, "op": f"{r['op']} BLOCK_N={block_n} SPLIT_K={split_k}"}
+
+
+SWEEPS = {"prefill": sweep_prefill, "decode": sweep_decode, "linear": sweep_linear}
 
 
 def print_table(rows: list[Row]) -> None:
@@ -250,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("out/kernels.json"), help="JSON results path")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--sweep", action="append", choices=sorted(SWEEPS), default=[],
-                        help="also time alternative prefill tiles / decode partitions (repeatable)")
+                        help="also time alternative prefill tiles / decode partitions / linear tiles (repeatable)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.kernels needs a CUDA device", file=sys.stderr)

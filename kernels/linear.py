@@ -1,15 +1,29 @@
 """Linear layers for decode: ``y = x W^T + b`` when x has only a few rows.
 
-A decode step of one sequence feeds each linear layer a single row, so the layer is a
-matrix-vector product bound by the weight read. cuBLAS's kernels for these shapes reach
-0.8-4.1 TB/s on an H200 (its o_proj GEMV takes 6 us for 4.7 MB); the kernel here streams the
-weight with many small programs and reaches 1.9-4.8 TB/s on the Qwen2.5-1.5B shapes
-(`python -m bench.kernels`): 0.24 ms off a 1.71 ms batch-1 decode step. With two rows or more
-it loses to cuBLAS on the large shapes (each row re-reads the weight), so :func:`linear` uses
-it for ``MAX_ROWS`` = 1 only.
+A decode step feeds each linear layer one row per sequence, so up to a few dozen rows the layer
+is bound by the weight read (an H200 needs ~200 flops a weight byte to be compute-bound; 16
+rows use 16). :func:`linear` picks, from the shapes alone (a CUDA graph captured for a batch
+size keeps its choice):
+
+* 1 row: :func:`linear_kernel`, a GEMV with plain FMAs and many small programs: 1.9-4.8 TB/s
+  on the Qwen2.5-1.5B shapes, where cuBLAS's kernels reach 0.8-4.1 TB/s (its o_proj GEMV takes
+  6 us for 4.7 MB); 0.24 ms off a 1.71 ms batch-1 decode step (``python -m bench.kernels``).
+* 2 to ``MAX_DOT_ROWS`` = 16 rows: :func:`linear_dot`, which reads the weight once for all
+  rows and multiplies on tensor cores (:func:`linear_kernel` re-reads it for every row: two
+  rows take 1.4-1.7x the time of one on the large shapes). Against cuBLAS on an H200 (bf16,
+  CUDA-graph replays, PDL on; docs/benchmarks.md): qkv 1.10-1.14x, o_proj 1.13-1.15x
+  (1.5x at 2 rows, where cuBLAS picks a slow kernel), gate/up 1.03-1.06x, down 1.00-1.13x, LM
+  head 1.04x (4.2 TB/s), at 2, 8 and 16 rows. Except at 2 rows on the narrow layers (qkv,
+  o_proj: under 8192 outputs and 4096 inputs): these 5-6 MB reads take ~4 us either way,
+  latency rather than bandwidth, and :func:`linear_kernel`'s many programs finish two rows in
+  2.7-3.1 us instead of 3.9-4.1 (about 60 us a batch-2 step over Qwen2.5-1.5B's 28 layers).
+* More rows: cuBLAS (``F.linear``). At 32 rows the tensor-core kernel is even with it
+  (0.92-1.04x), at 64 it loses (0.94-0.99x).
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +33,16 @@ import triton.language as tl
 from kernels import pdl
 from kernels.checks import as_rows
 
-MAX_ROWS = 1  # rows of x up to which linear() runs the Triton kernel; more go to cuBLAS
-_MAX_KERNEL_ROWS = 16  # each row re-reads the weight: a few rows at most
+MAX_DOT_ROWS = 16  # rows of x up to which linear() runs a Triton kernel; more go to cuBLAS
+_MAX_KERNEL_ROWS = 16  # linear_kernel: each row re-reads the weight, a few rows at most
+_DOT_BLOCK_M = 16  # rows a linear_dot program multiplies: tl.dot's minimum, all of a decode batch
+# Shape classes of both kernels' launch configurations (and of linear()'s choice at 2 rows):
+# "long" rows (the MLP's down projection), "wide" outputs (gate/up, LM head), else "narrow"
+# (qkv, o_proj).
+_LONG_K = 4096
+_WIDE_N = 8192
+
+LinearPath = Literal["linear_kernel", "linear_dot", "F.linear"]
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -28,13 +50,63 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return F.linear(x, weight, bias)
 
 
+def linear_path(x: torch.Tensor, weight: torch.Tensor) -> LinearPath:
+    """What :func:`linear` runs for ``x [..., K]`` and ``weight [N, K]``: the name of
+    :func:`linear_kernel`, :func:`linear_dot` or ``F.linear`` (cuBLAS; every non-CUDA tensor).
+    Shapes and device only, so a CUDA graph captured for a batch size keeps the choice."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not x.is_cuda or rows == 0 or rows > MAX_DOT_ROWS:
+        return "F.linear"
+    if rows == 1:
+        return "linear_kernel"
+    n, k = weight.shape[0], weight.shape[-1]  # a bad weight is the kernels' ValueError
+    # Two rows of a narrow layer: linear_kernel's two weight reads of 5-6 MB still finish first
+    # (H200: 2.7-3.1 us against 3.9-4.1; see the module docstring). On the wide and long layers
+    # linear_dot wins from 2 rows. Between 2 and 8 rows only those two counts were measured:
+    # linear_dot takes the same time at both (one weight read), linear_kernel's grows with
+    # every row, so from 3 rows on linear_dot.
+    if rows == 2 and n < _WIDE_N and k < _LONG_K:
+        return "linear_kernel"
+    return "linear_dot"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`linear_ref` through the implementation :func:`linear_path` names: a Triton
+    kernel on a GPU up to ``MAX_DOT_ROWS`` rows, ``F.linear`` elsewhere."""
+    path = linear_path(x, weight)
+    if path == "linear_kernel":
+        return linear_kernel(x, weight, bias)
+    if path == "linear_dot":
+        return linear_dot(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x as ``[rows, K]`` rows (a view), or ValueError for what neither kernel takes."""
+    if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain (x [..., K], weight [N, K])")
+    n, k = weight.shape
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    x2 = as_rows("x", x, k)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.dtype != x.dtype or t.device != x.device):
+            raise ValueError(f"{name} is {t.dtype} on {t.device}, x is {x.dtype} on {x.device}")
+    if weight.stride(1) != 1:
+        raise ValueError(f"weight must have unit stride in K, got strides {weight.stride()}")
+    if bias is not None and bias.stride(0) != 1:
+        raise ValueError(f"bias must have unit stride, got strides {bias.stride()}")
+    return x2
+
+
 # --------------------------------------------------------------------------------------------
-# Triton: a program computes BLOCK_N output features of one row of x, walking K in BLOCK_K
-# steps; the weight tile [BLOCK_N, BLOCK_K] is multiplied into the row with plain FMAs in fp32
-# (tensor cores would need 16-row tiles; the bound is the memory read anyway) and reduced over
-# K at the end. Small BLOCK_N means many programs, which keeps enough loads in flight to
-# approach the memory bandwidth for these narrow shapes. Rows are a grid axis: each row reads
-# the weight again (measured: two rows take 1.4-1.7x the time of one on the large shapes).
+# Triton, one row: a program computes BLOCK_N output features of one row of x, walking K in
+# BLOCK_K steps; the weight tile [BLOCK_N, BLOCK_K] is multiplied into the row with plain FMAs
+# in fp32 (tensor cores would need 16-row tiles; the bound is the memory read anyway) and
+# reduced over K at the end. Small BLOCK_N means many programs, which keeps enough loads in
+# flight to approach the memory bandwidth for these narrow shapes. Rows are a grid axis: each
+# row reads the weight again (measured: two rows take 1.4-1.7x the time of one on the large
+# shapes).
 # --------------------------------------------------------------------------------------------
 
 
@@ -77,46 +149,25 @@ def _launch_config(n: int, k: int) -> tuple[int, int, int, int]:
     Long rows (the MLP's down projection) take wide K tiles and more warps; wide outputs (the
     gate/up projection, the LM head) take 8 features a program; everything else 4.
     """
-    if k >= 4096:
+    if k >= _LONG_K:
         block_n, block_k, warps, stages = 4, 1024, 8, 2
-    elif n >= 8192:
+    elif n >= _WIDE_N:
         block_n, block_k, warps, stages = 8, 512, 4, 2
     else:
         block_n, block_k, warps, stages = 4, 512, 4, 3
     return block_n, block_k, warps, stages
 
 
-def uses_kernel(x: torch.Tensor) -> bool:
-    """Whether :func:`linear` runs the Triton kernel for ``x`` (else cuBLAS via ``F.linear``)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return x.is_cuda and 1 <= rows <= MAX_ROWS
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`linear_ref` through :func:`linear_kernel` where it wins (a GPU, at most
-    ``MAX_ROWS`` rows), through ``F.linear`` elsewhere. The choice depends only on shapes, so a
-    CUDA graph captured for a batch size keeps it."""
-    return linear_kernel(x, weight, bias) if uses_kernel(x) else F.linear(x, weight, bias)
-
-
 def linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton :func:`linear_ref` for a few rows (at most 16; :func:`linear` uses it up to ``MAX_ROWS``).
+    """Triton :func:`linear_ref` for a few rows, one weight read per row (at most 16;
+    :func:`linear` uses it for 1 row, and for 2 on narrow layers).
 
     x ``[..., K]`` (a view with unit stride in K), weight ``[N, K]`` with unit stride in K, bias
     ``[N]``; one float dtype, one device. Returns a new ``[..., N]`` tensor in x's dtype,
     accumulated in fp32.
     """
-    if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain (x [..., K], weight [N, K])")
+    x2 = _check_inputs(x, weight, bias)
     n, k = weight.shape
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
-    x2 = as_rows("x", x, k)
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and (t.dtype != x.dtype or t.device != x.device):
-            raise ValueError(f"{name} is {t.dtype} on {t.device}, x is {x.dtype} on {x.device}")
-    if weight.stride(1) != 1:
-        raise ValueError(f"weight must have unit stride in K, got strides {weight.stride()}")
     rows = x2.shape[0]
     if rows > _MAX_KERNEL_ROWS:
         raise ValueError(f"linear_kernel takes at most {_MAX_KERNEL_ROWS} rows, got {rows}: use F.linear")
@@ -129,5 +180,194 @@ def linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         n, k, x2.stride(0), weight.stride(0), n,
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         **pdl.launch_args(x.device),
+    )
+    return y
+
+
+# --------------------------------------------------------------------------------------------
+# Triton, 2-16 rows on tensor cores: a program computes a [BLOCK_M, BLOCK_N] tile of y (rows of
+# x by output features), walking its K range in BLOCK_K steps: acc += x[BLOCK_M, BLOCK_K] @
+# W[BLOCK_N, BLOCK_K]^T with tl.dot (fp32 accumulate). BLOCK_M is 16, tl.dot's minimum, so one
+# program row covers a whole decode batch and the weight is read once; more rows take more
+# programs along M, each reading the weight again (linear() sends those to cuBLAS). Rows past
+# M are padded: the loads wrap their row and feature indices (m % M, n % N, as in Triton's
+# matmul tutorial) so that they need no mask and stay vectorized, and only the store is masked.
+# Loads along K are masked only when K is not a multiple of BLOCK_K (EVEN_K): a mask along the
+# contiguous dimension costs the 16-byte vector loads.
+#
+# Narrow layers (o_proj, down: 1536 features) give too few programs to keep 132 SMs busy, so
+# SPLIT_K > 1 also splits K: program (n, m, s) covers K range [s * k_per_split, ...) and writes
+# its fp32 partial tile to a workspace [splits, M, N]; _split_k_reduce_kernel then sums the
+# partials in a fixed order, adds the bias and casts. Unlike fp32 atomics, the result does not
+# depend on program timing (bitwise reproducible, which CUDA-graph replays and tests rely on).
+# The workspace moves 2 * splits * M * N * 4 bytes (mostly in L2), small against the weight's
+# N * K * 2 when 4 * splits * M << K.
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_dot_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_ym, stride_ys,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # M is not specialized (do_not_specialize): batch sizes 2 to 16 share one compiled kernel.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split
+    k_len = tl.minimum(k_per_split, K - k_start)  # >= 1: the wrapper launches no empty range
+    # int64 row offsets: the LM head's weight is 151936 x 1536 elements.
+    w_ptrs = w_ptr + (n % N).to(tl.int64)[:, None] * stride_wn + (k_start + k)[None, :]
+    x_ptrs = x_ptr + (m % M).to(tl.int64)[:, None] * stride_xm + (k_start + k)[None, :]
+
+    # The first weight tile is loaded before waiting on the previous kernel (it never writes
+    # weights): under PDL that read overlaps the previous kernel's tail. x may have been
+    # written by it, so x is loaded after the wait.
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=(k_start + k)[None, :] < K, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if EVEN_K:
+        x = tl.load(x_ptrs)
+    else:
+        x = tl.load(x_ptrs, mask=(k_start + k)[None, :] < K, other=0.0)
+    acc = tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+    for k0 in range(BLOCK_K, k_len, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs + k0)
+            x = tl.load(x_ptrs + k0)
+        else:
+            # K ranges start at multiples of BLOCK_K, so a tile never crosses into the next
+            # program's range: bounding by K is enough.
+            k_mask = (k_start + k0 + k)[None, :] < K
+            w = tl.load(w_ptrs + k0, mask=k_mask, other=0.0)
+            x = tl.load(x_ptrs + k0, mask=k_mask, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+
+    out_mask = (m < M)[:, None] & (n < N)[None, :]
+    y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_ys + m.to(tl.int64)[:, None] * stride_ym + n[None, :]
+    if PARTIAL:
+        tl.store(y_ptrs, acc, mask=out_mask)  # fp32 partial sums; the reduce kernel adds the bias
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton, the split-K reduction: a program sums BLOCK_N features of one row over the splits of
+# the workspace, in split order (deterministic), adds the bias and casts to y's dtype. The
+# workspace is the dot kernel's output, so under PDL every read of it follows gdc_wait.
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    ws_ptr, b_ptr, y_ptr,
+    N, splits,
+    stride_ws, stride_wm, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the workspace is the previous kernel's output
+        tl.extra.cuda.gdc_launch_dependents()
+    ptrs = ws_ptr + row * stride_wm + n
+    acc = tl.load(ptrs, mask=n_mask, other=0.0)
+    for _ in range(1, splits):
+        ptrs += stride_ws  # advancing the pointer: s * stride_ws could overflow int32
+        acc += tl.load(ptrs, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def _dot_config(n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) of :func:`linear_dot` (BLOCK_M 16).
+
+    From a sweep on an H200 (bf16, CUDA-graph replays, recorded in docs/benchmarks.md: BLOCK_N
+    16-128, BLOCK_K 64-256, SPLIT_K 1-8, 4/8 warps, 3-5 stages) on the Qwen2.5-1.5B shapes at
+    2, 8 and 16 rows (one compiled kernel serves all three): per shape class the configuration
+    whose slowest of the three is closest to the best measured, within 1.5% of it on the
+    narrow and long layers and within 5% on the wide ones.
+
+    * long rows (down, K 8960): 64 features a program, 24 programs, K split 8 ways.
+    * wide outputs (gate/up 17920, LM head 151936): 128 features a program (140 and 1187
+      programs, no split; 64 was 4% faster at 8-16 rows on gate/up but 5% slower at 2).
+    * narrow (qkv 2048, o_proj 1536): 32 features a program, K split 4 ways.
+
+    4 warps (8 never won) and 3 stages. Splits keep K ranges of 256 or more
+    (shorter ones lost more to the partial sums than they gained); :func:`plan_split` may run
+    fewer ranges than SPLIT_K.
+    """
+    if n >= _WIDE_N:  # before the long-row test: a wide grid needs no split, whatever K
+        block_n, split_k = 128, 1
+    elif k >= _LONG_K:
+        block_n, split_k = 64, 8
+    else:
+        block_n, split_k = 32, 4
+    return block_n, 128, max(1, min(split_k, k // 256)), 4, 3
+
+
+def plan_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(k_per_split, splits): K ranges of whole BLOCK_K tiles, at most ``split_k`` of them and
+    none empty (K 1536 in 8 splits of 128-tiles gives 6 ranges of 256, not 8 with 2 empty)."""
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    return k_per_split, triton.cdiv(k, k_per_split)
+
+
+def linear_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton :func:`linear_ref` on tensor cores, one weight read for up to 16 rows
+    (:func:`linear` uses it for 2 to ``MAX_DOT_ROWS`` rows; more rows work, each 16 reading the
+    weight again).
+
+    x ``[..., K]`` (a view with unit stride in K), weight ``[N, K]`` with unit stride in K, bias
+    ``[N]``; one float dtype, one device. Returns a new ``[..., N]`` tensor in x's dtype,
+    accumulated in fp32 (fp32 inputs multiply in full fp32, not tf32). Deterministic: split-K
+    partial sums are added in a fixed order.
+    """
+    x2 = _check_inputs(x, weight, bias)
+    n, k = weight.shape
+    rows = x2.shape[0]
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return y
+    block_n, block_k, split_k, warps, stages = _dot_config(n, k)
+    k_per_split, splits = plan_split(k, block_k, split_k)
+    launch = pdl.launch_args(x.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(rows, _DOT_BLOCK_M), splits)
+    common = dict(EVEN_K=k % block_k == 0, BLOCK_M=_DOT_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+                  DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # 16-bit: ignored
+                  num_warps=warps, num_stages=stages, **launch)
+    if splits == 1:
+        _linear_dot_kernel[grid](
+            x2, weight, bias if bias is not None else weight, y,
+            rows, n, k, k_per_split, x2.stride(0), weight.stride(0), n, 0,
+            HAS_BIAS=bias is not None, PARTIAL=False, **common,
+        )
+        return y
+    ws = torch.empty((splits, rows, n), dtype=torch.float32, device=x.device)
+    _linear_dot_kernel[grid](
+        x2, weight, weight, ws,
+        rows, n, k, k_per_split, x2.stride(0), weight.stride(0), n, rows * n,
+        HAS_BIAS=False, PARTIAL=True, **common,
+    )
+    block_r = min(1024, triton.next_power_of_2(n))
+    _split_k_reduce_kernel[(rows, triton.cdiv(n, block_r))](
+        ws, bias if bias is not None else ws, y,
+        n, splits, rows * n, n, n,
+        HAS_BIAS=bias is not None, BLOCK_N=block_r, num_warps=4, **launch,
     )
     return y

@@ -22,6 +22,7 @@ even with a zero softmax weight, fails with NaN.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy
 import pytest
@@ -139,19 +140,23 @@ def check_silu_and_mul(rows: tuple[int, ...], inter: int, dtype: torch.dtype, de
 
 
 def check_linear(rows: tuple[int, ...], n: int, k: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device, strided: bool = False) -> None:
+                 device: torch.device, strided: bool = False,
+                 kernel: Callable[..., torch.Tensor] = linear.linear_kernel) -> None:
+    """``kernel`` (linear_kernel or linear_dot) against the fp32 reference, and bitwise equal to
+    itself on a second call (linear_dot's split-K partial sums are added in a fixed order)."""
     gen = torch.Generator().manual_seed(3)
     wide = rand(gen, *rows, k + (8 if strided else 0), dtype=dtype, device=device)
     x = wide[..., :k]  # a row stride larger than K when strided
     weight = rand(gen, n, k, dtype=dtype, device=device) / math.sqrt(k)  # outputs of order 1
     b = rand(gen, n, dtype=dtype, device=device) if bias else None
-    out = linear.linear_kernel(x, weight, b)
+    out = kernel(x, weight, b)
     assert out.shape == (*rows, n) and out.dtype == dtype
     # The reference in fp32 on the same (rounded) inputs: both accumulate in fp32, the kernel
     # then rounds once to the output dtype.
     expected = linear.linear_ref(x.float(), weight.float(), None if b is None else b.float())
     atol, rtol = LINEAR_TOL[dtype]
     assert_close(out, expected, atol, rtol)
+    assert torch.equal(out, kernel(x, weight, b))
 
 
 def check_rope(num_tokens: int, num_pad: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -256,6 +261,48 @@ def test_linear_interpreted(interpreter: None, rows: tuple[int, ...], n: int, k:
     check_linear(rows, n, k, bias, dtype, CPU, strided)
 
 
+# linear_dot at its own launch configurations (BLOCK_M 16, BLOCK_K 128): ids name the shape
+# class and the K split (plan_split's ranges) each case takes; every case is checked against
+# the fp32 reference with and without bias, split and unsplit, masked and unmasked along K.
+LINEAR_DOT_CPU_CASES = {
+    # narrow, K 600 in 2 ranges of 384 + 216 (a ragged tile at the end of the second); N 40 in
+    # a full and a ragged 32-feature tile
+    "narrow-split2": dict(rows=(2,), n=40, k=600, bias=True, strided=False),
+    # narrow, K under one tile and under 256 (no split); N under one tile; strided x
+    "narrow-short-k": dict(rows=(3,), n=9, k=100, bias=False, strided=True),
+    # 17 rows: a full 16-row tile and a 1-row one; K 512 in 2 ranges of 256, unmasked along K
+    # (EVEN_K); strided x
+    "17-rows-even-k-split2": dict(rows=(17,), n=40, k=512, bias=True, strided=True),
+    # long rows (K 4100): 64-feature tiles (N 70: a full and a ragged one), K in 7 ranges of
+    # 640 (the last of 260); a 3-D x
+    "long-split7": dict(rows=(2, 3), n=70, k=4100, bias=False, strided=False),
+    # wide outputs (N 8200): 128-feature tiles, 65 programs with a ragged last one; no split,
+    # so the dot kernel adds the bias; K one full tile (EVEN_K)
+    "wide-even-k": dict(rows=(16,), n=8200, k=128, bias=True, strided=False),
+}
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("case", list(LINEAR_DOT_CPU_CASES))
+def test_linear_dot_interpreted(interpreter: None, case: str, dtype: torch.dtype) -> None:
+    check_linear(**LINEAR_DOT_CPU_CASES[case], dtype=dtype, device=CPU, kernel=linear.linear_dot)
+
+
+def test_linear_dot_config() -> None:
+    """The H200 sweep's configurations at the Qwen2.5-1.5B shapes, and K splits that never
+    leave a range empty (the reduce kernel would add garbage) or shorter than 256."""
+    assert linear._dot_config(2048, 1536) == (32, 128, 4, 4, 3)  # qkv
+    assert linear._dot_config(1536, 1536) == (32, 128, 4, 4, 3)  # o_proj
+    assert linear._dot_config(2 * 8960, 1536) == (128, 128, 1, 4, 3)  # gate/up
+    assert linear._dot_config(1536, 8960) == (64, 128, 8, 4, 3)  # down
+    assert linear._dot_config(151936, 1536) == (128, 128, 1, 4, 3)  # LM head
+    for n, k in [(40, 600), (9, 100), (70, 4100), (1536, 1536), (1536, 8960), (896, 896), (64, 300), (64, 7)]:
+        block_n, block_k, split_k, _, _ = linear._dot_config(n, k)
+        per, splits = linear.plan_split(k, block_k, split_k)
+        assert per % block_k == 0 and 1 <= splits <= split_k and (splits - 1) * per < k <= splits * per
+        assert splits == 1 or per >= 256
+
+
 @pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, torch.float32), (torch.float16, torch.float16),
                                                     (torch.float32, torch.float16)])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 16), (3, 1, 12)])
@@ -347,6 +394,18 @@ def test_wrappers_reject_bad_inputs() -> None:
         linear.linear_kernel(torch.randn(17, 8), torch.randn(3, 8))
     with pytest.raises(ValueError, match="bias"):
         linear.linear_kernel(x, torch.randn(3, 8), torch.randn(4))
+    with pytest.raises(ValueError, match="do not chain"):
+        linear.linear_dot(x, torch.randn(3, 7))
+    with pytest.raises(ValueError, match="bias"):
+        linear.linear_dot(x, torch.randn(3, 8), torch.randn(4))
+    with pytest.raises(ValueError, match="bias must have unit stride"):
+        linear.linear_dot(x, torch.randn(3, 8), torch.randn(3, 2)[:, 0])
+    with pytest.raises(ValueError, match="weight must have unit stride"):
+        linear.linear_dot(x, torch.randn(8, 3).t())
+    with pytest.raises(ValueError, match="weight is torch.float16"):
+        linear.linear_dot(x, torch.randn(3, 8).half())
+    with pytest.raises(ValueError, match="unit stride in its last dim"):
+        linear.linear_dot(torch.randn(8, 4).t(), torch.randn(3, 8))
     with pytest.raises(ValueError, match="even"):
         activation.silu_and_mul(torch.randn(4, 7))
     with pytest.raises(ValueError, match="int32"):
@@ -391,14 +450,38 @@ def test_linear_gpu(cuda: torch.device, rows: int, n: int, k: int, bias: bool, d
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("rows", [2, 8, 16])
+@pytest.mark.parametrize(("n", "k", "bias"), [(2048, HIDDEN, True), (HIDDEN, HIDDEN, False), (2 * INTER, HIDDEN, False),
+                                              (HIDDEN, INTER, False), (151936, HIDDEN, False)])
+def test_linear_dot_gpu(cuda: torch.device, rows: int, n: int, k: int, bias: bool, dtype: torch.dtype) -> None:
+    """Every Qwen2.5-1.5B projection at the batch sizes linear() gives linear_dot; qkv, o_proj
+    and down split K, so the second call's bitwise equality checks the ordered reduction."""
+    check_linear((rows,), n, k, bias, dtype, cuda, strided=rows == 8, kernel=linear.linear_dot)
+
+
+@pytest.mark.gpu
 def test_linear_dispatch(cuda: torch.device) -> None:
-    """linear() takes the kernel up to MAX_ROWS rows on a GPU and cuBLAS above, same results."""
-    weight = torch.randn(256, 512, device=cuda, dtype=torch.bfloat16)
-    for rows in (1, linear.MAX_ROWS, linear.MAX_ROWS + 1):
-        x = torch.randn(rows, 512, device=cuda, dtype=torch.bfloat16)
-        assert linear.uses_kernel(x) == (rows <= linear.MAX_ROWS)
-        assert_close(linear.linear(x, weight), linear.linear_ref(x.float(), weight.float()), 0.5, 1.6e-2)
-    assert not linear.uses_kernel(torch.randn(1, 512))
+    """linear() on a GPU: linear_kernel at 1 row (and 2 on a narrow layer), linear_dot up to
+    MAX_DOT_ROWS, cuBLAS above; same results. Every CPU tensor goes to F.linear."""
+    narrow = torch.randn(256, 512, device=cuda, dtype=torch.bfloat16) / math.sqrt(512)
+    wide = torch.randn(2 * INTER, 512, device=cuda, dtype=torch.bfloat16) / math.sqrt(512)
+    long = torch.randn(256, INTER, device=cuda, dtype=torch.bfloat16) / math.sqrt(INTER)
+    expected_paths = {  # (rows, weight): path
+        (1, "narrow"): "linear_kernel", (1, "wide"): "linear_kernel", (1, "long"): "linear_kernel",
+        (2, "narrow"): "linear_kernel", (2, "wide"): "linear_dot", (2, "long"): "linear_dot",
+        (3, "narrow"): "linear_dot", (linear.MAX_DOT_ROWS, "narrow"): "linear_dot",
+        (linear.MAX_DOT_ROWS, "wide"): "linear_dot", (linear.MAX_DOT_ROWS + 1, "narrow"): "F.linear",
+        (linear.MAX_DOT_ROWS + 1, "wide"): "F.linear",
+    }
+    weights = {"narrow": narrow, "wide": wide, "long": long}
+    for (rows, name), path in expected_paths.items():
+        weight = weights[name]
+        x = torch.randn(rows, weight.shape[1], device=cuda, dtype=torch.bfloat16)
+        assert linear.linear_path(x, weight) == path, (rows, name)
+        assert_close(linear.linear(x, weight), linear.linear_ref(x.float(), weight.float()), *LINEAR_TOL[x.dtype])
+    assert linear.linear_path(torch.randn(1, 512), narrow.cpu()) == "F.linear"
+    assert linear.linear_path(torch.randn(4, 512), narrow.cpu()) == "F.linear"
 
 
 @pytest.mark.gpu
@@ -512,8 +595,26 @@ def _decode_layer_chain(cuda: torch.device) -> list[torch.Tensor]:
     return [attn, o, down, residual, k_cache]
 
 
+def _linear_dot_chain(cuda: torch.device) -> list[torch.Tensor]:
+    """A batch of 4 rows through one layer's projections on linear_dot, each reading the
+    previous kernel's output (qkv, o_proj and down split K: dot kernel, then reduce kernel)."""
+    gen = torch.Generator().manual_seed(10)
+    dtype = torch.bfloat16
+    shapes = [((HQ + 2 * HKV) * HEAD_DIM, HIDDEN), (HIDDEN, HQ * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+    weights = [rand(gen, *shape, dtype=dtype, device=cuda) / math.sqrt(shape[1]) for shape in shapes]
+    qkv_bias = rand(gen, shapes[0][0], dtype=dtype, device=cuda)
+    x = rand(gen, 4, HIDDEN, dtype=dtype, device=cuda)
+    qkv = linear.linear_dot(x, weights[0], qkv_bias)
+    o = linear.linear_dot(qkv[:, : HQ * HEAD_DIM], weights[1])
+    gate_up = linear.linear_dot(o, weights[2])
+    down = linear.linear_dot(activation.silu_and_mul(gate_up), weights[3])
+    return [qkv, o, gate_up, down]
+
+
 @pytest.mark.gpu
-def test_pdl_changes_no_bits(cuda: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("chain", [_decode_layer_chain, _linear_dot_chain])
+def test_pdl_changes_no_bits(cuda: torch.device, monkeypatch: pytest.MonkeyPatch,
+                             chain: Callable[[torch.device], list[torch.Tensor]]) -> None:
     """With programmatic dependent launch every kernel still reads its predecessor's finished
     output: a decode layer's chain gives the same bits with PDL and without."""
     monkeypatch.setenv("PDSERVE_PDL", "1")  # whatever the caller's environment says
@@ -521,10 +622,10 @@ def test_pdl_changes_no_bits(cuda: torch.device, monkeypatch: pytest.MonkeyPatch
     try:
         if not pdl.enabled(cuda):
             pytest.skip("PDL needs compute capability 9.0+ (the H200 machines have it)")
-        with_pdl = _decode_layer_chain(cuda)
+        with_pdl = chain(cuda)
         monkeypatch.setenv("PDSERVE_PDL", "0")
         pdl.enabled.cache_clear()
-        without = _decode_layer_chain(cuda)
+        without = chain(cuda)
     finally:
         pdl.enabled.cache_clear()
     for a, b in zip(with_pdl, without):

@@ -1,4 +1,5 @@
-"""Input checks the kernel wrappers share: they raise ValueError before any launch."""
+"""What the kernel wrappers share: input checks (ValueError before any launch) and the
+precision of ``tl.dot``."""
 
 from __future__ import annotations
 
@@ -21,3 +22,9 @@ def as_rows(name: str, t: torch.Tensor, width: int) -> torch.Tensor:
     if width > 1 and rows.stride(1) != 1:
         raise ValueError(f"{name} must have unit stride in its last dim, got strides {t.stride()}")
     return rows
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision for operands of ``dtype``: fp32 gets exact fp32 products (the
+    default would be tf32); 16-bit inputs ignore it."""
+    return "ieee" if dtype == torch.float32 else "tf32"

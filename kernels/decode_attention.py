@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.checks import dot_precision
 
 
 def gather_kv(
@@ -297,7 +298,7 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         num_heads, group, head_dim, num_partitions,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
-        SINGLE_PARTITION=num_partitions == 1, DOT_PRECISION=_dot_precision(k_cache.dtype),
+        SINGLE_PARTITION=num_partitions == 1, DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=_WARPS_STAGES[0], num_stages=_WARPS_STAGES[1], **pdl.launch_args(q.device),
     )
     if num_partitions > 1:
@@ -308,8 +309,3 @@ def paged_decode_attention(
             num_warps=4, **pdl.launch_args(q.device),
         )
     return out
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    """fp32 caches get exact fp32 dots (the default would be tf32); 16-bit inputs ignore it."""
-    return "ieee" if dtype == torch.float32 else "tf32"

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.checks import as_rows
+from kernels.checks import as_rows, dot_precision
 
 MAX_DOT_ROWS = 16  # rows of x up to which linear() runs a Triton kernel; more go to cuBLAS
 _MAX_KERNEL_ROWS = 16  # linear_kernel: each row re-reads the weight, a few rows at most
@@ -349,8 +349,7 @@ def linear_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     launch = pdl.launch_args(x.device)
     grid = (triton.cdiv(n, block_n), triton.cdiv(rows, _DOT_BLOCK_M), splits)
     common = dict(EVEN_K=k % block_k == 0, BLOCK_M=_DOT_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-                  DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # 16-bit: ignored
-                  num_warps=warps, num_stages=stages, **launch)
+                  DOT_PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages, **launch)
     if splits == 1:
         _linear_dot_kernel[grid](
             x2, weight, bias if bias is not None else weight, y,

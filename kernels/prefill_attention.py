@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import _LOG2E, _check_paged_cache, _dot_precision, gather_kv
+from kernels.checks import dot_precision
+from kernels.decode_attention import _LOG2E, _check_paged_cache, gather_kv
 
 
 def paged_prefill_attention_ref(
@@ -208,7 +209,7 @@ def paged_prefill_attention(
         out.stride(0), out.stride(1),
         num_heads // k_cache.shape[2], head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION=_dot_precision(k_cache.dtype),
+        BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -101,16 +101,21 @@ def _decode_partition_kernel(
     part = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    # Before the wait (the previous kernel may still run, see kernels.pdl): the context length
+    # and the first tile's block ids, step inputs. In the loop, block ids are loaded a tile
+    # ahead of the K/V gather they address.
     context_len = tl.minimum(tl.load(context_lens_ptr + seq), max_len)
     partition_size = _partition_size(context_len, num_partitions, BLOCK_N)
     start = part * partition_size
+    end = tl.minimum(start + partition_size, context_len)
+    n = start + tl.arange(0, BLOCK_N)
+    block = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n < end, other=0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # Empty partitions exit at once; the single partition always writes (zeros for an empty
     # context, e.g. a padding row of a CUDA-graph batch).
     if SINGLE_PARTITION or start < context_len:
-        end = tl.minimum(start + partition_size, context_len)
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         g_mask = g < group
@@ -129,11 +134,12 @@ def _decode_partition_kernel(
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             n_mask = n < end
-            block = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0)
             row = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + head_off
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            n_next = n + BLOCK_N
+            block = tl.load(block_tables_ptr + seq * stride_bt + n_next // BLOCK_SIZE, mask=n_next < end, other=0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N], log2 units
             s = tl.where(n_mask[None, :], s, float("-inf"))
             # The first tile holds token `start` < end, so m_new is finite from then on and
@@ -166,12 +172,12 @@ def _decode_reduce_kernel(
     """One program per (query head, sequence): merges that head's partition partials."""
     head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    context_len = tl.minimum(tl.load(context_lens_ptr + seq), max_len)
+    context_len = tl.minimum(tl.load(context_lens_ptr + seq), max_len)  # a step input: before the wait
     # partitions that hold at least one token, as the partition kernel split this sequence
     used = tl.cdiv(context_len, _partition_size(context_len, num_partitions, BLOCK_N))
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()  # the partials are the partition kernel's output
     base = (seq * num_heads + head) * num_partitions
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim

@@ -128,8 +128,8 @@ def _linear_kernel(
     k_mask = k < K
     w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
     acc = w * x[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
@@ -235,8 +235,8 @@ def _linear_dot_kernel(
     else:
         w = tl.load(w_ptrs, mask=(k_start + k)[None, :] < K, other=0.0)
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     if EVEN_K:
         x = tl.load(x_ptrs)
     else:
@@ -282,8 +282,8 @@ def _split_k_reduce_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # the workspace is the previous kernel's output
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()  # the workspace is the previous kernel's output
     ptrs = ws_ptr + row * stride_wm + n
     acc = tl.load(ptrs, mask=n_mask, other=0.0)
     for _ in range(1, splits):

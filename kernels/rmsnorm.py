@@ -41,8 +41,8 @@ def _rms_norm_kernel(
     mask = cols < hidden
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # fp32 right after the load: bf16 arithmetic is wrong under the interpreter, and the
     # reference computes in fp32 too.
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -61,8 +61,8 @@ def _fused_add_rms_norm_kernel(
     mask = cols < hidden
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
     # The reference rounds the sum to x's dtype before normalising it: do the same round trip.

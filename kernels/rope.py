@@ -71,8 +71,8 @@ def _rope_and_store_kv_kernel(
     d = tl.arange(0, BLOCK_HALF)[None, :]
     d_mask = d < half
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d_mask, other=0.0).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + half + d, mask=d_mask, other=0.0).to(tl.float32)

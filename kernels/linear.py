@@ -8,17 +8,19 @@ size keeps its choice):
 * 1 row: :func:`linear_kernel`, a GEMV with plain FMAs and many small programs: 1.9-4.8 TB/s
   on the Qwen2.5-1.5B shapes, where cuBLAS's kernels reach 0.8-4.1 TB/s (its o_proj GEMV takes
   6 us for 4.7 MB); 0.24 ms off a 1.71 ms batch-1 decode step (``python -m bench.kernels``).
-* 2 to ``MAX_DOT_ROWS`` = 16 rows: :func:`linear_dot`, which reads the weight once for all
-  rows and multiplies on tensor cores (:func:`linear_kernel` re-reads it for every row: two
-  rows take 1.4-1.7x the time of one on the large shapes). Against cuBLAS on an H200 (bf16,
-  CUDA-graph replays, PDL on; docs/benchmarks.md): qkv 1.10-1.14x, o_proj 1.13-1.15x
-  (1.5x at 2 rows, where cuBLAS picks a slow kernel), gate/up 1.03-1.06x, down 1.00-1.13x, LM
-  head 1.04x (4.2 TB/s), at 2, 8 and 16 rows. Except at 2 rows on the narrow layers (qkv,
-  o_proj: under 8192 outputs and 4096 inputs): these 5-6 MB reads take ~4 us either way,
-  latency rather than bandwidth, and :func:`linear_kernel`'s many programs finish two rows in
-  2.7-3.1 us instead of 3.9-4.1 (about 60 us a batch-2 step over Qwen2.5-1.5B's 28 layers).
-* More rows: cuBLAS (``F.linear``). At 32 rows the tensor-core kernel is even with it
-  (0.92-1.04x), at 64 it loses (0.94-0.99x).
+* 2 to 16 rows, and up to ``MAX_DOT_ROWS`` = 32 on the narrow layers (qkv, o_proj: under
+  8192 outputs and 4096 inputs): :func:`linear_dot`, which reads the weight once for all rows
+  and multiplies on tensor cores (:func:`linear_kernel` re-reads it for every row: two rows
+  take 1.4-1.7x the time of one on the large shapes). Against cuBLAS on an H200 (bf16,
+  CUDA-graph replays, PDL on; docs/benchmarks.md): qkv 1.10-1.14x, o_proj 1.13-1.15x (1.5x at
+  2 rows, where cuBLAS picks a slow kernel), gate/up 1.03-1.06x, down 1.00-1.13x, LM head 1.04x
+  (4.2 TB/s), at 2, 8 and 16 rows. Except at 2 rows on the narrow layers: these 5-6 MB reads
+  take ~4 us either way, latency rather than bandwidth, and :func:`linear_kernel`'s many
+  programs finish two rows in 2.7-3.1 us instead of 3.9-4.1 (about 60 us a batch-2 step over
+  Qwen2.5-1.5B's 28 layers). A narrow layer's programs load their whole weight slice before
+  waiting on the kernel ahead (kernels.pdl), which is what beats cuBLAS at 17-32 rows (B=32
+  step -0.11 ms); on the wide and long layers cuBLAS is as fast there.
+* More rows: cuBLAS (``F.linear``).
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ import triton.language as tl
 from kernels import pdl
 from kernels.checks import as_rows, dot_precision
 
-MAX_DOT_ROWS = 16  # rows of x up to which linear() runs a Triton kernel; more go to cuBLAS
+MAX_DOT_ROWS = 32  # rows of x up to which linear() may run a Triton kernel; more go to cuBLAS
 _MAX_KERNEL_ROWS = 16  # linear_kernel: each row re-reads the weight, a few rows at most
-_DOT_BLOCK_M = 16  # rows a linear_dot program multiplies: tl.dot's minimum, all of a decode batch
+_DOT_ALL_LAYERS_ROWS = 16  # linear_dot on every layer up to this many rows; above, narrow layers only
 # Shape classes of both kernels' launch configurations (and of linear()'s choice at 2 rows):
 # "long" rows (the MLP's down projection), "wide" outputs (gate/up, LM head), else "narrow"
 # (qkv, o_proj).
@@ -60,13 +62,18 @@ def linear_path(x: torch.Tensor, weight: torch.Tensor) -> LinearPath:
     if rows == 1:
         return "linear_kernel"
     n, k = weight.shape[0], weight.shape[-1]  # a bad weight is the kernels' ValueError
+    narrow = n < _WIDE_N and k < _LONG_K
     # Two rows of a narrow layer: linear_kernel's two weight reads of 5-6 MB still finish first
     # (H200: 2.7-3.1 us against 3.9-4.1; see the module docstring). On the wide and long layers
     # linear_dot wins from 2 rows. Between 2 and 8 rows only those two counts were measured:
     # linear_dot takes the same time at both (one weight read), linear_kernel's grows with
     # every row, so from 3 rows on linear_dot.
-    if rows == 2 and n < _WIDE_N and k < _LONG_K:
+    if rows == 2 and narrow:
         return "linear_kernel"
+    # 17-32 rows: only the narrow layers beat cuBLAS (their whole weight slice is loaded before
+    # the wait, see _dot_config); on the wide and long ones cuBLAS is as fast or faster.
+    if rows > _DOT_ALL_LAYERS_ROWS and not narrow:
+        return "F.linear"
     return "linear_dot"
 
 
@@ -123,8 +130,9 @@ def _linear_kernel(
     n_mask = n < N
     w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :]
     x_ptrs = x_ptr + row * stride_xm + k
-    # The first weight tile is loaded before waiting on the previous kernel (it never writes
-    # weights): under PDL that read overlaps the previous kernel's tail.
+    # The first weight tile (on the narrow layers the whole slice: BLOCK_K >= K) is loaded
+    # before the wait, as no kernel writes weights: under PDL it streams while the kernels
+    # ahead finish (kernels.pdl).
     k_mask = k < K
     w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
     if USE_PDL:
@@ -147,14 +155,17 @@ def _launch_config(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages), from a sweep on an H200 at one row (bf16).
 
     Long rows (the MLP's down projection) take wide K tiles and more warps; wide outputs (the
-    gate/up projection, the LM head) take 8 features a program; everything else 4.
+    gate/up projection, the LM head) take 8 features a program; everything else ("narrow":
+    qkv, o_proj) 4 features and the whole row in one tile, so a program loads its entire weight
+    slice before the wait (kernels.pdl). That tile was measured in the model, where it beats
+    the isolated sweep's (4, 512, 4, 3): B=1 decode step -0.04 ms (docs/benchmarks.md).
     """
     if k >= _LONG_K:
         block_n, block_k, warps, stages = 4, 1024, 8, 2
     elif n >= _WIDE_N:
         block_n, block_k, warps, stages = 8, 512, 4, 2
     else:
-        block_n, block_k, warps, stages = 4, 512, 4, 3
+        block_n, block_k, warps, stages = 4, 2048, 4, 1
     return block_n, block_k, warps, stages
 
 
@@ -185,12 +196,12 @@ def linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 # --------------------------------------------------------------------------------------------
-# Triton, 2-16 rows on tensor cores: a program computes a [BLOCK_M, BLOCK_N] tile of y (rows of
+# Triton, 2-32 rows on tensor cores: a program computes a [BLOCK_M, BLOCK_N] tile of y (rows of
 # x by output features), walking its K range in BLOCK_K steps: acc += x[BLOCK_M, BLOCK_K] @
-# W[BLOCK_N, BLOCK_K]^T with tl.dot (fp32 accumulate). BLOCK_M is 16, tl.dot's minimum, so one
-# program row covers a whole decode batch and the weight is read once; more rows take more
-# programs along M, each reading the weight again (linear() sends those to cuBLAS). Rows past
-# M are padded: the loads wrap their row and feature indices (m % M, n % N, as in Triton's
+# W[BLOCK_N, BLOCK_K]^T with tl.dot (fp32 accumulate). BLOCK_M is 16 (tl.dot's minimum) or 32,
+# so one program row covers a whole decode batch and the weight is read once; more rows take
+# more programs along M, each reading the weight again (linear() sends those to cuBLAS). Rows
+# past M are padded: the loads wrap their row and feature indices (m % M, n % N, as in Triton's
 # matmul tutorial) so that they need no mask and stay vectorized, and only the store is masked.
 # Loads along K are masked only when K is not a multiple of BLOCK_K (EVEN_K): a mask along the
 # contiguous dimension costs the 16-byte vector loads.
@@ -227,9 +238,9 @@ def _linear_dot_kernel(
     w_ptrs = w_ptr + (n % N).to(tl.int64)[:, None] * stride_wn + (k_start + k)[None, :]
     x_ptrs = x_ptr + (m % M).to(tl.int64)[:, None] * stride_xm + (k_start + k)[None, :]
 
-    # The first weight tile is loaded before waiting on the previous kernel (it never writes
-    # weights): under PDL that read overlaps the previous kernel's tail. x may have been
-    # written by it, so x is loaded after the wait.
+    # The first weight tile (on the narrow layers the program's whole K range) is loaded before
+    # the wait, as no kernel writes weights: under PDL it streams while the kernels ahead
+    # finish (kernels.pdl). x may have been written by the previous kernel: after the wait.
     if EVEN_K:
         w = tl.load(w_ptrs)
     else:
@@ -294,31 +305,38 @@ def _split_k_reduce_kernel(
     tl.store(y_ptr + row * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def _dot_config(n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) of :func:`linear_dot` (BLOCK_M 16).
+def _dot_block_m(rows: int) -> int:
+    """Rows a :func:`linear_dot` program multiplies: 16 (tl.dot's minimum) up to 16 rows, else
+    32, so that a decode batch of up to 32 reads the weight once."""
+    return 16 if rows <= 16 else 32
 
-    From a sweep on an H200 (bf16, CUDA-graph replays, recorded in docs/benchmarks.md: BLOCK_N
-    16-128, BLOCK_K 64-256, SPLIT_K 1-8, 4/8 warps, 3-5 stages) on the Qwen2.5-1.5B shapes at
-    2, 8 and 16 rows (one compiled kernel serves all three): per shape class the configuration
-    whose slowest of the three is closest to the best measured, within 1.5% of it on the
-    narrow and long layers and within 5% on the wide ones.
+
+def _dot_config(n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) of :func:`linear_dot`.
+
+    The wide and long classes come from a sweep on an H200 (bf16, CUDA-graph replays, recorded
+    in docs/benchmarks.md: BLOCK_N 16-128, BLOCK_K 64-256, SPLIT_K 1-8, 4/8 warps, 3-5 stages)
+    on the Qwen2.5-1.5B shapes at 2, 8 and 16 rows (one compiled kernel serves all three): per
+    shape class the configuration whose slowest of the three is closest to the best measured,
+    within 1.5% of it on the long layers and within 5% on the wide ones.
 
     * long rows (down, K 8960): 64 features a program, 24 programs, K split 8 ways.
     * wide outputs (gate/up 17920, LM head 151936): 128 features a program (140 and 1187
       programs, no split; 64 was 4% faster at 8-16 rows on gate/up but 5% slower at 2).
-    * narrow (qkv 2048, o_proj 1536): 32 features a program, K split 4 ways.
+    * narrow (qkv 2048, o_proj 1536): 64 features a program and K split 3 ways into single
+      512-wide tiles, so that each program loads its whole weight slice (64 KB) before the wait
+      (kernels.pdl); 8 warps, one stage. Measured in the model, against the sweep's best in
+      isolation (32 features, 4 splits of 128-wide tiles): batch 8 and 16 steps -10%, and at
+      17-32 rows it beats cuBLAS (docs/benchmarks.md).
 
-    4 warps (8 never won) and 3 stages. Splits keep K ranges of 256 or more
-    (shorter ones lost more to the partial sums than they gained); :func:`plan_split` may run
-    fewer ranges than SPLIT_K.
+    Splits keep K ranges of 256 or more (shorter ones lost more to the partial sums than they
+    gained); :func:`plan_split` may run fewer ranges than SPLIT_K.
     """
     if n >= _WIDE_N:  # before the long-row test: a wide grid needs no split, whatever K
-        block_n, split_k = 128, 1
-    elif k >= _LONG_K:
-        block_n, split_k = 64, 8
-    else:
-        block_n, split_k = 32, 4
-    return block_n, 128, max(1, min(split_k, k // 256)), 4, 3
+        return 128, 128, 1, 4, 3
+    if k >= _LONG_K:
+        return 64, 128, max(1, min(8, k // 256)), 4, 3
+    return 64, 512, max(1, min(3, k // 256)), 8, 1
 
 
 def plan_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
@@ -329,8 +347,8 @@ def plan_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
 
 
 def linear_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton :func:`linear_ref` on tensor cores, one weight read for up to 16 rows
-    (:func:`linear` uses it for 2 to ``MAX_DOT_ROWS`` rows; more rows work, each 16 reading the
+    """Triton :func:`linear_ref` on tensor cores, one weight read for up to 32 rows
+    (:func:`linear` uses it for 2 to ``MAX_DOT_ROWS`` rows; more rows work, each 32 reading the
     weight again).
 
     x ``[..., K]`` (a view with unit stride in K), weight ``[N, K]`` with unit stride in K, bias
@@ -347,8 +365,9 @@ def linear_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     block_n, block_k, split_k, warps, stages = _dot_config(n, k)
     k_per_split, splits = plan_split(k, block_k, split_k)
     launch = pdl.launch_args(x.device)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(rows, _DOT_BLOCK_M), splits)
-    common = dict(EVEN_K=k % block_k == 0, BLOCK_M=_DOT_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+    block_m = _dot_block_m(rows)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(rows, block_m), splits)
+    common = dict(EVEN_K=k % block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                   DOT_PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages, **launch)
     if splits == 1:
         _linear_dot_kernel[grid](

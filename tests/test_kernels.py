@@ -261,18 +261,19 @@ def test_linear_interpreted(interpreter: None, rows: tuple[int, ...], n: int, k:
     check_linear(rows, n, k, bias, dtype, CPU, strided)
 
 
-# linear_dot at its own launch configurations (BLOCK_M 16, BLOCK_K 128): ids name the shape
-# class and the K split (plan_split's ranges) each case takes; every case is checked against
-# the fp32 reference with and without bias, split and unsplit, masked and unmasked along K.
+# linear_dot at its own launch configurations: ids name the shape class and the K split
+# (plan_split's ranges) each case takes; every case is checked against the fp32 reference with
+# and without bias, split and unsplit, masked and unmasked along K.
 LINEAR_DOT_CPU_CASES = {
-    # narrow, K 600 in 2 ranges of 384 + 216 (a ragged tile at the end of the second); N 40 in
-    # a full and a ragged 32-feature tile
+    # narrow (one 512-wide tile a range), K 600 in 2 ranges of 512 + 88 (the second a ragged
+    # tile); N 40 in one ragged 64-feature tile
     "narrow-split2": dict(rows=(2,), n=40, k=600, bias=True, strided=False),
     # narrow, K under one tile and under 256 (no split); N under one tile; strided x
     "narrow-short-k": dict(rows=(3,), n=9, k=100, bias=False, strided=True),
-    # 17 rows: a full 16-row tile and a 1-row one; K 512 in 2 ranges of 256, unmasked along K
-    # (EVEN_K); strided x
-    "17-rows-even-k-split2": dict(rows=(17,), n=40, k=512, bias=True, strided=True),
+    # 17 rows: one 32-row tile; K 1024 in 2 ranges of 512, unmasked along K (EVEN_K); strided x
+    "17-rows-even-k-split2": dict(rows=(17,), n=40, k=1024, bias=True, strided=True),
+    # 33 rows: a full 32-row tile and a 1-row one, each reading the weight
+    "33-rows": dict(rows=(33,), n=70, k=600, bias=True, strided=False),
     # long rows (K 4100): 64-feature tiles (N 70: a full and a ragged one), K in 7 ranges of
     # 640 (the last of 260); a 3-D x
     "long-split7": dict(rows=(2, 3), n=70, k=4100, bias=False, strided=False),
@@ -291,8 +292,8 @@ def test_linear_dot_interpreted(interpreter: None, case: str, dtype: torch.dtype
 def test_linear_dot_config() -> None:
     """The H200 sweep's configurations at the Qwen2.5-1.5B shapes, and K splits that never
     leave a range empty (the reduce kernel would add garbage) or shorter than 256."""
-    assert linear._dot_config(2048, 1536) == (32, 128, 4, 4, 3)  # qkv
-    assert linear._dot_config(1536, 1536) == (32, 128, 4, 4, 3)  # o_proj
+    assert linear._dot_config(2048, 1536) == (64, 512, 3, 8, 1)  # qkv: one tile a program
+    assert linear._dot_config(1536, 1536) == (64, 512, 3, 8, 1)  # o_proj
     assert linear._dot_config(2 * 8960, 1536) == (128, 128, 1, 4, 3)  # gate/up
     assert linear._dot_config(1536, 8960) == (64, 128, 8, 4, 3)  # down
     assert linear._dot_config(151936, 1536) == (128, 128, 1, 4, 3)  # LM head
@@ -451,28 +452,30 @@ def test_linear_gpu(cuda: torch.device, rows: int, n: int, k: int, bias: bool, d
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("rows", [2, 8, 16])
+@pytest.mark.parametrize("rows", [2, 8, 16, 24])
 @pytest.mark.parametrize(("n", "k", "bias"), [(2048, HIDDEN, True), (HIDDEN, HIDDEN, False), (2 * INTER, HIDDEN, False),
                                               (HIDDEN, INTER, False), (151936, HIDDEN, False)])
 def test_linear_dot_gpu(cuda: torch.device, rows: int, n: int, k: int, bias: bool, dtype: torch.dtype) -> None:
-    """Every Qwen2.5-1.5B projection at the batch sizes linear() gives linear_dot; qkv, o_proj
-    and down split K, so the second call's bitwise equality checks the ordered reduction."""
+    """Every Qwen2.5-1.5B projection at batch sizes linear() gives linear_dot (24 rows: the
+    32-row tile, which linear() uses on qkv and o_proj); qkv, o_proj and down split K, so the second call's bitwise equality checks the ordered reduction."""
     check_linear((rows,), n, k, bias, dtype, cuda, strided=rows == 8, kernel=linear.linear_dot)
 
 
 @pytest.mark.gpu
 def test_linear_dispatch(cuda: torch.device) -> None:
-    """linear() on a GPU: linear_kernel at 1 row (and 2 on a narrow layer), linear_dot up to
-    MAX_DOT_ROWS, cuBLAS above; same results. Every CPU tensor goes to F.linear."""
+    """linear() on a GPU: linear_kernel at 1 row (and 2 on a narrow layer), linear_dot up to 16
+    rows, and up to MAX_DOT_ROWS on narrow layers, cuBLAS above; same results. Every CPU tensor
+    goes to F.linear."""
     narrow = torch.randn(256, 512, device=cuda, dtype=torch.bfloat16) / math.sqrt(512)
     wide = torch.randn(2 * INTER, 512, device=cuda, dtype=torch.bfloat16) / math.sqrt(512)
     long = torch.randn(256, INTER, device=cuda, dtype=torch.bfloat16) / math.sqrt(INTER)
     expected_paths = {  # (rows, weight): path
         (1, "narrow"): "linear_kernel", (1, "wide"): "linear_kernel", (1, "long"): "linear_kernel",
         (2, "narrow"): "linear_kernel", (2, "wide"): "linear_dot", (2, "long"): "linear_dot",
-        (3, "narrow"): "linear_dot", (linear.MAX_DOT_ROWS, "narrow"): "linear_dot",
-        (linear.MAX_DOT_ROWS, "wide"): "linear_dot", (linear.MAX_DOT_ROWS + 1, "narrow"): "F.linear",
-        (linear.MAX_DOT_ROWS + 1, "wide"): "F.linear",
+        (3, "narrow"): "linear_dot", (16, "narrow"): "linear_dot", (16, "wide"): "linear_dot",
+        (16, "long"): "linear_dot", (17, "narrow"): "linear_dot", (17, "wide"): "F.linear", (17, "long"): "F.linear",
+        (linear.MAX_DOT_ROWS, "narrow"): "linear_dot", (linear.MAX_DOT_ROWS, "wide"): "F.linear",
+        (linear.MAX_DOT_ROWS + 1, "narrow"): "F.linear", (linear.MAX_DOT_ROWS + 1, "wide"): "F.linear",
     }
     weights = {"narrow": narrow, "wide": wide, "long": long}
     for (rows, name), path in expected_paths.items():
@@ -596,19 +599,23 @@ def _decode_layer_chain(cuda: torch.device) -> list[torch.Tensor]:
 
 
 def _linear_dot_chain(cuda: torch.device) -> list[torch.Tensor]:
-    """A batch of 4 rows through one layer's projections on linear_dot, each reading the
-    previous kernel's output (qkv, o_proj and down split K: dot kernel, then reduce kernel)."""
+    """Batches of 4 and 24 rows (16- and 32-row tiles) through one layer's projections on
+    linear_dot, each reading the previous kernel's output (qkv, o_proj and down split K: dot
+    kernel, then reduce kernel)."""
     gen = torch.Generator().manual_seed(10)
     dtype = torch.bfloat16
     shapes = [((HQ + 2 * HKV) * HEAD_DIM, HIDDEN), (HIDDEN, HQ * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
     weights = [rand(gen, *shape, dtype=dtype, device=cuda) / math.sqrt(shape[1]) for shape in shapes]
     qkv_bias = rand(gen, shapes[0][0], dtype=dtype, device=cuda)
-    x = rand(gen, 4, HIDDEN, dtype=dtype, device=cuda)
-    qkv = linear.linear_dot(x, weights[0], qkv_bias)
-    o = linear.linear_dot(qkv[:, : HQ * HEAD_DIM], weights[1])
-    gate_up = linear.linear_dot(o, weights[2])
-    down = linear.linear_dot(activation.silu_and_mul(gate_up), weights[3])
-    return [qkv, o, gate_up, down]
+    outputs = []
+    for rows in (4, 24):
+        x = rand(gen, rows, HIDDEN, dtype=dtype, device=cuda)
+        qkv = linear.linear_dot(x, weights[0], qkv_bias)
+        o = linear.linear_dot(qkv[:, : HQ * HEAD_DIM], weights[1])
+        gate_up = linear.linear_dot(o, weights[2])
+        down = linear.linear_dot(activation.silu_and_mul(gate_up), weights[3])
+        outputs += [qkv, o, gate_up, down]
+    return outputs
 
 
 @pytest.mark.gpu

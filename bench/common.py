@@ -15,6 +15,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,38 @@ def write_json(result: dict[str, Any], path: Path | None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {path}")
+
+
+def pyplot() -> Any | None:
+    """``matplotlib.pyplot`` on the file-only Agg backend, or None, with a warning, when
+    matplotlib is not installed (plots are optional: ``pip install matplotlib``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        warnings.warn("matplotlib is not installed: no plots written (pip install matplotlib)", stacklevel=3)
+        return None
+    return plt
+
+
+def log_axis(ax: Any, axis: Any) -> None:
+    """A log axis labelled in plain numbers ("1200", not "1.2 x 10^3"), minor ticks only on short ranges."""
+    from matplotlib.ticker import LogFormatter
+
+    (ax.set_xscale if axis is ax.xaxis else ax.set_yscale)("log")
+    axis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+    axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
+
+
+def save_figure(plt: Any, fig: Any, path: Path) -> Path:
+    """Write ``fig`` to ``path`` (PNG, 120 dpi) and close it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def resolve_device(name: str) -> torch.device:

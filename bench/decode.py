@@ -1,6 +1,7 @@
 """Decode and prefill step times of the engine against Hugging Face transformers, one process.
 
-    python -m bench.decode --preset qwen2.5-1.5b --out results.json
+    python -m bench.decode --preset qwen2.5-1.5b --out results.json --plot decode.png
+    python -m bench.decode --from-json results.json --plot decode.png   # re-print and re-plot a run
     python -m bench.decode --preset tiny-llama --device cpu --batch-sizes 1,2 --contexts 16,32 \\
         --prefill-lens 32 --iters 2          # CPU smoke run
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
+import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -62,12 +64,15 @@ from bench.common import (
     fmt,
     format_table,
     kv_bytes_per_token,
+    log_axis,
     metadata,
     model_dir,
     parse_ints,
     parse_step_timing_args,
     prefill_plan,
+    pyplot,
     resolve_device,
+    save_figure,
     summary,
     time_steps,
     uniform_decode_plan,
@@ -297,6 +302,48 @@ def table(cases: Sequence[Case]) -> str:
     return format_table(headers, rows)
 
 
+def write_plot(result: dict[str, Any], path: Path) -> Path | None:
+    """A PNG of a result's decode cases against batch size, a colour per context: the step time
+    (ours: graph replays, eager where no graph ran; transformers' step when measured; the
+    bandwidth floor dashed) and the fraction of the floor reached. None, with a warning, when
+    matplotlib is not installed."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    decodes = [c for c in result["cases"] if c["kind"] == "decode"]
+    contexts = sorted({c["context"] for c in decodes})
+    batches = sorted({c["batch"] for c in decodes})
+    fig, (time_ax, floor_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, context in enumerate(contexts):
+        color = f"C{i}"
+        rows = sorted((c for c in decodes if c["context"] == context), key=lambda c: c["batch"])
+        ours = [(c["batch"], (c.get("ours_graph") or c["ours_eager"])["median_ms"]) for c in rows]
+        hf = [(c["batch"], c["hf"]["median_ms"]) for c in rows if "hf" in c]
+        time_ax.plot(*zip(*ours), "o-", color=color, label=f"ours, C={context}")
+        if hf:
+            time_ax.plot(*zip(*hf), "s:", color=color, markerfacecolor="none", label=f"transformers, C={context}")
+        time_ax.plot([c["batch"] for c in rows], [c["floor_ms"] for c in rows], "--", color=color, alpha=0.6,
+                     label=f"bandwidth floor, C={context}")
+        floor_ax.plot([c["batch"] for c in rows], [100 * c["floor_fraction"] for c in rows], "o-", color=color,
+                      label=f"C={context}")
+    log_axis(time_ax, time_ax.yaxis)  # transformers' large batches sit an order of magnitude above
+    time_ax.set_ylabel("decode step (ms)")
+    time_ax.set_title("decode step time")
+    floor_ax.set_ylabel("% of the bandwidth floor")
+    floor_ax.set_ylim(0, 100)
+    floor_ax.set_title("bandwidth floor / step time")
+    for ax in (time_ax, floor_ax):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("batch size (sequences)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    meta = result["metadata"]
+    fig.suptitle(f"{meta.get('preset') or meta.get('model_dir')}, {meta['dtype']}, {meta['device']} "
+                 f"({meta['date'][:10]})", fontsize="medium")
+    return save_figure(plt, fig, path)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="qwen2.5-1.5b", help="model-shape preset with random weights")
@@ -315,12 +362,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--hf-generate-tokens", default=64, type=int, help="decode tokens per timed generate")
     parser.add_argument("--max-model-len", type=int,
                         help="the runner's max_model_len (default: longest case + one block)")
+    parser.add_argument("--plot", type=Path, help="write a PNG of the decode cases here (needs matplotlib)")
+    parser.add_argument("--from-json", type=Path,
+                        help="measure nothing: print the table (and --plot) of an earlier run's --out file")
     add_step_timing_args(parser)
     return parse_step_timing_args(parser, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.from_json is not None:
+        result = json.loads(args.from_json.read_text())
+        cases = [Case(c["kind"], c["batch"], c["context"],
+                      {k: v for k, v in c.items() if k not in ("case", "kind", "batch", "context")})
+                 for c in result["cases"]]
+        print(table(cases))
+        if args.plot is not None and write_plot(result, args.plot) is not None:
+            print(f"wrote {args.plot}")
+        return result
     device = resolve_device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     hf_mode = args.hf or ("compiled" if device.type == "cuda" else "eager")
@@ -358,6 +417,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     print(table(cases))
     write_json(result, args.out)
+    if args.plot is not None and write_plot(result, args.plot) is not None:
+        print(f"wrote {args.plot}")
     return result
 
 

@@ -41,7 +41,6 @@ import random
 import shlex
 import sys
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +49,7 @@ from typing import Any
 import click
 from tqdm import tqdm
 
-from bench.common import write_json
+from bench.common import log_axis, pyplot, save_figure, write_json
 from bench.metrics import RequestRecord, compute_metrics, itls
 from cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable
 from cluster.protocol import Chunk
@@ -370,13 +369,8 @@ def write_plots(series: dict[str, Sequence[dict[str, Any]]], plot_dir: Path) -> 
     """PNG plots of one or more runs (``series``: label -> load points, same rates in each):
     ITL CDF, TTFT p50/p99 and ITL p99 versus rate, goodput versus rate. Returns the files
     written; none, with a warning, when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: no display needed
-        import matplotlib.pyplot as plt
-    except ImportError:
-        warnings.warn("matplotlib is not installed: no plots written (pip install matplotlib)", stacklevel=2)
+    plt = pyplot()
+    if plt is None:
         return []
     plot_dir.mkdir(parents=True, exist_ok=True)
     written = [_plot_itl_cdf(plt, series, plot_dir / "itl_cdf.png"),
@@ -384,22 +378,6 @@ def write_plots(series: dict[str, Sequence[dict[str, Any]]], plot_dir: Path) -> 
     if any(p["metrics"]["goodput"] is not None for points in series.values() for p in points):
         written.append(_plot_goodput(plt, series, plot_dir / "goodput_vs_rate.png"))
     return written
-
-
-def _log_scale(ax: Any, axis: Any) -> None:
-    """A log axis labelled in plain numbers ("1200", not "1.2 x 10^3"), minor ticks only on short ranges."""
-    from matplotlib.ticker import LogFormatter
-
-    (ax.set_xscale if axis is ax.xaxis else ax.set_yscale)("log")
-    axis.set_major_formatter(LogFormatter(labelOnlyBase=False))
-    axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
-
-
-def _save(plt: Any, fig: Any, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 def _plot_itl_cdf(plt: Any, series: dict[str, Sequence[dict[str, Any]]], path: Path) -> Path:
@@ -417,13 +395,13 @@ def _plot_itl_cdf(plt: Any, series: dict[str, Sequence[dict[str, Any]]], path: P
             samples = itl_samples_ms(point)
             if samples:
                 ax.step(samples, [(i + 1) / len(samples) for i in range(len(samples))], where="post", label=label)
-        _log_scale(ax, ax.xaxis)  # prefill stalls sit orders of magnitude above the typical step
+        log_axis(ax, ax.xaxis)  # prefill stalls sit orders of magnitude above the typical step
         ax.set_xlabel("inter-token latency (ms)")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small")
     axes[0][0].set_ylabel("fraction of tokens")
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def _by_rate(points: Sequence[dict[str, Any]], get: Callable[[dict[str, Any]], float | None]) -> tuple[list, list]:
@@ -440,13 +418,13 @@ def _plot_latency(plt: Any, series: dict[str, Sequence[dict[str, Any]]], path: P
         ttft_ax.plot(*_by_rate(points, lambda m: m["ttft_ms"]["p99"]), "o-", color=color, label=f"{name} p99")
         itl_ax.plot(*_by_rate(points, lambda m: m["itl_ms"]["p99"]), "o-", color=color, label=f"{name} p99")
     for ax, what in ((ttft_ax, "TTFT"), (itl_ax, "inter-token latency")):
-        _log_scale(ax, ax.yaxis)  # overload multiplies latencies: a linear axis flattens the rest
+        log_axis(ax, ax.yaxis)  # overload multiplies latencies: a linear axis flattens the rest
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(f"{what} (ms)")
         ax.set_title(f"{what} versus rate")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small")
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def _plot_goodput(plt: Any, series: dict[str, Sequence[dict[str, Any]]], path: Path) -> Path:
@@ -462,7 +440,7 @@ def _plot_goodput(plt: Any, series: dict[str, Sequence[dict[str, Any]]], path: P
     ax.set_title(f"goodput ({slo})", fontsize="medium")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 # -- command line ---------------------------------------------------------------------------

@@ -32,9 +32,10 @@ def positive(entry: dict) -> bool:
 
 @pytest.mark.slow
 def test_decode_bench_cpu_smoke(preset_cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = preset_cache / "decode.json"
-    decode.main([*SMOKE, "--hf-generate", "--hf-generate-tokens", "4", "--out", str(out)])
+    out, plot = preset_cache / "decode.json", preset_cache / "decode.png"
+    decode.main([*SMOKE, "--hf-generate", "--hf-generate-tokens", "4", "--out", str(out), "--plot", str(plot)])
     result = json.loads(out.read_text())
+    assert plot.read_bytes().startswith(b"\x89PNG")
 
     meta = result["metadata"]
     for key in ("date", "device", "torch", "triton", "transformers", "command", "preset", "dtype", "hf_mode",
@@ -61,6 +62,13 @@ def test_decode_bench_cpu_smoke(preset_cache: Path, capsys: pytest.CaptureFixtur
 
     table = capsys.readouterr().out
     assert "% of floor" in table and "decode B=2 C=32" in table
+
+    # The saved result re-prints the same table and re-plots without measuring anything.
+    replot = preset_cache / "again.png"
+    assert decode.main(["--from-json", str(out), "--plot", str(replot)]) == result
+    reprinted = capsys.readouterr().out.splitlines()[: len(cases) + 2]  # header, rule, a row per case
+    assert reprinted[0].startswith("case") and all(line in table.splitlines() for line in reprinted)
+    assert replot.read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.slow

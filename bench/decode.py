@@ -116,6 +116,11 @@ class Case:
         return torch.randint(0, vocab, (self.batch, 1 if self.kind == "decode" else self.context), generator=gen)
 
 
+def ours_ms(results: dict[str, Any]) -> float:
+    """Our median time of a case: graph replays where they ran, else eager."""
+    return results.get("ours_graph", results["ours_eager"])["median_ms"]
+
+
 def parse_prefill_batches(text: str) -> list[tuple[int, int]]:
     """``"8x512,4x256"`` -> ``[(8, 512), (4, 256)]``; empty for ``""``."""
     out = []
@@ -181,7 +186,7 @@ def run_ours(runner: ModelRunner, cases: Sequence[Case], warmup: int, iters: int
             case.results["ours_eager"] = timed(partial(eager, plan))
             kv_read = case.batch * case.context * kv_token
             floor_ms = (w_bytes + kv_read) / H200_BANDWIDTH * 1e3
-            best = case.results.get("ours_graph", case.results["ours_eager"])["median_ms"]
+            best = ours_ms(case.results)
             case.results.update(kv_bytes_read=kv_read, floor_ms=floor_ms, floor_fraction=floor_ms / best,
                                 tokens_per_s=case.batch / best * 1e3)
         else:
@@ -264,8 +269,8 @@ def run_hf(path: Path, device: torch.device, dtype: torch.dtype, mode: str, case
                     if generate_tokens and case.batch == 1:
                         prompt = torch.randint(0, vocab, (1, case.context - 1), device=device)
                         case.results.update(time_hf_generate(model, prompt, generate_tokens, device))
-                        ours = case.results.get("ours_graph", case.results["ours_eager"])["median_ms"]
-                        case.results["speedup_vs_hf_generate"] = case.results["hf_generate"]["median_ms"] / ours
+                        case.results["speedup_vs_hf_generate"] = (case.results["hf_generate"]["median_ms"]
+                                                                  / ours_ms(case.results))
                 else:
                     prefill = partial(model, input_ids=ids, use_cache=False, logits_to_keep=1)
                     case.results["hf"] = summary(time_steps(prefill, device, warmup, iters))
@@ -273,8 +278,7 @@ def run_hf(path: Path, device: torch.device, dtype: torch.dtype, mode: str, case
             case.results["hf_error"] = f"{type(error).__name__}: {error}"
             tqdm.write(f"HF {case.name} failed: {case.results['hf_error']}")
         if "hf" in case.results:
-            ours = case.results.get("ours_graph", case.results["ours_eager"])["median_ms"]
-            case.results["speedup_vs_hf"] = case.results["hf"]["median_ms"] / ours
+            case.results["speedup_vs_hf"] = case.results["hf"]["median_ms"] / ours_ms(case.results)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         progress.update()
@@ -305,8 +309,8 @@ def table(cases: Sequence[Case]) -> str:
 def write_plot(result: dict[str, Any], path: Path) -> Path | None:
     """A PNG of a result's decode cases against batch size, a colour per context: the step time
     (ours: graph replays, eager where no graph ran; transformers' step when measured; the
-    bandwidth floor dashed) and the fraction of the floor reached. None, with a warning, when
-    matplotlib is not installed."""
+    bandwidth floor dashed) and the fraction of the floor reached; says where. None, with a
+    warning, when matplotlib is not installed."""
     plt = pyplot()
     if plt is None:
         return None
@@ -317,7 +321,7 @@ def write_plot(result: dict[str, Any], path: Path) -> Path | None:
     for i, context in enumerate(contexts):
         color = f"C{i}"
         rows = sorted((c for c in decodes if c["context"] == context), key=lambda c: c["batch"])
-        ours = [(c["batch"], (c.get("ours_graph") or c["ours_eager"])["median_ms"]) for c in rows]
+        ours = [(c["batch"], ours_ms(c)) for c in rows]
         hf = [(c["batch"], c["hf"]["median_ms"]) for c in rows if "hf" in c]
         time_ax.plot(*zip(*ours), "o-", color=color, label=f"ours, C={context}")
         if hf:
@@ -341,7 +345,9 @@ def write_plot(result: dict[str, Any], path: Path) -> Path | None:
     meta = result["metadata"]
     fig.suptitle(f"{meta.get('preset') or meta.get('model_dir')}, {meta['dtype']}, {meta['device']} "
                  f"({meta['date'][:10]})", fontsize="medium")
-    return save_figure(plt, fig, path)
+    save_figure(plt, fig, path)
+    print(f"wrote {path}")
+    return path
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -377,8 +383,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                       {k: v for k, v in c.items() if k not in ("case", "kind", "batch", "context")})
                  for c in result["cases"]]
         print(table(cases))
-        if args.plot is not None and write_plot(result, args.plot) is not None:
-            print(f"wrote {args.plot}")
+        if args.plot is not None:
+            write_plot(result, args.plot)
         return result
     device = resolve_device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -417,8 +423,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     print(table(cases))
     write_json(result, args.out)
-    if args.plot is not None and write_plot(result, args.plot) is not None:
-        print(f"wrote {args.plot}")
+    if args.plot is not None:
+        write_plot(result, args.plot)
     return result
 
 

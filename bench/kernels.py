@@ -232,14 +232,15 @@ def sweep_decode(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:
 
 
 def sweep_linear(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:
-    """Alternative (BLOCK_N, SPLIT_K) for the tensor-core linear at 2, 8 and 16 rows, each shape
-    class's chosen configuration among them."""
-    for block_n, split_k in [(32, 1), (32, 4), (64, 1), (64, 4), (64, 8), (128, 1), (128, 2)]:
-        config = (block_n, 128, split_k, 4, 3)
+    """Alternative (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) for the tensor-core linear at 2, 8
+    and 16 rows, each shape class's chosen configuration (linear._dot_config) among them."""
+    tiles = [(block_n, 128, split_k, 4, 3) for block_n, split_k in
+             [(32, 1), (32, 4), (64, 1), (64, 4), (64, 8), (128, 1), (128, 2)]]
+    for config in [*tiles, (64, 512, 3, 8, 1)]:  # the last: the narrow layers' whole-slice tiles
         with patched(linear, "_dot_config", lambda n, k, config=config: config):
             for r in bench_linear(dtype, (2, 8, 16)):
                 if r["path"] == "linear_dot":
-                    yield {**r, "op": f"{r['op']} BLOCK_N={block_n} SPLIT_K={split_k}"}
+                    yield {**r, "op": f"{r['op']} config={config}"}
 
 
 SWEEPS = {"prefill": sweep_prefill, "decode": sweep_decode, "linear": sweep_linear}

@@ -151,8 +151,12 @@ def bench_decode(dtype: torch.dtype, gen: torch.Generator, shapes: list[tuple[in
                  label: str = "") -> Iterator[Row]:
     for batch, ctx in shapes:
         k_cache, v_cache, tables, lens = paged_cache([ctx] * batch, dtype, gen)
-        q = torch.randn(batch, HQ, HEAD_DIM, device="cuda", dtype=dtype)
-        args = (q, k_cache, v_cache, tables, lens, HEAD_DIM**-0.5, ctx)
+        # the step's new tokens (the last of each context): RoPE and their K/V store included
+        q, k, v = torch.randn(batch, HQ + 2 * HKV, HEAD_DIM, device="cuda", dtype=dtype).split([HQ, HKV, HKV], dim=1)
+        last = lens.long() - 1
+        slots = tables.long().gather(1, (last // BLOCK)[:, None])[:, 0] * BLOCK + last % BLOCK
+        cos_sin = torch.randn(ctx, HEAD_DIM, device="cuda")
+        args = (q, k, v, last, cos_sin, k_cache, v_cache, slots, tables, lens, HEAD_DIM**-0.5, ctx)
         parts = decode_attention._num_partitions(ctx, batch, HKV, q.device)
         kv_bytes = 2 * batch * ctx * HKV * HEAD_DIM * k_cache.element_size()
         yield row("paged_decode_attention" + label, f"B={batch} ctx={ctx}",

@@ -55,14 +55,14 @@ class Attention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, _ = ops.rope_and_store_kv(
-            q, k, v, positions, self.rotary.cos_sin_cache, self.k_cache, self.v_cache, ctx.slot_mapping
-        )
-        if ctx.is_decode:
+        cos_sin = self.rotary.cos_sin_cache
+        if ctx.is_decode:  # RoPE and the K/V store happen inside the decode attention
             out = ops.paged_decode_attention(
-                q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens, self.scale, ctx.max_context_len
+                q, k, v, positions, cos_sin, self.k_cache, self.v_cache, ctx.slot_mapping,
+                ctx.block_tables, ctx.context_lens, self.scale, ctx.max_context_len,
             )
         else:
+            q, _ = ops.rope_and_store_kv(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, ctx.slot_mapping)
             out = ops.paged_prefill_attention(
                 q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.block_tables, ctx.context_lens,
                 self.scale, ctx.max_query_len,

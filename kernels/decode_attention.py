@@ -1,4 +1,5 @@
-"""Paged decode attention: one query token per sequence against its cached context."""
+"""Paged decode attention: each sequence's new token, rotated and stored into the paged cache,
+attends to its whole cached context (the new token included)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.checks import dot_precision
+from kernels.rope import check_new_tokens, rope_and_store_kv_ref
 
 
 def gather_kv(
@@ -25,6 +27,33 @@ def gather_kv(
 
 def paged_decode_attention_ref(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int,
+) -> torch.Tensor:
+    """One decode step's attention: :func:`~kernels.rope.rope_and_store_kv_ref` on the step's
+    new tokens (q, k rotated; rotated k and plain v written to the caches at ``slot_mapping``),
+    then :func:`cached_decode_attention_ref` of the rotated q.
+
+    Shapes as in those two: q ``[B, Hq, D]``, k and v ``[B, Hkv, D]``, positions and
+    slot_mapping ``[B]``. Decode contract (the Triton kernel relies on it): the new token of
+    sequence b is its last, ``slot_mapping[b]`` is the slot of token ``context_lens[b] - 1``
+    under ``block_tables[b]``. Returns ``[B, Hq, D]`` in q's dtype.
+    """
+    q_rot, _ = rope_and_store_kv_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    return cached_decode_attention_ref(q_rot, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
+
+
+def cached_decode_attention_ref(
+    q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
@@ -32,7 +61,8 @@ def paged_decode_attention_ref(
     scale: float,
     max_context_len: int,
 ) -> torch.Tensor:
-    """Attention of one query per sequence over its ``context_lens[b]`` cached tokens.
+    """Attention of one (already rotated) query per sequence over its ``context_lens[b]``
+    cached tokens.
 
     Shapes: q ``[B, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]``, block_tables
     ``[B, max_blocks]`` int32, context_lens ``[B]`` int32 (each >= 1 and
@@ -87,10 +117,11 @@ def _partition_size(context_len, num_partitions, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_partition_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    q_ptr, k_new_ptr, v_new_ptr, pos_ptr, cos_sin_ptr, slot_ptr,
+    k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, m_ptr, l_ptr, part_ptr,
     qk_scale, max_len,
-    stride_qb, stride_qh,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cos,
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_ob, stride_oh,
@@ -101,31 +132,62 @@ def _decode_partition_kernel(
     part = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
-    # Before the wait (the previous kernel may still run, see kernels.pdl): the context length
-    # and the first tile's block ids, step inputs. In the loop, block ids are loaded a tile
-    # ahead of the K/V gather they address.
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    # Rotate-half RoPE as one multiply-add per element: out[d] = x[d] * cos + x[pair] * signed_sin,
+    # pair = d +- D/2, the sine negated on the first half (rope_and_store_kv_ref's formula).
+    half = head_dim // 2
+    first = d < half
+    pair = tl.where(first, d + half, d - half)
+    freq = tl.where(first, d, d - half)
+    # Before the wait (the previous kernel may still run, see kernels.pdl): step inputs (context
+    # length, the first tile's block ids, position, slot) and the constant cos/sin table. In the
+    # loop, block ids are loaded a tile ahead of the K/V gather they address.
     context_len = tl.minimum(tl.load(context_lens_ptr + seq), max_len)
     partition_size = _partition_size(context_len, num_partitions, BLOCK_N)
     start = part * partition_size
     end = tl.minimum(start + partition_size, context_len)
     n = start + tl.arange(0, BLOCK_N)
     block = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n < end, other=0)
+    pos = tl.load(pos_ptr + seq).to(tl.int64)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cos + freq, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cos + half + freq, mask=d_mask, other=0.0).to(tl.float32)
+    signed_sin = tl.where(first, -sin, sin)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     # Empty partitions exit at once; the single partition always writes (zeros for an empty
     # context, e.g. a padding row of a CUDA-graph batch).
     if SINGLE_PARTITION or start < context_len:
+        cache_ty = k_cache_ptr.dtype.element_ty
+        # The new token (the sequence's last, at `slot`): its K/V come from the projection, not
+        # the cache. The partition that holds it stores it; every tile takes it from registers
+        # (other programs never read that slot, and this one may have loaded it stale).
+        newest = context_len - 1
+        k_ptrs = k_new_ptr + seq * stride_kb + kv_head * stride_kh
+        k_rot = (tl.load(k_ptrs + d, mask=d_mask, other=0.0).to(tl.float32) * cos
+                 + tl.load(k_ptrs + pair, mask=d_mask, other=0.0).to(tl.float32) * signed_sin)
+        # Rounded to k's dtype first, as the reference returns and stores it.
+        k_rot = k_rot.to(k_new_ptr.dtype.element_ty).to(cache_ty)
+        v_new = tl.load(v_new_ptr + seq * stride_vb + kv_head * stride_vh + d, mask=d_mask, other=0.0).to(cache_ty)
+        newest_d = newest + d * 0  # per element: the interpreter rejects a scalar bool in a mask
+        store_mask = d_mask & (newest_d >= start) & (newest_d < end)
+        slot_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch + d
+        tl.store(k_cache_ptr + slot_off, k_rot, mask=store_mask)
+        tl.store(v_cache_ptr + slot_off, v_new, mask=store_mask)
+
         g = tl.arange(0, BLOCK_G)
-        d = tl.arange(0, BLOCK_D)
         g_mask = g < group
-        d_mask = d < head_dim
         heads = kv_head * group + g
-        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        q_mask = g_mask[:, None] & d_mask[None, :]
+        q_ptrs = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
+        q = (tl.load(q_ptrs + d[None, :], mask=q_mask, other=0.0).to(tl.float32) * cos[None, :]
+             + tl.load(q_ptrs + pair[None, :], mask=q_mask, other=0.0).to(tl.float32) * signed_sin[None, :])
         # tl.dot wants both operands in one dtype: the cache's (bf16 x bf16 products are exact
-        # in the fp32 accumulator, so scores are as precise as an fp32 computation).
-        q = q.to(k_cache_ptr.dtype.element_ty)
+        # in the fp32 accumulator, so scores are as precise as an fp32 computation). q is
+        # rounded to its own dtype first, as the reference's rotated q is.
+        q = q.to(q_ptr.dtype.element_ty).to(cache_ty)
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -140,6 +202,9 @@ def _decode_partition_kernel(
             v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             n_next = n + BLOCK_N
             block = tl.load(block_tables_ptr + seq * stride_bt + n_next // BLOCK_SIZE, mask=n_next < end, other=0)
+            is_newest = (n == newest)[:, None]
+            k = tl.where(is_newest, k_rot[None, :], k)
+            v = tl.where(is_newest, v_new[None, :], v)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N], log2 units
             s = tl.where(n_mask[None, :], s, float("-inf"))
             # The first tile holds token `start` < end, so m_new is finite from then on and
@@ -260,23 +325,33 @@ def _check_paged_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 def paged_decode_attention(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
     max_context_len: int,
 ) -> torch.Tensor:
-    """Triton :func:`paged_decode_attention_ref` (same shapes, invariants and result).
+    """Triton :func:`paged_decode_attention_ref`: RoPE, the K/V store and the attention of a
+    decode step in one kernel (plus the split-KV reduce), under the reference's decode contract.
 
-    q may be a strided view with unit stride in D. Returns a new contiguous ``[B, Hq, D]``
-    tensor in q's dtype. No host sync: safe to capture in a CUDA graph for a fixed
-    (B, max_context_len); context_lens may then change between replays. A row with
-    context_len 0 (outside the contract) yields zeros, where the reference yields NaN.
+    q, k, v may be strided views (slices of the fused qkv projection) with unit stride in D.
+    Returns a new contiguous ``[B, Hq, D]`` tensor in q's dtype; the caches get the new tokens'
+    rotated k and plain v. No host sync: safe to capture in a CUDA graph for a fixed
+    (B, max_context_len); context_lens, tables, positions and slots may change between replays.
+    Padding rows of a graph batch (context length 1, a shared dummy slot) get unspecified output
+    and race only on the dummy slot. A row with context_len 0 (outside the contract) yields
+    zeros, where the reference yields NaN.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
     batch, num_heads, head_dim = q.shape
+    check_new_tokens(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     _check_paged_cache(q, k_cache, v_cache, block_tables, context_lens, batch)
     if max_context_len < 1:
         raise ValueError(f"max_context_len must be >= 1, got {max_context_len}")
@@ -296,9 +371,10 @@ def paged_decode_attention(
         l = torch.empty_like(m)
         partials = torch.empty((batch, num_heads, num_partitions, head_dim), dtype=torch.float32, device=q.device)
     _decode_partition_kernel[(num_partitions, num_kv_heads, batch)](
-        q, k_cache, v_cache, block_tables, context_lens, out, m, l, partials,
+        q, k, v, positions, cos_sin_cache, slot_mapping,
+        k_cache, v_cache, block_tables, context_lens, out, m, l, partials,
         scale * _LOG2E, max_len,
-        q.stride(0), q.stride(1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),

@@ -19,9 +19,10 @@ Invariants every kernel here keeps with ``USE_PDL``:
   anything a kernel of the current step may have written (activations, partial sums, the KV
   slots the step stores), so its completion implies its predecessor's and completion stays
   transitive along the stream;
-* before that wait it reads only weights and the step's inputs (token positions, slot mapping,
-  block tables, context lengths, the KV cache of earlier steps), which are written before the
-  step's first kernel: a kernel launched early starts after that first kernel did.
+* before that wait it reads only weights (and constant tables such as RoPE's) and the step's
+  inputs (token positions, slot mapping, block tables, context lengths, the KV cache of earlier
+  steps), which are written before the step's first kernel: a kernel launched early starts
+  after that first kernel did.
 
 Kernels launched without PDL (cuBLAS, NCCL, torch ops) wait for their predecessor's completion
 as always, and a PDL kernel after one of them starts only when it completes, so mixing them in

@@ -102,7 +102,7 @@ def _check_unit_stride(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
 
 
-def rope_and_store_kv(
+def check_new_tokens(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -111,15 +111,9 @@ def rope_and_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton :func:`rope_and_store_kv_ref`, one kernel, one program per token.
-
-    Same shapes and results as the reference. q, k, v may be strided views (e.g. slices of a
-    fused qkv projection) as long as the last dim has unit stride. Like the reference, the
-    rotated q and k are returned as new contiguous tensors and the inputs are left untouched;
-    the caches get rotated k and plain v at ``slot_mapping`` (every slot must lie in
-    ``[0, num_blocks * block_size)``; padding tokens may share one dummy slot).
-    """
+) -> None:
+    """ValueError unless the arguments fit :func:`rope_and_store_kv_ref`'s contract (shared by
+    the kernels that rotate and store a step's new tokens)."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     num_tokens, num_q_heads, head_dim = q.shape
@@ -151,6 +145,28 @@ def rope_and_store_kv(
         if tensors[name].dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"{name} must be float32, float16 or bfloat16, got {tensors[name].dtype}")
 
+
+def rope_and_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton :func:`rope_and_store_kv_ref`, one kernel, one program per token.
+
+    Same shapes and results as the reference. q, k, v may be strided views (e.g. slices of a
+    fused qkv projection) as long as the last dim has unit stride. Like the reference, the
+    rotated q and k are returned as new contiguous tensors and the inputs are left untouched;
+    the caches get rotated k and plain v at ``slot_mapping`` (every slot must lie in
+    ``[0, num_blocks * block_size)``; padding tokens may share one dummy slot).
+    """
+    check_new_tokens(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens == 0:

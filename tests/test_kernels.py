@@ -109,6 +109,27 @@ def rand(gen: torch.Generator, *shape: int, dtype: torch.dtype, device: torch.de
     return torch.randn(shape, generator=gen, dtype=torch.float32).to(device, dtype)
 
 
+def rope_table(max_pos: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    """``[max_pos, head_dim]`` fp32: cos in the first half, sin in the second (base 10000)."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+
+
+def last_slots(tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The slot of each sequence's last token (where a decode step stores its new K/V)."""
+    last = context_lens.long() - 1
+    return tables.long().gather(1, (last // block_size)[:, None])[:, 0] * block_size + last % block_size
+
+
+def new_decode_tokens(gen: torch.Generator, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's q, k, v: strided views of one qkv row per sequence, as the engine passes them."""
+    qkv = rand(gen, batch, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    return q, k, v
+
+
 # --------------------------------------------------------------------------------------------
 # Case runners: one body per kernel, used by the CPU (interpreter) and the GPU tests
 # --------------------------------------------------------------------------------------------
@@ -171,9 +192,7 @@ def check_rope(num_tokens: int, num_pad: int, num_heads: int, num_kv_heads: int,
     k = k.view(total, num_kv_heads, head_dim)
     v = v.view(total, num_kv_heads, head_dim)
     positions = torch.randint(0, max_pos, (total,), generator=gen).to(device)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+    cos_sin_cache = rope_table(max_pos, head_dim, device)
     num_blocks = math.ceil(total / block_size) + 2
     slots = 1 + torch.randperm(num_blocks * block_size - 1, generator=gen)[:num_tokens]
     slot_mapping = torch.cat((slots, torch.zeros(num_pad, dtype=torch.long))).to(device)
@@ -206,14 +225,25 @@ def check_decode(context_lens: list[int], max_context_len: int, num_heads: int, 
     batch = len(context_lens)
     k_cache, v_cache, k_clean, v_clean, tables = make_paged_cache(
         context_lens, block_size, num_kv_heads, head_dim, dtype, device, gen)
-    # q as a strided view (a slice of a wider buffer), as the engine passes it
-    q = rand(gen, batch, num_heads + 1, head_dim, dtype=dtype, device=device)[:, 1:]
+    q, k, v = new_decode_tokens(gen, batch, num_heads, num_kv_heads, head_dim, dtype, device)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    positions = lens.long() - 1
+    slots = last_slots(tables, lens, block_size)
+    cos_sin = rope_table(max(context_lens), head_dim, device)
+    # The new tokens' slots hold NaN: the kernel must take their K/V from k and v, never the cache.
+    flat = (-1, num_kv_heads, head_dim)
+    k_cache.view(flat)[slots] = float("nan")
+    v_cache.view(flat)[slots] = float("nan")
     scale = head_dim**-0.5
-    out = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, max_context_len)
-    ref = decode_attention.paged_decode_attention_ref(q, k_clean, v_clean, tables, lens, scale, max_context_len)
+    out = decode_attention.paged_decode_attention(q, k, v, positions, cos_sin, k_cache, v_cache, slots, tables, lens,
+                                                  scale, max_context_len)
+    ref = decode_attention.paged_decode_attention_ref(q, k, v, positions, cos_sin, k_clean, v_clean, slots, tables,
+                                                      lens, scale, max_context_len)
     assert out.shape == (batch, num_heads, head_dim) and out.dtype == dtype
     assert_close(out, ref, *ATTENTION_TOL[dtype])
+    # ... and store them as rope_and_store_kv_ref does (rotated k, plain v).
+    assert_close(k_cache.view(flat)[slots], k_clean.view(flat)[slots], *ELEMENTWISE_TOL[dtype])
+    assert torch.equal(v_cache.view(flat)[slots], v_clean.view(flat)[slots])
 
 
 def check_prefill(query_lens: list[int], context_lens: list[int], num_heads: int, num_kv_heads: int,
@@ -351,11 +381,12 @@ def test_decode_split_ignores_max_context_len(interpreter: None) -> None:
     graph captured for max_model_len) gives the bits of one sized for the live lengths."""
     gen = torch.Generator().manual_seed(7)
     k_cache, v_cache, _, _, tables = make_paged_cache([70, 250], 16, 2, 16, torch.float32, CPU, gen)
-    q = rand(gen, 2, 4, 16, dtype=torch.float32, device=CPU)
+    q, k, v = new_decode_tokens(gen, 2, 4, 2, 16, torch.float32, CPU)
     lens = torch.tensor([70, 250], dtype=torch.int32)
+    new = (q, k, v, lens.long() - 1, rope_table(250, 16, CPU), k_cache, v_cache, last_slots(tables, lens, 16))
     padded = torch.cat([tables, tables[:, :1].expand(-1, 240)], dim=1)  # room for 4096 tokens
-    exact = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, 250)
-    graph_sized = decode_attention.paged_decode_attention(q, k_cache, v_cache, padded, lens, 0.25, 4096)
+    exact = decode_attention.paged_decode_attention(*new, tables, lens, 0.25, 250)
+    graph_sized = decode_attention.paged_decode_attention(*new, padded, lens, 0.25, 4096)
     assert torch.equal(exact, graph_sized)
 
 
@@ -409,10 +440,15 @@ def test_wrappers_reject_bad_inputs() -> None:
         linear.linear_dot(torch.randn(8, 4).t(), torch.randn(3, 8))
     with pytest.raises(ValueError, match="even"):
         activation.silu_and_mul(torch.randn(4, 7))
+    new = (torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16), torch.zeros(2, dtype=torch.int64),
+           torch.randn(8, 16), torch.randn(8, 4, 2, 16), torch.randn(8, 4, 2, 16), torch.zeros(2, dtype=torch.int64))
     with pytest.raises(ValueError, match="int32"):
         decode_attention.paged_decode_attention(
-            torch.randn(2, 4, 16), torch.randn(8, 4, 2, 16), torch.randn(8, 4, 2, 16),
-            torch.zeros(2, 3, dtype=torch.int64), torch.ones(2, dtype=torch.int32), 0.25, 8)
+            *new, torch.zeros(2, 3, dtype=torch.int64), torch.ones(2, dtype=torch.int32), 0.25, 8)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        decode_attention.paged_decode_attention(
+            *new[:7], torch.zeros(3, dtype=torch.int64), torch.zeros(2, 3, dtype=torch.int32),
+            torch.ones(2, dtype=torch.int32), 0.25, 8)
     with pytest.raises(ValueError, match="multiple of KV heads"):
         prefill_attention.paged_prefill_attention(
             torch.randn(3, 3, 16), torch.randn(8, 4, 2, 16), torch.randn(8, 4, 2, 16),
@@ -520,14 +556,17 @@ def test_paged_decode_attention_gpu(cuda: torch.device, case: str, dtype: torch.
 
 @pytest.mark.gpu
 def test_paged_decode_attention_cuda_graph(cuda: torch.device) -> None:
-    """Captured once for (batch, max_context_len), replayed after the lengths and tables change."""
+    """Captured once for (batch, max_context_len), replayed after the lengths, tables, new
+    tokens and their slots change."""
     gen = torch.Generator().manual_seed(6)
     batch, max_len, dtype = 4, 2048, torch.bfloat16
     k_cache, v_cache, _, _, tables = make_paged_cache(
         [max_len] * batch, BLOCK, HKV, HEAD_DIM, dtype, cuda, gen)
-    q = rand(gen, batch, HQ, HEAD_DIM, dtype=dtype, device=cuda)
+    q, k, v = new_decode_tokens(gen, batch, HQ, HKV, HEAD_DIM, dtype, cuda)
     lens = torch.full((batch,), 10, dtype=torch.int32, device=cuda)
-    args = (q, k_cache, v_cache, tables, lens, HEAD_DIM**-0.5, max_len)
+    positions, slots = lens.long() - 1, last_slots(tables, lens, BLOCK)
+    args = (q, k, v, positions, rope_table(max_len, HEAD_DIM, cuda), k_cache, v_cache, slots, tables, lens,
+            HEAD_DIM**-0.5, max_len)
     decode_attention.paged_decode_attention(*args)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -535,9 +574,12 @@ def test_paged_decode_attention_cuda_graph(cuda: torch.device) -> None:
     for new_lens in ([1, 2048, 300, 17], [2048, 5, 1024, 1025]):
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         tables.copy_(tables[torch.randperm(batch, generator=gen)])
-        q.copy_(rand(gen, batch, HQ, HEAD_DIM, dtype=dtype, device=cuda))
+        positions.copy_(lens.long() - 1)
+        slots.copy_(last_slots(tables, lens, BLOCK))
+        for t in (q, k, v):
+            t.copy_(rand(gen, *t.shape, dtype=dtype, device=cuda))
         graph.replay()
-        ref = decode_attention.paged_decode_attention_ref(*args)
+        ref = decode_attention.paged_decode_attention_ref(*args)  # rewrites the new tokens' slots
         assert_close(out, ref, *ATTENTION_TOL[dtype])
 
 
@@ -585,13 +627,12 @@ def _decode_layer_chain(cuda: torch.device) -> list[torch.Tensor]:
     freqs = torch.arange(512, dtype=torch.float32)[:, None] * torch.rand(HEAD_DIM // 2, generator=gen)[None, :]
     cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(cuda)
     positions = torch.tensor([299], device=cuda)
-    slots = (tables[0, 299 // BLOCK].long() * BLOCK + 299 % BLOCK).reshape(1)
     lens = torch.tensor([300], dtype=torch.int32, device=cuda)
     x, residual = rmsnorm.fused_add_rms_norm(hidden, residual, norm, 1e-6)
     q, k, v = linear.linear_kernel(x, weights[0]).split([HQ * HEAD_DIM, HKV * HEAD_DIM, HKV * HEAD_DIM], dim=-1)
-    q, _ = rope.rope_and_store_kv(q.view(1, HQ, HEAD_DIM), k.view(1, HKV, HEAD_DIM), v.view(1, HKV, HEAD_DIM),
-                                  positions, cos_sin, k_cache, v_cache, slots)
-    attn = decode_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, HEAD_DIM**-0.5, 4096)
+    attn = decode_attention.paged_decode_attention(
+        q.view(1, HQ, HEAD_DIM), k.view(1, HKV, HEAD_DIM), v.view(1, HKV, HEAD_DIM), positions, cos_sin,
+        k_cache, v_cache, last_slots(tables, lens, BLOCK), tables, lens, HEAD_DIM**-0.5, 4096)
     o = linear.linear_kernel(attn.reshape(1, HQ * HEAD_DIM), weights[1])
     x, residual = rmsnorm.fused_add_rms_norm(o, residual, norm, 1e-6)
     down = linear.linear_kernel(activation.silu_and_mul(linear.linear_kernel(x, weights[2])), weights[3])

@@ -161,9 +161,9 @@ def _decode_partition_kernel(
     # context, e.g. a padding row of a CUDA-graph batch).
     if SINGLE_PARTITION or start < context_len:
         cache_ty = k_cache_ptr.dtype.element_ty
-        # The new token (the sequence's last, at `slot`): its K/V come from the projection, not
-        # the cache. The partition that holds it stores it; every tile takes it from registers
-        # (other programs never read that slot, and this one may have loaded it stale).
+        # The new token (the sequence's last, at `slot`): the partition that holds it stores its
+        # rotated K and its V before the loop, and the barrier makes the stores visible to every
+        # thread of the program before the loop gathers that slot. No other program reads it.
         newest = context_len - 1
         k_ptrs = k_new_ptr + seq * stride_kb + kv_head * stride_kh
         k_rot = (tl.load(k_ptrs + d, mask=d_mask, other=0.0).to(tl.float32) * cos
@@ -176,6 +176,7 @@ def _decode_partition_kernel(
         slot_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch + d
         tl.store(k_cache_ptr + slot_off, k_rot, mask=store_mask)
         tl.store(v_cache_ptr + slot_off, v_new, mask=store_mask)
+        tl.debug_barrier()
 
         g = tl.arange(0, BLOCK_G)
         g_mask = g < group
@@ -202,9 +203,6 @@ def _decode_partition_kernel(
             v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             n_next = n + BLOCK_N
             block = tl.load(block_tables_ptr + seq * stride_bt + n_next // BLOCK_SIZE, mask=n_next < end, other=0)
-            is_newest = (n == newest)[:, None]
-            k = tl.where(is_newest, k_rot[None, :], k)
-            v = tl.where(is_newest, v_new[None, :], v)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N], log2 units
             s = tl.where(n_mask[None, :], s, float("-inf"))
             # The first tile holds token `start` < end, so m_new is finite from then on and

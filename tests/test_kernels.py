@@ -230,7 +230,7 @@ def check_decode(context_lens: list[int], max_context_len: int, num_heads: int, 
     positions = lens.long() - 1
     slots = last_slots(tables, lens, block_size)
     cos_sin = rope_table(max(context_lens), head_dim, device)
-    # The new tokens' slots hold NaN: the kernel must take their K/V from k and v, never the cache.
+    # The new tokens' slots hold NaN: the kernel must store their K/V (from k and v) before it reads them.
     flat = (-1, num_kv_heads, head_dim)
     k_cache.view(flat)[slots] = float("nan")
     v_cache.view(flat)[slots] = float("nan")

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.checks import dot_precision
+from kernels.checks import FLOAT_DTYPES, dot_precision
 from kernels.rope import check_new_tokens, rope_and_store_kv_ref
 
 
@@ -304,7 +304,7 @@ def _check_paged_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
     for name, t in (("q", q), ("k_cache", k_cache)):
-        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if t.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.checks import FLOAT_DTYPES
 
 
 def rope_and_store_kv_ref(
@@ -142,7 +143,7 @@ def check_new_tokens(
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
         _check_unit_stride(name, t)
     for name in ("q", "k", "v", "k_cache", "v_cache", "cos_sin_cache"):
-        if tensors[name].dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if tensors[name].dtype not in FLOAT_DTYPES:
             raise ValueError(f"{name} must be float32, float16 or bfloat16, got {tensors[name].dtype}")
 
 

@@ -206,13 +206,13 @@ def linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 # Loads along K are masked only when K is not a multiple of BLOCK_K (EVEN_K): a mask along the
 # contiguous dimension costs the 16-byte vector loads.
 #
-# Narrow layers (o_proj, down: 1536 features) give too few programs to keep 132 SMs busy, so
-# SPLIT_K > 1 also splits K: program (n, m, s) covers K range [s * k_per_split, ...) and writes
-# its fp32 partial tile to a workspace [splits, M, N]; _split_k_reduce_kernel then sums the
-# partials in a fixed order, adds the bias and casts. Unlike fp32 atomics, the result does not
-# depend on program timing (bitwise reproducible, which CUDA-graph replays and tests rely on).
-# The workspace moves 2 * splits * M * N * 4 bytes (mostly in L2), small against the weight's
-# N * K * 2 when 4 * splits * M << K.
+# Layers with few outputs (o_proj, down: 1536 features; "narrow" and "long" below) give too few
+# programs to keep 132 SMs busy, so SPLIT_K > 1 also splits K: program (n, m, s) covers K range
+# [s * k_per_split, ...) and writes its fp32 partial tile to a workspace [splits, M, N];
+# _split_k_reduce_kernel then sums the partials in a fixed order, adds the bias and casts.
+# Unlike fp32 atomics, the result does not depend on program timing (bitwise reproducible,
+# which CUDA-graph replays and tests rely on). The workspace moves 2 * splits * M * N * 4 bytes
+# (mostly in L2), small against the weight's N * K * 2 when 4 * splits * M << K.
 # --------------------------------------------------------------------------------------------
 
 

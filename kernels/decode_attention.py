@@ -94,11 +94,12 @@ def cached_decode_attention_ref(
 # log2(e), so exp2 replaces exp and the partials stay consistent across kernels.
 #
 # The number of partitions P is chosen on the host from the batch shape (enough programs to
-# fill the GPU) and capped by max_context_len / BLOCK_N, so the grid is static under CUDA
-# graphs. Each sequence then splits its own context into P partitions of equal size, rounded
-# up to whole BLOCK_N tiles (never below one): the split follows the live length, not
-# max_context_len, so a graph captured for a 32k max_model_len runs a 2k-token batch as well as
-# one captured for 2k, and a long sequence in a batch of short ones gets all P programs.
+# fill the GPU in one wave) and capped so that a max_context_len sequence's partitions hold
+# _MIN_PARTITION_TILES tiles each, so the grid is static under CUDA graphs. Each sequence then
+# splits its own context into P partitions of equal size, rounded up to whole BLOCK_N tiles
+# (never below one): the split follows the live length, not max_context_len, so a graph
+# captured for a 32k max_model_len runs a 2k-token batch as well as one captured for 2k, and a
+# long sequence in a batch of short ones gets all P programs.
 # With P = 1 the kernel writes the output directly; otherwise it writes (m, l, acc / l) per
 # partition and the reduce kernel merges them. A partition starting at or beyond a sequence's
 # context length (rounding leaves some) does nothing and the reduce kernel skips it (it
@@ -268,7 +269,8 @@ def _decode_reduce_kernel(
 
 
 _BLOCK_N = 64  # tokens per KV tile: 4 pages of 16; [64, 128] bf16 tiles for K and for V
-_TARGET_PROGRAMS_PER_SM = 4  # enough resident programs per SM to hide the gather latency
+_TARGET_PROGRAMS_PER_SM = 4  # resident programs an SM (registers allow 4 of 4 warps): one wave
+_MIN_PARTITION_TILES = 2  # tiles a partition of a max_context_len sequence holds at least
 _WARPS_STAGES = (4, 2)  # num_warps, num_stages of the partition kernel
 
 
@@ -280,15 +282,18 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _num_partitions(max_context_len: int, batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Partitions per (sequence, KV head): enough that batch x KV heads x partitions fills the GPU
-    (several programs per SM) when batch x KV heads alone cannot, and no more than
-    max_context_len has tiles.
+    """Partitions per (sequence, KV head): as many as fit batch x KV heads x partitions programs
+    in one wave (_TARGET_PROGRAMS_PER_SM resident programs an SM), at least one, and no more than
+    leaves each partition of a max_context_len sequence _MIN_PARTITION_TILES tiles.
 
+    One wave, not more: a second, partly filled wave costs as much as a full one (batch 128 at
+    2048 tokens: 3 partitions, 768 programs, take 0.3 ms a step longer than 2, 512 programs).
+    Partitions of one tile spend as much on their partial and its merge as on their keys.
     Depends only on host ints and shapes, so a CUDA graph captured for (batch, max_context_len)
     stays valid for every context length up to max_context_len.
     """
-    wanted = triton.cdiv(_TARGET_PROGRAMS_PER_SM * _num_sms(device), batch * num_kv_heads)
-    return max(1, min(wanted, triton.cdiv(max_context_len, _BLOCK_N)))
+    wave = _TARGET_PROGRAMS_PER_SM * _num_sms(device) // (batch * num_kv_heads)
+    return max(1, min(wave, triton.cdiv(max_context_len, _BLOCK_N * _MIN_PARTITION_TILES)))
 
 
 def _check_paged_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -403,7 +403,7 @@ PREFILL_CPU_CASES = {
     # an empty sequence in the batch (q_len 0), one exactly a tile long, and query tiles whose
     # first position sits just before a key-tile boundary (prefix 14: positions 14 and 30)
     "empty-seq": dict(query_lens=[16, 0, 7, 20], context_lens=[16, 3, 30, 34], tiles=(16, 16, 4, 1)),
-    # the GPU tile config (128 x 64): two query tiles over a 40-token prefix
+    # the GPU tile config (64 x 64): three query tiles over a 40-token prefix
     "gpu-tiles": dict(query_lens=[150], context_lens=[190], tiles=None),
 }
 

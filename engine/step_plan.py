@@ -10,7 +10,7 @@ slow start.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 import msgpack
 import zmq
@@ -47,7 +47,9 @@ PeerMessage = StepPlan | KVCommand
 
 def encode_message(message: PeerMessage) -> bytes:
     kind = "step" if isinstance(message, StepPlan) else "kv"
-    return msgpack.packb({"kind": kind, **asdict(message)})
+    # The fields as they are: dataclasses.asdict deep-copies every list, 25 ms for the block
+    # tables of 128 sequences of 2k tokens, where msgpack alone takes 0.6.
+    return msgpack.packb({"kind": kind, **{f.name: getattr(message, f.name) for f in fields(message)}})
 
 
 def decode_message(data: bytes) -> PeerMessage:

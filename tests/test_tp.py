@@ -12,6 +12,17 @@ from engine.config import CacheConfig, EngineConfig
 from engine.engine import LLMEngine
 from engine.parallel import check_tp_size, head_shard, split_range
 from engine.sampling import SamplingParams
+from engine.step_plan import KVCommand, StepPlan, decode_message, encode_message
+
+
+def test_peer_messages_round_trip() -> None:
+    """What the leader sends its peers comes back equal, nested block tables included."""
+    plan = StepPlan(input_ids=[5, 6], positions=[3, 0], slot_mapping=[19, 32], block_tables=[[4, 1], [2, 0]],
+                    context_lens=[4, 1], cu_seqlens_q=[0, 1, 2], sample_rows=[0, 1], is_decode=True,
+                    kv_ready=["t7"])
+    command = KVCommand(op="recv", transfer_id="t7", block_ids=[2, 9], peer_group=1)
+    assert decode_message(encode_message(plan)) == plan
+    assert decode_message(encode_message(command)) == command
 
 
 @pytest.mark.parametrize("num_kv_heads", range(1, 9))

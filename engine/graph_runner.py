@@ -18,7 +18,7 @@ import torch
 
 from engine.context import AttentionContext, set_context
 from engine.model import CausalLM
-from engine.step_plan import StepPlan
+from engine.step_plan import StepPlan, host_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class CudaGraphRunner:
         def load(buffer: torch.Tensor, values: list) -> None:
             # Straight from pinned memory into the static buffer; the caching host allocator
             # keeps the pinned block until the copy has run.
-            buffer.copy_(torch.tensor(values, dtype=buffer.dtype, pin_memory=True), non_blocking=True)
+            buffer.copy_(host_tensor(values, buffer.dtype, pin=True), non_blocking=True)
 
         load(self.input_ids[:batch], plan.input_ids)
         load(self.positions[:batch], plan.positions)

@@ -14,7 +14,7 @@ from engine.context import AttentionContext, set_context
 from engine.graph_runner import CudaGraphRunner
 from engine.parallel import TensorParallel, head_shard
 from engine.scheduler import ScheduledBatch
-from engine.step_plan import KVCommand, StepPlan, StepReceiver, StepSender
+from engine.step_plan import KVCommand, StepPlan, StepReceiver, StepSender, host_tensor
 from engine.weights import build_model
 
 if TYPE_CHECKING:
@@ -166,7 +166,7 @@ class ModelRunner:
         return to(plan.input_ids, torch.int64), to(plan.positions, torch.int64), context, to(plan.sample_rows, torch.int64)
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
+        host = host_tensor(values, dtype, pin=self.device.type == "cuda")
         return host.to(self.device, non_blocking=True)
 
     @torch.inference_mode()

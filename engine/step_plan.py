@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 import msgpack
+import numpy as np
+import torch
 import zmq
 
 
@@ -30,6 +32,18 @@ class StepPlan:
     is_decode: bool
     # Decode role: transfers whose received KV this step reads; each rank waits for its part.
     kv_ready: list[str] = field(default_factory=list)
+
+
+_NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64}
+
+
+def host_tensor(values: list, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A plan's list (or list of equal-length lists) of ints as a CPU tensor, page-locked if
+    ``pin`` (so that a non-blocking copy to the GPU is asynchronous). Through numpy: 2-3x faster
+    than ``torch.tensor`` on Python ints (128 block-table rows of 129 blocks: 0.67 ms against
+    1.5; it is paid every decode step)."""
+    host = torch.from_numpy(np.array(values, dtype=_NUMPY_DTYPES[dtype]))
+    return host.pin_memory() if pin else host
 
 
 @dataclass

@@ -12,7 +12,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.engine import LLMEngine
 from engine.parallel import check_tp_size, head_shard, split_range
 from engine.sampling import SamplingParams
-from engine.step_plan import KVCommand, StepPlan, decode_message, encode_message
+from engine.step_plan import KVCommand, StepPlan, decode_message, encode_message, host_tensor
 
 
 def test_peer_messages_round_trip() -> None:
@@ -23,6 +23,13 @@ def test_peer_messages_round_trip() -> None:
     command = KVCommand(op="recv", transfer_id="t7", block_ids=[2, 9], peer_group=1)
     assert decode_message(encode_message(plan)) == plan
     assert decode_message(encode_message(command)) == command
+
+
+def test_host_tensor_matches_torch_tensor() -> None:
+    """The numpy route gives torch.tensor's values, shapes and dtypes (block tables, slots, empty lists)."""
+    for values, dtype in (([[4, 1, 0], [2, 9, 7]], torch.int32), ([2**40, 3], torch.int64), ([], torch.int64)):
+        got = host_tensor(values, dtype, pin=False)
+        assert got.dtype == dtype and torch.equal(got, torch.tensor(values, dtype=dtype))
 
 
 @pytest.mark.parametrize("num_kv_heads", range(1, 9))

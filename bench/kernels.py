@@ -176,7 +176,7 @@ def bench_prefill(dtype: torch.dtype, gen: torch.Generator, shapes: list[tuple[l
         k_cache, v_cache, tables, lens = paged_cache(context_lens, dtype, gen)
         q = torch.randn(sum(query_lens), HQ, HEAD_DIM, device="cuda", dtype=dtype)
         cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-        args = (q, k_cache, v_cache, cu, tables, lens, HEAD_DIM**-0.5, max(query_lens))
+        args = (q, k_cache, v_cache, cu, tables, lens, HEAD_DIM**-0.5)
         pairs = sum(ql * (cl - ql) + ql * (ql + 1) // 2 for ql, cl in zip(query_lens, context_lens))
         flops = 4 * pairs * HQ * HEAD_DIM
 

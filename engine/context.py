@@ -27,7 +27,6 @@ class AttentionContext:
     context_lens: torch.Tensor  # [B] int32
     max_context_len: int  # host int: bounds context_lens, sizes the decode split-KV grid
     cu_seqlens_q: torch.Tensor | None = None  # [B + 1] int32, non-decode steps only
-    max_query_len: int = 1  # host int
 
 
 _context: AttentionContext | None = None

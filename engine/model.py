@@ -64,8 +64,7 @@ class Attention(nn.Module):
         else:
             q, _ = ops.rope_and_store_kv(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, ctx.slot_mapping)
             out = ops.paged_prefill_attention(
-                q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.block_tables, ctx.context_lens,
-                self.scale, ctx.max_query_len,
+                q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.block_tables, ctx.context_lens, self.scale
             )
         return self.o_proj(out.reshape(num_tokens, q_size))
 

@@ -100,7 +100,6 @@ class ModelRunner:
             context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
             max_context_len=num_tokens,
             cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            max_query_len=num_tokens,
         )
         tokens = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         self.forward(tokens, torch.arange(num_tokens, device=self.device), context, tokens[-1:])
@@ -161,7 +160,6 @@ class ModelRunner:
             context_lens=to(plan.context_lens, torch.int32),
             max_context_len=max(plan.context_lens),
             cu_seqlens_q=to(plan.cu_seqlens_q, torch.int32),
-            max_query_len=max(b - a for a, b in zip(plan.cu_seqlens_q, plan.cu_seqlens_q[1:])),
         )
         return to(plan.input_ids, torch.int64), to(plan.positions, torch.int64), context, to(plan.sample_rows, torch.int64)
 

@@ -18,7 +18,6 @@ def paged_prefill_attention_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    max_query_len: int,
 ) -> torch.Tensor:
     """Queries of sequence ``b`` are the *last* ``q_len_b`` tokens of its ``context_lens[b]``.
 
@@ -27,8 +26,8 @@ def paged_prefill_attention_ref(
     at position ``context_lens[b] - q_len_b + i`` and attends to every position ``<=`` it.
 
     Shapes: q ``[T, Hq, D]`` with ``T = cu_seqlens_q[-1]``, cu_seqlens_q ``[B + 1]`` int32,
-    block_tables ``[B, max_blocks]`` int32, context_lens ``[B]`` int32, every ``q_len_b <=
-    max_query_len``. Returns ``[T, Hq, D]`` in q's dtype; computed in fp32.
+    block_tables ``[B, max_blocks]`` int32, context_lens ``[B]`` int32, ``q_len_b <=
+    context_lens[b]``. Returns ``[T, Hq, D]`` in q's dtype; computed in fp32.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -56,9 +55,14 @@ def paged_prefill_attention_ref(
 # --------------------------------------------------------------------------------------------
 # Triton: flash-attention over the paged cache for a variable-length causal batch.
 #
-# Grid: (query tile, query head, sequence), sized by max_query_len (a host int); tiles past a
-# sequence's own q_len exit at once. The heaviest query tiles (the last ones, which see the
-# most keys) get the lowest program ids so they start first. A program holds BLOCK_M queries
+# Grid: (query tile, query head) over the batch's query tiles laid end to end: sequence b owns
+# tiles [cu_seqlens_q[b] // BLOCK_M + b, cu_seqlens_q[b + 1] // BLOCK_M + b + 1), room for its
+# ceil(q_len / BLOCK_M) tiles wherever its queries start, so T // BLOCK_M + B tiles cover any
+# batch of T tokens in B sequences. The grid depends on T and B alone (a CUDA graph captured
+# for T tokens and B sequences runs every batch that fits them: shorter sequences leave tiles
+# that exit at once); a program finds its sequence by binary search over cu_seqlens_q. Tiles
+# are taken from the end, so the heaviest ones (a sequence's last, which see the most keys)
+# start first. A program holds BLOCK_M queries
 # of one head and walks key tiles of BLOCK_N tokens gathered through the block table, with an
 # online softmax in base 2 (scores pre-multiplied by log2(e)). Keys fall into two ranges:
 #   [0, full_end): every query of the tile sees them, no mask is computed;
@@ -99,6 +103,21 @@ def _attend_tile(
 
 
 @triton.jit
+def _find_sequence(cu_seqlens_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
+    """The sequence whose tile range (see above) holds flat tile ``tile``: the last b with
+    cu_seqlens_q[b] // BLOCK_M + b <= tile, by binary search (those starts grow strictly)."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(cu_seqlens_ptr + mid) // BLOCK_M + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
     qk_scale,
@@ -106,14 +125,16 @@ def _prefill_kernel(
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_ot, stride_oh,
-    group, head_dim,
+    group, head_dim, num_seqs,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    m_tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.program_id(2).to(tl.int64)
-    q_start = tl.load(cu_seqlens_ptr + seq)
+    seq_idx = _find_sequence(cu_seqlens_ptr, tile, num_seqs, BLOCK_M)
+    q_start = tl.load(cu_seqlens_ptr + seq_idx)
+    m_tile = tile - (q_start // BLOCK_M + seq_idx)  # the tile's index within its sequence
+    seq = seq_idx.to(tl.int64)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
     if m_tile * BLOCK_M < q_len:
         context_len = tl.load(context_lens_ptr + seq)
@@ -176,13 +197,14 @@ def paged_prefill_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    max_query_len: int,
 ) -> torch.Tensor:
     """Triton :func:`paged_prefill_attention_ref` (same shapes, invariants and result).
 
     q may be a strided view with unit stride in D. Returns a new contiguous ``[T, Hq, D]``
-    tensor in q's dtype. No host sync (unlike the reference): the grid comes from
-    ``max_query_len`` and the shapes.
+    tensor in q's dtype. No host sync (unlike the reference), and the grid comes from the
+    shapes alone (T and B): safe to capture in a CUDA graph
+    for a fixed (T, B), with cu_seqlens_q, block tables and context lengths changing between
+    replays. Token rows past ``cu_seqlens_q[-1]`` (a graph's padding) get unspecified output.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, D], got {tuple(q.shape)}")
@@ -193,13 +215,11 @@ def paged_prefill_attention(
         raise ValueError(f"cu_seqlens_q is on {cu_seqlens_q.device}, q on {q.device}")
     batch = cu_seqlens_q.shape[0] - 1
     _check_paged_cache(q, k_cache, v_cache, block_tables, context_lens, batch)
-    if max_query_len < 0:
-        raise ValueError(f"max_query_len must be >= 0, got {max_query_len}")
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    if batch == 0 or num_tokens == 0 or max_query_len == 0:
+    if batch == 0 or num_tokens == 0:
         return out
     block_m, block_n, num_warps, num_stages = _tile_config(head_dim)
-    grid = (triton.cdiv(max_query_len, block_m), num_heads, batch)
+    grid = (num_tokens // block_m + batch, num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens, out,
         scale * _LOG2E,
@@ -207,7 +227,7 @@ def paged_prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        num_heads // k_cache.shape[2], head_dim,
+        num_heads // k_cache.shape[2], head_dim, batch,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=num_warps, num_stages=num_stages,

@@ -255,9 +255,8 @@ def check_prefill(query_lens: list[int], context_lens: list[int], num_heads: int
     q = rand(gen, sum(query_lens), num_heads, head_dim, dtype=dtype, device=device)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
-    max_q = max(query_lens)
-    out = prefill_attention.paged_prefill_attention(q, k_cache, v_cache, cu, tables, lens, scale, max_q)
-    ref = prefill_attention.paged_prefill_attention_ref(q, k_clean, v_clean, cu, tables, lens, scale, max_q)
+    out = prefill_attention.paged_prefill_attention(q, k_cache, v_cache, cu, tables, lens, scale)
+    ref = prefill_attention.paged_prefill_attention_ref(q, k_clean, v_clean, cu, tables, lens, scale)
     assert out.shape == q.shape and out.dtype == dtype
     assert_close(out, ref, *ATTENTION_TOL[dtype])
 
@@ -419,6 +418,27 @@ def test_paged_prefill_attention_interpreted(interpreter: None, monkeypatch: pyt
     check_prefill(**spec, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=dtype, device=CPU)
 
 
+def test_prefill_grid_padding_changes_no_bits(interpreter: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grid depends on T and B alone: the batch inside a larger one (padding token rows
+    past cu_seqlens_q[-1], empty padding sequences, as a CUDA graph captured for more tokens and
+    sequences runs it) gives the same bits on its own rows."""
+    monkeypatch.setattr(prefill_attention, "_tile_config", lambda head_dim: (16, 16, 4, 1))
+    gen = torch.Generator().manual_seed(6)
+    query_lens, context_lens = [5, 20], [5, 29]
+    k_cache, v_cache, _, _, tables = make_paged_cache(context_lens, 4, 2, 16, torch.float32, CPU, gen)
+    q = rand(gen, 25, 4, 16, dtype=torch.float32, device=CPU)
+    cu = torch.tensor([0, 5, 25], dtype=torch.int32)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    exact = prefill_attention.paged_prefill_attention(q, k_cache, v_cache, cu, tables, lens, 0.25)
+    padded_q = torch.cat([q, rand(gen, 39, 4, 16, dtype=torch.float32, device=CPU)])  # 64 token rows
+    padded_cu = torch.tensor([0, 5, 25, 25, 25, 25], dtype=torch.int32)  # 5 sequences, 3 empty
+    padded_tables = torch.cat([tables, torch.zeros(3, tables.shape[1], dtype=torch.int32)])
+    padded_lens = torch.tensor([*context_lens, 1, 1, 1], dtype=torch.int32)
+    padded = prefill_attention.paged_prefill_attention(
+        padded_q, k_cache, v_cache, padded_cu, padded_tables, padded_lens, 0.25)
+    assert torch.equal(padded[:25], exact)
+
+
 def test_wrappers_reject_bad_inputs() -> None:
     """Shape, dtype and stride errors are ValueErrors raised before any launch."""
     x = torch.randn(4, 8)
@@ -459,7 +479,7 @@ def test_wrappers_reject_bad_inputs() -> None:
         prefill_attention.paged_prefill_attention(
             torch.randn(3, 3, 16), torch.randn(8, 4, 2, 16), torch.randn(8, 4, 2, 16),
             torch.tensor([0, 3], dtype=torch.int32), torch.zeros(1, 3, dtype=torch.int32),
-            torch.full((1,), 3, dtype=torch.int32), 0.25, 3)
+            torch.full((1,), 3, dtype=torch.int32), 0.25)
 
 
 # --------------------------------------------------------------------------------------------

@@ -80,6 +80,8 @@ def run_demo(endpoint: str, prompts: tuple[str, ...], max_tokens: int) -> None:
 @click.option("--max-num-seqs", type=int, default=None, help="Most sequences a group runs at once [default: 256]")
 @click.option("--graph-max-batch", "cuda_graph_max_batch", type=int, default=None,
               help="Largest CUDA-graph decode batch [default: 128]")
+@click.option("--graph-max-prefill-tokens", "cuda_graph_max_prefill_tokens", type=int, default=None,
+              help="Largest CUDA-graph prefill step in tokens, 0 for none [default: 2048]")
 @click.option("--enforce-eager", is_flag=True, default=None, help="No CUDA graphs.")
 @click.option("--no-chunked-prefill", "enable_chunked_prefill", flag_value=False, default=None,
               help="Prefill whole prompts in their own steps (colocated baseline without chunking).")

@@ -14,7 +14,9 @@ What is timed (median of ``--iters`` calls after ``--warmup``; CUDA events on GP
   The runner's max_model_len is the longest case plus one block (``--max-model-len``): graphs
   size their split-KV grid for it. "eager" is the same plan through ``runner.forward(*runner.inputs(plan))``, what
   ``run`` does with ``enforce_eager=True`` (its grid sized for the batch's own context).
-* ours, prefill: ``ModelRunner.run`` of one prefill step (eager; logits of each last token).
+* ours, prefill: ``ModelRunner.run`` of one prefill step (logits of each last token): on CUDA
+  the replay of the prefill graph of its token bucket where one holds it (host-side copies
+  included), and "eager" the same plan through ``runner.forward``, as for decode.
 * HF, decode: one ``model(input_ids=[B, 1], past_key_values=StaticCache, logits_to_keep=1)``
   step (the argument is ``cache`` from transformers 5.24 on); the cache holds random K/V, is
   rewound to position C-1 before the timed run and advances one position per step, and
@@ -192,8 +194,10 @@ def run_ours(runner: ModelRunner, cases: Sequence[Case], warmup: int, iters: int
         else:
             tables = block_tables([case.context] * case.batch, bs, runner.num_blocks, gen)
             plan = prefill_plan(tables, tokens.tolist(), bs)
-            case.results["ours_eager"] = timed(partial(runner.run, plan))
-            best = case.results["ours_eager"]["median_ms"]
+            if runner.prefill_graph_runner is not None and runner.prefill_graph_runner.can_run(plan):
+                case.results["ours_graph"] = timed(partial(runner.run, plan))
+            case.results["ours_eager"] = timed(partial(eager, plan))
+            best = ours_ms(case.results)
             case.results["tokens_per_s"] = case.batch * case.context / best * 1e3
         progress.update()
 

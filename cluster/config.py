@@ -39,6 +39,7 @@ class ClusterConfig:
     num_blocks: int | None = None  # fixed KV pool size per rank (tests); None sizes from memory
     block_size: int = 16
     cuda_graph_max_batch: int = 128
+    cuda_graph_max_prefill_tokens: int = 2048  # largest captured prefill step; 0: prefill runs eagerly
     enforce_eager: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -110,6 +111,7 @@ class ClusterConfig:
             max_model_len=self.max_model_len,
             enforce_eager=self.enforce_eager,
             cuda_graph_max_batch=self.cuda_graph_max_batch,
+            cuda_graph_max_prefill_tokens=self.cuda_graph_max_prefill_tokens,
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                               gpu_memory_utilization=self.gpu_memory_utilization),
             scheduler=SchedulerConfig(

@@ -270,8 +270,13 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
     kernels: str = "auto"  # auto: triton on CUDA, torch on CPU
-    enforce_eager: bool = False  # no CUDA graphs for decode
+    enforce_eager: bool = False  # no CUDA graphs at all
     cuda_graph_max_batch: int = 128  # largest captured decode batch; larger steps run eagerly
+    # Largest captured prefill (or mixed) step in tokens, 0 for none, and the most sequences it
+    # may hold; larger steps run eagerly. An eager step costs the host ~12 ms of launches
+    # whatever its size (H200 host, Qwen2.5-1.5B: docs/benchmarks.md).
+    cuda_graph_max_prefill_tokens: int = 2048
+    cuda_graph_max_prefill_seqs: int = 16
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -285,6 +290,10 @@ class EngineConfig:
             raise ValueError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
         if self.cuda_graph_max_batch < 1:
             raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
+        if self.cuda_graph_max_prefill_tokens < 0:
+            raise ValueError(f"cuda_graph_max_prefill_tokens must be >= 0, got {self.cuda_graph_max_prefill_tokens}")
+        if self.cuda_graph_max_prefill_seqs < 1:
+            raise ValueError(f"cuda_graph_max_prefill_seqs must be >= 1, got {self.cuda_graph_max_prefill_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -1,10 +1,20 @@
-"""CUDA graphs for decode steps, one per batch-size bucket.
+"""CUDA graphs for the model's steps: decode steps by batch size, prefill (and mixed) steps by
+token count.
 
-A decode step of ``B`` sequences replays the graph of the smallest bucket ``>= B``. The graph
+Decode: a step of ``B`` sequences replays the graph of the smallest bucket ``>= B``. The graph
 reads static buffers that are updated in place before each replay; rows ``B..bucket-1`` are
 padding: token 0 at position 0, written to the dummy slot, reading one token of the dummy
-block, so they never touch a real sequence's cache. Every bucket's graph shares one memory
-pool (captured largest first). Steps larger than the largest bucket run eagerly.
+block, so they never touch a real sequence's cache.
+
+Prefill: a step of ``T`` tokens in ``B`` sequences (up to ``max_tokens`` and ``max_seqs``)
+replays the graph of the smallest token bucket ``>= T`` (:func:`pad_prefill_plan` says what the
+graph runs). The padding tokens form one more sequence over the dummy block (token 0 at
+position 0, every K/V written to the dummy slot), so every row the graph computes is finite and
+no real sequence's cache is touched; sequences past it are empty. The prefill
+attention grid depends only on the token count and the number of sequences, which is what
+makes the step capturable. Larger steps run eagerly.
+
+Each runner's graphs share one memory pool (captured largest first).
 
 Invariant: graphs must be released (``release``) before the process group is destroyed; a
 captured NCCL all-reduce that outlives its communicator hangs the process at exit.
@@ -23,6 +33,45 @@ from engine.step_plan import StepPlan, host_tensor
 logger = logging.getLogger(__name__)
 
 
+def token_buckets(max_tokens: int) -> list[int]:
+    """Prefill graph sizes: 64, 128, 256, then multiples of 256, the last one covering
+    ``max_tokens``. Past a few hundred tokens a step's matmuls are compute-bound, so padding costs
+    its share of the step: at most a third from 512 tokens on."""
+    buckets = [64]
+    while buckets[-1] < max_tokens:
+        buckets.append(buckets[-1] * 2 if buckets[-1] < 256 else buckets[-1] + 256)
+    return buckets
+
+
+def pad_prefill_plan(plan: StepPlan, bucket: int, max_seqs: int, dummy_block: int, block_size: int) -> StepPlan:
+    """The step a prefill graph of ``bucket`` tokens and ``max_seqs`` sequences runs for ``plan``.
+
+    Tokens ``T..bucket-1`` are one extra sequence: token 0 at position 0, K/V written to the
+    dummy slot, a context of ``bucket - T`` tokens all in the dummy block (its attention reads
+    only that block). ``max_seqs - B`` empty sequences follow. Block tables are as wide as the
+    plan's or the padding sequence's needs; ``max_seqs`` rows are sampled (the plan's, then row
+    0 again).
+    """
+    num_tokens, num_seqs = len(plan.input_ids), len(plan.context_lens)
+    if plan.is_decode or num_tokens > bucket or num_seqs > max_seqs:
+        raise ValueError(f"a prefill graph of {bucket} tokens and {max_seqs} sequences cannot run a "
+                         f"{'decode' if plan.is_decode else 'prefill'} step of {num_tokens} tokens in {num_seqs}")
+    pad = bucket - num_tokens
+    width = max([len(row) for row in plan.block_tables] + [-(-pad // block_size), 1])
+    dummy_row = [dummy_block] * width
+    return StepPlan(
+        input_ids=plan.input_ids + [0] * pad,
+        positions=plan.positions + [0] * pad,
+        slot_mapping=plan.slot_mapping + [dummy_block * block_size] * pad,
+        block_tables=[row + [dummy_block] * (width - len(row)) for row in plan.block_tables]
+        + [dummy_row] * (max_seqs + 1 - num_seqs),
+        context_lens=plan.context_lens + [pad] + [0] * (max_seqs - num_seqs),
+        cu_seqlens_q=plan.cu_seqlens_q + [bucket] * (max_seqs + 1 - num_seqs),
+        sample_rows=plan.sample_rows + [0] * (max_seqs - len(plan.sample_rows)),
+        is_decode=False,
+    )
+
+
 def batch_buckets(max_batch_size: int) -> list[int]:
     """1, 2, 4, then multiples of 8 (as vLLM does), the last one covering ``max_batch_size``."""
     buckets = [b for b in (1, 2, 4) if b < max_batch_size]
@@ -31,7 +80,77 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return buckets + list(range(8, -(-max_batch_size // 8) * 8 + 1, 8))
 
 
-class CudaGraphRunner:
+def _load(buffer: torch.Tensor, values: list) -> None:
+    """Copy host values into a static buffer straight from pinned memory (the caching host
+    allocator keeps the pinned block until the copy has run)."""
+    buffer.copy_(host_tensor(values, buffer.dtype, pin=True), non_blocking=True)
+
+
+class _StepGraphs:
+    """One graph per bucket for one kind of step, all in one memory pool; subclasses own the
+    static buffers and say what a bucket's step is (``_context``, ``_run_model``)."""
+
+    kind: str  # "decode" | "prefill", for the log
+
+    def __init__(self, model: CausalLM, buckets: list[int], max_model_len: int, block_size: int,
+                 dummy_block: int, compute_logits: bool) -> None:
+        """Token buffers for the largest bucket (token ids, positions, slots: padding goes to
+        the dummy slot); the subclass adds its own, then captures."""
+        self.model = model
+        self.buckets = buckets
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.dummy_block = dummy_block
+        self.compute_logits = compute_logits
+        self.device = next(model.parameters()).device
+        n = buckets[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.slot_mapping = torch.full((n,), dummy_block * block_size, dtype=torch.int64, device=self.device)
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def _context(self, bucket: int) -> AttentionContext:
+        raise NotImplementedError
+
+    def _run_model(self, bucket: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _prepare_capture(self, bucket: int) -> None:
+        """Leave a valid step of ``bucket`` in the static buffers for the warm-up and capture."""
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = None
+        for bucket in reversed(self.buckets):  # largest first: it sizes the shared pool
+            self._prepare_capture(bucket)
+            set_context(self._context(bucket))
+            try:
+                self._run_model(bucket)  # warm-up: Triton compiles outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[bucket] = self._run_model(bucket)
+            finally:
+                set_context(None)
+            pool = graph.pool()
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %s graphs for %s", self.kind, self.buckets)
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.outputs.clear()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+class CudaGraphRunner(_StepGraphs):
+    """Decode steps of up to ``max_batch_size`` sequences, one graph per :func:`batch_buckets`
+    size (see the module docstring)."""
+
+    kind = "decode"
+
     def __init__(
         self,
         model: CausalLM,
@@ -41,23 +160,12 @@ class CudaGraphRunner:
         dummy_block: int,
         compute_logits: bool,
     ) -> None:
-        self.model = model
-        self.buckets = batch_buckets(max_batch_size)
-        self.max_batch_size = self.buckets[-1]
-        self.max_model_len = max_model_len
-        self.block_size = block_size
-        self.dummy_block = dummy_block
-        self.compute_logits = compute_logits
-        device = next(model.parameters()).device
-        n = self.max_batch_size
+        super().__init__(model, batch_buckets(max_batch_size), max_model_len, block_size, dummy_block,
+                         compute_logits)
+        self.max_batch_size = n = self.buckets[-1]
         max_blocks = -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), dummy_block * block_size, dtype=torch.int64, device=device)
-        self.block_tables = torch.full((n, max_blocks), dummy_block, dtype=torch.int32, device=device)
-        self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.block_tables = torch.full((n, max_blocks), dummy_block, dtype=torch.int32, device=self.device)
+        self.context_lens = torch.ones(n, dtype=torch.int32, device=self.device)
         self._capture_all()
 
     def _context(self, bucket: int) -> AttentionContext:
@@ -73,24 +181,6 @@ class CudaGraphRunner:
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket])
         return self.model.compute_logits(hidden) if self.compute_logits else hidden
 
-    @torch.inference_mode()
-    def _capture_all(self) -> None:
-        pool = None
-        for bucket in reversed(self.buckets):  # largest first: it sizes the shared pool
-            set_context(self._context(bucket))
-            try:
-                self._run_model(bucket)  # warm-up: Triton compiles outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[bucket] = self._run_model(bucket)
-            finally:
-                set_context(None)
-            pool = graph.pool()
-            self.graphs[bucket] = graph
-        torch.cuda.synchronize()
-        logger.info("captured decode graphs for batch sizes %s", self.buckets)
-
     def can_run(self, plan: StepPlan) -> bool:
         return plan.is_decode and len(plan.input_ids) <= self.max_batch_size
 
@@ -98,17 +188,11 @@ class CudaGraphRunner:
         """Replay the bucket's graph for a decode plan; logits (leader) or hidden states ``[B, ...]``."""
         batch = len(plan.input_ids)
         bucket = next(b for b in self.buckets if b >= batch)
-
-        def load(buffer: torch.Tensor, values: list) -> None:
-            # Straight from pinned memory into the static buffer; the caching host allocator
-            # keeps the pinned block until the copy has run.
-            buffer.copy_(host_tensor(values, buffer.dtype, pin=True), non_blocking=True)
-
-        load(self.input_ids[:batch], plan.input_ids)
-        load(self.positions[:batch], plan.positions)
-        load(self.slot_mapping[:batch], plan.slot_mapping)
-        load(self.context_lens[:batch], plan.context_lens)
-        load(self.block_tables[:batch, : len(plan.block_tables[0])], plan.block_tables)
+        _load(self.input_ids[:batch], plan.input_ids)
+        _load(self.positions[:batch], plan.positions)
+        _load(self.slot_mapping[:batch], plan.slot_mapping)
+        _load(self.context_lens[:batch], plan.context_lens)
+        _load(self.block_tables[:batch, : len(plan.block_tables[0])], plan.block_tables)
         # Padding rows: reset whatever an earlier, larger batch left there.
         self.input_ids[batch:bucket].zero_()
         self.positions[batch:bucket].zero_()
@@ -118,8 +202,76 @@ class CudaGraphRunner:
         self.graphs[bucket].replay()
         return self.outputs[bucket][:batch]
 
-    def release(self) -> None:
-        self.graphs.clear()
-        self.outputs.clear()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+
+class PrefillGraphRunner(_StepGraphs):
+    """Prefill and mixed steps of up to ``max_tokens`` tokens in up to ``max_seqs`` sequences,
+    one graph per :func:`token_buckets` size (see the module docstring)."""
+
+    kind = "prefill"
+
+    def __init__(
+        self,
+        model: CausalLM,
+        max_tokens: int,
+        max_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        dummy_block: int,
+        compute_logits: bool,
+    ) -> None:
+        super().__init__(model, token_buckets(max_tokens), max_model_len, block_size, dummy_block,
+                         compute_logits)
+        self.max_tokens = self.buckets[-1]
+        self.max_seqs = max_seqs
+        # Wide enough for a sequence of max_model_len and for the padding sequence of any bucket.
+        table_width = -(-max(max_model_len, self.max_tokens) // block_size)
+        s = max_seqs + 1  # + the padding sequence
+        self.block_tables = torch.full((s, table_width), dummy_block, dtype=torch.int32, device=self.device)
+        self.context_lens = torch.zeros(s, dtype=torch.int32, device=self.device)
+        self.cu_seqlens_q = torch.zeros(s + 1, dtype=torch.int32, device=self.device)
+        self.sample_rows = torch.zeros(max_seqs, dtype=torch.int64, device=self.device)
+        self._capture_all()
+
+    def _context(self, bucket: int) -> AttentionContext:
+        return AttentionContext(
+            is_decode=False,
+            slot_mapping=self.slot_mapping[:bucket],
+            block_tables=self.block_tables,
+            context_lens=self.context_lens,
+            max_context_len=self.max_model_len,
+            cu_seqlens_q=self.cu_seqlens_q,
+        )
+
+    def _run_model(self, bucket: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket])
+        return self.model.compute_logits(hidden[self.sample_rows]) if self.compute_logits else hidden
+
+    def _prepare_capture(self, bucket: int) -> None:
+        self._load_plan(StepPlan([], [], [], [], [], [0], [], False), bucket)  # all padding
+
+    def _load_plan(self, plan: StepPlan, bucket: int) -> None:
+        """Copy ``plan`` padded to ``bucket`` into the static buffers, straight from pinned
+        memory. Block table rows of the empty sequences are left as they are: never read."""
+        padded = pad_prefill_plan(plan, bucket, self.max_seqs, self.dummy_block, self.block_size)
+        tables = padded.block_tables[: len(plan.context_lens) + 1]  # the plan's and the padding's
+        _load(self.input_ids[:bucket], padded.input_ids)
+        _load(self.positions[:bucket], padded.positions)
+        _load(self.slot_mapping[:bucket], padded.slot_mapping)
+        _load(self.block_tables[: len(tables), : len(tables[0])], tables)
+        _load(self.context_lens, padded.context_lens)
+        _load(self.cu_seqlens_q, padded.cu_seqlens_q)
+        _load(self.sample_rows, padded.sample_rows)
+
+    def can_run(self, plan: StepPlan) -> bool:
+        return (not plan.is_decode and len(plan.input_ids) <= self.max_tokens
+                and len(plan.context_lens) <= self.max_seqs)
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """Replay the bucket's graph; logits of the plan's sampled rows (leader) or the hidden
+        states of its ``T`` tokens."""
+        num_tokens = len(plan.input_ids)
+        bucket = next(b for b in self.buckets if b >= num_tokens)
+        self._load_plan(plan, bucket)
+        self.graphs[bucket].replay()
+        output = self.outputs[bucket]
+        return output[: len(plan.sample_rows)] if self.compute_logits else output[:num_tokens]

@@ -11,7 +11,7 @@ import torch
 from engine import ops
 from engine.config import EngineConfig, ModelConfig
 from engine.context import AttentionContext, set_context
-from engine.graph_runner import CudaGraphRunner
+from engine.graph_runner import CudaGraphRunner, PrefillGraphRunner, token_buckets
 from engine.parallel import TensorParallel, head_shard
 from engine.scheduler import ScheduledBatch
 from engine.step_plan import KVCommand, StepPlan, StepReceiver, StepSender, host_tensor
@@ -68,17 +68,48 @@ class ModelRunner:
         leads_peers = tp.size > 1 and config.parallel.is_leader
         self._sender = StepSender(config.parallel.step_address or "", tp.size) if leads_peers else None
         self.graph_runner: CudaGraphRunner | None = None
+        self.prefill_graph_runner: PrefillGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graph_runner = CudaGraphRunner(
                 self.model, min(config.cuda_graph_max_batch, config.scheduler.max_num_seqs), self.max_model_len,
                 self.block_size, dummy_block=self.num_blocks, compute_logits=config.parallel.is_leader,
             )
+            max_tokens, max_seqs = self._prefill_graph_limits()
+            if max_tokens:
+                self.prefill_graph_runner = PrefillGraphRunner(
+                    self.model, max_tokens, max_seqs, self.max_model_len, self.block_size,
+                    dummy_block=self.num_blocks, compute_logits=config.parallel.is_leader,
+                )
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of K and V over all layers on this rank."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.model_config.num_layers * self.block_size * self.num_kv_heads * self.model_config.head_dim * elem
+
+    def _prefill_graph_limits(self) -> tuple[int, int]:
+        """(tokens, sequences) of the largest captured prefill step (its token bucket); (0, 0)
+        without prefill graphs."""
+        config = self.config
+        if self.device.type != "cuda" or config.enforce_eager or not config.cuda_graph_max_prefill_tokens:
+            return 0, 0
+        tokens = min(config.cuda_graph_max_prefill_tokens, config.scheduler.max_num_batched_tokens)
+        return token_buckets(tokens)[-1], min(config.cuda_graph_max_prefill_seqs, config.scheduler.max_num_seqs)
+
+    def _scratch_step(self, num_tokens: int, num_sampled: int) -> None:
+        """One prefill forward of ``num_tokens`` tokens (one sequence) sampling ``num_sampled``
+        rows, on whatever one-block cache the attention layers hold: for measuring memory."""
+        context = AttentionContext(
+            is_decode=False,
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=self.device),
+            block_tables=torch.zeros(1, -(-num_tokens // self.block_size), dtype=torch.int32, device=self.device),
+            context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            max_context_len=num_tokens,
+            cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+        )
+        tokens = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        self.forward(tokens, torch.arange(num_tokens, device=self.device), context, tokens[:num_sampled])
+        torch.cuda.synchronize()
 
     def _num_blocks_from_memory(self) -> int:
         if self.device.type != "cuda":
@@ -91,30 +122,27 @@ class ModelRunner:
                               self.model_config.head_dim, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = scratch[i, 0], scratch[i, 1]
-        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
-        max_blocks = -(-num_tokens // self.block_size)
-        context = AttentionContext(
-            is_decode=False,
-            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=self.device),
-            block_tables=torch.zeros(1, max_blocks, dtype=torch.int32, device=self.device),
-            context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-            max_context_len=num_tokens,
-            cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-        )
-        tokens = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        self.forward(tokens, torch.arange(num_tokens, device=self.device), context, tokens[-1:])
-        torch.cuda.synchronize()
+        self._scratch_step(min(self.config.scheduler.max_num_batched_tokens, self.max_model_len), 1)
         peak = torch.cuda.max_memory_allocated() - self._allocated_before  # this runner's weights + activations
+        # The prefill graphs' pool keeps the activations of their largest step for good: measured
+        # the same way (the padding makes a captured step one sequence longer, not larger).
+        graph_tokens, graph_seqs = self._prefill_graph_limits()
+        graph_pool = 0
+        if graph_tokens:
+            resident = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            self._scratch_step(graph_tokens, graph_seqs)
+            graph_pool = torch.cuda.max_memory_allocated() - resident
         free, total = torch.cuda.mem_get_info()
         others = total - free - torch.cuda.memory_reserved()  # other processes, CUDA context
         del scratch
         torch.cuda.empty_cache()
-        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - others
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - graph_pool - others
         # Never more than is there once the step's activations have their room again (other
         # engines of this process keep what they hold).
         activations = peak - (torch.cuda.memory_allocated() - self._allocated_before)
         available = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-        budget = min(budget, available - activations)
+        budget = min(budget, available - activations - graph_pool)
         num_blocks = budget // self.block_bytes
         if num_blocks < 1:
             raise RuntimeError(
@@ -181,13 +209,14 @@ class ModelRunner:
             set_context(None)
 
     def run(self, plan: StepPlan) -> torch.Tensor | None:
-        """Run one step: a captured graph for decode steps that fit one, else eagerly.
+        """Run one step: a captured graph for steps that fit one, else eagerly.
 
         Returns the logits of the sampled rows on the leader, None on peers.
         """
-        if self.graph_runner is not None and self.graph_runner.can_run(plan):
-            out = self.graph_runner.run(plan)
-            return out if self.config.parallel.is_leader else None
+        for graphs in (self.graph_runner, self.prefill_graph_runner):
+            if graphs is not None and graphs.can_run(plan):
+                out = graphs.run(plan)
+                return out if self.config.parallel.is_leader else None
         input_ids, positions, context, sample_rows = self.inputs(plan)
         return self.forward(input_ids, positions, context, sample_rows if self.config.parallel.is_leader else None)
 
@@ -238,6 +267,7 @@ class ModelRunner:
         if self._sender is not None:
             self._sender.shutdown()
             self._sender = None
-        if self.graph_runner is not None:
-            self.graph_runner.release()
-            self.graph_runner = None
+        for graphs in (self.graph_runner, self.prefill_graph_runner):
+            if graphs is not None:
+                graphs.release()
+        self.graph_runner = self.prefill_graph_runner = None

@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM
 from bench.common import block_tables, compare_greedy, decode_plan, fill_kv_random, teacher_forced_logits
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.engine import LLMEngine
+from engine.graph_runner import pad_prefill_plan
 from engine.model_runner import ModelRunner
 from engine.presets import ensure_preset_model, load_preset, write_random_checkpoint
 from engine.sampling import SamplingParams
@@ -157,6 +158,17 @@ def test_graph_replay_matches_eager(graph_runners: GraphRunners) -> None:
         )
 
 
+def slots_written_besides_dummy(runner: ModelRunner, plan: StepPlan) -> set[int]:
+    """The KV slots ``runner.run(plan)`` changes, outside the dummy block."""
+    before = runner.kv_cache.clone()
+    runner.run(plan)
+    torch.cuda.synchronize()
+    # [layers, 2, blocks + 1, block_size, heads, dim] -> which (block, offset) slots changed.
+    changed = (runner.kv_cache != before).flatten(4).any(dim=-1).any(dim=0).any(dim=0).flatten()
+    dummy = set(range(runner.num_blocks * runner.block_size, (runner.num_blocks + 1) * runner.block_size))
+    return set(torch.nonzero(changed).flatten().tolist()) - dummy
+
+
 def test_padding_rows_leave_real_kv_alone(graph_runners: GraphRunners) -> None:
     """A padded replay writes exactly one slot per real sequence, plus the dummy block.
 
@@ -167,14 +179,83 @@ def test_padding_rows_leave_real_kv_alone(graph_runners: GraphRunners) -> None:
     gen = torch.Generator().manual_seed(2)
     runner.run(random_decode_plan(runner, 13, gen))
     plan = random_decode_plan(runner, 5, gen)
-    before = runner.kv_cache.clone()
-    runner.run(plan)
-    torch.cuda.synchronize()
-    # [layers, 2, blocks + 1, block_size, heads, dim] -> which (block, offset) slots changed.
-    changed = (runner.kv_cache != before).flatten(4).any(dim=-1).any(dim=0).any(dim=0).flatten()
-    changed_slots = set(torch.nonzero(changed).flatten().tolist())
-    dummy = set(range(runner.num_blocks * runner.block_size, (runner.num_blocks + 1) * runner.block_size))
-    assert changed_slots - dummy == set(plan.slot_mapping)
+    assert slots_written_besides_dummy(runner, plan) == set(plan.slot_mapping)
+
+
+def random_prefill_plan(runner: ModelRunner, seqs: list[tuple[int, int]], gen: torch.Generator) -> StepPlan:
+    """One step of ``(cached, new)`` token counts per sequence, in distinct random blocks: each
+    sequence's ``new`` tokens follow ``cached`` ones already in the pool (random K/V), and every
+    sequence is sampled at its last token (a decode row is ``(context - 1, 1)``)."""
+    contexts = [cached + new for cached, new in seqs]
+    tables = block_tables(contexts, runner.block_size, runner.num_blocks, gen)
+    width = max(len(row) for row in tables)
+    input_ids, positions, slots, cu_seqlens = [], [], [], [0]
+    for table, (cached, new) in zip(tables, seqs):
+        input_ids += torch.randint(0, runner.model_config.vocab_size, (new,), generator=gen).tolist()
+        positions += list(range(cached, cached + new))
+        slots += [table[p // runner.block_size] * runner.block_size + p % runner.block_size
+                  for p in range(cached, cached + new)]
+        cu_seqlens.append(cu_seqlens[-1] + new)
+    return StepPlan(input_ids=input_ids, positions=positions, slot_mapping=slots,
+                    block_tables=[row + [0] * (width - len(row)) for row in tables], context_lens=contexts,
+                    cu_seqlens_q=cu_seqlens, sample_rows=[end - 1 for end in cu_seqlens[1:]], is_decode=False)
+
+
+PREFILL_STEPS = {
+    "one-prompt": [(0, 100)],
+    "bucket-exact": [(0, 64)],
+    "prefixes": [(0, 5), (300, 1), (60, 37)],
+    "mixed-decode": [(200, 1)] * 12 + [(0, 300)],  # chunked prefill beside 12 decodes
+    "largest-bucket": [(0, 500)] * 4,  # 2000 tokens: the 2048 graph
+}
+
+
+def test_prefill_graph_replay_matches_eager(graph_runners: GraphRunners) -> None:
+    """Prefill and mixed steps through the prefill graphs, judged as the decode graphs are:
+    bitwise against the eager forward of the padded step the graph runs, and within 2x the
+    bf16-vs-fp32 difference of the plain eager step."""
+    runner, fp32 = graph_runners.graphs, graph_runners.fp32
+    graphs = runner.prefill_graph_runner
+    assert graphs is not None and graphs.buckets[-1] == 2048 and graphs.max_seqs == 16
+    gen = torch.Generator().manual_seed(3)
+    for name, seqs in PREFILL_STEPS.items():
+        plan = random_prefill_plan(runner, seqs, gen)
+        assert graphs.can_run(plan), name
+        bucket = next(b for b in graphs.buckets if b >= len(plan.input_ids))
+        before = runner.kv_cache.clone()
+        replayed = runner.run(plan)
+        assert replayed is not None and replayed.shape == (len(seqs), runner.model_config.vocab_size)
+        replayed = replayed.clone()
+        runner.kv_cache.copy_(before)
+        padded = pad_prefill_plan(plan, bucket, graphs.max_seqs, runner.num_blocks, runner.block_size)
+        padded_logits = runner.forward(*runner.inputs(padded))
+        assert padded_logits is not None
+        assert torch.equal(replayed, padded_logits[: len(seqs)]), (
+            f"{name}: replay differs from the eager padded forward by up to "
+            f"{(replayed - padded_logits[: len(seqs)]).abs().max().item():.3g}"
+        )
+        runner.kv_cache.copy_(before)
+        fp32.kv_cache.copy_(before)
+        eager = runner.forward(*runner.inputs(plan))
+        exact = fp32.forward(*fp32.inputs(plan))
+        assert eager is not None and exact is not None
+        diff, noise = (replayed - eager).abs(), (eager - exact).abs()
+        assert diff.max() <= 2 * noise.max() and diff.mean() <= 2 * noise.mean(), (
+            f"{name}: graph vs eager max {diff.max().item():.3g} mean {diff.mean().item():.3g}; "
+            f"bf16 vs fp32 max {noise.max().item():.3g} mean {noise.mean().item():.3g}"
+        )
+        runner.kv_cache.copy_(before)
+        fp32.kv_cache.copy_(before)
+
+
+def test_prefill_padding_leaves_real_kv_alone(graph_runners: GraphRunners) -> None:
+    """A padded prefill replay writes exactly the plan's slots, plus the dummy block; a larger
+    step runs first so that the static buffers hold stale rows."""
+    runner = graph_runners.graphs
+    gen = torch.Generator().manual_seed(4)
+    runner.run(random_prefill_plan(runner, [(0, 120)] * 5, gen))
+    plan = random_prefill_plan(runner, [(40, 30), (0, 3)], gen)
+    assert slots_written_besides_dummy(runner, plan) == set(plan.slot_mapping)
 
 
 # -- parity with transformers -----------------------------------------------------------------

@@ -402,6 +402,9 @@ PREFILL_CPU_CASES = {
     # an empty sequence in the batch (q_len 0), one exactly a tile long, and query tiles whose
     # first position sits just before a key-tile boundary (prefix 14: positions 14 and 30)
     "empty-seq": dict(query_lens=[16, 0, 7, 20], context_lens=[16, 3, 30, 34], tiles=(16, 16, 4, 1)),
+    # sequences starting mid-tile (query offsets 3, 19, 35): each owns the tile slots of the
+    # flat grid its start gives it, one more than it needs; an empty one between two others
+    "misaligned": dict(query_lens=[3, 16, 16, 0, 1], context_lens=[3, 20, 16, 2, 9], tiles=(16, 16, 4, 1)),
     # the GPU tile config (64 x 64): three query tiles over a 40-token prefix
     "gpu-tiles": dict(query_lens=[150], context_lens=[190], tiles=None),
 }

@@ -117,6 +117,14 @@ def _partition_size(context_len, num_partitions, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _rotated(ptrs, d, pair, mask, cos, signed_sin):
+    """RoPE of the rows at ``ptrs`` in fp32, rotate-half as one multiply-add per element:
+    ``x[d] * cos + x[pair] * signed_sin`` (see the partition kernel for pair and signed_sin)."""
+    return (tl.load(ptrs + d, mask=mask, other=0.0).to(tl.float32) * cos
+            + tl.load(ptrs + pair, mask=mask, other=0.0).to(tl.float32) * signed_sin)
+
+
+@triton.jit
 def _decode_partition_kernel(
     q_ptr, k_new_ptr, v_new_ptr, pos_ptr, cos_sin_ptr, slot_ptr,
     k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
@@ -166,9 +174,7 @@ def _decode_partition_kernel(
         # rotated K and its V before the loop, and the barrier makes the stores visible to every
         # thread of the program before the loop gathers that slot. No other program reads it.
         newest = context_len - 1
-        k_ptrs = k_new_ptr + seq * stride_kb + kv_head * stride_kh
-        k_rot = (tl.load(k_ptrs + d, mask=d_mask, other=0.0).to(tl.float32) * cos
-                 + tl.load(k_ptrs + pair, mask=d_mask, other=0.0).to(tl.float32) * signed_sin)
+        k_rot = _rotated(k_new_ptr + seq * stride_kb + kv_head * stride_kh, d, pair, d_mask, cos, signed_sin)
         # Rounded to k's dtype first, as the reference returns and stores it.
         k_rot = k_rot.to(k_new_ptr.dtype.element_ty).to(cache_ty)
         v_new = tl.load(v_new_ptr + seq * stride_vb + kv_head * stride_vh + d, mask=d_mask, other=0.0).to(cache_ty)
@@ -184,8 +190,7 @@ def _decode_partition_kernel(
         heads = kv_head * group + g
         q_mask = g_mask[:, None] & d_mask[None, :]
         q_ptrs = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
-        q = (tl.load(q_ptrs + d[None, :], mask=q_mask, other=0.0).to(tl.float32) * cos[None, :]
-             + tl.load(q_ptrs + pair[None, :], mask=q_mask, other=0.0).to(tl.float32) * signed_sin[None, :])
+        q = _rotated(q_ptrs, d[None, :], pair[None, :], q_mask, cos[None, :], signed_sin[None, :])
         # tl.dot wants both operands in one dtype: the cache's (bf16 x bf16 products are exact
         # in the fp32 accumulator, so scores are as precise as an fp32 computation). q is
         # rounded to its own dtype first, as the reference's rotated q is.

@@ -29,7 +29,7 @@ from cluster.group import RankProcesses, RankSpec, free_port, group_specs, init_
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
 from engine.presets import ensure_preset_model
-from engine.step_plan import StepPlan
+from engine.step_plan import StepPlan, padded_block_tables
 
 # Device-to-device copy ceiling of one H200 (bytes read + written), /work/shared/ENVIRONMENT.md.
 H200_BANDWIDTH = 4.29e12
@@ -135,11 +135,6 @@ def block_tables(lengths: Sequence[int], block_size: int, num_blocks: int,
     return tables
 
 
-def _padded(tables: list[list[int]]) -> list[list[int]]:
-    width = max(len(t) for t in tables)
-    return [t + [0] * (width - len(t)) for t in tables]
-
-
 def decode_plan(tables: list[list[int]], context_lens: Sequence[int], block_size: int,
                 token_ids: Sequence[int]) -> StepPlan:
     """One decode step: sequence ``b`` adds its token at position ``context_lens[b] - 1``."""
@@ -147,7 +142,7 @@ def decode_plan(tables: list[list[int]], context_lens: Sequence[int], block_size
     slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)]
     batch = len(tables)
     return StepPlan(
-        input_ids=list(token_ids), positions=positions, slot_mapping=slots, block_tables=_padded(tables),
+        input_ids=list(token_ids), positions=positions, slot_mapping=slots, block_tables=padded_block_tables(tables),
         context_lens=list(context_lens), cu_seqlens_q=list(range(batch + 1)), sample_rows=list(range(batch)),
         is_decode=True,
     )
@@ -175,7 +170,7 @@ def prefill_plan(tables: list[list[int]], prompts: Sequence[Sequence[int]], bloc
         cu_seqlens.append(cu_seqlens[-1] + len(prompt))
     rows = list(range(cu_seqlens[-1])) if all_rows else [end - 1 for end in cu_seqlens[1:]]
     return StepPlan(
-        input_ids=input_ids, positions=positions, slot_mapping=slots, block_tables=_padded(tables),
+        input_ids=input_ids, positions=positions, slot_mapping=slots, block_tables=padded_block_tables(tables),
         context_lens=[len(p) for p in prompts], cu_seqlens_q=cu_seqlens, sample_rows=rows, is_decode=False,
     )
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 from engine.sequence import Sequence
 
 
@@ -38,8 +40,9 @@ class BlockManager:
         needed = self.blocks_needed(seq, num_tokens)
         if needed > len(self._free):
             raise RuntimeError(f"allocating {needed} blocks with {len(self._free)} free: check can_allocate first")
-        seq.block_table.extend(self._free.popleft() for _ in range(needed))
+        new = np.fromiter((self._free.popleft() for _ in range(needed)), dtype=np.int32, count=needed)
+        seq.block_table = np.concatenate([seq.block_table, new])
 
     def free(self, seq: Sequence) -> None:
-        self._free.extend(seq.block_table)
-        seq.block_table = []
+        self._free.extend(seq.block_table.tolist())
+        seq.block_table = np.empty(0, dtype=np.int32)

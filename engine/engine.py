@@ -129,7 +129,7 @@ class LLMEngine:
         self.block_manager.allocate(seq, len(prompt_token_ids))
         seq.num_computed_tokens = len(prompt_token_ids)
         self.reserved[request_id] = seq
-        return list(seq.block_table)
+        return seq.block_table.tolist()
 
     def admit(self, request_id: str) -> None:
         """Decode role: the reserved request's KV has arrived; decode it from the next step."""
@@ -189,7 +189,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, "prefilled", free_blocks=False)
                 self.held[seq.request_id] = seq
                 output = self._finish(seq, [token])
-                output.kv_block_ids = list(seq.block_table)
+                output.kv_block_ids = seq.block_table.tolist()
                 outputs.append(output)
             elif reason is None:
                 outputs.append(RequestOutput(seq.request_id, [token], num_prompt_tokens=seq.num_prompt_tokens,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from engine.context import AttentionContext, set_context
@@ -57,14 +58,14 @@ def pad_prefill_plan(plan: StepPlan, bucket: int, max_seqs: int, dummy_block: in
         raise ValueError(f"a prefill graph of {bucket} tokens and {max_seqs} sequences cannot run a "
                          f"{'decode' if plan.is_decode else 'prefill'} step of {num_tokens} tokens in {num_seqs}")
     pad = bucket - num_tokens
-    width = max([len(row) for row in plan.block_tables] + [-(-pad // block_size), 1])
-    dummy_row = [dummy_block] * width
+    plan_width = plan.block_tables.shape[1]
+    block_tables = np.full((max_seqs + 1, max(plan_width, -(-pad // block_size), 1)), dummy_block, dtype=np.int32)
+    block_tables[:num_seqs, :plan_width] = plan.block_tables
     return StepPlan(
         input_ids=plan.input_ids + [0] * pad,
         positions=plan.positions + [0] * pad,
         slot_mapping=plan.slot_mapping + [dummy_block * block_size] * pad,
-        block_tables=[row + [dummy_block] * (width - len(row)) for row in plan.block_tables]
-        + [dummy_row] * (max_seqs + 1 - num_seqs),
+        block_tables=block_tables,
         context_lens=plan.context_lens + [pad] + [0] * (max_seqs - num_seqs),
         cu_seqlens_q=plan.cu_seqlens_q + [bucket] * (max_seqs + 1 - num_seqs),
         sample_rows=plan.sample_rows + [0] * (max_seqs - len(plan.sample_rows)),
@@ -80,7 +81,7 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return buckets + list(range(8, -(-max_batch_size // 8) * 8 + 1, 8))
 
 
-def _load(buffer: torch.Tensor, values: list) -> None:
+def _load(buffer: torch.Tensor, values: list | np.ndarray) -> None:
     """Copy host values into a static buffer straight from pinned memory (the caching host
     allocator keeps the pinned block until the copy has run)."""
     buffer.copy_(host_tensor(values, buffer.dtype, pin=True), non_blocking=True)
@@ -192,7 +193,7 @@ class CudaGraphRunner(_StepGraphs):
         _load(self.positions[:batch], plan.positions)
         _load(self.slot_mapping[:batch], plan.slot_mapping)
         _load(self.context_lens[:batch], plan.context_lens)
-        _load(self.block_tables[:batch, : len(plan.block_tables[0])], plan.block_tables)
+        _load(self.block_tables[:batch, : plan.block_tables.shape[1]], plan.block_tables)
         # Padding rows: reset whatever an earlier, larger batch left there.
         self.input_ids[batch:bucket].zero_()
         self.positions[batch:bucket].zero_()
@@ -247,7 +248,8 @@ class PrefillGraphRunner(_StepGraphs):
         return self.model.compute_logits(hidden[self.sample_rows]) if self.compute_logits else hidden
 
     def _prepare_capture(self, bucket: int) -> None:
-        self._load_plan(StepPlan([], [], [], [], [], [0], [], False), bucket)  # all padding
+        empty = StepPlan([], [], [], np.zeros((0, 0), dtype=np.int32), [], [0], [], False)
+        self._load_plan(empty, bucket)  # all padding
 
     def _load_plan(self, plan: StepPlan, bucket: int) -> None:
         """Copy ``plan`` padded to ``bucket`` into the static buffers, straight from pinned
@@ -257,7 +259,7 @@ class PrefillGraphRunner(_StepGraphs):
         _load(self.input_ids[:bucket], padded.input_ids)
         _load(self.positions[:bucket], padded.positions)
         _load(self.slot_mapping[:bucket], padded.slot_mapping)
-        _load(self.block_tables[: len(tables), : len(tables[0])], tables)
+        _load(self.block_tables[: len(tables), : tables.shape[1]], tables)
         _load(self.context_lens, padded.context_lens)
         _load(self.cu_seqlens_q, padded.cu_seqlens_q)
         _load(self.sample_rows, padded.sample_rows)

@@ -14,7 +14,7 @@ from engine.context import AttentionContext, set_context
 from engine.graph_runner import CudaGraphRunner, PrefillGraphRunner, token_buckets
 from engine.parallel import TensorParallel, head_shard
 from engine.scheduler import ScheduledBatch
-from engine.step_plan import KVCommand, StepPlan, StepReceiver, StepSender, host_tensor
+from engine.step_plan import KVCommand, StepPlan, StepReceiver, StepSender, build_plan, host_tensor
 from engine.weights import build_model
 
 if TYPE_CHECKING:
@@ -154,30 +154,6 @@ class ModelRunner:
                     num_blocks * self.block_bytes / 2**30)
         return int(num_blocks)
 
-    def plan(self, batch: ScheduledBatch) -> StepPlan:
-        """The host-side inputs of ``batch``; a sequence is sampled when this step reaches its last token."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu_seqlens = [0]
-        context_lens: list[int] = []
-        sample_rows: list[int] = []
-        bs = self.block_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            cu_seqlens.append(cu_seqlens[-1] + n)
-            context_lens.append(end)
-            if end == seq.num_tokens:
-                sample_rows.append(cu_seqlens[-1] - 1)
-        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
-        block_tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in batch.seqs]
-        return StepPlan(input_ids, positions, slots, block_tables, context_lens, cu_seqlens, sample_rows,
-                        batch.is_decode)
-
     def inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
         """Device tensors of a plan: token ids, positions, attention context, sampled rows."""
         to = self._to_device
@@ -225,7 +201,7 @@ class ModelRunner:
 
         ``kv_ready``: transfers whose received KV this step reads (peers wait for their part).
         """
-        plan = self.plan(batch)
+        plan = build_plan(batch, self.block_size)
         plan.kv_ready = kv_ready or []
         return self.step(plan)
 

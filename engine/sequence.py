@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.sampling import SamplingParams
 
 
@@ -50,7 +52,8 @@ class Sequence:
     num_prompt_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    # int32 block ids, an array so that a step's block tables are built by row copies
+    block_table: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
     finish_reason: str | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
     # Prefill role: stop after the first token and keep the KV blocks for the transfer.

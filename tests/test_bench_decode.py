@@ -95,7 +95,7 @@ def test_decode_plan_addresses_the_last_position() -> None:
     assert plan.is_decode and plan.positions == [32, 15, 0] and plan.context_lens == [33, 16, 1]
     assert plan.slot_mapping == [tables[0][2] * 16, tables[1][0] * 16 + 15, tables[2][0] * 16]
     assert plan.sample_rows == [0, 1, 2] and plan.cu_seqlens_q == [0, 1, 2, 3]
-    assert all(len(row) == 3 for row in plan.block_tables)
+    assert plan.block_tables.tolist() == [tables[0], tables[1] + [0, 0], tables[2] + [0, 0]]
 
 
 @pytest.fixture(scope="module")

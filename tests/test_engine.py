@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -12,6 +13,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledBatch
+from engine.step_plan import build_plan
 
 PARITY_MODELS = ["tiny-qwen2", "tiny-llama-odd"]
 PROMPT_LENGTHS = [1, 5, 16, 17, 40, 63]
@@ -53,7 +55,7 @@ def test_prefill_logits_match_transformers(tiny_model_dirs: dict[str, Path], nam
         engine.add_request(str(i), prompt, GREEDY)
     batch = engine.scheduler.schedule()
     assert batch is not None and len(batch.seqs) == len(prompts)  # one varlen prefill step
-    input_ids, positions, context, _ = engine.runner.inputs(engine.runner.plan(batch))
+    input_ids, positions, context, _ = engine.runner.inputs(build_plan(batch, engine.runner.block_size))
     every_row = torch.arange(batch.num_tokens)
     logits = engine.runner.forward(input_ids, positions, context, every_row)
     reference = hf_model(tiny_model_dirs[name])
@@ -171,10 +173,11 @@ def test_plan_builds_slot_mapping_from_block_tables(tiny_model_dirs: dict[str, P
     batch = engine.scheduler.schedule()
     assert isinstance(batch, ScheduledBatch)
     seq = batch.seqs[0]
-    seq.block_table = [5, 2]  # any physical blocks, any order
-    plan = engine.runner.plan(batch)
+    seq.block_table = np.array([5, 2], dtype=np.int32)  # any physical blocks, any order
+    plan = build_plan(batch, engine.runner.block_size)
     bs = engine.block_manager.block_size
     expected = [5 * bs + p if p < bs else 2 * bs + p - bs for p in range(20)]
     assert plan.slot_mapping == expected
     assert plan.positions == list(range(20))
-    assert plan.context_lens == [20] and plan.sample_rows == [19] and plan.block_tables == [[5, 2]]
+    assert plan.context_lens == [20] and plan.sample_rows == [19]
+    assert plan.block_tables.dtype == np.int32 and plan.block_tables.tolist() == [[5, 2]]

@@ -26,6 +26,7 @@ import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -37,7 +38,7 @@ from engine.graph_runner import pad_prefill_plan
 from engine.model_runner import ModelRunner
 from engine.presets import ensure_preset_model, load_preset, write_random_checkpoint
 from engine.sampling import SamplingParams
-from engine.step_plan import StepPlan
+from engine.step_plan import StepPlan, padded_block_tables
 
 pytestmark = pytest.mark.gpu
 
@@ -109,7 +110,8 @@ def padded_eager_logits(runner: ModelRunner, plan: StepPlan, bucket: int) -> tor
     batch, pad = len(plan.input_ids), bucket - len(plan.input_ids)
     dummy = runner.num_blocks
     width = -(-runner.max_model_len // runner.block_size)
-    tables = [row + [dummy] * (width - len(row)) for row in plan.block_tables] + [[dummy] * width] * pad
+    tables = np.full((bucket, width), dummy, dtype=np.int32)
+    tables[:batch, : plan.block_tables.shape[1]] = plan.block_tables
     padded = StepPlan(
         input_ids=plan.input_ids + [0] * pad, positions=plan.positions + [0] * pad,
         slot_mapping=plan.slot_mapping + [dummy * runner.block_size] * pad, block_tables=tables,
@@ -188,7 +190,6 @@ def random_prefill_plan(runner: ModelRunner, seqs: list[tuple[int, int]], gen: t
     sequence is sampled at its last token (a decode row is ``(context - 1, 1)``)."""
     contexts = [cached + new for cached, new in seqs]
     tables = block_tables(contexts, runner.block_size, runner.num_blocks, gen)
-    width = max(len(row) for row in tables)
     input_ids, positions, slots, cu_seqlens = [], [], [], [0]
     for table, (cached, new) in zip(tables, seqs):
         input_ids += torch.randint(0, runner.model_config.vocab_size, (new,), generator=gen).tolist()
@@ -197,7 +198,7 @@ def random_prefill_plan(runner: ModelRunner, seqs: list[tuple[int, int]], gen: t
                   for p in range(cached, cached + new)]
         cu_seqlens.append(cu_seqlens[-1] + new)
     return StepPlan(input_ids=input_ids, positions=positions, slot_mapping=slots,
-                    block_tables=[row + [0] * (width - len(row)) for row in tables], context_lens=contexts,
+                    block_tables=padded_block_tables(tables), context_lens=contexts,
                     cu_seqlens_q=cu_seqlens, sample_rows=[end - 1 for end in cu_seqlens[1:]], is_decode=False)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +14,7 @@ from bench.common import block_tables, prefill_plan
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.graph_runner import pad_prefill_plan, token_buckets
 from engine.model_runner import ModelRunner
-from engine.step_plan import StepPlan
+from engine.step_plan import StepPlan, padded_block_tables
 
 BLOCK = 4
 
@@ -37,8 +38,7 @@ def mixed_plan(runner: ModelRunner, gen: torch.Generator) -> StepPlan:
     plan.input_ids += chunk
     plan.positions += [6, 7, 8]
     plan.slot_mapping += [table[p // BLOCK] * BLOCK + p % BLOCK for p in (6, 7, 8)]
-    width = max(len(row) for row in plan.block_tables + [table])
-    plan.block_tables = [row + [0] * (width - len(row)) for row in plan.block_tables + [table]]
+    plan.block_tables = padded_block_tables(tables)
     plan.context_lens.append(9)
     plan.cu_seqlens_q.append(plan.cu_seqlens_q[-1] + 3)
     return plan
@@ -54,22 +54,23 @@ def test_token_buckets() -> None:
 
 def test_pad_prefill_plan_layout() -> None:
     plan = StepPlan(input_ids=[1, 2, 3], positions=[0, 1, 4], slot_mapping=[8, 9, 20],
-                    block_tables=[[2, 0], [3, 5]], context_lens=[2, 5], cu_seqlens_q=[0, 2, 3],
+                    block_tables=np.array([[2, 0], [3, 5]], dtype=np.int32), context_lens=[2, 5], cu_seqlens_q=[0, 2, 3],
                     sample_rows=[1], is_decode=False)
     padded = pad_prefill_plan(plan, 64, 4, dummy_block=7, block_size=BLOCK)
     assert padded.input_ids == [1, 2, 3] + [0] * 61 and padded.positions == [0, 1, 4] + [0] * 61
     assert padded.slot_mapping == [8, 9, 20] + [28] * 61  # the dummy block's first slot
     # the padding sequence (61 tokens, 16 blocks of the dummy block), then 2 empty ones
     assert padded.cu_seqlens_q == [0, 2, 3, 64, 64, 64] and padded.context_lens == [2, 5, 61, 0, 0]
-    assert padded.block_tables[:2] == [[2, 0] + [7] * 14, [3, 5] + [7] * 14]
-    assert padded.block_tables[2:] == [[7] * 16] * 3
+    assert padded.block_tables[:2].tolist() == [[2, 0] + [7] * 14, [3, 5] + [7] * 14]
+    assert padded.block_tables[2:].tolist() == [[7] * 16] * 3
     assert padded.sample_rows == [1, 0, 0, 0] and not padded.is_decode
     with pytest.raises(ValueError, match="cannot run"):
         pad_prefill_plan(plan, 2, 4, 7, BLOCK)  # more tokens than the bucket
     with pytest.raises(ValueError, match="cannot run"):
         pad_prefill_plan(plan, 64, 1, 7, BLOCK)  # more sequences than the graph
     with pytest.raises(ValueError, match="decode"):
-        pad_prefill_plan(StepPlan([1], [0], [0], [[0]], [1], [0, 1], [0], True), 64, 4, 7, BLOCK)
+        pad_prefill_plan(StepPlan([1], [0], [0], np.zeros((1, 1), dtype=np.int32), [1], [0, 1], [0], True),
+                         64, 4, 7, BLOCK)
 
 
 @pytest.mark.parametrize("bucket", [17, 64])

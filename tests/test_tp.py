@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+import msgpack
+import numpy as np
 import pytest
 import torch
 
@@ -16,18 +19,37 @@ from engine.step_plan import KVCommand, StepPlan, decode_message, encode_message
 
 
 def test_peer_messages_round_trip() -> None:
-    """What the leader sends its peers comes back equal, nested block tables included."""
-    plan = StepPlan(input_ids=[5, 6], positions=[3, 0], slot_mapping=[19, 32], block_tables=[[4, 1], [2, 0]],
-                    context_lens=[4, 1], cu_seqlens_q=[0, 1, 2], sample_rows=[0, 1], is_decode=True,
+    """What the leader sends its peers comes back equal, the block-table array included."""
+    tables = np.array([[4, 1], [2, 0], [2**31 - 1, 7]], dtype=np.int32)
+    plan = StepPlan(input_ids=[5, 6, 7], positions=[3, 0, 1], slot_mapping=[19, 32, 113], block_tables=tables,
+                    context_lens=[4, 1, 2], cu_seqlens_q=[0, 1, 2, 3], sample_rows=[0, 1, 2], is_decode=True,
                     kv_ready=["t7"])
     command = KVCommand(op="recv", transfer_id="t7", block_ids=[2, 9], peer_group=1)
-    assert decode_message(encode_message(plan)) == plan
+    got = decode_message(encode_message(plan))
+    assert isinstance(got, StepPlan)
+    for name in ("input_ids", "positions", "slot_mapping", "context_lens", "cu_seqlens_q", "sample_rows",
+                 "is_decode", "kv_ready"):
+        assert getattr(got, name) == getattr(plan, name)
+    assert got.block_tables.dtype == np.int32 and np.array_equal(got.block_tables, tables)
+    empty = dataclasses.replace(plan, block_tables=np.zeros((0, 0), dtype=np.int32))
+    assert decode_message(encode_message(empty)).block_tables.shape == (0, 0)
     assert decode_message(encode_message(command)) == command
+
+
+def test_peer_messages_carry_only_integer_arrays() -> None:
+    plan = StepPlan([1], [0], [0], np.zeros((1, 1), dtype=np.float32), [1], [0, 1], [0], True)
+    with pytest.raises(TypeError, match="cannot encode ndarray"):
+        encode_message(plan)
+    forged = msgpack.packb({"kind": "step", "block_tables": msgpack.ExtType(
+        1, msgpack.packb(["<f4", [1], np.zeros(1, np.float32).tobytes()]))})
+    with pytest.raises(ValueError, match="only integer arrays"):
+        decode_message(forged)
 
 
 def test_host_tensor_matches_torch_tensor() -> None:
     """The numpy route gives torch.tensor's values, shapes and dtypes (block tables, slots, empty lists)."""
-    for values, dtype in (([[4, 1, 0], [2, 9, 7]], torch.int32), ([2**40, 3], torch.int64), ([], torch.int64)):
+    for values, dtype in (([[4, 1, 0], [2, 9, 7]], torch.int32), ([2**40, 3], torch.int64), ([], torch.int64),
+                          (np.array([[4, 1], [2, 9]], dtype=np.int32), torch.int32)):
         got = host_tensor(values, dtype, pin=False)
         assert got.dtype == dtype and torch.equal(got, torch.tensor(values, dtype=dtype))
 

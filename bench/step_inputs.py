@@ -4,15 +4,17 @@ Python ints (before), measured in the same run.
     python -m bench.step_inputs --out step_inputs.json
 
 Rows per batch size (contexts of ``--context`` tokens, 16-token blocks, so batch x blocks
-block-table entries): ``build_plan`` for a real decode batch (sequences and their block tables),
-then each piece with tables as arrays against tables as lists: padding the sequences' tables
-into the plan's, turning them into a tensor (``host_tensor``), and encoding and decoding the plan
-for TP peers. CPU only; microseconds, median of ``--iters``.
+block-table entries), each as arrays against lists, for a real decode batch (sequences and their
+block tables): what a leader pays every step (``build_plan``, then its block tables
+to a tensor), ``build_plan`` alone, padding the sequences' tables into the plan's, ``host_tensor``
+of the tables, and encoding and decoding the plan for TP peers. CPU only; microseconds, median of
+``--iters``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
@@ -34,14 +36,22 @@ from engine.step_plan import StepPlan, build_plan, decode_message, encode_messag
 BLOCK_SIZE = 16
 
 
-def median_us(fn: Callable[[], Any], iters: int) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e6)
-    return statistics.median(times)
+def paired_us(new: Callable[[], Any], old: Callable[[], Any], iters: int) -> tuple[float, float]:
+    """Median wall times of ``new`` and ``old``, timed alternately (so that drift in the
+    machine's speed hits both alike) with the garbage collector off (as ``timeit`` does: a
+    collection landing in one loop would be charged to it alone)."""
+    new(), old()
+    times: tuple[list[float], list[float]] = ([], [])
+    gc.disable()
+    try:
+        for _ in range(iters):
+            for fn, out in ((new, times[0]), (old, times[1])):
+                start = time.perf_counter()
+                fn()
+                out.append((time.perf_counter() - start) * 1e6)
+    finally:
+        gc.enable()
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def decode_batch(batch: int, context: int, rng: random.Random) -> ScheduledBatch:
@@ -54,6 +64,29 @@ def decode_batch(batch: int, context: int, rng: random.Random) -> ScheduledBatch
         seq.block_table = np.array([rng.randrange(1 << 20) for _ in range(blocks)], dtype=np.int32)
         seqs.append(seq)
     return ScheduledBatch(seqs, [1] * batch)
+
+
+def build_plan_lists(batch: ScheduledBatch, tables: list[list[int]]) -> StepPlan:
+    """The plan as it was built before, from block tables as lists of Python ints."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    cu_seqlens = [0]
+    context_lens: list[int] = []
+    sample_rows: list[int] = []
+    for seq, n, table in zip(batch.seqs, batch.num_new_tokens, tables):
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        input_ids.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        slots.extend(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end))
+        cu_seqlens.append(cu_seqlens[-1] + n)
+        context_lens.append(end)
+        if end == seq.num_tokens:
+            sample_rows.append(cu_seqlens[-1] - 1)
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return StepPlan(input_ids, positions, slots, padded, context_lens, cu_seqlens, sample_rows,  # type: ignore[arg-type]
+                    batch.is_decode)
 
 
 def encode_lists(plan: StepPlan, tables: list[list[int]]) -> bytes:
@@ -77,26 +110,29 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         table_lists = [seq.block_table.tolist() for seq in batch.seqs]
         padded_lists = plan.block_tables.tolist()
         data, data_lists = encode_message(plan), encode_lists(plan, padded_lists)
-        rows.append({
-            "batch": batch_size, "table_entries": plan.block_tables.size,
-            "build_plan_us": median_us(lambda: build_plan(batch, BLOCK_SIZE), args.iters),
-            "pad_tables_us": median_us(lambda: padded_block_tables([s.block_table for s in batch.seqs]), args.iters),
-            "pad_tables_lists_us": median_us(lambda: [t + [0] * (len(padded_lists[0]) - len(t)) for t in table_lists],
-                                             args.iters),
-            "host_tensor_us": median_us(lambda: host_tensor(plan.block_tables, torch.int32, pin=False), args.iters),
-            "host_tensor_lists_us": median_us(lambda: host_tensor(padded_lists, torch.int32, pin=False), args.iters),
-            "encode_us": median_us(lambda: encode_message(plan), args.iters),
-            "encode_lists_us": median_us(lambda: encode_lists(plan, padded_lists), args.iters),
-            "decode_us": median_us(lambda: decode_message(data), args.iters),
-            "decode_lists_us": median_us(lambda: msgpack.unpackb(data_lists), args.iters),
-        })
+        pieces: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+            "step": (lambda: host_tensor(build_plan(batch, BLOCK_SIZE).block_tables, torch.int32, pin=False),
+                     lambda: host_tensor(build_plan_lists(batch, table_lists).block_tables, torch.int32, pin=False)),
+            "build_plan": (lambda: build_plan(batch, BLOCK_SIZE), lambda: build_plan_lists(batch, table_lists)),
+            "pad_tables": (lambda: padded_block_tables([s.block_table for s in batch.seqs]),
+                           lambda: [t + [0] * (len(padded_lists[0]) - len(t)) for t in table_lists]),
+            "host_tensor": (lambda: host_tensor(plan.block_tables, torch.int32, pin=False),
+                            lambda: host_tensor(padded_lists, torch.int32, pin=False)),
+            "encode": (lambda: encode_message(plan), lambda: encode_lists(plan, padded_lists)),
+            "decode": (lambda: decode_message(data), lambda: msgpack.unpackb(data_lists)),
+        }
+        row: dict[str, Any] = {"batch": batch_size, "table_entries": plan.block_tables.size}
+        for key, (new, old) in pieces.items():
+            row[f"{key}_us"], row[f"{key}_lists_us"] = paired_us(new, old, args.iters)
+        rows.append(row)
     print(f"decode step inputs, contexts of {args.context} tokens (us, median of {args.iters}; "
           "block tables as arrays / as lists)")
     print(format_table(
-        ["batch", "table entries", "build_plan", "pad tables", "host_tensor", "encode", "decode"],
-        [[str(r["batch"]), str(r["table_entries"]), f"{r['build_plan_us']:.0f}"]
-         + [f"{r[key + '_us']:.0f} / {r[key + '_lists_us']:.0f}" for key in ("pad_tables", "host_tensor", "encode",
-                                                                                "decode")]
+        ["batch", "table entries", "plan + tables tensor", "build_plan", "pad tables", "host_tensor", "encode",
+         "decode"],
+        [[str(r["batch"]), str(r["table_entries"])]
+         + [f"{r[key + '_us']:.0f} / {r[key + '_lists_us']:.0f}"
+            for key in ("step", "build_plan", "pad_tables", "host_tensor", "encode", "decode")]
          for r in rows]))
     result = {"context": args.context, "rows": rows}
     write_json(result, args.out)

@@ -38,7 +38,7 @@ class RequestTimings:
         return out
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: identity, not field-wise (an array field has no ==)
 class Sequence:
     """One request: its tokens, how many of them the KV cache holds, and its blocks.
 

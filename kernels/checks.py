@@ -8,13 +8,18 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def check_float_dtype(name: str, t: torch.Tensor) -> None:
+    """ValueError naming ``name`` unless ``t`` is float32, float16 or bfloat16."""
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
 def as_rows(name: str, t: torch.Tensor, width: int) -> torch.Tensor:
     """``t [..., width]`` (a float tensor) as a ``[rows, width]`` view with unit stride along
     ``width`` (no copy), or ValueError naming ``name``."""
     if t.dim() == 0 or t.shape[-1] != width:
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [..., {width}]")
-    if t.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    check_float_dtype(name, t)
     try:
         rows = t.view(-1, width)
     except RuntimeError as exc:

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.checks import FLOAT_DTYPES, dot_precision
+from kernels.checks import check_float_dtype, dot_precision
 from kernels.rope import check_new_tokens, rope_and_store_kv_ref
 
 
@@ -314,8 +314,7 @@ def _check_paged_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
     for name, t in (("q", q), ("k_cache", k_cache)):
-        if t.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+        check_float_dtype(name, t)
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:

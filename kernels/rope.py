@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.checks import FLOAT_DTYPES
+from kernels.checks import check_float_dtype
 
 
 def rope_and_store_kv_ref(
@@ -143,8 +143,7 @@ def check_new_tokens(
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
         _check_unit_stride(name, t)
     for name in ("q", "k", "v", "k_cache", "v_cache", "cos_sin_cache"):
-        if tensors[name].dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{name} must be float32, float16 or bfloat16, got {tensors[name].dtype}")
+        check_float_dtype(name, tensors[name])
 
 
 def rope_and_store_kv(

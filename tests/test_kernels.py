@@ -483,6 +483,18 @@ def test_wrappers_reject_bad_inputs() -> None:
             torch.randn(3, 3, 16), torch.randn(8, 4, 2, 16), torch.randn(8, 4, 2, 16),
             torch.tensor([0, 3], dtype=torch.int32), torch.zeros(1, 3, dtype=torch.int32),
             torch.full((1,), 3, dtype=torch.int32), 0.25)
+    # every wrapper's float-dtype check (kernels.checks.check_float_dtype)
+    with pytest.raises(ValueError, match="x must be float32, float16 or bfloat16, got torch.float64"):
+        rmsnorm.rms_norm(x.double(), torch.randn(8), 1e-6)
+    with pytest.raises(ValueError, match="cos_sin_cache must be float32, float16 or bfloat16, got torch.float64"):
+        decode_attention.paged_decode_attention(
+            *new[:4], new[4].double(), *new[5:], torch.zeros(2, 3, dtype=torch.int32),
+            torch.ones(2, dtype=torch.int32), 0.25, 8)
+    with pytest.raises(ValueError, match="q must be float32, float16 or bfloat16, got torch.float64"):
+        prefill_attention.paged_prefill_attention(
+            torch.randn(3, 4, 16, dtype=torch.float64), torch.randn(8, 4, 2, 16), torch.randn(8, 4, 2, 16),
+            torch.tensor([0, 3], dtype=torch.int32), torch.zeros(1, 3, dtype=torch.int32),
+            torch.full((1,), 3, dtype=torch.int32), 0.25)
 
 
 # --------------------------------------------------------------------------------------------

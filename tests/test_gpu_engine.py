@@ -125,6 +125,20 @@ def padded_eager_logits(runner: ModelRunner, plan: StepPlan, bucket: int) -> tor
     return logits[:batch]
 
 
+def assert_within_bf16_noise(replayed: torch.Tensor, runner: ModelRunner, fp32: ModelRunner, plan: StepPlan,
+                             label: str) -> None:
+    """``replayed`` (a graph's logits for ``plan``) differs from ``runner``'s plain eager step by
+    at most 2x that step's difference from ``fp32``'s (max and mean)."""
+    eager = runner.forward(*runner.inputs(plan))
+    exact = fp32.forward(*fp32.inputs(plan))
+    assert eager is not None and exact is not None
+    diff, noise = (replayed - eager).abs(), (eager - exact).abs()
+    assert diff.max() <= 2 * noise.max() and diff.mean() <= 2 * noise.mean(), (
+        f"{label}: graph vs eager max {diff.max().item():.3g} mean {diff.mean().item():.3g}; "
+        f"bf16 vs fp32 max {noise.max().item():.3g} mean {noise.mean().item():.3g}"
+    )
+
+
 def test_graph_replay_matches_eager(graph_runners: GraphRunners) -> None:
     """Every bucket, and batch sizes that need padding.
 
@@ -150,14 +164,7 @@ def test_graph_replay_matches_eager(graph_runners: GraphRunners) -> None:
             f"batch {batch} (bucket {bucket}): replay differs from the eager padded forward by up to "
             f"{(replayed - padded).abs().max().item():.3g}"
         )
-        eager = runner.forward(*runner.inputs(plan))
-        exact = fp32.forward(*fp32.inputs(plan))
-        assert eager is not None and exact is not None
-        diff, noise = (replayed - eager).abs(), (eager - exact).abs()
-        assert diff.max() <= 2 * noise.max() and diff.mean() <= 2 * noise.mean(), (
-            f"batch {batch}: graph vs eager max {diff.max().item():.3g} mean {diff.mean().item():.3g}; "
-            f"bf16 vs fp32 max {noise.max().item():.3g} mean {noise.mean().item():.3g}"
-        )
+        assert_within_bf16_noise(replayed, runner, fp32, plan, f"batch {batch}")
 
 
 def slots_written_besides_dummy(runner: ModelRunner, plan: StepPlan) -> set[int]:
@@ -237,14 +244,7 @@ def test_prefill_graph_replay_matches_eager(graph_runners: GraphRunners) -> None
         )
         runner.kv_cache.copy_(before)
         fp32.kv_cache.copy_(before)
-        eager = runner.forward(*runner.inputs(plan))
-        exact = fp32.forward(*fp32.inputs(plan))
-        assert eager is not None and exact is not None
-        diff, noise = (replayed - eager).abs(), (eager - exact).abs()
-        assert diff.max() <= 2 * noise.max() and diff.mean() <= 2 * noise.mean(), (
-            f"{name}: graph vs eager max {diff.max().item():.3g} mean {diff.mean().item():.3g}; "
-            f"bf16 vs fp32 max {noise.max().item():.3g} mean {noise.mean().item():.3g}"
-        )
+        assert_within_bf16_noise(replayed, runner, fp32, plan, name)
         runner.kv_cache.copy_(before)
         fp32.kv_cache.copy_(before)
 

@@ -124,7 +124,10 @@ def _rotated(ptrs, d, pair, mask, cos, signed_sin):
             + tl.load(ptrs + pair, mask=mask, other=0.0).to(tl.float32) * signed_sin)
 
 
-@triton.jit
+# Integers that change from step to step are not specialized (Triton compiles a variant for
+# values of 1 and for multiples of 16): an eager step of a new shape would otherwise stop the
+# GPU for a compile, about a second on an H200, the first time it comes.
+@triton.jit(do_not_specialize=["max_len", "stride_bt", "num_partitions"])
 def _decode_partition_kernel(
     q_ptr, k_new_ptr, v_new_ptr, pos_ptr, cos_sin_ptr, slot_ptr,
     k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
@@ -232,7 +235,7 @@ def _decode_partition_kernel(
             tl.store(part_ptr + idx[:, None] * head_dim + d[None, :], acc, mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_len", "num_partitions"])
 def _decode_reduce_kernel(
     m_ptr, l_ptr, part_ptr, context_lens_ptr, out_ptr,
     max_len, stride_ob, stride_oh, num_heads, head_dim, num_partitions,

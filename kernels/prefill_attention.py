@@ -117,7 +117,9 @@ def _find_sequence(cu_seqlens_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# The sequence count and the block tables' width change from step to step: not specialized, so
+# that a step of a new shape does not wait for a compile (as decode attention's).
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
     qk_scale,

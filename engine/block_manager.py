@@ -38,6 +38,8 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow ``seq``'s block table to hold ``num_tokens`` tokens."""
         needed = self.blocks_needed(seq, num_tokens)
+        if needed == 0:  # most decode steps: the last block has room
+            return
         if needed > len(self._free):
             raise RuntimeError(f"allocating {needed} blocks with {len(self._free)} free: check can_allocate first")
         new = np.fromiter((self._free.popleft() for _ in range(needed)), dtype=np.int32, count=needed)

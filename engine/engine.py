@@ -171,10 +171,11 @@ class LLMEngine:
             return []
         kv_ready, self._admitted = self._admitted, []
         logits = self.runner.execute(batch, kv_ready)
-        sampled = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens)
-                   if seq.num_computed_tokens + n == seq.num_tokens]
+        sampled = []  # sequences whose last token ran: they get a new one
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampled.append(seq)
         if not sampled:
             return []
         tokens = self.sampler(logits, [s.params for s in sampled], [s.request_id for s in sampled])

@@ -48,9 +48,14 @@ def build_plan(batch: ScheduledBatch, block_size: int) -> StepPlan:
     sample_rows: list[int] = []
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-        input_ids.extend(seq.token_ids[start:end])
-        positions.extend(range(start, end))
-        slots.extend(_slots(seq.block_table, start, end, block_size))
+        if n == 1:  # a decode token: per-call costs of slices, ranges and numpy exceed the work
+            input_ids.append(seq.token_ids[start])
+            positions.append(start)
+            slots.append(int(seq.block_table[start // block_size]) * block_size + start % block_size)
+        else:
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(_slots(seq.block_table, start, end, block_size))
         cu_seqlens.append(cu_seqlens[-1] + n)
         context_lens.append(end)
         if end == seq.num_tokens:
@@ -71,8 +76,6 @@ def padded_block_tables(tables: Sequence[Sequence[int] | np.ndarray]) -> np.ndar
 
 def _slots(block_table: np.ndarray, start: int, end: int, block_size: int) -> list[int]:
     """Cache slots of positions ``start .. end - 1`` under ``block_table``."""
-    if end - start == 1:  # a decode token: numpy's per-call cost would exceed the arithmetic
-        return [int(block_table[start // block_size]) * block_size + start % block_size]
     pos = np.arange(start, end)
     return (block_table[pos // block_size].astype(np.int64) * block_size + pos % block_size).tolist()
 

@@ -1,0 +1,23 @@
+"""bench.engine_step on the CPU: one row per batch size, step = forward + host, in its JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.engine_step import main
+
+
+def test_cpu_engine_step_split(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "engine_step.json"
+    result = main(["--model", str(tiny_model_dirs["tiny-llama"]), "--device", "cpu", "--batch-sizes", "1,4",
+                   "--context", "24", "--iters", "4", "--warmup", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert [r["batch"] for r in result["rows"]] == [1, 4]
+    for row in result["rows"]:
+        step, forward = row["step"]["median_ms"], row["forward"]["median_ms"]
+        assert step > 0 and forward > 0
+        assert row["host_ms"] == pytest.approx(step - forward)
+        assert row["forward_share"] == pytest.approx(forward / step)

@@ -123,6 +123,11 @@ def ours_ms(results: dict[str, Any]) -> float:
     return results.get("ours_graph", results["ours_eager"])["median_ms"]
 
 
+def parse_prefill_lens(text: str) -> list[int]:
+    """``"512,2048"`` -> ``[512, 2048]``; empty for ``""`` (a decode-only run)."""
+    return parse_ints(text) if text.strip() else []
+
+
 def parse_prefill_batches(text: str) -> list[tuple[int, int]]:
     """``"8x512,4x256"`` -> ``[(8, 512), (4, 256)]``; empty for ``""``."""
     out = []
@@ -362,7 +367,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", help="compute dtype (default bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--batch-sizes", default="1,8,32,128", type=parse_ints, help="decode batch sizes")
     parser.add_argument("--contexts", default="128,2048", type=parse_ints, help="decode context lengths")
-    parser.add_argument("--prefill-lens", default="2048", type=parse_ints, help="single-prompt prefill lengths")
+    parser.add_argument("--prefill-lens", default="2048", type=parse_prefill_lens,
+                        help="single-prompt prefill lengths ('' for none)")
     parser.add_argument("--prefill-batches", default="8x512", type=parse_prefill_batches,
                         help="batched prefills, COUNTxLENGTH[,...] ('' for none)")
     parser.add_argument("--hf", choices=[*HF_COMPILE_OPTIONS, "eager", "off"],

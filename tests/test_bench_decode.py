@@ -86,6 +86,13 @@ def test_tp_decode_bench_cpu_smoke(preset_cache: Path) -> None:
     assert result["groups"]["2"]["rank0_kv_bytes_per_token"] * 2 == result["groups"]["1"]["rank0_kv_bytes_per_token"]
 
 
+def test_prefill_cases_may_be_left_out() -> None:
+    assert decode.parse_prefill_lens("") == [] and decode.parse_prefill_batches("") == []
+    assert decode.parse_prefill_lens("512,2048") == [512, 2048]
+    with pytest.raises(ValueError):
+        decode.parse_prefill_lens("0")
+
+
 def test_decode_plan_addresses_the_last_position() -> None:
     gen = torch.Generator().manual_seed(0)
     tables = block_tables([33, 16, 1], block_size=16, num_blocks=10, generator=gen)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,9 +45,6 @@ class ModelRunner:
         self.max_model_len = config.resolved_max_model_len(model_config)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        # What this process held before this runner (another engine, a benchmark's tensors):
-        # not this runner's to count against its memory budget.
-        self._allocated_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         ops.use_kernels(config.resolved_kernels())
         self.model = build_model(
             model_config, Path(config.model), tp, self.dtype, self.device, self.max_model_len
@@ -115,15 +113,24 @@ class ModelRunner:
         if self.device.type != "cuda":
             return max(1, self.config.cache.cpu_kv_cache_bytes // self.block_bytes)
         # Measure the activation peak of the largest step with a one-block scratch cache, then
-        # give the KV pool what the utilisation budget leaves.
+        # give the KV pool what the utilisation budget leaves. The weights are counted from the
+        # model's own tensors, not as the growth of the process's allocation since this runner
+        # began: other objects' memory freed meanwhile (an earlier engine collected by the GC)
+        # would hide part of them, and the pool would take more than its share. Garbage is
+        # collected first for the same reason: freed inside the measured step, it would hide
+        # part of the activation peak.
+        weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        gc.collect()
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
         scratch = torch.empty(self.model_config.num_layers, 2, 1, self.block_size, self.num_kv_heads,
                               self.model_config.head_dim, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = scratch[i, 0], scratch[i, 1]
+        resident = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         self._scratch_step(min(self.config.scheduler.max_num_batched_tokens, self.max_model_len), 1)
-        peak = torch.cuda.max_memory_allocated() - self._allocated_before  # this runner's weights + activations
+        activations = torch.cuda.max_memory_allocated() - resident
+        peak = weights + activations
         # The prefill graphs' pool keeps the activations of their largest step for good: measured
         # the same way (the padding makes a captured step one sequence longer, not larger).
         graph_tokens, graph_seqs = self._prefill_graph_limits()
@@ -137,12 +144,12 @@ class ModelRunner:
         others = total - free - torch.cuda.memory_reserved()  # other processes, CUDA context
         del scratch
         torch.cuda.empty_cache()
-        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - graph_pool - others
+        share = int(total * self.config.cache.gpu_memory_utilization) - peak - graph_pool - others
         # Never more than is there once the step's activations have their room again (other
         # engines of this process keep what they hold).
-        activations = peak - (torch.cuda.memory_allocated() - self._allocated_before)
         available = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-        budget = min(budget, available - activations - graph_pool)
+        room = available - activations - graph_pool
+        budget = min(share, room)
         num_blocks = budget // self.block_bytes
         if num_blocks < 1:
             raise RuntimeError(
@@ -150,8 +157,14 @@ class ModelRunner:
                 f"budget {total * self.config.cache.gpu_memory_utilization / 2**30:.1f} GiB): "
                 "raise gpu_memory_utilization or lower max_num_batched_tokens"
             )
-        logger.info("KV pool: %d blocks of %d tokens (%.1f GiB)", num_blocks, self.block_size,
-                    num_blocks * self.block_bytes / 2**30)
+        gib = 2**30
+        logger.info(
+            "KV pool: %d blocks of %d tokens (%.1f GiB), bounded by %s; weights + activations %.1f GiB, "
+            "prefill graphs %.1f GiB, outside this process's allocator %.1f GiB, free on the device %.1f GiB",
+            num_blocks, self.block_size, num_blocks * self.block_bytes / gib,
+            "gpu_memory_utilization" if share <= room else "the free device memory",
+            peak / gib, graph_pool / gib, others / gib, available / gib,
+        )
         return int(num_blocks)
 
     def inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:

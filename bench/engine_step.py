@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from bench.common import (
-    add_step_timing_args, block_tables, command_line, decode_plan, fmt, format_table, metadata, model_dir, parse_ints,
-    parse_step_timing_args, resolve_device, summary, time_steps, write_json,
+    add_step_timing_args, blocks_for, command_line, fmt, format_table, metadata, model_dir, parse_ints,
+    parse_step_timing_args, resolve_device, summary, time_steps, uniform_decode_plan, write_json,
 )
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine
@@ -57,9 +57,7 @@ def measure(engine: LLMEngine, batch: int, context: int, warmup: int, iters: int
     for request_id in ids:
         engine.abort(request_id)
     runner = engine.runner
-    tables = block_tables([reached] * batch, runner.block_size, runner.num_blocks, gen)
-    plan = decode_plan(tables, [reached] * batch, runner.block_size,
-                       torch.randint(0, vocab, (batch,), generator=gen).tolist())
+    plan = uniform_decode_plan(runner, torch.randint(0, vocab, (batch,), generator=gen).tolist(), reached, gen)
     forward = time_steps(partial(runner.run, plan), runner.device, warmup, iters)
     step_ms, forward_ms = statistics.median(wall), statistics.median(forward)
     return {"batch": batch, "context": context, "step": summary(wall), "forward": summary(forward),
@@ -88,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     max_batch = max(args.batch_sizes)
     max_model_len = args.context + args.warmup + args.iters + 2 * args.block_size
     # Room for the requests and, beside them, the forward's copy of the batch.
-    num_blocks = 2 * max_batch * -(-max_model_len // args.block_size)
+    num_blocks = 2 * max_batch * blocks_for(max_model_len, args.block_size)
     engine = LLMEngine(EngineConfig(
         model=str(path), device=str(device), max_model_len=max_model_len, cuda_graph_max_batch=max_batch,
         cache=CacheConfig(block_size=args.block_size, num_blocks=num_blocks),

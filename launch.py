@@ -83,6 +83,8 @@ def run_demo(endpoint: str, prompts: tuple[str, ...], max_tokens: int) -> None:
 @click.option("--graph-max-prefill-tokens", "cuda_graph_max_prefill_tokens", type=int, default=None,
               help="Largest CUDA-graph prefill step in tokens, 0 for none [default: 2048]")
 @click.option("--enforce-eager", is_flag=True, default=None, help="No CUDA graphs.")
+@click.option("--no-overlap", "overlap_scheduling", flag_value=False, default=None,
+              help="Read each step's tokens back before planning the next (overlap is on for groups of one rank).")
 @click.option("--no-chunked-prefill", "enable_chunked_prefill", flag_value=False, default=None,
               help="Prefill whole prompts in their own steps (colocated baseline without chunking).")
 @click.option("--dispatch", type=click.Choice(["round-robin", "least-tokens"]), default=None,

@@ -41,6 +41,7 @@ class ClusterConfig:
     cuda_graph_max_batch: int = 128
     cuda_graph_max_prefill_tokens: int = 2048  # largest captured prefill step; 0: prefill runs eagerly
     enforce_eager: bool = False
+    overlap_scheduling: bool = True  # plan a step while the GPU runs the last (groups of one rank)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
@@ -112,6 +113,7 @@ class ClusterConfig:
             enforce_eager=self.enforce_eager,
             cuda_graph_max_batch=self.cuda_graph_max_batch,
             cuda_graph_max_prefill_tokens=self.cuda_graph_max_prefill_tokens,
+            overlap_scheduling=self.overlap_scheduling,
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                               gpu_memory_utilization=self.gpu_memory_utilization),
             scheduler=SchedulerConfig(

@@ -277,6 +277,10 @@ class EngineConfig:
     # whatever its size (H200 host, Qwen2.5-1.5B: docs/benchmarks.md).
     cuda_graph_max_prefill_tokens: int = 2048
     cuda_graph_max_prefill_seqs: int = 16
+    # Plan and launch each step before reading back the previous one's sampled tokens, so the
+    # GPU does not wait for the host between steps (docs/design.md, "Overlapped steps"). Only a
+    # group of one rank overlaps: TP peers take their token ids from the leader's host-side plan.
+    overlap_scheduling: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -315,6 +319,10 @@ class EngineConfig:
         if self.kernels == "auto":
             return "triton" if self.resolved_device().type == "cuda" else "torch"
         return self.kernels
+
+    def resolved_overlap(self) -> bool:
+        """Whether steps overlap (``overlap_scheduling`` on a group of one rank)."""
+        return self.overlap_scheduling and self.parallel.tp_size == 1
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         if self.max_model_len is None:

@@ -10,13 +10,16 @@ from collections.abc import Iterator, Sequence as SequenceType
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
 from engine.parallel import TensorParallel
 from engine.sampling import RequestError, Sampler, SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.step_plan import StepPlan, build_plan, pending_token
 
 
 @dataclass
@@ -57,6 +60,37 @@ def validate_request(
         )
 
 
+@dataclass
+class _InFlight:
+    """A launched step's sampled tokens: row i is ``seqs[i]``'s token at ``token_ids[indexes[i]]``
+    (a placeholder until the step is read back). ``tokens`` stay on the device for the next
+    step's inputs; ``host_tokens`` is their copy, complete once ``copied`` has passed."""
+
+    seqs: list[Sequence]
+    indexes: list[int]
+    tokens: torch.Tensor
+    host_tokens: torch.Tensor
+    copied: torch.cuda.Event | None
+
+    @classmethod
+    def launch_copy(cls, seqs: list[Sequence], indexes: list[int], tokens: torch.Tensor) -> _InFlight:
+        """Queue the copy to the host behind the sampling. Reading the device tensor itself
+        (``tolist``) would wait for everything queued on the stream, the next step included."""
+        if tokens.device.type != "cuda":
+            return cls(seqs, indexes, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(seqs, indexes, tokens, host, copied)
+
+    def read(self) -> list[int]:
+        """The sampled tokens; waits for this step's copy only."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host_tokens.tolist()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, tp: TensorParallel = TensorParallel()) -> None:
         self.config = config
@@ -84,6 +118,8 @@ class LLMEngine:
         # Decode role: requests with blocks reserved for KV that is still arriving.
         self.reserved: dict[str, Sequence] = {}
         self._admitted: list[str] = []  # since the last step: their KV must be in place first
+        self.overlap = config.resolved_overlap()
+        self._in_flight: _InFlight | None = None  # the launched step not yet read back
 
     # -- requests ------------------------------------------------------------------------
 
@@ -156,7 +192,8 @@ class LLMEngine:
         return self._finish(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to step, or a launched step whose tokens are still to be read back."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def close(self) -> None:
         """Release the TP peers (if any) from their step loop."""
@@ -165,27 +202,66 @@ class LLMEngine:
     # -- stepping ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; one output per request that got a token this step."""
+        """Run one scheduled batch; one output per request that got a token.
+
+        Overlapped (``EngineConfig.resolved_overlap``): the batch is planned and launched while
+        the GPU still runs the previous one, whose tokens are then read back and returned, so
+        a request's token comes out one call later and the GPU never waits for the host's
+        scheduling. A sequence whose token stops it (EOS, a stop id) has meanwhile run one more
+        step, whose token is dropped; length limits and prefill-only requests are known ahead
+        (``Sequence.finishing``) and cost nothing. Otherwise each call returns its own tokens.
+        """
         batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        kv_ready, self._admitted = self._admitted, []
-        logits = self.runner.execute(batch, kv_ready)
-        sampled = []  # sequences whose last token ran: they get a new one
+        previous, self._in_flight = self._in_flight, None
+        outputs: list[RequestOutput] = []
+        if batch is not None:
+            plan = build_plan(batch, self.runner.block_size)
+            sampled = previous.tokens if previous is not None else None
+            if previous is not None and not self.runner.replays(plan):
+                # The host is about to launch every kernel itself, which outlasts the GPU's work:
+                # nothing to overlap, and the finished step's tokens need not wait behind it.
+                outputs += self._read_back(previous)
+                previous = None
+            self._in_flight = self._launch(batch, plan, sampled)
+        if previous is not None:
+            outputs += self._read_back(previous)
+        if self._in_flight is not None and not self.overlap:
+            outputs += self._read_back(self._in_flight)
+            self._in_flight = None
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch, plan: StepPlan, sampled: torch.Tensor | None) -> _InFlight | None:
+        """Run ``plan`` (placeholders filled from ``sampled``) and sample on the device; append
+        each sampled sequence's placeholder. None if no sequence reached its last token."""
+        plan.kv_ready, self._admitted = self._admitted, []  # their KV must be in place first
+        logits = self.runner.step(plan, sampled)
+        sampled_seqs = []  # sequences whose last token ran: they get a new one
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == seq.num_tokens:
-                sampled.append(seq)
-        if not sampled:
-            return []
-        tokens = self.sampler(logits, [s.params for s in sampled], [s.request_id for s in sampled])
+                sampled_seqs.append(seq)
+        if not sampled_seqs:
+            return None
+        tokens = self.sampler(logits, [s.params for s in sampled_seqs], [s.request_id for s in sampled_seqs])
+        indexes = []
+        for row, seq in enumerate(sampled_seqs):
+            indexes.append(seq.num_tokens)
+            seq.token_ids.append(pending_token(row))
+            seq.finishing = seq.prefill_only or self._length_reached(seq, seq.num_tokens)
+        return _InFlight.launch_copy(sampled_seqs, indexes, tokens)
+
+    def _read_back(self, step: _InFlight) -> list[RequestOutput]:
+        """The launched step's tokens, in place of their placeholders: stop checks and outputs."""
+        tokens = step.read()
         now = time.monotonic()
         outputs = []
-        for seq, token in zip(sampled, tokens):
-            seq.token_ids.append(token)
+        for seq, index, token in zip(step.seqs, step.indexes, tokens):
+            if seq.status is SequenceStatus.FINISHED:  # aborted, or stopped by the step before
+                continue
+            seq.token_ids[index] = token
             if seq.timings.first_token is None:
                 seq.timings.first_token = now
-            reason = self._stop_reason(seq, token)
+            reason = self._stop_reason(seq, token, index + 1)
             if reason is None and seq.prefill_only:
                 self.scheduler.finish(seq, "prefilled", free_blocks=False)
                 self.held[seq.request_id] = seq
@@ -194,23 +270,29 @@ class LLMEngine:
                 outputs.append(output)
             elif reason is None:
                 outputs.append(RequestOutput(seq.request_id, [token], num_prompt_tokens=seq.num_prompt_tokens,
-                                             num_output_tokens=seq.num_output_tokens))
+                                             num_output_tokens=index + 1 - seq.num_prompt_tokens))
             else:
                 self.scheduler.finish(seq, reason)
                 outputs.append(self._finish(seq, [token]))
         return outputs
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def _length_reached(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether ``seq`` ends once it holds ``num_tokens`` tokens, whatever the last one is."""
+        return num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= self.max_model_len
+
+    def _stop_reason(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
+        """Why ``seq`` ends with ``token`` as its ``num_tokens``-th token, or None."""
         params = seq.params
         if not params.ignore_eos and token in self.model_config.eos_token_ids:
             return "stop"
         if token in params.stop_token_ids:
             return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if self._length_reached(seq, num_tokens):
             return "length"
         return None
 
     def _finish(self, seq: Sequence, new_tokens: list[int] | None = None) -> RequestOutput:
+        seq.drop_pending()  # a token stopped it (or an abort) while its next step was in flight
         del self.requests[seq.request_id]
         self.sampler.release(seq.request_id)
         return RequestOutput(

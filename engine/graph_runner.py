@@ -29,7 +29,7 @@ import torch
 
 from engine.context import AttentionContext, set_context
 from engine.model import CausalLM
-from engine.step_plan import StepPlan, host_tensor
+from engine.step_plan import StepPlan, host_tensor, write_pending_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -185,11 +185,13 @@ class CudaGraphRunner(_StepGraphs):
     def can_run(self, plan: StepPlan) -> bool:
         return plan.is_decode and len(plan.input_ids) <= self.max_batch_size
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """Replay the bucket's graph for a decode plan; logits (leader) or hidden states ``[B, ...]``."""
+    def run(self, plan: StepPlan, sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the bucket's graph for a decode plan; logits (leader) or hidden states ``[B, ...]``.
+        ``sampled``: the tokens the plan's placeholders name (``write_pending_tokens``)."""
         batch = len(plan.input_ids)
         bucket = next(b for b in self.buckets if b >= batch)
         _load(self.input_ids[:batch], plan.input_ids)
+        write_pending_tokens(self.input_ids[:batch], plan.input_ids, sampled)
         _load(self.positions[:batch], plan.positions)
         _load(self.slot_mapping[:batch], plan.slot_mapping)
         _load(self.context_lens[:batch], plan.context_lens)
@@ -268,12 +270,13 @@ class PrefillGraphRunner(_StepGraphs):
         return (not plan.is_decode and len(plan.input_ids) <= self.max_tokens
                 and len(plan.context_lens) <= self.max_seqs)
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
+    def run(self, plan: StepPlan, sampled: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the bucket's graph; logits of the plan's sampled rows (leader) or the hidden
-        states of its ``T`` tokens."""
+        states of its ``T`` tokens. ``sampled`` as for decode graphs."""
         num_tokens = len(plan.input_ids)
         bucket = next(b for b in self.buckets if b >= num_tokens)
         self._load_plan(plan, bucket)
+        write_pending_tokens(self.input_ids[:num_tokens], plan.input_ids, sampled)
         self.graphs[bucket].replay()
         output = self.outputs[bucket]
         return output[: len(plan.sample_rows)] if self.compute_logits else output[:num_tokens]

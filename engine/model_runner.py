@@ -14,8 +14,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.context import AttentionContext, set_context
 from engine.graph_runner import CudaGraphRunner, PrefillGraphRunner, token_buckets
 from engine.parallel import TensorParallel, head_shard
-from engine.scheduler import ScheduledBatch
-from engine.step_plan import KVCommand, StepPlan, StepReceiver, StepSender, build_plan, host_tensor
+from engine.step_plan import KVCommand, StepPlan, StepReceiver, StepSender, host_tensor, write_pending_tokens
 from engine.weights import build_model
 
 if TYPE_CHECKING:
@@ -167,8 +166,11 @@ class ModelRunner:
         )
         return int(num_blocks)
 
-    def inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
-        """Device tensors of a plan: token ids, positions, attention context, sampled rows."""
+    def inputs(
+        self, plan: StepPlan, sampled: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
+        """Device tensors of a plan: token ids (placeholders replaced from ``sampled``, see
+        ``write_pending_tokens``), positions, attention context, sampled rows."""
         to = self._to_device
         context = AttentionContext(
             is_decode=plan.is_decode,
@@ -178,7 +180,9 @@ class ModelRunner:
             max_context_len=max(plan.context_lens),
             cu_seqlens_q=to(plan.cu_seqlens_q, torch.int32),
         )
-        return to(plan.input_ids, torch.int64), to(plan.positions, torch.int64), context, to(plan.sample_rows, torch.int64)
+        input_ids = to(plan.input_ids, torch.int64)
+        write_pending_tokens(input_ids, plan.input_ids, sampled)
+        return input_ids, to(plan.positions, torch.int64), context, to(plan.sample_rows, torch.int64)
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         host = host_tensor(values, dtype, pin=self.device.type == "cuda")
@@ -197,32 +201,33 @@ class ModelRunner:
         finally:
             set_context(None)
 
-    def run(self, plan: StepPlan) -> torch.Tensor | None:
-        """Run one step: a captured graph for steps that fit one, else eagerly.
+    def replays(self, plan: StepPlan) -> bool:
+        """Whether ``run`` replays a captured graph for this plan (else the host launches every
+        kernel itself, which takes longer than the GPU's work)."""
+        return any(graphs is not None and graphs.can_run(plan)
+                   for graphs in (self.graph_runner, self.prefill_graph_runner))
+
+    def run(self, plan: StepPlan, sampled: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run one step: a captured graph for steps that fit one, else eagerly. ``sampled``:
+        the tokens the plan's placeholders name (``engine.step_plan.write_pending_tokens``).
 
         Returns the logits of the sampled rows on the leader, None on peers.
         """
         for graphs in (self.graph_runner, self.prefill_graph_runner):
             if graphs is not None and graphs.can_run(plan):
-                out = graphs.run(plan)
+                out = graphs.run(plan, sampled)
                 return out if self.config.parallel.is_leader else None
-        input_ids, positions, context, sample_rows = self.inputs(plan)
+        input_ids, positions, context, sample_rows = self.inputs(plan, sampled)
         return self.forward(input_ids, positions, context, sample_rows if self.config.parallel.is_leader else None)
 
-    def execute(self, batch: ScheduledBatch, kv_ready: list[str] | None = None) -> torch.Tensor:
-        """Leader: send the step to the TP peers, run it, return the logits to sample.
-
-        ``kv_ready``: transfers whose received KV this step reads (peers wait for their part).
-        """
-        plan = build_plan(batch, self.block_size)
-        plan.kv_ready = kv_ready or []
-        return self.step(plan)
-
-    def step(self, plan: StepPlan) -> torch.Tensor:
-        """Leader: send a ready plan to the TP peers and run it; the logits of its sampled rows."""
+    def step(self, plan: StepPlan, sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """Leader: send a ready plan to the TP peers and run it; the logits of its sampled rows.
+        A plan with placeholders (``sampled``) only runs without peers, which could not fill them."""
         if self._sender is not None:
+            if sampled is not None:
+                raise RuntimeError("overlapped steps need a group of one rank: peers have no sampled tokens")
             self._sender.send(plan)
-        logits = self.run(plan)
+        logits = self.run(plan, sampled)
         assert logits is not None
         return logits
 

@@ -74,6 +74,13 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     return torch.empty_like(logits).scatter_(-1, order, masked)
 
 
+def _to(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A small host list on ``device`` without a sync: a copy from pageable memory would wait for
+    every kernel queued ahead (the engine queues a step before it reads the last one back)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 @dataclass
 class Sampler:
     """Samples one token per row. Rows with a seed draw from their own generator."""
@@ -93,20 +100,22 @@ class Sampler:
 
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]
-    ) -> list[int]:
-        """logits ``[B, V]`` fp32 -> one token id per row (one device-to-host copy)."""
+    ) -> torch.Tensor:
+        """logits ``[B, V]`` fp32 -> one token id per row, ``[B]`` int64 on the logits' device.
+        No host sync: the engine reads the tokens back when it needs them."""
         vocab = logits.shape[-1]
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=logits.device)
+            device = logits.device
+            rows = _to(device, sampled_rows, torch.int64)
             sub = logits[rows]
-            temps = torch.tensor([params[i].temperature for i in sampled_rows], device=logits.device)
-            top_k = torch.tensor(  # -1 (off) and anything past the vocabulary keep every token
-                [min(params[i].top_k, vocab) if params[i].top_k > 0 else vocab for i in sampled_rows],
-                device=logits.device,
+            temps = _to(device, [params[i].temperature for i in sampled_rows], torch.float32)
+            top_k = _to(  # -1 (off) and anything past the vocabulary keep every token
+                device, [min(params[i].top_k, vocab) if params[i].top_k > 0 else vocab for i in sampled_rows],
+                torch.int64,
             )
-            top_p = torch.tensor([params[i].top_p for i in sampled_rows], device=logits.device)
+            top_p = _to(device, [params[i].top_p for i in sampled_rows], torch.float32)
             probs = top_k_top_p_mask(sub / temps[:, None], top_k, top_p).softmax(dim=-1)
             # Exponential race (Gumbel-max in disguise): argmax(p / E) with E ~ Exp(1) samples
             # from p; each seeded row draws its noise from its own generator.
@@ -117,4 +126,4 @@ class Sampler:
                     gen = self.generator_for(request_ids[i], seed, logits.device)
                     noise[j] = torch.empty(vocab, device=logits.device).exponential_(generator=gen)
             tokens[rows] = (probs / noise).argmax(dim=-1)
-        return tokens.tolist()
+        return tokens

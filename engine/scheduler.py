@@ -85,10 +85,14 @@ class Scheduler:
         return self.block_manager.can_allocate(seq, seq.num_tokens)
 
     def _schedule_decodes(self) -> tuple[list[Sequence], bool]:
-        """One token for every running sequence, preempting the youngest to make room."""
+        """One token for every running sequence, preempting the youngest to make room.
+
+        A ``finishing`` sequence (its last token still on the device) stays running without a
+        step, and is never preempted: a prefill-only one keeps its blocks for the transfer."""
         scheduled: list[Sequence] = []
         preempted = False
-        queue = deque(self.running)
+        finishing = [seq for seq in self.running if seq.finishing]
+        queue = deque(seq for seq in self.running if not seq.finishing)
         while queue:
             seq = queue.popleft()
             while not self.block_manager.can_allocate(seq, seq.num_tokens):
@@ -101,7 +105,7 @@ class Scheduler:
             else:
                 self.block_manager.allocate(seq, seq.num_tokens)
                 scheduled.append(seq)
-        self.running = scheduled
+        self.running = finishing + scheduled  # the finishing leave at the next read-back
         return scheduled, preempted
 
     def _schedule_prefills(self, budget: int, free_seq_slots: int) -> list[tuple[Sequence, int]]:

@@ -44,6 +44,12 @@ class Sequence:
 
     Invariant: ``num_computed_tokens <= len(token_ids)`` and the block table covers every
     computed token. A running sequence has exactly one uncomputed token (the last sampled).
+
+    With overlapped steps a sampled token is appended at once as a placeholder
+    (``engine.step_plan.pending_token``: a negative id naming its row of the step's sampled
+    tokens, still on the device) and replaced when the step is read back; only the last one or
+    two tokens can be pending. ``finishing``: the pending token is certainly the last (length,
+    or a prefill-only request), so the sequence is neither scheduled nor preempted again.
     """
 
     request_id: str
@@ -58,6 +64,7 @@ class Sequence:
     timings: RequestTimings = field(default_factory=RequestTimings)
     # Prefill role: stop after the first token and keep the KV blocks for the transfer.
     prefill_only: bool = False
+    finishing: bool = False
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
@@ -69,3 +76,8 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def drop_pending(self) -> None:
+        """Forget the placeholders of tokens not yet read back (a finished sequence's)."""
+        while self.token_ids and self.token_ids[-1] < 0:
+            self.token_ids.pop()

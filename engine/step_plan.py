@@ -53,6 +53,9 @@ def build_plan(batch: ScheduledBatch, block_size: int) -> StepPlan:
             positions.append(start)
             slots.append(int(seq.block_table[start // block_size]) * block_size + start % block_size)
         else:
+            # A prompt chunk never holds a token still on the device: only a sequence that ran the
+            # last step has one, and it is scheduled as a decode (or preempted, and waits).
+            assert seq.token_ids[end - 1] >= 0, f"{seq.request_id}: prefill of a pending token"
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(_slots(seq.block_table, start, end, block_size))
@@ -89,6 +92,31 @@ def host_tensor(values: list | np.ndarray, dtype: torch.dtype, pin: bool) -> tor
     than ``torch.tensor`` on Python ints, paid every decode step."""
     host = torch.from_numpy(np.array(values, dtype=_NUMPY_DTYPES[dtype]))
     return host.pin_memory() if pin else host
+
+
+def pending_token(row: int) -> int:
+    """The placeholder id of a sampled token not yet read back from the device: row ``row`` of
+    the sampled tokens of the step that produced it (the last one launched)."""
+    return -1 - row
+
+
+def write_pending_tokens(input_ids: torch.Tensor, plan_ids: list[int], sampled: torch.Tensor | None) -> None:
+    """Replace, on the device, the placeholders among ``plan_ids`` (already copied to
+    ``input_ids``) by the sampled tokens they name; asynchronous, in stream order after the
+    step that sampled them. A steady decode batch (row i reads sampled row i) is one copy."""
+    rows = [i for i, t in enumerate(plan_ids) if t < 0]
+    if not rows:
+        return
+    if sampled is None:
+        raise RuntimeError("a step plan reads sampled tokens that no launched step produced")
+    sources = [-1 - plan_ids[i] for i in rows]
+    if rows == sources == list(range(len(rows))):
+        input_ids[: len(rows)].copy_(sampled[: len(rows)])
+        return
+    pin = input_ids.device.type == "cuda"
+    dst = host_tensor(rows, torch.int64, pin).to(input_ids.device, non_blocking=True)
+    src = host_tensor(sources, torch.int64, pin).to(input_ids.device, non_blocking=True)
+    input_ids.index_copy_(0, dst, sampled.index_select(0, src))
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""bench.engine_step on the CPU: one row per batch size, step = forward + host, in its JSON."""
+"""bench.engine_step on the CPU: one row per batch size and overlap mode, step = forward + host,
+in its JSON."""
 
 from __future__ import annotations
 
@@ -15,9 +16,15 @@ def test_cpu_engine_step_split(tiny_model_dirs: dict[str, Path], tmp_path: Path)
     result = main(["--model", str(tiny_model_dirs["tiny-llama"]), "--device", "cpu", "--batch-sizes", "1,4",
                    "--context", "24", "--iters", "4", "--warmup", "1", "--out", str(out)])
     assert json.loads(out.read_text()) == result
-    assert [r["batch"] for r in result["rows"]] == [1, 4]
+    assert [(r["batch"], r["overlap"]) for r in result["rows"]] == [(1, False), (1, True), (4, False), (4, True)]
     for row in result["rows"]:
         step, forward = row["step"]["median_ms"], row["forward"]["median_ms"]
         assert step > 0 and forward > 0
         assert row["host_ms"] == pytest.approx(step - forward)
         assert row["forward_share"] == pytest.approx(forward / step)
+
+
+def test_one_overlap_mode(tiny_model_dirs: dict[str, Path]) -> None:
+    result = main(["--model", str(tiny_model_dirs["tiny-llama"]), "--device", "cpu", "--batch-sizes", "2",
+                   "--context", "8", "--iters", "2", "--warmup", "1", "--overlap", "on"])
+    assert [(r["batch"], r["overlap"]) for r in result["rows"]] == [(2, True)]

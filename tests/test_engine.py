@@ -37,10 +37,12 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
     return out[0, len(prompt):].tolist()
 
 
-def make_engine(model_dir: Path, num_blocks: int = 256, max_model_len: int = 256, **sched: object) -> LLMEngine:
+def make_engine(model_dir: Path, num_blocks: int = 256, max_model_len: int = 256, overlap: bool = True,
+                **sched: object) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=str(model_dir), dtype="float32", device="cpu", max_model_len=max_model_len,
-        cache=CacheConfig(num_blocks=num_blocks), scheduler=SchedulerConfig(**sched),  # type: ignore[arg-type]
+        overlap_scheduling=overlap, cache=CacheConfig(num_blocks=num_blocks),
+        scheduler=SchedulerConfig(**sched),  # type: ignore[arg-type]
     ))
 
 
@@ -68,6 +70,7 @@ def test_prefill_logits_match_transformers(tiny_model_dirs: dict[str, Path], nam
         start += len(prompt)
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 @pytest.mark.parametrize("name", PARITY_MODELS)
 @pytest.mark.parametrize(
     "sched",
@@ -78,10 +81,11 @@ def test_prefill_logits_match_transformers(tiny_model_dirs: dict[str, Path], nam
     ],
     ids=["default", "small-budget-chunked", "unchunked"],
 )
-def test_greedy_matches_transformers(tiny_model_dirs: dict[str, Path], name: str, sched: dict) -> None:
-    """Requests arriving at different times, batched continuously, decode exactly as HF does."""
+def test_greedy_matches_transformers(tiny_model_dirs: dict[str, Path], name: str, sched: dict, overlap: bool) -> None:
+    """Requests arriving at different times, batched continuously, decode exactly as HF does,
+    with steps overlapped or not."""
     model_dir = tiny_model_dirs[name]
-    engine = make_engine(model_dir, **sched)
+    engine = make_engine(model_dir, overlap=overlap, **sched)
     prompts = make_prompts(engine.model_config.vocab_size, PROMPT_LENGTHS, seed=1)
     results: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     for i in range(3):
@@ -100,22 +104,25 @@ def test_greedy_matches_transformers(tiny_model_dirs: dict[str, Path], name: str
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_preemption_keeps_greedy_output_and_frees_every_block(tiny_model_dirs: dict[str, Path]) -> None:
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_preemption_keeps_greedy_output_and_frees_every_block(tiny_model_dirs: dict[str, Path], overlap: bool) -> None:
     """A pool too small for all requests forces preemption; outputs must not change."""
     model_dir = tiny_model_dirs["tiny-llama-odd"]
     prompts = make_prompts(500, [30, 31, 33, 35, 40, 45, 50, 20], seed=2)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    roomy = make_engine(model_dir).generate(prompts, params)
-    engine = make_engine(model_dir, num_blocks=16)  # 256 tokens for 8 requests of up to 90
+    roomy = make_engine(model_dir, overlap=False).generate(prompts, params)
+    engine = make_engine(model_dir, num_blocks=16, overlap=overlap)  # 256 tokens for 8 requests of up to 90
     tight = engine.generate(prompts, params)
     assert engine.scheduler.num_preemptions > 0
     assert tight == roomy
     assert engine.block_manager.num_free_blocks == 16
 
 
-def test_block_accounting_after_finish_abort_and_preemption(tiny_model_dirs: dict[str, Path]) -> None:
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_block_accounting_after_finish_abort_and_preemption(tiny_model_dirs: dict[str, Path], overlap: bool) -> None:
     engine = make_engine(
-        tiny_model_dirs["tiny-qwen2"], num_blocks=12, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8
+        tiny_model_dirs["tiny-qwen2"], num_blocks=12, max_model_len=128, overlap=overlap, max_num_batched_tokens=32,
+        max_num_seqs=8,
     )
     prompts = make_prompts(engine.model_config.vocab_size, [10, 20, 30, 40, 15, 25], seed=3)
     for i, prompt in enumerate(prompts):
@@ -140,8 +147,9 @@ def test_block_accounting_after_finish_abort_and_preemption(tiny_model_dirs: dic
     assert not engine.requests
 
 
-def test_stop_conditions(tiny_model_dirs: dict[str, Path]) -> None:
-    engine = make_engine(tiny_model_dirs["tiny-qwen2"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_stop_conditions(tiny_model_dirs: dict[str, Path], overlap: bool) -> None:
+    engine = make_engine(tiny_model_dirs["tiny-qwen2"], overlap=overlap)
     prompt = make_prompts(engine.model_config.vocab_size, [8], seed=4)[0]
     free_run = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
     assert len(free_run) == 10

@@ -32,7 +32,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bench.common import block_tables, compare_greedy, decode_plan, fill_kv_random, teacher_forced_logits
-from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine import LLMEngine
 from engine.graph_runner import pad_prefill_plan
 from engine.model_runner import ModelRunner
@@ -354,6 +354,58 @@ def test_greedy_decode_with_graphs_matches_eager(bf16_dirs: dict[str, Path], nam
     assert not bad, bad
     assert identical >= len(prompts) / 2, f"only {identical}/{len(prompts)} requests identical"
     del with_graphs, eager
+    free_cuda()
+
+
+def test_overlapped_steps_match_sync_steps(bf16_dirs: dict[str, Path]) -> None:
+    """Overlapped steps (placeholders filled on the device, in the graphs' static buffers) give
+    the tokens of read-back-first steps, bit for bit: without stop tokens every step holds the
+    same sequences either way, so the same kernels see the same inputs. Greedy and seeded
+    sampled requests, prompts chunked beside decodes, decode and prefill graphs."""
+    path = bf16_dirs[REAL_SHAPE]
+    config = engine_config(path, max_model_len=256, cache=CacheConfig(block_size=BLOCK, num_blocks=512),
+                           scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=256))
+    vocab = ModelConfig.from_pretrained(path).vocab_size
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (3, 17, 40, 64, 100, 150, 9, 33)]
+    params = [SamplingParams(max_tokens=10 + 5 * i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    outputs = []
+    for overlap in (True, False):
+        engine = LLMEngine(dataclasses.replace(config, overlap_scheduling=overlap))
+        assert engine.overlap is overlap and engine.runner.graph_runner is not None
+        outputs.append(engine.generate(prompts, params))
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        engine.close()
+        del engine
+        free_cuda()
+    assert outputs[0] == outputs[1]
+    assert [len(o) for o in outputs[0]] == [p.max_tokens for p in params]
+
+
+def test_overlapped_steps_never_wait_for_the_stream(bf16_dirs: dict[str, Path]) -> None:
+    """Overlap holds only while nothing in a step waits for the whole stream (which holds the
+    step just launched): no ``tolist`` of a device tensor, no copy from pageable memory. torch's
+    sync debug mode raises on those; the read-back waits on its own copy's event."""
+    config = engine_config(bf16_dirs["tiny-qwen2"], max_model_len=256,
+                           cache=CacheConfig(block_size=BLOCK, num_blocks=256))
+    engine = LLMEngine(config)
+    assert engine.overlap
+    vocab = engine.model_config.vocab_size
+    for i, params in enumerate([SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                                SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, top_k=20, ignore_eos=True),
+                                SamplingParams(max_tokens=40, temperature=1.0, seed=5, ignore_eos=True)]):
+        engine.add_request(str(i), torch.randint(0, vocab, (20 + 7 * i,)).tolist(), params)
+    for _ in range(3):  # prefill (captured prefill graph) and the first decodes
+        engine.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outputs = [out for _ in range(10) for out in engine.step()]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(outputs) == 30 and not any(o.finished for o in outputs)
+    engine.close()
+    del engine
     free_cuda()
 
 

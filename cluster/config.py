@@ -40,6 +40,7 @@ class ClusterConfig:
     block_size: int = 16
     cuda_graph_max_batch: int = 128
     cuda_graph_max_prefill_tokens: int = 2048  # largest captured prefill step; 0: prefill runs eagerly
+    cuda_graph_max_prefill_seqs: int = 16  # most sequences (decodes included) a captured prefill step holds
     enforce_eager: bool = False
     overlap_scheduling: bool = True  # plan a step while the GPU runs the last (groups of one rank)
     max_num_seqs: int = 256
@@ -113,6 +114,7 @@ class ClusterConfig:
             enforce_eager=self.enforce_eager,
             cuda_graph_max_batch=self.cuda_graph_max_batch,
             cuda_graph_max_prefill_tokens=self.cuda_graph_max_prefill_tokens,
+            cuda_graph_max_prefill_seqs=self.cuda_graph_max_prefill_seqs,
             overlap_scheduling=self.overlap_scheduling,
             cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
                               gpu_memory_utilization=self.gpu_memory_utilization),

@@ -117,9 +117,7 @@ class Leader:
                     timeout = 0
                 self.background()
                 if self.engine.has_unfinished() and not self.stopping:
-                    for out in self.engine.step():
-                        self.on_output(out)
-                    self.flush_outputs()
+                    self.send_outputs(self.engine.step(emit=self.send_outputs))
                 if time.monotonic() >= next_stats:
                     self.send_router(self.stats())
                     next_stats = time.monotonic() + _STATS_INTERVAL_S
@@ -187,6 +185,13 @@ class Leader:
             self.next_index.pop(out.request_id, None)
         else:
             self.next_index[out.request_id] = index + len(out.new_token_ids)
+
+    def send_outputs(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to the router now (also those the engine read back ahead of an eager
+        step, before its launch)."""
+        for out in outputs:
+            self.on_output(out)
+        self.flush_outputs()
 
     def flush_outputs(self) -> None:
         """One message per step for every request's tokens: per-request messages cost more than

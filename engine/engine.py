@@ -6,7 +6,7 @@ This is the API the workers build on and the oracle every cluster topology is co
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence as SequenceType
+from collections.abc import Callable, Iterator, Sequence as SequenceType
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -201,7 +201,7 @@ class LLMEngine:
 
     # -- stepping ------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, emit: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """Run one scheduled batch; one output per request that got a token.
 
         Overlapped (``EngineConfig.resolved_overlap``): the batch is planned and launched while
@@ -210,6 +210,10 @@ class LLMEngine:
         scheduling. A sequence whose token stops it (EOS, a stop id) has meanwhile run one more
         step, whose token is dropped; length limits and prefill-only requests are known ahead
         (``Sequence.finishing``) and cost nothing. Otherwise each call returns its own tokens.
+
+        Before a step that runs eagerly (no graph holds it: the host launches its kernels for
+        ~12 ms), the previous step is read back first; ``emit``, when given, gets those outputs
+        at once, so that a server sends them before that launch instead of after it.
         """
         batch = self.scheduler.schedule()
         previous, self._in_flight = self._in_flight, None
@@ -220,8 +224,12 @@ class LLMEngine:
             if previous is not None and not self.runner.replays(plan):
                 # The host is about to launch every kernel itself, which outlasts the GPU's work:
                 # nothing to overlap, and the finished step's tokens need not wait behind it.
-                outputs += self._read_back(previous)
+                ready = self._read_back(previous)
                 previous = None
+                if emit is not None:
+                    emit(ready)
+                else:
+                    outputs += ready
             self._in_flight = self._launch(batch, plan, sampled)
         if previous is not None:
             outputs += self._read_back(previous)

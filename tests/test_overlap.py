@@ -147,3 +147,27 @@ def test_write_pending_tokens_fills_placeholders() -> None:
     assert ids.tolist() == [9, 72, 8, 70]
     with pytest.raises(RuntimeError, match="no launched step"):
         write_pending_tokens(torch.tensor(shuffled), shuffled, None)
+
+
+def test_outputs_read_back_ahead_of_an_eager_step_go_to_emit(tiny_model_dirs: dict[str, Path]) -> None:
+    """On a CPU no step replays a graph, so every read-back comes ahead of the next launch and,
+    given ``emit``, leaves through it before that launch; the tokens are the same either way."""
+    model_dir = tiny_model_dirs["tiny-qwen2"]
+    prompts = make_prompts(500, [4, 19], seed=12)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    engine = make_engine(model_dir)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    emitted: list[RequestOutput] = []
+    returned: list[RequestOutput] = []
+    per_call = []  # (outputs emitted, outputs returned)
+    while engine.has_unfinished():
+        before = len(emitted)
+        outputs = engine.step(emit=emitted.extend)
+        returned += outputs
+        per_call.append((len(emitted) - before, len(outputs)))
+    assert all(e == 0 or r == 0 for e, r in per_call) and any(e for e, _ in per_call)
+    tokens: dict[str, list[int]] = {"0": [], "1": []}
+    for out in emitted + returned:
+        tokens[out.request_id] += out.new_token_ids
+    assert [tokens["0"], tokens["1"]] == make_engine(model_dir, overlap=False).generate(prompts, params)

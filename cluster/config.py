@@ -40,7 +40,7 @@ class ClusterConfig:
     block_size: int = 16
     cuda_graph_max_batch: int = 128
     cuda_graph_max_prefill_tokens: int = 2048  # largest captured prefill step; 0: prefill runs eagerly
-    cuda_graph_max_prefill_seqs: int = 16  # most sequences (decodes included) a captured prefill step holds
+    cuda_graph_max_prefill_seqs: int = 64  # most sequences (decodes included) a captured prefill step holds
     enforce_eager: bool = False
     overlap_scheduling: bool = True  # plan a step while the GPU runs the last (groups of one rank)
     max_num_seqs: int = 256

@@ -93,6 +93,13 @@ class ModelRunner:
         tokens = min(config.cuda_graph_max_prefill_tokens, config.scheduler.max_num_batched_tokens)
         return token_buckets(tokens)[-1], min(config.cuda_graph_max_prefill_seqs, config.scheduler.max_num_seqs)
 
+    def _prefill_graph_output_bytes(self, num_tokens: int, num_seqs: int) -> int:
+        """Bytes of a prefill graph's output, at most: the fp32 logits of its ``num_seqs`` sampled
+        rows on the leader, the hidden states of its ``num_tokens`` tokens on a peer."""
+        if self.config.parallel.is_leader:
+            return num_seqs * self.model_config.vocab_size * 4
+        return num_tokens * self.model_config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+
     def _scratch_step(self, num_tokens: int, num_sampled: int) -> None:
         """One prefill forward of ``num_tokens`` tokens (one sequence) sampling ``num_sampled``
         rows, on whatever one-block cache the attention layers hold: for measuring memory."""
@@ -139,6 +146,9 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats()
             self._scratch_step(graph_tokens, graph_seqs)
             graph_pool = torch.cuda.max_memory_allocated() - resident
+            # Every other token bucket's graph keeps its own output in the pool as well.
+            other_buckets = len(token_buckets(graph_tokens)) - 1
+            graph_pool += other_buckets * self._prefill_graph_output_bytes(graph_tokens, graph_seqs)
         free, total = torch.cuda.mem_get_info()
         others = total - free - torch.cuda.memory_reserved()  # other processes, CUDA context
         del scratch

@@ -80,7 +80,11 @@ class Router:
         self.max_model_len = max_model_len
         self.ctx = zmq.Context.instance()
         self.frontend = self.ctx.socket(zmq.ROUTER)
-        self.frontend.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.frontend.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a gone client's replies are dropped
+        # A ROUTER socket also drops replies to a connected client whose queue is full (1000
+        # messages by default): a client reading slower than the cluster streams would lose
+        # chunks, or its final and so its request. No limit: they wait in memory instead.
+        self.frontend.setsockopt(zmq.SNDHWM, 0)
         self.frontend.bind(addresses.client)
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(addresses.router)

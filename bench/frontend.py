@@ -8,7 +8,9 @@ Each configuration starts the real ``Router`` (colocated mode, one group, no tok
 stand-in leader process that streams every request it is given: one ``TokenOutputs`` message a
 step holding one token for each of its requests, as the engine's leader sends them, a step
 every ``--step-ms`` (0: as fast as the sockets take them). The client is ``AsyncClient`` in this
-process with ``--streams`` concurrent streaming requests of ``--output-len`` tokens. Reported:
+process with ``--streams`` concurrent streaming requests of ``--output-len`` tokens, asking for
+batched chunks (one message a worker step for all streams) or not (``--batch-chunks``: on, off or
+both, in turn). Reported:
 the tokens a second the client received (first send to last final), the rate the stand-in
 would have emitted at its step period, and the client-side inter-token latency. When the
 delivered rate falls short of the emitted one, the router or the client is the bottleneck
@@ -80,6 +82,7 @@ def leader_main(setup: Setup, stop: Any) -> None:
             if isinstance(message, WorkRequest):
                 next_index[message.request_id] = 0
         if not next_index:
+            next_step = time.perf_counter()  # idle: the period starts again with the next request
             continue
         outputs = []
         for request_id, index in list(next_index.items()):
@@ -95,9 +98,10 @@ def leader_main(setup: Setup, stop: Any) -> None:
     ctx.destroy(linger=0)
 
 
-async def stream_all(endpoint: str, streams: int, output_len: int) -> tuple[float, list[list[float]]]:
+async def stream_all(endpoint: str, streams: int, output_len: int,
+                     batch_chunks: bool) -> tuple[float, list[list[float]]]:
     """Wall seconds from the first send to the last final, and each request's chunk arrival times."""
-    client = AsyncClient(endpoint)
+    client = AsyncClient(endpoint, batch_chunks=batch_chunks)
 
     async def one(i: int) -> list[float]:
         times = []
@@ -115,7 +119,7 @@ async def stream_all(endpoint: str, streams: int, output_len: int) -> tuple[floa
     return time.perf_counter() - start, list(arrivals)
 
 
-def measure(streams: int, output_len: int, step_ms: float, tokenizer: str | None) -> dict[str, Any]:
+def measure(streams: int, output_len: int, step_ms: float, batch_chunks: bool, tokenizer: str | None) -> dict[str, Any]:
     spawn = mp.get_context("spawn")  # fresh processes: no ZMQ context or torch state shared over fork
     with tempfile.TemporaryDirectory(prefix="pdserve-frontend-") as run_dir:
         setup = Setup(run_dir, f"tcp://127.0.0.1:{free_port()}", output_len, step_ms / 1e3, tokenizer)
@@ -125,8 +129,8 @@ def measure(streams: int, output_len: int, step_ms: float, tokenizer: str | None
             p.start()
         try:
             # A first request waits for the router to come up (the client's timeout covers it).
-            asyncio.run(stream_all(setup.endpoint, 1, output_len))
-            wall, arrivals = asyncio.run(stream_all(setup.endpoint, streams, output_len))
+            asyncio.run(stream_all(setup.endpoint, 1, output_len, batch_chunks))
+            wall, arrivals = asyncio.run(stream_all(setup.endpoint, streams, output_len, batch_chunks))
         finally:
             stop.set()
             for p in processes:
@@ -136,17 +140,22 @@ def measure(streams: int, output_len: int, step_ms: float, tokenizer: str | None
         raise RuntimeError(f"received {tokens} tokens of {streams * output_len}")
     gaps = [(b - a) * 1e3 for times in arrivals for a, b in zip(times, times[1:])]
     emitted = streams / (step_ms / 1e3) if step_ms > 0 else None
-    return {"streams": streams, "output_len": output_len, "step_ms": step_ms, "tokenizer": tokenizer,
+    return {"streams": streams, "output_len": output_len, "step_ms": step_ms, "batch_chunks": batch_chunks,
+            "tokenizer": tokenizer,
             "wall_s": wall, "delivered_tok_s": tokens / wall, "emitted_tok_s": emitted,
             "itl_p50_ms": percentile(gaps, 50), "itl_p99_ms": percentile(gaps, 99)}
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     return format_table(
-        ["streams", "step ms", "emitted tok/s", "delivered tok/s", "ITL p50 ms", "ITL p99 ms"],
-        [[str(r["streams"]), fmt(r["step_ms"], 1), fmt(r["emitted_tok_s"], 0), fmt(r["delivered_tok_s"], 0),
+        ["streams", "step ms", "batched", "emitted tok/s", "delivered tok/s", "ITL p50 ms", "ITL p99 ms"],
+        [[str(r["streams"]), fmt(r["step_ms"], 1), "on" if r["batch_chunks"] else "off",
+          fmt(r["emitted_tok_s"], 0), fmt(r["delivered_tok_s"], 0),
           fmt(r["itl_p50_ms"], 2), fmt(r["itl_p99_ms"], 2)] for r in rows],
     )
+
+
+_BATCH_MODES = {"both": (False, True), "on": (True,), "off": (False,)}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -154,13 +163,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--streams", default="64,128", type=parse_ints, help="concurrent streaming requests")
     parser.add_argument("--output-len", default=256, type=int, help="tokens of every request")
     parser.add_argument("--step-ms", default="0,2", help="the stand-in's step period(s), ms; 0: unpaced")
+    parser.add_argument("--batch-chunks", default="both", choices=sorted(_BATCH_MODES),
+                        help="the client asks for batched chunks (Generate.batch_chunks), or not, or both in turn")
     parser.add_argument("--tokenizer", help="a model directory whose tokenizer the router detokenizes with")
     parser.add_argument("--out", type=Path, help="write every number as JSON here")
     args = parser.parse_args(argv)
     step_ms = [float(s) for s in args.step_ms.split(",") if s.strip()]
     if args.output_len < 2 or any(s < 0 for s in step_ms) or any(n < 1 for n in args.streams):
         parser.error("--output-len must be >= 2, --step-ms >= 0 and --streams >= 1")
-    rows = [measure(n, args.output_len, s, args.tokenizer) for n in args.streams for s in step_ms]
+    rows = [measure(n, args.output_len, s, batched, args.tokenizer)
+            for n in args.streams for s in step_ms for batched in _BATCH_MODES[args.batch_chunks]]
     print(table(rows))
     result = {"metadata": metadata(torch.device("cpu"), command_line("bench.frontend", argv)), "rows": rows}
     write_json(result, args.out)

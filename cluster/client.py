@@ -21,6 +21,7 @@ import zmq.asyncio
 from cluster.protocol import (
     Abort,
     Chunk,
+    Chunks,
     Error,
     Final,
     Generate,
@@ -55,10 +56,10 @@ _ids = itertools.count()
 
 
 def _request(prompt: str | None, token_ids: list[int] | None, stream: bool, chat: bool,
-             request_id: str | None, sampling: dict[str, Any]) -> Generate:
+             request_id: str | None, sampling: dict[str, Any], batch_chunks: bool = False) -> Generate:
     request_id = request_id or f"{os.getpid()}-{next(_ids)}"
     return Generate(request_id=request_id, prompt=prompt, token_ids=token_ids, sampling=Sampling(**sampling),
-                    stream=stream, chat=chat)
+                    stream=stream, chat=chat, batch_chunks=batch_chunks)
 
 
 class Client:
@@ -146,11 +147,14 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client: many concurrent requests over one socket."""
+    """asyncio client: many concurrent requests over one socket. Its streams ask for batched
+    chunks (``Generate.batch_chunks``, unless ``batch_chunks=False``): one message a worker step
+    for all of them."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 60.0) -> None:
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 60.0, batch_chunks: bool = True) -> None:
         self.endpoint = endpoint
         self.timeout = timeout
+        self.batch_chunks = batch_chunks
         self._ctx = zmq.asyncio.Context.instance()
         self._socket = self._ctx.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -164,12 +168,13 @@ class AsyncClient:
         try:
             while True:
                 try:
-                    message: Message | BaseException = decode(await self._socket.recv())
+                    message: Message = decode(await self._socket.recv())
                 except ProtocolError:
                     continue
-                queue = self._queues.get(getattr(message, "request_id", None) or "")
-                if queue is not None:
-                    queue.put_nowait(message)
+                for reply in message.chunks if isinstance(message, Chunks) else (message,):
+                    queue = self._queues.get(getattr(reply, "request_id", None) or "")
+                    if queue is not None:
+                        queue.put_nowait(reply)
         except (zmq.ZMQError, OSError) as e:
             for queue in self._queues.values():
                 queue.put_nowait(e)
@@ -180,7 +185,7 @@ class AsyncClient:
         """Chunks in order, then the Final; raises ClusterError on an error reply."""
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read())
-        request = _request(prompt, token_ids, True, chat, request_id, sampling)
+        request = _request(prompt, token_ids, True, chat, request_id, sampling, batch_chunks=self.batch_chunks)
         queue: asyncio.Queue[Message | BaseException] = asyncio.Queue()
         self._queues[request.request_id or ""] = queue
         try:

@@ -242,6 +242,7 @@ class Generate(Message):
     sampling: Sampling = field(default_factory=Sampling)
     stream: bool = True
     chat: bool = True  # apply the model's chat template to a text prompt
+    batch_chunks: bool = False  # this request's chunks may come inside ``chunks`` messages
 
 
 @dataclass
@@ -260,6 +261,15 @@ class Chunk(Message):
     request_id: str
     token_ids: list[int]
     text: str
+
+
+@dataclass
+class Chunks(Message):
+    """Router -> client: the chunks of one worker step for this client's ``batch_chunks``
+    requests, one message instead of one each."""
+
+    type: ClassVar[str] = "chunks"
+    chunks: list[Chunk]
 
 
 @dataclass

@@ -24,6 +24,7 @@ from cluster.config import Addresses, ClusterConfig
 from cluster.protocol import (
     Abort,
     Chunk,
+    Chunks,
     Error,
     Final,
     Generate,
@@ -62,6 +63,7 @@ class RequestState:
     entry_group: tuple[str, int]  # prefill (or colocated) group
     decode_group: int | None
     outstanding_tokens: int
+    batch_chunks: bool = False  # its chunks go out in one ``chunks`` message a worker step
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     token_ids: list[int] = field(default_factory=list)
@@ -109,6 +111,7 @@ class Router:
         self.worker_stats: dict[str, dict[str, int]] = {}
         self.accepting = True
         self._ids = itertools.count()
+        self._chunks: dict[bytes, list[Chunk]] = {}  # batched chunks not yet sent, by client
 
     # -- start-up and shutdown -----------------------------------------------------------
 
@@ -147,7 +150,13 @@ class Router:
     # -- clients -------------------------------------------------------------------------
 
     def _reply(self, client: bytes, message: Message) -> None:
+        self._flush_chunks(client)  # a request's chunks go before anything sent after them
         self.frontend.send_multipart([client, encode(message)])
+
+    def _flush_chunks(self, client: bytes) -> None:
+        chunks = self._chunks.pop(client, None)
+        if chunks:
+            self.frontend.send_multipart([client, encode(Chunks(chunks))])
 
     def _on_client(self, client: bytes, data: bytes) -> None:
         try:
@@ -203,7 +212,7 @@ class Router:
         if decode_group is not None:
             self.decode_load[decode_group] += outstanding
         state = RequestState(client, client_id, request.stream, len(token_ids), (self.entry_role, entry),
-                             decode_group, outstanding)
+                             decode_group, outstanding, request.batch_chunks)
         if self.tokenizer is not None:
             state.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.requests[request_id] = state
@@ -235,6 +244,8 @@ class Router:
         if isinstance(message, TokenOutputs):
             for output in message.outputs:
                 self._on_tokens(output)
+            for client in list(self._chunks):  # one message a client for the step's batched chunks
+                self._flush_chunks(client)
         elif isinstance(message, WorkerError):
             if message.request_id in self.requests:
                 self._abort_workers(message.request_id)
@@ -261,7 +272,11 @@ class Router:
                 delta += state.detokenizer.flush()
             state.text.append(delta)
             if state.stream:
-                self._reply(state.client, Chunk(state.client_request_id, current.token_ids, delta))
+                chunk = Chunk(state.client_request_id, current.token_ids, delta)
+                if state.batch_chunks:
+                    self._chunks.setdefault(state.client, []).append(chunk)
+                else:
+                    self._reply(state.client, chunk)
             if current.finished:
                 self._final(output.request_id, current.finish_reason or "stop", current.timings)
                 return

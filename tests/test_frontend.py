@@ -13,7 +13,7 @@ import zmq
 
 from bench.frontend import Setup, leader_main, main, router_main
 from cluster.group import free_port
-from cluster.protocol import Chunk, Final, Generate, Sampling, decode, encode
+from cluster.protocol import Chunk, Chunks, Final, Generate, Sampling, decode, encode
 
 REQUESTS = 64
 
@@ -66,8 +66,45 @@ def test_a_client_that_reads_late_loses_no_reply(stand_in_cluster: Setup) -> Non
 
 def test_frontend_benchmark_counts_every_token() -> None:
     result = main(["--streams", "3", "--output-len", "20", "--step-ms", "0,1"])
-    assert [(r["streams"], r["step_ms"]) for r in result["rows"]] == [(3, 0.0), (3, 1.0)]
+    assert [(r["streams"], r["step_ms"], r["batch_chunks"]) for r in result["rows"]] == [
+        (3, 0.0, False), (3, 0.0, True), (3, 1.0, False), (3, 1.0, True)]
     for row in result["rows"]:
         assert row["delivered_tok_s"] == pytest.approx(3 * 20 / row["wall_s"])
         assert row["itl_p50_ms"] <= row["itl_p99_ms"]
-    assert result["rows"][1]["emitted_tok_s"] == pytest.approx(3000)
+    assert [r["emitted_tok_s"] for r in result["rows"]] == [None, None, pytest.approx(3000), pytest.approx(3000)]
+
+
+def test_batched_chunks_keep_each_request_in_order(stand_in_cluster: Setup) -> None:
+    """Requests with ``batch_chunks`` get their chunks inside ``chunks`` messages (several
+    requests' chunks of a worker step in one frame), each request's in order and before its
+    final; a request on the same connection without it gets plain ``chunk`` messages."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(stand_in_cluster.endpoint)
+    batched = {"b0", "b1", "b2"}
+    try:
+        for request_id in sorted(batched) + ["plain"]:
+            sock.send(encode(Generate(request_id=request_id, token_ids=[1, 2, 3], batch_chunks=request_id in batched,
+                                      sampling=Sampling(max_tokens=1000, ignore_eos=True))))
+        tokens: dict[str, list[int]] = {r: [] for r in [*batched, "plain"]}
+        finals: dict[str, Final] = {}
+        batches = 0
+        while len(finals) < 4:
+            assert sock.poll(30_000), "no reply within 30 s"
+            message = decode(sock.recv())
+            if isinstance(message, Chunks):
+                batches += 1
+                for chunk in message.chunks:
+                    assert chunk.request_id in batched and chunk.request_id not in finals
+                    tokens[chunk.request_id] += chunk.token_ids
+            elif isinstance(message, Chunk):
+                assert message.request_id == "plain"
+                tokens["plain"] += message.token_ids
+            else:
+                assert isinstance(message, Final) and message.request_id not in finals
+                finals[message.request_id] = message
+        for request_id, final in finals.items():
+            assert tokens[request_id] == final.token_ids and len(final.token_ids) == 1000
+        assert batches < 3 * 1000  # several requests' chunks shared messages
+    finally:
+        sock.close()

@@ -14,6 +14,7 @@ from cluster.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Chunk,
+    Chunks,
     Error,
     Final,
     Generate,
@@ -56,9 +57,11 @@ MESSAGES: list[Message] = [
     Generate(),
     Generate(request_id="r1", prompt="héllo ✓", sampling=SAMPLING, stream=False, chat=False),
     Generate(request_id="r2", token_ids=[1, 2, 3]),
+    Generate(request_id="r3", token_ids=[4], batch_chunks=True),
     Abort("r1"),
     Chunk("r1", [5, 6], "ab"),
     Chunk("r1", [], ""),
+    Chunks([Chunk("r1", [5], "a"), Chunk("r2", [7, 8], "")]),
     Final("r1", "length", [5, 6, 7], "abc", {"prompt_tokens": 3, "completion_tokens": 3},
           {"queue": 0.001, "prefill": 0.02, "transfer": 0.003, "transfer_bytes": 4096.0, "decode": 0.1,
            "first_token": 0.025, "total": 0.13}),
@@ -112,7 +115,7 @@ def test_wire_form_is_a_plain_map_with_type_and_version() -> None:
         "type": "generate", "version": 1, "request_id": "r1", "prompt": None, "token_ids": [1],
         "sampling": {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "seed": 123,
                      "stop_token_ids": [2, 3], "ignore_eos": True},
-        "stream": True, "chat": True,
+        "stream": True, "chat": True, "batch_chunks": False,
     }
     assert PROTOCOL_VERSION == 1
 

@@ -10,11 +10,11 @@ step holding one token for each of its requests, as the engine's leader sends th
 every ``--step-ms`` (0: as fast as the sockets take them). The client is ``AsyncClient`` in this
 process with ``--streams`` concurrent streaming requests of ``--output-len`` tokens, asking for
 batched chunks (one message a worker step for all streams) or not (``--batch-chunks``: on, off or
-both, in turn). Reported:
-the tokens a second the client received (first send to last final), the rate the stand-in
-would have emitted at its step period, and the client-side inter-token latency. When the
-delivered rate falls short of the emitted one, the router or the client is the bottleneck
-(on an H200 the engine's decode step of 64-128 sequences takes 2.0-2.2 ms: 30-60 k tokens/s).
+both, in turn). Reported: the tokens a second the client received (first send to last final),
+the rate the stand-in would have emitted at its step period, and the client-side inter-token
+latency. When the delivered rate falls short of the emitted one, the router or the client is
+the bottleneck (on an H200 the engine's decode step of 64-128 sequences takes 2.0-2.2 ms: 30-60 k
+tokens/s).
 """
 
 from __future__ import annotations

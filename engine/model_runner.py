@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 from pathlib import Path
@@ -14,7 +15,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.context import AttentionContext, set_context
 from engine.graph_runner import CudaGraphRunner, PrefillGraphRunner, token_buckets
 from engine.parallel import TensorParallel, head_shard
-from engine.step_plan import KVCommand, StepPlan, StepReceiver, StepSender, host_tensor, write_pending_tokens
+from engine.step_plan import KVCommand, StepPlan, StepReceiver, StepSender, device_tensor, write_pending_tokens
 from engine.weights import build_model
 
 if TYPE_CHECKING:
@@ -181,7 +182,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, torch.Tensor]:
         """Device tensors of a plan: token ids (placeholders replaced from ``sampled``, see
         ``write_pending_tokens``), positions, attention context, sampled rows."""
-        to = self._to_device
+        to = functools.partial(device_tensor, device=self.device)
         context = AttentionContext(
             is_decode=plan.is_decode,
             slot_mapping=to(plan.slot_mapping, torch.int64),
@@ -193,10 +194,6 @@ class ModelRunner:
         input_ids = to(plan.input_ids, torch.int64)
         write_pending_tokens(input_ids, plan.input_ids, sampled)
         return input_ids, to(plan.positions, torch.int64), context, to(plan.sample_rows, torch.int64)
-
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        host = host_tensor(values, dtype, pin=self.device.type == "cuda")
-        return host.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def forward(

@@ -94,6 +94,12 @@ def host_tensor(values: list | np.ndarray, dtype: torch.dtype, pin: bool) -> tor
     return host.pin_memory() if pin else host
 
 
+def device_tensor(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """:func:`host_tensor` on ``device``, copied from pinned memory on a GPU: asynchronous, where
+    a copy from pageable memory would wait for every kernel queued ahead."""
+    return host_tensor(values, dtype, pin=device.type == "cuda").to(device, non_blocking=True)
+
+
 def pending_token(row: int) -> int:
     """The placeholder id of a sampled token not yet read back from the device: row ``row`` of
     the sampled tokens of the step that produced it (the last one launched)."""
@@ -113,9 +119,7 @@ def write_pending_tokens(input_ids: torch.Tensor, plan_ids: list[int], sampled: 
     if rows == sources == list(range(len(rows))):
         input_ids[: len(rows)].copy_(sampled[: len(rows)])
         return
-    pin = input_ids.device.type == "cuda"
-    dst = host_tensor(rows, torch.int64, pin).to(input_ids.device, non_blocking=True)
-    src = host_tensor(sources, torch.int64, pin).to(input_ids.device, non_blocking=True)
+    dst, src = (device_tensor(v, torch.int64, input_ids.device) for v in (rows, sources))
     input_ids.index_copy_(0, dst, sampled.index_select(0, src))
 
 

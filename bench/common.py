@@ -35,6 +35,10 @@ from engine.step_plan import StepPlan, padded_block_tables
 H200_BANDWIDTH = 4.29e12
 
 
+# An on/off benchmark option's choices and the settings each runs, in order.
+ON_OFF_BOTH: dict[str, tuple[bool, ...]] = {"both": (False, True), "on": (True,), "off": (False,)}
+
+
 def parse_ints(text: str) -> list[int]:
     """``"1,8,32"`` -> ``[1, 8, 32]``."""
     values = [int(part) for part in text.split(",") if part.strip()]

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from bench.common import (
-    add_step_timing_args, blocks_for, command_line, fmt, format_table, metadata, model_dir, parse_ints,
+    ON_OFF_BOTH, add_step_timing_args, blocks_for, command_line, fmt, format_table, metadata, model_dir, parse_ints,
     parse_step_timing_args, resolve_device, summary, time_steps, uniform_decode_plan, write_json,
 )
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -81,9 +81,6 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     )
 
 
-_OVERLAP_MODES = {"both": (False, True), "on": (True,), "off": (False,)}
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m bench.engine_step", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="qwen2.5-1.5b", help="model-shape preset with random weights")
@@ -91,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--batch-sizes", default="1,8,32,64,128", type=parse_ints)
     parser.add_argument("--context", default=128, type=int, help="prompt tokens of every request")
-    parser.add_argument("--overlap", default="both", choices=sorted(_OVERLAP_MODES),
+    parser.add_argument("--overlap", default="both", choices=sorted(ON_OFF_BOTH),
                         help="overlapped steps (EngineConfig.overlap_scheduling), or both in turn")
     add_step_timing_args(parser)
     args = parse_step_timing_args(parser, argv)
@@ -105,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # Room for the requests and, beside them, the forward's copy of the batch.
     num_blocks = 2 * max_batch * blocks_for(max_model_len, args.block_size)
     rows = []
-    for overlap in _OVERLAP_MODES[args.overlap]:
+    for overlap in ON_OFF_BOTH[args.overlap]:
         engine = LLMEngine(EngineConfig(
             model=str(path), device=str(device), max_model_len=max_model_len, cuda_graph_max_batch=max_batch,
             overlap_scheduling=overlap, cache=CacheConfig(block_size=args.block_size, num_blocks=num_blocks),

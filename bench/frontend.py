@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing as mp
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 import zmq
 
-from bench.common import command_line, fmt, format_table, metadata, parse_ints, write_json
+from bench.common import ON_OFF_BOTH, command_line, fmt, format_table, metadata, parse_ints, write_json
 from bench.metrics import percentile
 from cluster.client import AsyncClient
 from cluster.config import Addresses, ClusterConfig
@@ -119,8 +120,11 @@ async def stream_all(endpoint: str, streams: int, output_len: int,
     return time.perf_counter() - start, list(arrivals)
 
 
-def measure(streams: int, output_len: int, step_ms: float, batch_chunks: bool, tokenizer: str | None) -> dict[str, Any]:
-    spawn = mp.get_context("spawn")  # fresh processes: no ZMQ context or torch state shared over fork
+@contextlib.contextmanager
+def stand_in_cluster(output_len: int, step_ms: float, tokenizer: str | None = None) -> Iterator[Setup]:
+    """The router and the stand-in leader, each in a fresh process (spawned: no ZMQ context or
+    torch state shared over fork), until the block exits."""
+    spawn = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="pdserve-frontend-") as run_dir:
         setup = Setup(run_dir, f"tcp://127.0.0.1:{free_port()}", output_len, step_ms / 1e3, tokenizer)
         stop = spawn.Event()
@@ -128,13 +132,18 @@ def measure(streams: int, output_len: int, step_ms: float, batch_chunks: bool, t
         for p in processes:
             p.start()
         try:
-            # A first request waits for the router to come up (the client's timeout covers it).
-            asyncio.run(stream_all(setup.endpoint, 1, output_len, batch_chunks))
-            wall, arrivals = asyncio.run(stream_all(setup.endpoint, streams, output_len, batch_chunks))
+            yield setup
         finally:
             stop.set()
             for p in processes:
                 p.join(10)
+
+
+def measure(streams: int, output_len: int, step_ms: float, batch_chunks: bool, tokenizer: str | None) -> dict[str, Any]:
+    with stand_in_cluster(output_len, step_ms, tokenizer) as setup:
+        # A first request waits for the router to come up (the client's timeout covers it).
+        asyncio.run(stream_all(setup.endpoint, 1, output_len, batch_chunks))
+        wall, arrivals = asyncio.run(stream_all(setup.endpoint, streams, output_len, batch_chunks))
     tokens = sum(len(a) for a in arrivals)
     if tokens != streams * output_len:
         raise RuntimeError(f"received {tokens} tokens of {streams * output_len}")
@@ -155,15 +164,12 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     )
 
 
-_BATCH_MODES = {"both": (False, True), "on": (True,), "off": (False,)}
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m bench.frontend", description=__doc__.split("\n")[0])
     parser.add_argument("--streams", default="64,128", type=parse_ints, help="concurrent streaming requests")
     parser.add_argument("--output-len", default=256, type=int, help="tokens of every request")
     parser.add_argument("--step-ms", default="0,2", help="the stand-in's step period(s), ms; 0: unpaced")
-    parser.add_argument("--batch-chunks", default="both", choices=sorted(_BATCH_MODES),
+    parser.add_argument("--batch-chunks", default="both", choices=sorted(ON_OFF_BOTH),
                         help="the client asks for batched chunks (Generate.batch_chunks), or not, or both in turn")
     parser.add_argument("--tokenizer", help="a model directory whose tokenizer the router detokenizes with")
     parser.add_argument("--out", type=Path, help="write every number as JSON here")
@@ -172,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.output_len < 2 or any(s < 0 for s in step_ms) or any(n < 1 for n in args.streams):
         parser.error("--output-len must be >= 2, --step-ms >= 0 and --streams >= 1")
     rows = [measure(n, args.output_len, s, batched, args.tokenizer)
-            for n in args.streams for s in step_ms for batched in _BATCH_MODES[args.batch_chunks]]
+            for n in args.streams for s in step_ms for batched in ON_OFF_BOTH[args.batch_chunks]]
     print(table(rows))
     result = {"metadata": metadata(torch.device("cpu"), command_line("bench.frontend", argv)), "rows": rows}
     write_json(result, args.out)

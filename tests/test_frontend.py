@@ -3,38 +3,26 @@ in place of an engine (CPU, real processes and sockets)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import tempfile
 import time
 from collections.abc import Iterator
 
 import pytest
 import zmq
 
-from bench.frontend import Setup, leader_main, main, router_main
-from cluster.group import free_port
+from bench.frontend import Setup, main, stand_in_cluster
 from cluster.protocol import Chunk, Chunks, Final, Generate, Sampling, decode, encode
 
 REQUESTS = 64
 
 
 @pytest.fixture
-def stand_in_cluster() -> Iterator[Setup]:
+def stand_in() -> Iterator[Setup]:
     """A router and a stand-in leader streaming 1000 tokens for every request, unpaced."""
-    spawn = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="pdserve-test-") as run_dir:
-        setup = Setup(run_dir, f"tcp://127.0.0.1:{free_port()}", output_len=1000, step_s=0.0, tokenizer=None)
-        stop = spawn.Event()
-        processes = [spawn.Process(target=f, args=(setup, stop), daemon=True) for f in (router_main, leader_main)]
-        for p in processes:
-            p.start()
+    with stand_in_cluster(output_len=1000, step_ms=0.0) as setup:
         yield setup
-        stop.set()
-        for p in processes:
-            p.join(10)
 
 
-def test_a_client_that_reads_late_loses_no_reply(stand_in_cluster: Setup) -> None:
+def test_a_client_that_reads_late_loses_no_reply(stand_in: Setup) -> None:
     """64000 chunks queue for a client that reads none of them until its requests are done:
     every chunk and every final must still arrive (a ROUTER socket drops replies to a peer past
     its high-water mark, 1000 messages by default). The client's own queues are kept small so
@@ -43,7 +31,7 @@ def test_a_client_that_reads_late_loses_no_reply(stand_in_cluster: Setup) -> Non
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 10)
     sock.setsockopt(zmq.RCVBUF, 4096)
-    sock.connect(stand_in_cluster.endpoint)
+    sock.connect(stand_in.endpoint)
     try:
         for i in range(REQUESTS):
             sock.send(encode(Generate(request_id=f"r{i}", token_ids=[1, 2, 3],
@@ -74,13 +62,13 @@ def test_frontend_benchmark_counts_every_token() -> None:
     assert [r["emitted_tok_s"] for r in result["rows"]] == [None, None, pytest.approx(3000), pytest.approx(3000)]
 
 
-def test_batched_chunks_keep_each_request_in_order(stand_in_cluster: Setup) -> None:
+def test_batched_chunks_keep_each_request_in_order(stand_in: Setup) -> None:
     """Requests with ``batch_chunks`` get their chunks inside ``chunks`` messages (several
     requests' chunks of a worker step in one frame), each request's in order and before its
     final; a request on the same connection without it gets plain ``chunk`` messages."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(stand_in_cluster.endpoint)
+    sock.connect(stand_in.endpoint)
     batched = {"b0", "b1", "b2"}
     try:
         for request_id in sorted(batched) + ["plain"]:

@@ -79,11 +79,11 @@ def run_demo(endpoint: str, prompts: tuple[str, ...], max_tokens: int) -> None:
 @click.option("--num-blocks", type=int, default=None, help="Fixed KV blocks per rank [default: sized from memory]")
 @click.option("--max-num-seqs", type=int, default=None, help="Most sequences a group runs at once [default: 256]")
 @click.option("--graph-max-batch", "cuda_graph_max_batch", type=int, default=None,
-              help="Largest CUDA-graph decode batch [default: 128]")
+              help="Largest CUDA-graph decode batch [default: 256]")
 @click.option("--graph-max-prefill-tokens", "cuda_graph_max_prefill_tokens", type=int, default=None,
               help="Largest CUDA-graph prefill step in tokens, 0 for none [default: 2048]")
 @click.option("--graph-max-prefill-seqs", "cuda_graph_max_prefill_seqs", type=int, default=None,
-              help="Most sequences (decodes included) in a CUDA-graph prefill or mixed step [default: 64]")
+              help="Most sequences (decodes included) in a CUDA-graph prefill or mixed step [default: 256]")
 @click.option("--enforce-eager", is_flag=True, default=None, help="No CUDA graphs.")
 @click.option("--no-overlap", "overlap_scheduling", flag_value=False, default=None,
               help="Read each step's tokens back before planning the next (overlap is on for groups of one rank).")

@@ -38,9 +38,9 @@ class ClusterConfig:
     gpu_memory_utilization: float = 0.85
     num_blocks: int | None = None  # fixed KV pool size per rank (tests); None sizes from memory
     block_size: int = 16
-    cuda_graph_max_batch: int = 128
+    cuda_graph_max_batch: int = 256
     cuda_graph_max_prefill_tokens: int = 2048  # largest captured prefill step; 0: prefill runs eagerly
-    cuda_graph_max_prefill_seqs: int = 64  # most sequences (decodes included) a captured prefill step holds
+    cuda_graph_max_prefill_seqs: int = 256  # most sequences (decodes included) a captured prefill step holds
     enforce_eager: bool = False
     overlap_scheduling: bool = True  # plan a step while the GPU runs the last (groups of one rank)
     max_num_seqs: int = 256

@@ -271,16 +271,19 @@ class EngineConfig:
     seed: int = 0
     kernels: str = "auto"  # auto: triton on CUDA, torch on CPU
     enforce_eager: bool = False  # no CUDA graphs at all
-    cuda_graph_max_batch: int = 128  # largest captured decode batch; larger steps run eagerly
+    # Largest captured decode batch (capped at scheduler.max_num_seqs); larger steps run eagerly.
+    # An eager step costs the host 12-19 ms of launches whatever its size, against 1-4 ms for a
+    # replay (H200 host, Qwen2.5-1.5B: docs/benchmarks.md), so the default covers the default
+    # max_num_seqs: every graph writes one shared logits buffer, and a bucket costs its capture.
+    cuda_graph_max_batch: int = 256
     # Largest captured prefill (or mixed) step in tokens, 0 for none, and the most sequences it
-    # may hold; larger steps run eagerly. An eager step costs the host ~12 ms of launches
-    # whatever its size (H200 host, Qwen2.5-1.5B: docs/benchmarks.md).
+    # may hold (capped at scheduler.max_num_seqs); larger steps run eagerly.
     cuda_graph_max_prefill_tokens: int = 2048
     # A mixed step holds every running decode beside its prompt chunks, so this bounds the
-    # decode batch that a prompt's arrival keeps in graphs. Each captured step samples this many
-    # rows (the LM head's cost and a [rows, vocab] fp32 output per token bucket). 64 against 16:
-    # colocated serving at 80 req/s on an H200, TTFT p99 394 -> 15 ms (docs/benchmarks.md).
-    cuda_graph_max_prefill_seqs: int = 64
+    # decode batch that a prompt's arrival keeps in graphs. A bucket of T tokens samples
+    # min(T, this) rows (the LM head's cost). 64 against 16: colocated serving at 80 req/s on
+    # an H200, TTFT p99 394 -> 15 ms (docs/benchmarks.md).
+    cuda_graph_max_prefill_seqs: int = 256
     # Plan and launch each step before reading back the previous one's sampled tokens, so the
     # GPU does not wait for the host between steps (docs/design.md, "Overlapped steps"). Only a
     # group of one rank overlaps: TP peers take their token ids from the leader's host-side plan.

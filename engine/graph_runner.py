@@ -12,9 +12,14 @@ graph runs). The padding tokens form one more sequence over the dummy block (tok
 position 0, every K/V written to the dummy slot), so every row the graph computes is finite and
 no real sequence's cache is touched; sequences past it are empty. The prefill
 attention grid depends only on the token count and the number of sequences, which is what
-makes the step capturable. Larger steps run eagerly.
+makes the step capturable. A bucket of ``T`` tokens holds ``min(T, max_seqs)`` sequences (every
+sequence of a step has a token in it), so small buckets sample and launch no more rows than
+they can use. Larger steps run eagerly.
 
-Each runner's graphs share one memory pool (captured largest first).
+Each runner's graphs share one memory pool (captured largest first). On the leader every graph
+writes its fp32 logits into one buffer that the model runner owns (rows ``0..rows-1`` of the
+step), so the memory of the outputs does not grow with the number of buckets: a step's logits
+are consumed (sampled, on the same stream) before the next step's replay overwrites them.
 
 Invariant: graphs must be released (``release``) before the process group is destroyed; a
 captured NCCL all-reduce that outlives its communicator hangs the process at exit.
@@ -94,15 +99,17 @@ class _StepGraphs:
     kind: str  # "decode" | "prefill", for the log
 
     def __init__(self, model: CausalLM, buckets: list[int], max_model_len: int, block_size: int,
-                 dummy_block: int, compute_logits: bool) -> None:
+                 dummy_block: int, logits: torch.Tensor | None) -> None:
         """Token buffers for the largest bucket (token ids, positions, slots: padding goes to
-        the dummy slot); the subclass adds its own, then captures."""
+        the dummy slot); the subclass adds its own, then captures. ``logits``: the leader's fp32
+        ``[rows, vocab]`` buffer the graphs write into (see the module docstring); None on a TP
+        peer, whose graphs return hidden states."""
         self.model = model
         self.buckets = buckets
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.dummy_block = dummy_block
-        self.compute_logits = compute_logits
+        self.logits = logits
         self.device = next(model.parameters()).device
         n = buckets[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
@@ -159,11 +166,12 @@ class CudaGraphRunner(_StepGraphs):
         max_model_len: int,
         block_size: int,
         dummy_block: int,
-        compute_logits: bool,
+        logits: torch.Tensor | None,
     ) -> None:
-        super().__init__(model, batch_buckets(max_batch_size), max_model_len, block_size, dummy_block,
-                         compute_logits)
+        super().__init__(model, batch_buckets(max_batch_size), max_model_len, block_size, dummy_block, logits)
         self.max_batch_size = n = self.buckets[-1]
+        if logits is not None and logits.shape[0] < n:
+            raise ValueError(f"the logits buffer has {logits.shape[0]} rows, the largest decode bucket {n}")
         max_blocks = -(-max_model_len // block_size)
         self.block_tables = torch.full((n, max_blocks), dummy_block, dtype=torch.int32, device=self.device)
         self.context_lens = torch.ones(n, dtype=torch.int32, device=self.device)
@@ -180,7 +188,7 @@ class CudaGraphRunner(_StepGraphs):
 
     def _run_model(self, bucket: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket])
-        return self.model.compute_logits(hidden) if self.compute_logits else hidden
+        return hidden if self.logits is None else self.model.compute_logits(hidden, self.logits[:bucket])
 
     def can_run(self, plan: StepPlan) -> bool:
         return plan.is_decode and len(plan.input_ids) <= self.max_batch_size
@@ -220,12 +228,13 @@ class PrefillGraphRunner(_StepGraphs):
         max_model_len: int,
         block_size: int,
         dummy_block: int,
-        compute_logits: bool,
+        logits: torch.Tensor | None,
     ) -> None:
-        super().__init__(model, token_buckets(max_tokens), max_model_len, block_size, dummy_block,
-                         compute_logits)
+        super().__init__(model, token_buckets(max_tokens), max_model_len, block_size, dummy_block, logits)
         self.max_tokens = self.buckets[-1]
         self.max_seqs = max_seqs
+        if logits is not None and logits.shape[0] < max_seqs:
+            raise ValueError(f"the logits buffer has {logits.shape[0]} rows, a prefill step samples up to {max_seqs}")
         # Wide enough for a sequence of max_model_len and for the padding sequence of any bucket.
         table_width = -(-max(max_model_len, self.max_tokens) // block_size)
         s = max_seqs + 1  # + the padding sequence
@@ -235,19 +244,28 @@ class PrefillGraphRunner(_StepGraphs):
         self.sample_rows = torch.zeros(max_seqs, dtype=torch.int64, device=self.device)
         self._capture_all()
 
+    def bucket_seqs(self, bucket: int) -> int:
+        """Sequences (and sampled rows) the graph of ``bucket`` tokens holds, its padding
+        sequence not counted: no step has more sequences than tokens."""
+        return min(bucket, self.max_seqs)
+
     def _context(self, bucket: int) -> AttentionContext:
+        seqs = self.bucket_seqs(bucket) + 1  # + the padding sequence
         return AttentionContext(
             is_decode=False,
             slot_mapping=self.slot_mapping[:bucket],
-            block_tables=self.block_tables,
-            context_lens=self.context_lens,
+            block_tables=self.block_tables[:seqs],
+            context_lens=self.context_lens[:seqs],
             max_context_len=self.max_model_len,
-            cu_seqlens_q=self.cu_seqlens_q,
+            cu_seqlens_q=self.cu_seqlens_q[: seqs + 1],
         )
 
     def _run_model(self, bucket: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bucket], self.positions[:bucket])
-        return self.model.compute_logits(hidden[self.sample_rows]) if self.compute_logits else hidden
+        if self.logits is None:
+            return hidden
+        rows = self.bucket_seqs(bucket)
+        return self.model.compute_logits(hidden[self.sample_rows[:rows]], self.logits[:rows])
 
     def _prepare_capture(self, bucket: int) -> None:
         empty = StepPlan([], [], [], np.zeros((0, 0), dtype=np.int32), [], [0], [], False)
@@ -256,15 +274,16 @@ class PrefillGraphRunner(_StepGraphs):
     def _load_plan(self, plan: StepPlan, bucket: int) -> None:
         """Copy ``plan`` padded to ``bucket`` into the static buffers, straight from pinned
         memory. Block table rows of the empty sequences are left as they are: never read."""
-        padded = pad_prefill_plan(plan, bucket, self.max_seqs, self.dummy_block, self.block_size)
+        seqs = self.bucket_seqs(bucket)
+        padded = pad_prefill_plan(plan, bucket, seqs, self.dummy_block, self.block_size)
         tables = padded.block_tables[: len(plan.context_lens) + 1]  # the plan's and the padding's
         _load(self.input_ids[:bucket], padded.input_ids)
         _load(self.positions[:bucket], padded.positions)
         _load(self.slot_mapping[:bucket], padded.slot_mapping)
         _load(self.block_tables[: len(tables), : tables.shape[1]], tables)
-        _load(self.context_lens, padded.context_lens)
-        _load(self.cu_seqlens_q, padded.cu_seqlens_q)
-        _load(self.sample_rows, padded.sample_rows)
+        _load(self.context_lens[: seqs + 1], padded.context_lens)
+        _load(self.cu_seqlens_q[: seqs + 2], padded.cu_seqlens_q)
+        _load(self.sample_rows[:seqs], padded.sample_rows)
 
     def can_run(self, plan: StepPlan) -> bool:
         return (not plan.is_decode and len(plan.input_ids) <= self.max_tokens
@@ -279,4 +298,4 @@ class PrefillGraphRunner(_StepGraphs):
         write_pending_tokens(self.input_ids[:num_tokens], plan.input_ids, sampled)
         self.graphs[bucket].replay()
         output = self.outputs[bucket]
-        return output[: len(plan.sample_rows)] if self.compute_logits else output[:num_tokens]
+        return output[:num_tokens] if self.logits is None else output[: len(plan.sample_rows)]

@@ -135,10 +135,12 @@ class CausalLM(nn.Module):
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` -> ``[N, vocab]`` fp32 logits."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab]`` fp32 logits, written into ``out`` when given (the
+        CUDA graphs' one logits buffer); the cast to fp32 is the same kernel either way."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return ops.linear(hidden, head.weight).float()
+        logits = ops.linear(hidden, head.weight)
+        return logits.float() if out is None else out.copy_(logits)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]

@@ -13,7 +13,7 @@ import torch
 from engine import ops
 from engine.config import EngineConfig, ModelConfig
 from engine.context import AttentionContext, set_context
-from engine.graph_runner import CudaGraphRunner, PrefillGraphRunner, token_buckets
+from engine.graph_runner import CudaGraphRunner, PrefillGraphRunner, batch_buckets, token_buckets
 from engine.parallel import TensorParallel, head_shard
 from engine.step_plan import KVCommand, StepPlan, StepReceiver, StepSender, device_tensor, write_pending_tokens
 from engine.weights import build_model
@@ -68,15 +68,18 @@ class ModelRunner:
         self.graph_runner: CudaGraphRunner | None = None
         self.prefill_graph_runner: PrefillGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
+            rows = self._graph_logits_rows()
+            logits = (torch.empty(rows, model_config.vocab_size, dtype=torch.float32, device=self.device)
+                      if rows else None)
             self.graph_runner = CudaGraphRunner(
-                self.model, min(config.cuda_graph_max_batch, config.scheduler.max_num_seqs), self.max_model_len,
-                self.block_size, dummy_block=self.num_blocks, compute_logits=config.parallel.is_leader,
+                self.model, self._graph_max_batch(), self.max_model_len, self.block_size,
+                dummy_block=self.num_blocks, logits=logits,
             )
             max_tokens, max_seqs = self._prefill_graph_limits()
             if max_tokens:
                 self.prefill_graph_runner = PrefillGraphRunner(
                     self.model, max_tokens, max_seqs, self.max_model_len, self.block_size,
-                    dummy_block=self.num_blocks, compute_logits=config.parallel.is_leader,
+                    dummy_block=self.num_blocks, logits=logits,
                 )
 
     @property
@@ -94,12 +97,28 @@ class ModelRunner:
         tokens = min(config.cuda_graph_max_prefill_tokens, config.scheduler.max_num_batched_tokens)
         return token_buckets(tokens)[-1], min(config.cuda_graph_max_prefill_seqs, config.scheduler.max_num_seqs)
 
-    def _prefill_graph_output_bytes(self, num_tokens: int, num_seqs: int) -> int:
-        """Bytes of a prefill graph's output, at most: the fp32 logits of its ``num_seqs`` sampled
-        rows on the leader, the hidden states of its ``num_tokens`` tokens on a peer."""
+    def _graph_max_batch(self) -> int:
+        """The largest decode batch the decode graphs are asked to cover (their last bucket may
+        round it up)."""
+        return min(self.config.cuda_graph_max_batch, self.config.scheduler.max_num_seqs)
+
+    def _graph_logits_rows(self) -> int:
+        """Rows of the leader's logits buffer that every graph writes into: the largest decode
+        bucket or prefill step's sampled rows, whichever is more; 0 without graphs or on a peer
+        (its graphs return hidden states)."""
+        config = self.config
+        if self.device.type != "cuda" or config.enforce_eager or not config.parallel.is_leader:
+            return 0
+        return max(batch_buckets(self._graph_max_batch())[-1], self._prefill_graph_limits()[1])
+
+    def _prefill_graph_output_bytes(self) -> int:
+        """Bytes the prefill graphs' outputs keep besides their pool's activations: none on the
+        leader (its graphs write into the logits buffer), every token bucket's hidden states on a
+        peer."""
         if self.config.parallel.is_leader:
-            return num_seqs * self.model_config.vocab_size * 4
-        return num_tokens * self.model_config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+            return 0
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return sum(token_buckets(self._prefill_graph_limits()[0])) * self.model_config.hidden_size * elem
 
     def _scratch_step(self, num_tokens: int, num_sampled: int) -> None:
         """One prefill forward of ``num_tokens`` tokens (one sequence) sampling ``num_sampled``
@@ -146,10 +165,10 @@ class ModelRunner:
             resident = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             self._scratch_step(graph_tokens, graph_seqs)
-            graph_pool = torch.cuda.max_memory_allocated() - resident
-            # Every other token bucket's graph keeps its own output in the pool as well.
-            other_buckets = len(token_buckets(graph_tokens)) - 1
-            graph_pool += other_buckets * self._prefill_graph_output_bytes(graph_tokens, graph_seqs)
+            graph_pool = torch.cuda.max_memory_allocated() - resident + self._prefill_graph_output_bytes()
+        # The logits buffer every graph writes into (the scratch step's own logits counted it in
+        # part already: a bound, not an estimate).
+        graph_pool += self._graph_logits_rows() * self.model_config.vocab_size * 4
         free, total = torch.cuda.mem_get_info()
         others = total - free - torch.cuda.memory_reserved()  # other processes, CUDA context
         del scratch
@@ -170,7 +189,7 @@ class ModelRunner:
         gib = 2**30
         logger.info(
             "KV pool: %d blocks of %d tokens (%.1f GiB), bounded by %s; weights + activations %.1f GiB, "
-            "prefill graphs %.1f GiB, outside this process's allocator %.1f GiB, free on the device %.1f GiB",
+            "graphs %.1f GiB, outside this process's allocator %.1f GiB, free on the device %.1f GiB",
             num_blocks, self.block_size, num_blocks * self.block_bytes / gib,
             "gpu_memory_utilization" if share <= room else "the free device memory",
             peak / gib, graph_pool / gib, others / gib, available / gib,

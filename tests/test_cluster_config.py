@@ -23,7 +23,9 @@ def test_engine_config_carries_the_engine_settings() -> None:
         == ("model-dir", 1024, 32, 99)
     assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (12, 2048)
     defaults = ClusterConfig().engine_config("m")
-    assert defaults.overlap_scheduling and defaults.cuda_graph_max_prefill_seqs == 64
+    assert defaults.overlap_scheduling
+    # The graphs cover every decode batch and mixed step that the default scheduler forms.
+    assert defaults.cuda_graph_max_batch == defaults.cuda_graph_max_prefill_seqs == defaults.scheduler.max_num_seqs
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)

@@ -63,7 +63,8 @@ def bf16_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def engine_config(path: Path, **overrides: object) -> EngineConfig:
     base = EngineConfig(model=str(path), dtype="bfloat16", device="cuda", max_model_len=MAX_MODEL_LEN,
-                        cache=CacheConfig(block_size=BLOCK, num_blocks=128 * MAX_MODEL_LEN // BLOCK))
+                        # Room for the largest decode bucket (256) at random contexts up to MAX_MODEL_LEN.
+                        cache=CacheConfig(block_size=BLOCK, num_blocks=256 * MAX_MODEL_LEN // BLOCK))
     return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
 
@@ -77,7 +78,7 @@ def free_cuda() -> None:
 
 @dataclasses.dataclass
 class GraphRunners:
-    graphs: ModelRunner  # bf16, CUDA graphs for batches up to 128
+    graphs: ModelRunner  # bf16, the default CUDA graphs: decode batches and mixed steps up to 256
     fp32: ModelRunner  # fp32, eager, same K/V contents: the rounding-noise yardstick
 
 
@@ -151,9 +152,9 @@ def test_graph_replay_matches_eager(graph_runners: GraphRunners) -> None:
     runner, fp32 = graph_runners.graphs, graph_runners.fp32
     assert runner.graph_runner is not None
     buckets = runner.graph_runner.buckets
-    assert buckets[-1] == 128
+    assert buckets[-1] == 256
     gen = torch.Generator().manual_seed(0)
-    for batch in sorted(set(buckets) | {3, 5, 13, 63, 127}):
+    for batch in sorted(set(buckets) | {3, 5, 13, 63, 127, 129, 255}):
         bucket = next(b for b in buckets if b >= batch)
         plan = random_decode_plan(runner, batch, gen)
         replayed = runner.run(plan)
@@ -215,6 +216,8 @@ PREFILL_STEPS = {
     "prefixes": [(0, 5), (300, 1), (60, 37)],
     "mixed-decode": [(200, 1)] * 12 + [(0, 300)],  # chunked prefill beside 12 decodes
     "largest-bucket": [(0, 500)] * 4,  # 2000 tokens: the 2048 graph
+    "full-small-bucket": [(100, 1)] * 64,  # as many sequences as the 64 bucket's tokens, no padding
+    "many-decodes": [(300, 1)] * 200 + [(0, 40)],  # a prompt's arrival beside 200 decodes
 }
 
 
@@ -224,7 +227,9 @@ def test_prefill_graph_replay_matches_eager(graph_runners: GraphRunners) -> None
     bf16-vs-fp32 difference of the plain eager step."""
     runner, fp32 = graph_runners.graphs, graph_runners.fp32
     graphs = runner.prefill_graph_runner
-    assert graphs is not None and graphs.buckets[-1] == 2048 and graphs.max_seqs == 16
+    assert graphs is not None and graphs.buckets[-1] == 2048 and graphs.max_seqs == 256
+    # One logits buffer for every graph of both kinds (the decode test's replays write it too).
+    assert runner.graph_runner is not None and graphs.logits is not None and graphs.logits is runner.graph_runner.logits
     gen = torch.Generator().manual_seed(3)
     for name, seqs in PREFILL_STEPS.items():
         plan = random_prefill_plan(runner, seqs, gen)
@@ -235,7 +240,7 @@ def test_prefill_graph_replay_matches_eager(graph_runners: GraphRunners) -> None
         assert replayed is not None and replayed.shape == (len(seqs), runner.model_config.vocab_size)
         replayed = replayed.clone()
         runner.kv_cache.copy_(before)
-        padded = pad_prefill_plan(plan, bucket, graphs.max_seqs, runner.num_blocks, runner.block_size)
+        padded = pad_prefill_plan(plan, bucket, graphs.bucket_seqs(bucket), runner.num_blocks, runner.block_size)
         padded_logits = runner.forward(*runner.inputs(padded))
         assert padded_logits is not None
         assert torch.equal(replayed, padded_logits[: len(seqs)]), (

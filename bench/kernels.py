@@ -165,7 +165,10 @@ def bench_decode(dtype: torch.dtype, gen: torch.Generator, shapes: list[tuple[in
                   {"partitions": parts})
 
 
-PREFILL_SHAPES = [([2048], [2048]), ([512], [2048]), ([512] * 4, [512] * 4), ([1, 300, 1000, 17], [1, 800, 3000, 529])]
+# A mixed step last: 255 running decodes at 512 tokens beside a 256-token prompt.
+MIXED_STEP = ([1] * 255 + [256], [512] * 255 + [256])
+PREFILL_SHAPES = [([2048], [2048]), ([512], [2048]), ([512] * 4, [512] * 4), ([1, 300, 1000, 17], [1, 800, 3000, 529]),
+                  MIXED_STEP]
 
 
 def bench_prefill(dtype: torch.dtype, gen: torch.Generator, shapes: list[tuple[list[int], list[int]]] = PREFILL_SHAPES,
@@ -214,11 +217,10 @@ def patched(module: Any, name: str, value: Any) -> Iterator[None]:
 
 def sweep_prefill(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:
     """Alternative (BLOCK_M, BLOCK_N, num_warps, num_stages), each checked against the reference."""
-    for tiles in [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4),
-                  (64, 64, 8, 3), (64, 128, 4, 3), (64, 32, 4, 4), (128, 32, 4, 4)]:
+    for tiles in [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2)]:
         with patched(prefill_attention, "_tile_config", lambda head_dim, tiles=tiles: tiles):
-            yield from bench_prefill(dtype, gen, [([2048], [2048]), ([1, 300, 1000, 17], [1, 800, 3000, 529])],
-                                     label=f" tiles={tiles}")
+            shapes = [([2048], [2048]), ([1, 300, 1000, 17], [1, 800, 3000, 529]), MIXED_STEP]
+            yield from bench_prefill(dtype, gen, shapes, label=f" tiles={tiles}")
 
 
 def sweep_decode(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:

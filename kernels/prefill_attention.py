@@ -55,16 +55,24 @@ def paged_prefill_attention_ref(
 # --------------------------------------------------------------------------------------------
 # Triton: flash-attention over the paged cache for a variable-length causal batch.
 #
-# Grid: (query tile, query head) over the batch's query tiles laid end to end: sequence b owns
-# tiles [cu_seqlens_q[b] // BLOCK_M + b, cu_seqlens_q[b + 1] // BLOCK_M + b + 1), room for its
-# ceil(q_len / BLOCK_M) tiles wherever its queries start, so T // BLOCK_M + B tiles cover any
-# batch of T tokens in B sequences. The grid depends on T and B alone (a CUDA graph captured
-# for T tokens and B sequences runs every batch that fits them: shorter sequences leave tiles
-# that exit at once); a program finds its sequence by binary search over cu_seqlens_q. Tiles
-# are taken from the end, so the heaviest ones (a sequence's last, which see the most keys)
-# start first. A program holds BLOCK_M queries
-# of one head and walks key tiles of BLOCK_N tokens gathered through the block table, with an
-# online softmax in base 2 (scores pre-multiplied by log2(e)). Keys fall into two ranges:
+# The G = Hq // Hkv query heads that read one KV head are packed into the rows of a tile
+# (grouped-query packing): sequence b's queries form q_len_b * G rows, row r being query
+# r // G of query head kv_head * G + r % G, and a program takes BLOCK_M consecutive rows of one
+# KV head. Every K/V tile it gathers then serves all the heads that read it: loaded once, not G
+# times. That matters most for the one-query rows of a mixed step (each running decode beside
+# a prompt chunk), whose attention is a read of the whole context: H200, Qwen2.5-1.5B, 255
+# decodes at 512 tokens beside a 256-token prompt, see docs/benchmarks.md.
+#
+# Grid: (row tile, KV head) over the batch's row tiles laid end to end: sequence b owns tiles
+# [cu_seqlens_q[b] * G // BLOCK_M + b, cu_seqlens_q[b + 1] * G // BLOCK_M + b + 1), room for its
+# ceil(q_len * G / BLOCK_M) tiles wherever its rows start, so T * G // BLOCK_M + B tiles cover
+# any batch of T tokens in B sequences. The grid depends on T and B alone (a CUDA graph
+# captured for T tokens and B sequences runs every batch that fits them: shorter sequences
+# leave tiles that exit at once); a program finds its sequence by binary search over
+# cu_seqlens_q. Tiles are taken from the end, so the heaviest ones (a sequence's last, which
+# see the most keys) start first. A program walks key tiles of BLOCK_N tokens gathered through
+# the block table, with an online softmax in base 2 (scores pre-multiplied by log2(e)). Keys
+# fall into two ranges:
 #   [0, full_end): every query of the tile sees them, no mask is computed;
 #   [full_end, end): the diagonal, masked by causality (and by context_len);
 # keys past the tile's last query position are never loaded. Both tl.dot calls take the
@@ -78,7 +86,7 @@ def _attend_tile(
     stride_cb, stride_cs, n0, q_pos, context_len, d, d_mask,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One key tile's update of the online softmax state (m_i, l_i, acc) of a query tile."""
+    """One key tile's update of the online softmax state (m_i, l_i, acc) of a row tile."""
     n = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
         n_mask = n < context_len
@@ -103,14 +111,15 @@ def _attend_tile(
 
 
 @triton.jit
-def _find_sequence(cu_seqlens_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
+def _find_sequence(cu_seqlens_ptr, tile, num_seqs, group, BLOCK_M: tl.constexpr):
     """The sequence whose tile range (see above) holds flat tile ``tile``: the last b with
-    cu_seqlens_q[b] // BLOCK_M + b <= tile, by binary search (those starts grow strictly)."""
+    cu_seqlens_q[b] * group // BLOCK_M + b <= tile, by binary search (those starts grow
+    strictly)."""
     lo: tl.int32 = 0
     hi: tl.int32 = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
-        if tl.load(cu_seqlens_ptr + mid) // BLOCK_M + mid <= tile:
+        if tl.load(cu_seqlens_ptr + mid) * group // BLOCK_M + mid <= tile:
             lo = mid + 1
         else:
             hi = mid
@@ -132,22 +141,25 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    head = tl.program_id(1)
-    seq_idx = _find_sequence(cu_seqlens_ptr, tile, num_seqs, BLOCK_M)
+    kv_head = tl.program_id(1)
+    seq_idx = _find_sequence(cu_seqlens_ptr, tile, num_seqs, group, BLOCK_M)
     q_start = tl.load(cu_seqlens_ptr + seq_idx)
-    m_tile = tile - (q_start // BLOCK_M + seq_idx)  # the tile's index within its sequence
+    m_tile = tile - (q_start * group // BLOCK_M + seq_idx)  # the tile's index within its sequence
     seq = seq_idx.to(tl.int64)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
-    if m_tile * BLOCK_M < q_len:
+    if m_tile * BLOCK_M < q_len * group:
         context_len = tl.load(context_lens_ptr + seq)
-        first_pos = context_len - q_len + m_tile * BLOCK_M  # position of the tile's first query
-        i = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        q_pos = first_pos + tl.arange(0, BLOCK_M)
+        r = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # the tile's rows within its sequence
+        i = r // group  # query index within the sequence
+        r_mask = r < q_len * group
+        q_pos = context_len - q_len + i
         d = tl.arange(0, BLOCK_D)
         d_mask = d < head_dim
         q_rows = (q_start + i).to(tl.int64)
-        q_mask = (i < q_len)[:, None] & d_mask[None, :]
-        q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_mask, other=0.0)
+        heads = kv_head * group + r % group
+        q_offsets = q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
+        q_mask = r_mask[:, None] & d_mask[None, :]
+        q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
         # tl.dot wants both operands in one dtype: the cache's (bf16 x bf16 products are exact
         # in the fp32 accumulator). The scale is applied to the fp32 scores, not folded into q,
         # which would round q a second time.
@@ -157,9 +169,11 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         block_table_ptr = block_tables_ptr + seq * stride_bt
-        head_off = (head // group) * stride_ch
+        head_off = kv_head * stride_ch
+        first_pos = context_len - q_len + m_tile * BLOCK_M // group  # the tile's first query
+        last_pos = tl.minimum(context_len - q_len + (m_tile * BLOCK_M + BLOCK_M - 1) // group, context_len - 1)
         full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
-        end = tl.minimum(context_len, first_pos + BLOCK_M)
+        end = last_pos + 1
         for n0 in range(0, full_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_ptr, head_off, qk_scale,
@@ -173,21 +187,23 @@ def _prefill_kernel(
                 BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
             )
         out = acc / l_i[:, None]
-        tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        out_offsets = q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 def _tile_config(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel.
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel; BLOCK_M counts rows
+    (query, head) of one KV head's group.
 
-    64 x 64 tiles, 4 warps, 3 stages measured fastest of nine settings for head_dim 128 on an
-    H200 (bench.kernels --sweep prefill; one 2048-token prompt, GPU time: 70 us, against 73 us
-    for 128 x 128 / 8 warps and 76 us for 128 x 64 / 8 warps): 384 programs of 64 queries
-    balance the 132 SMs better under the causal mask than 192 of 128. Wider heads halve the key
-    tile and the pipeline depth so that the staged K/V tiles still fit in shared memory.
+    For head_dim 128, 64 x 64 tiles, 4 warps, 2 stages were the fastest of 20 settings (BLOCK_M
+    32-128, BLOCK_N 32/64, 4/8 warps, 2/3 stages) on an H200 at every case timed, Qwen2.5-1.5B
+    heads (12 over 2): one 2048-token prompt 44.9 us a layer, 8 x 512 38.4, a 512-token chunk
+    of a 4096-token prompt 71.8, 255 decodes at 512 tokens beside a 256-token prompt 49.3
+    (docs/benchmarks.md). Wider heads halve the key tile so that the staged K/V tiles still fit
+    in shared memory.
     """
     if head_dim <= 128:
-        return 64, 64, 4, 3
+        return 64, 64, 4, 2
     return 64, 32, 4, 2
 
 
@@ -221,7 +237,9 @@ def paged_prefill_attention(
     if batch == 0 or num_tokens == 0:
         return out
     block_m, block_n, num_warps, num_stages = _tile_config(head_dim)
-    grid = (num_tokens // block_m + batch, num_heads)
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    grid = (num_tokens * group // block_m + batch, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens, out,
         scale * _LOG2E,
@@ -229,7 +247,7 @@ def paged_prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        num_heads // k_cache.shape[2], head_dim, batch,
+        group, head_dim, batch,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=num_warps, num_stages=num_stages,

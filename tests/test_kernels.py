@@ -407,6 +407,12 @@ PREFILL_CPU_CASES = {
     "misaligned": dict(query_lens=[3, 16, 16, 0, 1], context_lens=[3, 20, 16, 2, 9], tiles=(16, 16, 4, 1)),
     # the GPU tile config (64 x 64): three query tiles over a 40-token prefix
     "gpu-tiles": dict(query_lens=[150], context_lens=[190], tiles=None),
+    # three query heads a KV head, packed into the rows of a tile: 16-row tiles end mid-query
+    # (5 1/3 queries a tile), so one tile's rows hold queries of different positions
+    "gqa-3": dict(query_lens=[7, 1, 12], context_lens=[20, 9, 12], tiles=(16, 16, 4, 1), heads=(6, 2)),
+    # a mixed step: one-query rows (running decodes, cached contexts) beside a prompt chunk
+    "decode-rows": dict(query_lens=[1, 1, 1, 1, 1, 1, 9], context_lens=[5, 17, 1, 30, 8, 64, 9],
+                        tiles=(16, 16, 4, 1), heads=(6, 2)),
 }
 
 
@@ -416,9 +422,11 @@ def test_paged_prefill_attention_interpreted(interpreter: None, monkeypatch: pyt
                                              dtype: torch.dtype) -> None:
     spec = dict(PREFILL_CPU_CASES[case])
     tiles = spec.pop("tiles")
+    num_heads, num_kv_heads = spec.pop("heads", (4, 2))
     if tiles is not None:
         monkeypatch.setattr(prefill_attention, "_tile_config", lambda head_dim: tiles)
-    check_prefill(**spec, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, dtype=dtype, device=CPU)
+    check_prefill(**spec, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16, block_size=4, dtype=dtype,
+                  device=CPU)
 
 
 def test_prefill_grid_padding_changes_no_bits(interpreter: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -628,6 +636,7 @@ PREFILL_GPU_CASES = {
     "one-2048": ([2048], [2048]),
     "mixed-prefix": ([1, 300, 1000, 17], [1, 800, 3000, 529]),
     "chunk-of-long": ([512], [4096]),
+    "mixed-step": ([1] * 200 + [256], [512] * 200 + [256]),  # 200 decodes beside a prompt
 }
 
 

@@ -86,7 +86,7 @@ def run_demo(endpoint: str, prompts: tuple[str, ...], max_tokens: int) -> None:
               help="Most sequences (decodes included) in a CUDA-graph prefill or mixed step [default: 256]")
 @click.option("--enforce-eager", is_flag=True, default=None, help="No CUDA graphs.")
 @click.option("--no-overlap", "overlap_scheduling", flag_value=False, default=None,
-              help="Read each step's tokens back before planning the next (overlap is on for groups of one rank).")
+              help="Read each step's tokens back before planning the next (overlap is on by default).")
 @click.option("--no-chunked-prefill", "enable_chunked_prefill", flag_value=False, default=None,
               help="Prefill whole prompts in their own steps (colocated baseline without chunking).")
 @click.option("--dispatch", type=click.Choice(["round-robin", "least-tokens"]), default=None,

@@ -42,7 +42,7 @@ class ClusterConfig:
     cuda_graph_max_prefill_tokens: int = 2048  # largest captured prefill step; 0: prefill runs eagerly
     cuda_graph_max_prefill_seqs: int = 256  # most sequences (decodes included) a captured prefill step holds
     enforce_eager: bool = False
-    overlap_scheduling: bool = True  # plan a step while the GPU runs the last (groups of one rank)
+    overlap_scheduling: bool = True  # plan a step while the GPU runs the last
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True

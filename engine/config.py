@@ -285,8 +285,8 @@ class EngineConfig:
     # an H200, TTFT p99 394 -> 15 ms (docs/benchmarks.md).
     cuda_graph_max_prefill_seqs: int = 256
     # Plan and launch each step before reading back the previous one's sampled tokens, so the
-    # GPU does not wait for the host between steps (docs/design.md, "Overlapped steps"). Only a
-    # group of one rank overlaps: TP peers take their token ids from the leader's host-side plan.
+    # GPU does not wait for the host between steps (docs/design.md, "Overlapped steps"); TP
+    # peers get those tokens from the leader by a broadcast on the device.
     overlap_scheduling: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -326,10 +326,6 @@ class EngineConfig:
         if self.kernels == "auto":
             return "triton" if self.resolved_device().type == "cuda" else "torch"
         return self.kernels
-
-    def resolved_overlap(self) -> bool:
-        """Whether steps overlap (``overlap_scheduling`` on a group of one rank)."""
-        return self.overlap_scheduling and self.parallel.tp_size == 1
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         if self.max_model_len is None:

@@ -118,7 +118,7 @@ class LLMEngine:
         # Decode role: requests with blocks reserved for KV that is still arriving.
         self.reserved: dict[str, Sequence] = {}
         self._admitted: list[str] = []  # since the last step: their KV must be in place first
-        self.overlap = config.resolved_overlap()
+        self.overlap = config.overlap_scheduling
         self._in_flight: _InFlight | None = None  # the launched step not yet read back
 
     # -- requests ------------------------------------------------------------------------
@@ -204,7 +204,7 @@ class LLMEngine:
     def step(self, emit: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """Run one scheduled batch; one output per request that got a token.
 
-        Overlapped (``EngineConfig.resolved_overlap``): the batch is planned and launched while
+        Overlapped (``EngineConfig.overlap_scheduling``): the batch is planned and launched while
         the GPU still runs the previous one, whose tokens are then read back and returned, so
         a request's token comes out one call later and the GPU never waits for the host's
         scheduling. A sequence whose token stops it (EOS, a stop id) has meanwhile run one more

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
@@ -248,11 +249,12 @@ class ModelRunner:
 
     def step(self, plan: StepPlan, sampled: torch.Tensor | None = None) -> torch.Tensor:
         """Leader: send a ready plan to the TP peers and run it; the logits of its sampled rows.
-        A plan with placeholders (``sampled``) only runs without peers, which could not fill them."""
+        ``sampled`` (overlapped steps): the tokens the plan's placeholders name, still on the
+        device; the peers get them from a broadcast on the TP group, in stream order."""
         if self._sender is not None:
+            self._sender.send(plan if sampled is None else dataclasses.replace(plan, num_pending=len(sampled)))
             if sampled is not None:
-                raise RuntimeError("overlapped steps need a group of one rank: peers have no sampled tokens")
-            self._sender.send(plan)
+                self.tp.broadcast_from_leader(sampled)
         logits = self.run(plan, sampled)
         assert logits is not None
         return logits
@@ -275,7 +277,11 @@ class ModelRunner:
                 for transfer_id in message.kv_ready:
                     assert kv_agent is not None
                     kv_agent.wait(transfer_id)
-                self.run(message)
+                sampled = None
+                if message.num_pending:  # the leader's sampled tokens, for the placeholders
+                    sampled = torch.empty(message.num_pending, dtype=torch.int64, device=self.device)
+                    self.tp.broadcast_from_leader(sampled)
+                self.run(message, sampled)
         finally:
             receiver.close()
             if kv_agent is not None:

@@ -89,3 +89,10 @@ class TensorParallel:
         if self.size > 1:
             dist.all_reduce(x, group=self.group)
         return x
+
+    def broadcast_from_leader(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as the group's rank 0 holds it, on every rank (in place; in stream order on
+        CUDA, no host sync)."""
+        if self.size > 1:
+            dist.broadcast(x, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return x

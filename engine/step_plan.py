@@ -36,6 +36,9 @@ class StepPlan:
     is_decode: bool
     # Decode role: transfers whose received KV this step reads; each rank waits for its part.
     kv_ready: list[str] = field(default_factory=list)
+    # Overlapped steps of a TP group: how many tokens the step before sampled. The plan's
+    # placeholders name them; the leader broadcasts them to its peers before the step.
+    num_pending: int = 0
 
 
 def build_plan(batch: ScheduledBatch, block_size: int) -> StepPlan:

@@ -23,12 +23,12 @@ def test_peer_messages_round_trip() -> None:
     tables = np.array([[4, 1], [2, 0], [2**31 - 1, 7]], dtype=np.int32)
     plan = StepPlan(input_ids=[5, 6, 7], positions=[3, 0, 1], slot_mapping=[19, 32, 113], block_tables=tables,
                     context_lens=[4, 1, 2], cu_seqlens_q=[0, 1, 2, 3], sample_rows=[0, 1, 2], is_decode=True,
-                    kv_ready=["t7"])
+                    kv_ready=["t7"], num_pending=3)
     command = KVCommand(op="recv", transfer_id="t7", block_ids=[2, 9], peer_group=1)
     got = decode_message(encode_message(plan))
     assert isinstance(got, StepPlan)
     for name in ("input_ids", "positions", "slot_mapping", "context_lens", "cu_seqlens_q", "sample_rows",
-                 "is_decode", "kv_ready"):
+                 "is_decode", "kv_ready", "num_pending"):
         assert getattr(got, name) == getattr(plan, name)
     assert got.block_tables.dtype == np.int32 and np.array_equal(got.block_tables, tables)
     empty = dataclasses.replace(plan, block_tables=np.zeros((0, 0), dtype=np.int32))
@@ -120,6 +120,21 @@ def test_demo_model_tp_matches_tp1(demo_model_dir: Path, tp: int) -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     expected = LLMEngine(config).generate(prompts, params)
     assert generate_tp(config, tp, prompts, params) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "read-back-first"])
+def test_tp_peers_follow_overlapped_steps(tiny_model_dirs: dict[str, Path], overlap: bool) -> None:
+    """Overlapped steps in a TP group: each peer fills the plan's placeholders from the leader's
+    broadcast of the sampled tokens (a peer with wrong tokens would write wrong K/V for its heads
+    and the outputs would part). Against tp 1 reading each step back first, with seeded sampling
+    beside greedy requests, mixed lengths and a pool small enough to preempt."""
+    base = dataclasses.replace(_engine_config(tiny_model_dirs["tiny-qwen2"]), cache=CacheConfig(num_blocks=20))
+    prompts = _mixed_prompts(512)
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    expected = LLMEngine(dataclasses.replace(base, overlap_scheduling=False)).generate(prompts, params)
+    assert generate_tp(dataclasses.replace(base, overlap_scheduling=overlap), 2, prompts, params) == expected
 
 
 def _rank_dies_or_waits(rank: int, init: str) -> None:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.step_plan import device_tensor
+
 
 class RequestError(ValueError):
     """A request the engine refuses; ``field`` names the offending input."""
@@ -74,13 +76,6 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     return torch.empty_like(logits).scatter_(-1, order, masked)
 
 
-def _to(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
-    """A small host list on ``device`` without a sync: a copy from pageable memory would wait for
-    every kernel queued ahead (the engine queues a step before it reads the last one back)."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
-
-
 @dataclass
 class Sampler:
     """Samples one token per row. Rows with a seed draw from their own generator."""
@@ -108,14 +103,16 @@ class Sampler:
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
             device = logits.device
-            rows = _to(device, sampled_rows, torch.int64)
+            # From pinned memory (device_tensor): the engine queues a step before it reads the
+            # last one back, and a copy from pageable memory would wait for it.
+            rows = device_tensor(sampled_rows, torch.int64, device)
             sub = logits[rows]
-            temps = _to(device, [params[i].temperature for i in sampled_rows], torch.float32)
-            top_k = _to(  # -1 (off) and anything past the vocabulary keep every token
-                device, [min(params[i].top_k, vocab) if params[i].top_k > 0 else vocab for i in sampled_rows],
-                torch.int64,
+            temps = device_tensor([params[i].temperature for i in sampled_rows], torch.float32, device)
+            top_k = device_tensor(  # -1 (off) and anything past the vocabulary keep every token
+                [min(params[i].top_k, vocab) if params[i].top_k > 0 else vocab for i in sampled_rows],
+                torch.int64, device,
             )
-            top_p = _to(device, [params[i].top_p for i in sampled_rows], torch.float32)
+            top_p = device_tensor([params[i].top_p for i in sampled_rows], torch.float32, device)
             probs = top_k_top_p_mask(sub / temps[:, None], top_k, top_p).softmax(dim=-1)
             # Exponential race (Gumbel-max in disguise): argmax(p / E) with E ~ Exp(1) samples
             # from p; each seeded row draws its noise from its own generator.

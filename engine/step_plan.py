@@ -12,14 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
 import torch
 import zmq
 
-from engine.scheduler import ScheduledBatch
+# For the annotation only: the sampler imports this module, and the scheduler (through Sequence)
+# imports the sampler.
+if TYPE_CHECKING:
+    from engine.scheduler import ScheduledBatch
 
 
 @dataclass(eq=False)  # block_tables is an array: compare plans field by field
@@ -86,13 +89,13 @@ def _slots(block_table: np.ndarray, start: int, end: int, block_size: int) -> li
     return (block_table[pos // block_size].astype(np.int64) * block_size + pos % block_size).tolist()
 
 
-_NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64}
+_NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
 
 
 def host_tensor(values: list | np.ndarray, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A plan's list of ints (or its block tables) as a new CPU tensor, page-locked if ``pin``
-    (so that a non-blocking copy to the GPU is asynchronous). Through numpy: about 2x faster
-    than ``torch.tensor`` on Python ints, paid every decode step."""
+    """A plan's list of ints (or its block tables, or the sampler's float parameters) as a new
+    CPU tensor, page-locked if ``pin`` (so that a non-blocking copy to the GPU is asynchronous).
+    Through numpy: about 2x faster than ``torch.tensor`` on Python ints, paid every decode step."""
     host = torch.from_numpy(np.array(values, dtype=_NUMPY_DTYPES[dtype]))
     return host.pin_memory() if pin else host
 

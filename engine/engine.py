@@ -212,7 +212,7 @@ class LLMEngine:
         (``Sequence.finishing``) and cost nothing. Otherwise each call returns its own tokens.
 
         Before a step that runs eagerly (no graph holds it: the host launches its kernels for
-        ~12 ms), the previous step is read back first; ``emit``, when given, gets those outputs
+        12-19 ms), the previous step is read back first; ``emit``, when given, gets those outputs
         at once, so that a server sends them before that launch instead of after it.
         """
         batch = self.scheduler.schedule()

@@ -228,11 +228,15 @@ class ModelRunner:
         finally:
             set_context(None)
 
+    def _graphs_for(self, plan: StepPlan) -> CudaGraphRunner | PrefillGraphRunner | None:
+        """The captured graphs that hold this plan, if any."""
+        return next((graphs for graphs in (self.graph_runner, self.prefill_graph_runner)
+                     if graphs is not None and graphs.can_run(plan)), None)
+
     def replays(self, plan: StepPlan) -> bool:
         """Whether ``run`` replays a captured graph for this plan (else the host launches every
         kernel itself, which takes longer than the GPU's work)."""
-        return any(graphs is not None and graphs.can_run(plan)
-                   for graphs in (self.graph_runner, self.prefill_graph_runner))
+        return self._graphs_for(plan) is not None
 
     def run(self, plan: StepPlan, sampled: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run one step: a captured graph for steps that fit one, else eagerly. ``sampled``:
@@ -240,10 +244,10 @@ class ModelRunner:
 
         Returns the logits of the sampled rows on the leader, None on peers.
         """
-        for graphs in (self.graph_runner, self.prefill_graph_runner):
-            if graphs is not None and graphs.can_run(plan):
-                out = graphs.run(plan, sampled)
-                return out if self.config.parallel.is_leader else None
+        graphs = self._graphs_for(plan)
+        if graphs is not None:
+            out = graphs.run(plan, sampled)
+            return out if self.config.parallel.is_leader else None
         input_ids, positions, context, sample_rows = self.inputs(plan, sampled)
         return self.forward(input_ids, positions, context, sample_rows if self.config.parallel.is_leader else None)
 

@@ -114,6 +114,14 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 # flight to approach the memory bandwidth for these narrow shapes. Rows are a grid axis: each
 # row reads the weight again (measured: two rows take 1.4-1.7x the time of one on the large
 # shapes).
+#
+# Triton pipelines only loads that feed a tl.dot (there is no cp.async in this compiled loop,
+# Triton 3.6 and 3.9, whatever num_stages), so a program has one weight tile in flight unless
+# the loop itself loads ahead: with DEPTH 2 each iteration issues the next tile's loads before it
+# multiplies the current one. That pays on the long rows (the down projection: 9 tiles a
+# program, 384 programs), not on the wide outputs (gate/up: 3 tiles, 2240 programs, +0.01 ms
+# a B=1 step with DEPTH 2), whose many programs already keep loads in flight
+# (docs/benchmarks.md).
 # --------------------------------------------------------------------------------------------
 
 
@@ -122,7 +130,8 @@ def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     N, K,
     stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEPTH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -134,39 +143,54 @@ def _linear_kernel(
     # before the wait, as no kernel writes weights: under PDL it streams while the kernels
     # ahead finish (kernels.pdl).
     k_mask = k < K
-    w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+    w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    if DEPTH == 1:
+        # Converted here, so the program waits for its tile before it lets the next kernel
+        # launch. Converting at the multiply instead made B=1 and B=2 steps 0.05 ms slower.
+        w = w.to(tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-    acc = w * x[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        k_mask = (k0 + k) < K
-        w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        x = tl.load(x_ptrs + k0, mask=k_mask, other=0.0).to(tl.float32)
-        acc += w * x[None, :]
+    if DEPTH == 1:
+        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+        acc = w * x[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            k_mask = (k0 + k) < K
+            w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs + k0, mask=k_mask, other=0.0).to(tl.float32)
+            acc += w * x[None, :]
+    else:  # DEPTH 2: the next tile's loads go out before this one's multiply
+        x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            k_mask = (k0 + k) < K
+            w_next = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x_next = tl.load(x_ptrs + k0, mask=k_mask, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w, x = w_next, x_next
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def _launch_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages), from a sweep on an H200 at one row (bf16).
+def _launch_config(n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, DEPTH), from sweeps on an H200 at one row (bf16).
 
-    Long rows (the MLP's down projection) take wide K tiles and more warps; wide outputs (the
-    gate/up projection, the LM head) take 8 features a program; everything else ("narrow":
-    qkv, o_proj) 4 features and the whole row in one tile, so a program loads its entire weight
-    slice before the wait (kernels.pdl). That tile was measured in the model, where it beats
-    the isolated sweep's (4, 512, 4, 3): B=1 decode step -0.04 ms (docs/benchmarks.md).
+    Long rows (the MLP's down projection) take wide K tiles, more warps and the next tile's
+    loads issued ahead (DEPTH 2: B=1 decode step 1.124 -> 1.106 ms; DEPTH 3 gave the same);
+    wide outputs (the gate/up projection, the LM head) take 8 features a program; everything
+    else ("narrow": qkv, o_proj) 4 features and the whole row in one tile, so a program loads
+    its entire weight slice before the wait (kernels.pdl). That tile was measured in the model,
+    where it beats the isolated sweep's (4, 512, 4, 3): B=1 decode step -0.04 ms
+    (docs/benchmarks.md).
     """
     if k >= _LONG_K:
-        block_n, block_k, warps, stages = 4, 1024, 8, 2
-    elif n >= _WIDE_N:
-        block_n, block_k, warps, stages = 8, 512, 4, 2
-    else:
-        block_n, block_k, warps, stages = 4, 2048, 4, 1
-    return block_n, block_k, warps, stages
+        return 4, 1024, 8, 1, 2
+    if n >= _WIDE_N:
+        return 8, 512, 4, 2, 1
+    return 4, 2048, 4, 1, 1
 
 
 def linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -185,12 +209,12 @@ def linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return y
-    block_n, block_k, warps, stages = _launch_config(n, k)
+    block_n, block_k, warps, stages, depth = _launch_config(n, k)
     _linear_kernel[(rows, triton.cdiv(n, block_n))](
         x2, weight, bias if bias is not None else weight, y,
         n, k, x2.stride(0), weight.stride(0), n,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-        **pdl.launch_args(x.device),
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, DEPTH=depth, num_warps=warps,
+        num_stages=stages, **pdl.launch_args(x.device),
     )
     return y
 

@@ -290,6 +290,15 @@ def test_linear_interpreted(interpreter: None, rows: tuple[int, ...], n: int, k:
     check_linear(rows, n, k, bias, dtype, CPU, strided)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("k", [16, 40, 80])  # one tile; three, the last ragged; five
+def test_linear_kernel_depths_interpreted(interpreter: None, monkeypatch: pytest.MonkeyPatch, depth: int,
+                                          k: int) -> None:
+    """Both loops of the one-row kernel (DEPTH 2 loads a tile ahead) over 16-wide K tiles."""
+    monkeypatch.setattr(linear, "_launch_config", lambda n, k: (4, 16, 4, 1, depth))
+    check_linear((2,), 6, k, True, torch.float32, CPU)
+
+
 # linear_dot at its own launch configurations: ids name the shape class and the K split
 # (plan_split's ranges) each case takes; every case is checked against the fp32 reference with
 # and without bias, split and unsplit, masked and unmasked along K.

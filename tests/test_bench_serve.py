@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.common import to_json
 from bench.compare import LaunchedCluster, required_model_len, system_args, write_report
 from bench.metrics import RequestRecord, compute_metrics, e2e, itls, meets_slo, percentile, summarize, tpot, ttft
 from bench.serve import BenchConfig, RequestSpec, arrival_times, build_requests, write_plots
@@ -25,6 +26,17 @@ def record(sent: float, chunks: list[tuple[float, int]], finished: float, **kwar
         chunk_times=[t for t, _ in chunks], chunk_tokens=[n for _, n in chunks], finished=finished,
         finish_reason="length", output_tokens=sum(n for _, n in chunks), **kwargs,  # type: ignore[arg-type]
     )
+
+
+def test_results_json_keeps_plain_lists_on_one_line() -> None:
+    """What json.dumps(indent=2) would read back, with the per-token times on one line."""
+    doc = {"points": [{"rate": 4.0, "records": [{"chunk_times": [0.1, 0.25], "error": None, "tags": ["a", "[b]"]}],
+                       "by_kind": {}}],
+           "warmup": [], "nested": [[1, 2], []], 3: True, None: "x", "nan": float("nan")}
+    text = to_json(doc)
+    assert text == to_json(json.loads(text)) and json.dumps(json.loads(text)) == json.dumps(json.loads(json.dumps(doc)))
+    assert '"chunk_times": [0.1, 0.25],' in text and '"tags": ["a", "[b]"]' in text
+    assert '\n      "records": [\n        {\n' in text  # containers still one item a line, indented
 
 
 def test_percentile_interpolates_linearly_between_order_statistics() -> None:

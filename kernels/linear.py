@@ -179,7 +179,7 @@ def _launch_config(n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, DEPTH), from sweeps on an H200 at one row (bf16).
 
     Long rows (the MLP's down projection) take wide K tiles, more warps and the next tile's
-    loads issued ahead (DEPTH 2: B=1 decode step 1.124 -> 1.106 ms; DEPTH 3 gave the same);
+    loads issued ahead (DEPTH 2: B=1 decode step 1.123 -> 1.104 ms; DEPTH 3 gave the same);
     wide outputs (the gate/up projection, the LM head) take 8 features a program; everything
     else ("narrow": qkv, o_proj) 4 features and the whole row in one tile, so a program loads
     its entire weight slice before the wait (kernels.pdl). That tile was measured in the model,

@@ -302,16 +302,19 @@ def _linear_dot_kernel(
 # --------------------------------------------------------------------------------------------
 # Triton, the split-K reduction: a program sums BLOCK_N features of one row over the splits of
 # the workspace, in split order (deterministic), adds the bias and casts to y's dtype. The
-# workspace is the dot kernel's output, so under PDL every read of it follows gdc_wait.
+# workspace is the dot kernel's output, so under PDL every read of it follows gdc_wait. SPLITS
+# is a constexpr (a layer shape's split count: 2-3 compiled variants a model) so the loop
+# unrolls and every split's load goes out before the first add; a loop over a runtime count
+# waits for each load in turn (Triton does not pipeline loads that feed no tl.dot).
 # --------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _split_k_reduce_kernel(
     ws_ptr, b_ptr, y_ptr,
-    N, splits,
+    N,
     stride_ws, stride_wm, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -321,7 +324,7 @@ def _split_k_reduce_kernel(
         tl.extra.cuda.gdc_wait()  # the workspace is the previous kernel's output
     ptrs = ws_ptr + row * stride_wm + n
     acc = tl.load(ptrs, mask=n_mask, other=0.0)
-    for _ in range(1, splits):
+    for _ in tl.static_range(1, SPLITS):
         ptrs += stride_ws  # advancing the pointer: s * stride_ws could overflow int32
         acc += tl.load(ptrs, mask=n_mask, other=0.0)
     if HAS_BIAS:
@@ -409,7 +412,7 @@ def linear_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     block_r = min(1024, triton.next_power_of_2(n))
     _split_k_reduce_kernel[(rows, triton.cdiv(n, block_r))](
         ws, bias if bias is not None else ws, y,
-        n, splits, rows * n, n, n,
-        HAS_BIAS=bias is not None, BLOCK_N=block_r, num_warps=4, **launch,
+        n, rows * n, n, n,
+        SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_N=block_r, num_warps=4, **launch,
     )
     return y

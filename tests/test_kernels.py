@@ -327,6 +327,23 @@ def test_linear_dot_interpreted(interpreter: None, case: str, dtype: torch.dtype
     check_linear(**LINEAR_DOT_CPU_CASES[case], dtype=dtype, device=CPU, kernel=linear.linear_dot)
 
 
+@pytest.mark.parametrize("splits", [2, 7])
+def test_split_k_reduce_adds_splits_in_order_interpreted(interpreter: None, splits: int) -> None:
+    """The split-K reduce kernel (its splits unrolled) against the splits added one after
+    another in torch, then the bias: the same bits."""
+    gen = torch.Generator().manual_seed(5)
+    rows, n = 3, 1100  # two 1024-feature programs a row, the second ragged
+    ws = rand(gen, splits, rows, n, dtype=torch.float32, device=CPU) * 100
+    bias = rand(gen, n, dtype=torch.float16, device=CPU)
+    y = torch.empty(rows, n, dtype=torch.float16)
+    linear._split_k_reduce_kernel[(rows, 2)](ws, bias, y, n, rows * n, n, n, SPLITS=splits, HAS_BIAS=True,
+                                             BLOCK_N=1024, USE_PDL=False)
+    want = ws[0].clone()
+    for s in range(1, splits):
+        want += ws[s]
+    assert torch.equal(y, (want + bias.float()).to(torch.float16))
+
+
 def test_linear_dot_config() -> None:
     """The H200 sweep's configurations at the Qwen2.5-1.5B shapes, and K splits that never
     leave a range empty (the reduce kernel would add garbage) or shorter than 256."""

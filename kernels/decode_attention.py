@@ -94,12 +94,14 @@ def cached_decode_attention_ref(
 # log2(e), so exp2 replaces exp and the partials stay consistent across kernels.
 #
 # The number of partitions P is chosen on the host from the batch shape (enough programs to
-# fill the GPU in one wave) and capped so that a max_context_len sequence's partitions hold
-# _MIN_PARTITION_TILES tiles each, so the grid is static under CUDA graphs. Each sequence then
-# splits its own context into P partitions of equal size, rounded up to whole BLOCK_N tiles
-# (never below one): the split follows the live length, not max_context_len, so a graph
-# captured for a 32k max_model_len runs a 2k-token batch as well as one captured for 2k, and a
-# long sequence in a batch of short ones gets all P programs.
+# fill the GPU in one wave, no more than a max_context_len sequence has tiles), so the grid is
+# static under CUDA graphs. Each sequence then splits its own context into at most P partitions
+# of equal size in whole BLOCK_N tiles: one tile each while the batch's one-tile partitions
+# would take at most one program an SM (a sequence of up to one_tile_limit tiles, also set on
+# the host), otherwise at least _MIN_PARTITION_TILES tiles each. The split follows the live
+# length, not max_context_len, so a graph captured for a 32k max_model_len splits a 2k-token
+# batch as one captured for 2k does (the programs past the last used partition exit at once),
+# and a long sequence in a batch of short ones gets all P programs.
 # With P = 1 the kernel writes the output directly; otherwise it writes (m, l, acc / l) per
 # partition and the reduce kernel merges them. A partition starting at or beyond a sequence's
 # context length (rounding leaves some) does nothing and the reduce kernel skips it (it
@@ -111,9 +113,12 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _partition_size(context_len, num_partitions, BLOCK_N: tl.constexpr):
-    """Tokens per partition of one sequence: its context over the partitions, in whole tiles."""
-    return tl.maximum(tl.cdiv(tl.cdiv(context_len, num_partitions), BLOCK_N), 1) * BLOCK_N
+def _partition_size(context_len, num_partitions, one_tile_limit, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
+    """Tokens per partition of one sequence: its tiles over the partitions, at least one tile,
+    and at least MIN_TILES tiles for a context of more than one_tile_limit tiles."""
+    tiles = tl.cdiv(context_len, BLOCK_N)
+    min_tiles = tl.where(tiles > one_tile_limit, MIN_TILES, 1)
+    return tl.maximum(tl.cdiv(tiles, num_partitions), min_tiles) * BLOCK_N
 
 
 @triton.jit
@@ -127,7 +132,7 @@ def _rotated(ptrs, d, pair, mask, cos, signed_sin):
 # Integers that change from step to step are not specialized (Triton compiles a variant for
 # values of 1 and for multiples of 16): an eager step of a new shape would otherwise stop the
 # GPU for a compile, about a second on an H200, the first time it comes.
-@triton.jit(do_not_specialize=["max_len", "stride_bt", "num_partitions"])
+@triton.jit(do_not_specialize=["max_len", "stride_bt", "num_partitions", "one_tile_limit"])
 def _decode_partition_kernel(
     q_ptr, k_new_ptr, v_new_ptr, pos_ptr, cos_sin_ptr, slot_ptr,
     k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
@@ -137,9 +142,10 @@ def _decode_partition_kernel(
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_ob, stride_oh,
-    num_heads, group, head_dim, num_partitions,
+    num_heads, group, head_dim, num_partitions, one_tile_limit,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SINGLE_PARTITION: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    MIN_TILES: tl.constexpr, SINGLE_PARTITION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     part = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -156,7 +162,7 @@ def _decode_partition_kernel(
     # length, the first tile's block ids, position, slot) and the constant cos/sin table. In the
     # loop, block ids are loaded a tile ahead of the K/V gather they address.
     context_len = tl.minimum(tl.load(context_lens_ptr + seq), max_len)
-    partition_size = _partition_size(context_len, num_partitions, BLOCK_N)
+    partition_size = _partition_size(context_len, num_partitions, one_tile_limit, BLOCK_N, MIN_TILES)
     start = part * partition_size
     end = tl.minimum(start + partition_size, context_len)
     n = start + tl.arange(0, BLOCK_N)
@@ -235,18 +241,19 @@ def _decode_partition_kernel(
             tl.store(part_ptr + idx[:, None] * head_dim + d[None, :], acc, mask=out_mask)
 
 
-@triton.jit(do_not_specialize=["max_len", "num_partitions"])
+@triton.jit(do_not_specialize=["max_len", "num_partitions", "one_tile_limit"])
 def _decode_reduce_kernel(
     m_ptr, l_ptr, part_ptr, context_lens_ptr, out_ptr,
-    max_len, stride_ob, stride_oh, num_heads, head_dim, num_partitions,
-    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    max_len, stride_ob, stride_oh, num_heads, head_dim, num_partitions, one_tile_limit,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program per (query head, sequence): merges that head's partition partials."""
     head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     context_len = tl.minimum(tl.load(context_lens_ptr + seq), max_len)  # a step input: before the wait
     # partitions that hold at least one token, as the partition kernel split this sequence
-    used = tl.cdiv(context_len, _partition_size(context_len, num_partitions, BLOCK_N))
+    used = tl.cdiv(context_len, _partition_size(context_len, num_partitions, one_tile_limit, BLOCK_N, MIN_TILES))
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()  # the partials are the partition kernel's output
@@ -278,7 +285,8 @@ def _decode_reduce_kernel(
 
 _BLOCK_N = 64  # tokens per KV tile: 4 pages of 16; [64, 128] bf16 tiles for K and for V
 _TARGET_PROGRAMS_PER_SM = 4  # resident programs an SM (registers allow 4 of 4 warps): one wave
-_MIN_PARTITION_TILES = 2  # tiles a partition of a max_context_len sequence holds at least
+_MIN_PARTITION_TILES = 2  # tiles a partition holds at least, past the one-tile limit
+_ONE_TILE_PROGRAMS_PER_SM = 1  # one-tile partitions while the batch's take at most this many an SM
 _WARPS_STAGES = (4, 2)  # num_warps, num_stages of the partition kernel
 
 
@@ -291,17 +299,29 @@ def _num_sms(device: torch.device) -> int:
 
 def _num_partitions(max_context_len: int, batch: int, num_kv_heads: int, device: torch.device) -> int:
     """Partitions per (sequence, KV head): as many as fit batch x KV heads x partitions programs
-    in one wave (_TARGET_PROGRAMS_PER_SM resident programs an SM), at least one, and no more than
-    leaves each partition of a max_context_len sequence _MIN_PARTITION_TILES tiles.
+    in one wave (_TARGET_PROGRAMS_PER_SM resident programs an SM), at least one, and no more
+    than a max_context_len sequence has tiles.
 
     One wave, not more: a second, partly filled wave costs as much as a full one (batch 128 at
     2048 tokens: 3 partitions, 768 programs, take 0.3 ms a step longer than 2, 512 programs).
-    Partitions of one tile spend as much on their partial and its merge as on their keys.
-    Depends only on host ints and shapes, so a CUDA graph captured for (batch, max_context_len)
-    stays valid for every context length up to max_context_len.
+    Up to the wave, a larger grid was faster even for the same split, with the extra programs
+    exiting at once (H200: batch 8 at 128 tokens 1.442 -> 1.366 ms a step with 33 partitions
+    instead of 17, two used either way; docs/benchmarks.md). Depends only on host ints and
+    shapes, so a CUDA graph captured for (batch, max_context_len) stays valid for every context
+    length up to max_context_len.
     """
     wave = _TARGET_PROGRAMS_PER_SM * _num_sms(device) // (batch * num_kv_heads)
-    return max(1, min(wave, triton.cdiv(max_context_len, _BLOCK_N * _MIN_PARTITION_TILES)))
+    return max(1, min(wave, triton.cdiv(max_context_len, _BLOCK_N)))
+
+
+def _one_tile_limit(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Tiles of context up to which a sequence's partitions hold one tile each: as many as keep
+    the batch's one-tile programs within _ONE_TILE_PROGRAMS_PER_SM an SM. Longer contexts get
+    partitions of at least _MIN_PARTITION_TILES tiles: with more programs than that, one-tile
+    partitions spend as much on their partial and its merge as on their keys (H200: batch 4 at
+    2048 tokens 1.566 -> 1.503 ms a step with 16 partitions of two tiles instead of 32 of one,
+    while batch 1 at 2048 and batch 32 at 128 tokens run faster in one-tile partitions)."""
+    return _ONE_TILE_PROGRAMS_PER_SM * _num_sms(device) // (batch * num_kv_heads)
 
 
 def _check_paged_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -373,6 +393,7 @@ def paged_decode_attention(
     # As in the reference, nothing past the block table's reach is read.
     max_len = min(max_context_len, block_tables.shape[1] * k_cache.shape[1])
     num_partitions = _num_partitions(max_len, batch, num_kv_heads, q.device)
+    one_tile_limit = _one_tile_limit(batch, num_kv_heads, q.device)
     block_d = triton.next_power_of_2(head_dim)
     if num_partitions == 1:
         m = l = partials = out  # unused by the single-partition variant
@@ -388,16 +409,17 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        num_heads, group, head_dim, num_partitions,
+        num_heads, group, head_dim, num_partitions, one_tile_limit,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
-        SINGLE_PARTITION=num_partitions == 1, DOT_PRECISION=dot_precision(k_cache.dtype),
+        MIN_TILES=_MIN_PARTITION_TILES, SINGLE_PARTITION=num_partitions == 1,
+        DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=_WARPS_STAGES[0], num_stages=_WARPS_STAGES[1], **pdl.launch_args(q.device),
     )
     if num_partitions > 1:
         _decode_reduce_kernel[(num_heads, batch)](
             m, l, partials, context_lens, out,
-            max_len, out.stride(0), out.stride(1), num_heads, head_dim, num_partitions,
+            max_len, out.stride(0), out.stride(1), num_heads, head_dim, num_partitions, one_tile_limit,
             BLOCK_P=min(16, triton.next_power_of_2(num_partitions)), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
-            num_warps=4, **pdl.launch_args(q.device),
+            MIN_TILES=_MIN_PARTITION_TILES, num_warps=4, **pdl.launch_args(q.device),
         )
     return out

@@ -367,14 +367,16 @@ def test_rope_and_store_kv_interpreted(interpreter: None, num_heads: int, num_kv
     check_rope(5, 3, num_heads, num_kv_heads, head_dim, 4, dtype, cache_dtype, CPU)
 
 
-# Decode partitions: the policy sees 4 "SMs" on CPU, 16 program slots, and fills one wave; a
-# max_context_len sequence's partitions hold at least two 64-token tiles. Ids say which path
-# each case takes.
+# Decode partitions: the policy sees 4 "SMs" on CPU, 16 program slots, and fills one wave, with
+# no more partitions than a max_context_len sequence has 64-token tiles; a sequence's partitions
+# hold one tile while the batch's one-tile programs stay within 4 (one an "SM"), else two at
+# least. Ids say which path each case takes.
 DECODE_CPU_CASES = {
     # one partition (direct output); lengths 1, non-multiples of block_size; G = 2
     "single": dict(context_lens=[1, 7, 30], max_context_len=30, num_heads=4, num_kv_heads=2, block_size=4),
-    # 3 partitions, sized per sequence: seq 0 fills one of 64 (two empty), seq 1 two of 64 (one
-    # empty), seq 2 two of 128 (ends mid-partition; one empty), seq 3 three of 128; G = 4
+    # 4 partitions, sized per sequence: seq 0 fills one of 64 (one tile: three empty), seq 1 one
+    # of 128 (two tiles, past the one-tile limit of one), seq 2 two of 128 (ends mid-partition),
+    # seq 3 three of 128; G = 4
     "split-empty": dict(context_lens=[1, 70, 250, 380], max_context_len=384, num_heads=4, num_kv_heads=1,
                         block_size=16),
     # batch 1, long context: 8 partitions of 128 (fills the "GPU"); GQA group of 4
@@ -391,32 +393,43 @@ def test_paged_decode_attention_interpreted(interpreter: None, case: str, dtype:
 
 
 def test_decode_partition_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On an H200 (132 SMs, 528 program slots) the split fills one wave and no more, never
-    leaves a max_context_len sequence's partitions under two tiles, and stops growing with
-    max_context_len once the wave is full."""
+    """On an H200 (132 SMs, 528 program slots) the split fills one wave and no more, has no more
+    partitions than a max_context_len sequence has tiles, and stops growing with max_context_len
+    once the wave is full; one-tile partitions stop where the batch's would take more than 132
+    programs."""
     monkeypatch.setattr(decode_attention, "_num_sms", lambda device: 132)
     parts = decode_attention._num_partitions
     gpu = torch.device("cuda", 0)
-    assert parts(4096, 1, 2, gpu) == 32  # two 64-token tiles a partition: 64 programs
+    assert parts(4096, 1, 2, gpu) == 64  # a 64-token tile a partition: 128 programs
     assert parts(65536, 1, 2, gpu) == parts(1 << 20, 1, 2, gpu) == 264  # 528 programs, whatever the length
     assert parts(2064, 32, 2, gpu) == parts(32768, 32, 2, gpu) == 8  # 512 programs
     assert parts(4096, 128, 2, gpu) == 2  # 512 programs, not 768 (a second wave a third full)
     assert parts(4096, 512, 2, gpu) == 1  # 1024 (b, kv head) programs already
     assert parts(10, 1, 2, gpu) == 1
+    one_tile_limit = decode_attention._one_tile_limit
+    assert one_tile_limit(1, 2, gpu) == 66  # batch 1: one-tile partitions up to 4224 tokens
+    assert one_tile_limit(8, 2, gpu) == 8  # batch 8: up to 512 tokens
+    assert one_tile_limit(32, 2, gpu) == 2  # batch 32 at 128 tokens: two one-tile partitions
+    assert one_tile_limit(128, 2, gpu) == 0  # two tiles at least, from the first token
 
 
-def test_decode_split_ignores_max_context_len(interpreter: None) -> None:
+@pytest.mark.parametrize(("context_lens", "partitions"), [([70, 500], (4, 4)), ([300], (5, 8)), ([100], (2, 8))])
+def test_decode_split_ignores_max_context_len(interpreter: None, context_lens: list[int],
+                                              partitions: tuple[int, int]) -> None:
     """Each sequence splits its own context: a grid sized for a long max_context_len (a CUDA
-    graph captured for max_model_len) gives the bits of one sized for the live lengths."""
+    graph captured for max_model_len) gives the bits of one sized for the live lengths, also
+    where it has more partitions (4 "SMs", 16 program slots: one sequence gets 8 partitions at
+    4096 tokens, and splits 300 tokens into 3 of two tiles, 100 into 2 of one, in either grid)."""
     gen = torch.Generator().manual_seed(7)
-    # 4 "SMs": 16 program slots, 4 partitions for 2 sequences x 2 KV heads, at either length
-    k_cache, v_cache, _, _, tables = make_paged_cache([70, 500], 16, 2, 16, torch.float32, CPU, gen)
-    q, k, v = new_decode_tokens(gen, 2, 4, 2, 16, torch.float32, CPU)
-    lens = torch.tensor([70, 500], dtype=torch.int32)
-    new = (q, k, v, lens.long() - 1, rope_table(500, 16, CPU), k_cache, v_cache, last_slots(tables, lens, 16))
+    batch, longest = len(context_lens), max(context_lens)
+    k_cache, v_cache, _, _, tables = make_paged_cache(context_lens, 16, 2, 16, torch.float32, CPU, gen)
+    q, k, v = new_decode_tokens(gen, batch, 4, 2, 16, torch.float32, CPU)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    new = (q, k, v, lens.long() - 1, rope_table(longest, 16, CPU), k_cache, v_cache, last_slots(tables, lens, 16))
     padded = torch.cat([tables, tables[:, :1].expand(-1, 256 - tables.shape[1])], dim=1)  # room for 4096 tokens
-    assert decode_attention._num_partitions(500, 2, 2, CPU) == decode_attention._num_partitions(4096, 2, 2, CPU) == 4
-    exact = decode_attention.paged_decode_attention(*new, tables, lens, 0.25, 500)
+    parts = decode_attention._num_partitions
+    assert (parts(longest, batch, 2, CPU), parts(4096, batch, 2, CPU)) == partitions
+    exact = decode_attention.paged_decode_attention(*new, tables, lens, 0.25, longest)
     graph_sized = decode_attention.paged_decode_attention(*new, padded, lens, 0.25, 4096)
     assert torch.equal(exact, graph_sized)
 

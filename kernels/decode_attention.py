@@ -114,11 +114,13 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _partition_size(context_len, num_partitions, one_tile_limit, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
-    """Tokens per partition of one sequence: its tiles over the partitions, at least one tile,
-    and at least MIN_TILES tiles for a context of more than one_tile_limit tiles."""
-    tiles = tl.cdiv(context_len, BLOCK_N)
-    min_tiles = tl.where(tiles > one_tile_limit, MIN_TILES, 1)
-    return tl.maximum(tl.cdiv(tiles, num_partitions), min_tiles) * BLOCK_N
+    """Tokens per partition of one sequence: its context over the partitions in whole tiles, at
+    least one tile, and at least MIN_TILES tiles for a context of more than one_tile_limit
+    tiles."""
+    min_tiles = tl.where(tl.cdiv(context_len, BLOCK_N) > one_tile_limit, MIN_TILES, 1)
+    # cdiv(cdiv(context_len, P), BLOCK_N), not the equal cdiv(tiles, P): that form compiled to a
+    # partition kernel 0.03 ms a step slower at batch 16 (H200, docs/benchmarks.md).
+    return tl.maximum(tl.cdiv(tl.cdiv(context_len, num_partitions), BLOCK_N), min_tiles) * BLOCK_N
 
 
 @triton.jit
@@ -316,12 +318,14 @@ def _num_partitions(max_context_len: int, batch: int, num_kv_heads: int, device:
 
 def _one_tile_limit(batch: int, num_kv_heads: int, device: torch.device) -> int:
     """Tiles of context up to which a sequence's partitions hold one tile each: as many as keep
-    the batch's one-tile programs within _ONE_TILE_PROGRAMS_PER_SM an SM. Longer contexts get
-    partitions of at least _MIN_PARTITION_TILES tiles: with more programs than that, one-tile
-    partitions spend as much on their partial and its merge as on their keys (H200: batch 4 at
-    2048 tokens 1.566 -> 1.503 ms a step with 16 partitions of two tiles instead of 32 of one,
-    while batch 1 at 2048 and batch 32 at 128 tokens run faster in one-tile partitions)."""
-    return _ONE_TILE_PROGRAMS_PER_SM * _num_sms(device) // (batch * num_kv_heads)
+    the batch's one-tile programs within _ONE_TILE_PROGRAMS_PER_SM an SM, and never fewer than
+    _MIN_PARTITION_TILES. Longer contexts get partitions of at least _MIN_PARTITION_TILES tiles:
+    with more programs than that, one-tile partitions spend as much on their partial and its
+    merge as on their keys (H200, graphs for 32k tokens: batch 4 at 2048 tokens 1.565 -> 1.503 ms
+    a step with 16 partitions of two tiles instead of 32 of one), while batch 1 at 2048 tokens
+    and any batch at 128 tokens run faster in one-tile partitions (batch 128: 2.083 ms in one
+    partition of two tiles, 2.059 in two of one; docs/benchmarks.md)."""
+    return max(_MIN_PARTITION_TILES, _ONE_TILE_PROGRAMS_PER_SM * _num_sms(device) // (batch * num_kv_heads))
 
 
 def _check_paged_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

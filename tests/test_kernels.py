@@ -369,13 +369,13 @@ def test_rope_and_store_kv_interpreted(interpreter: None, num_heads: int, num_kv
 
 # Decode partitions: the policy sees 4 "SMs" on CPU, 16 program slots, and fills one wave, with
 # no more partitions than a max_context_len sequence has 64-token tiles; a sequence's partitions
-# hold one tile while the batch's one-tile programs stay within 4 (one an "SM"), else two at
-# least. Ids say which path each case takes.
+# hold one tile while the batch's one-tile programs stay within 4 (one an "SM") or the context
+# within two tiles, else two tiles at least. Ids say which path each case takes.
 DECODE_CPU_CASES = {
     # one partition (direct output); lengths 1, non-multiples of block_size; G = 2
     "single": dict(context_lens=[1, 7, 30], max_context_len=30, num_heads=4, num_kv_heads=2, block_size=4),
-    # 4 partitions, sized per sequence: seq 0 fills one of 64 (one tile: three empty), seq 1 one
-    # of 128 (two tiles, past the one-tile limit of one), seq 2 two of 128 (ends mid-partition),
+    # 4 partitions, sized per sequence: seq 0 fills one of 64 (three empty), seq 1 two of 64 (two
+    # tiles: within the one-tile limit of two), seq 2 two of 128 (past it; ends mid-partition),
     # seq 3 three of 128; G = 4
     "split-empty": dict(context_lens=[1, 70, 250, 380], max_context_len=384, num_heads=4, num_kv_heads=1,
                         block_size=16),
@@ -396,7 +396,7 @@ def test_decode_partition_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     """On an H200 (132 SMs, 528 program slots) the split fills one wave and no more, has no more
     partitions than a max_context_len sequence has tiles, and stops growing with max_context_len
     once the wave is full; one-tile partitions stop where the batch's would take more than 132
-    programs."""
+    programs, but never below two tiles of context."""
     monkeypatch.setattr(decode_attention, "_num_sms", lambda device: 132)
     parts = decode_attention._num_partitions
     gpu = torch.device("cuda", 0)
@@ -410,7 +410,7 @@ def test_decode_partition_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     assert one_tile_limit(1, 2, gpu) == 66  # batch 1: one-tile partitions up to 4224 tokens
     assert one_tile_limit(8, 2, gpu) == 8  # batch 8: up to 512 tokens
     assert one_tile_limit(32, 2, gpu) == 2  # batch 32 at 128 tokens: two one-tile partitions
-    assert one_tile_limit(128, 2, gpu) == 0  # two tiles at least, from the first token
+    assert one_tile_limit(128, 2, gpu) == 2  # the same at batch 128 (256 programs would allow 0)
 
 
 @pytest.mark.parametrize(("context_lens", "partitions"), [([70, 500], (4, 4)), ([300], (5, 8)), ([100], (2, 8))])

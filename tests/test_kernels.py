@@ -410,7 +410,7 @@ def test_decode_partition_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     assert one_tile_limit(1, 2, gpu) == 66  # batch 1: one-tile partitions up to 4224 tokens
     assert one_tile_limit(8, 2, gpu) == 8  # batch 8: up to 512 tokens
     assert one_tile_limit(32, 2, gpu) == 2  # batch 32 at 128 tokens: two one-tile partitions
-    assert one_tile_limit(128, 2, gpu) == 2  # the same at batch 128 (256 programs would allow 0)
+    assert one_tile_limit(128, 2, gpu) == 2  # the same at batch 128, where one program an SM allows none
 
 
 @pytest.mark.parametrize(("context_lens", "partitions"), [([70, 500], (4, 4)), ([300], (5, 8)), ([100], (2, 8))])

@@ -782,7 +782,7 @@ def test_attention_compiles_once_across_step_shapes(cuda: torch.device, monkeypa
     # (query lens, context lens): 1, 16 and 17 sequences; tables 2, 16 and 17 blocks wide.
     for query_lens, context_lens in (([1], [16]), ([8] * 16, [240] * 16), ([5] * 17, [256] * 17)):
         check_prefill(query_lens, context_lens, HQ, HKV, HEAD_DIM, BLOCK, dtype, cuda)
-    # (context lens, max context len): 16, 10 and 15 partitions; tables 129, 80 and 257 blocks
+    # (context lens, max context len): 32, 20 and 15 partitions; tables 129, 80 and 257 blocks
     # wide. Each case has more than 8 partitions, so the reduce kernel's merge chunk (BLOCK_P, a
     # constexpr: the partition count's next power of two, at most 16) is 16 in all three.
     for context_lens, max_len in (([2048], 2048), ([1260, 7, 300], 1260), ([4095] * 17, 4095)):

@@ -238,15 +238,18 @@ def sweep_decode(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:
 
 
 def sweep_linear(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:
-    """Alternative (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) for the tensor-core linear at 2, 8
-    and 16 rows, each shape class's chosen configuration (linear._dot_config) among them."""
-    tiles = [(block_n, 128, split_k, 4, 3) for block_n, split_k in
-             [(32, 1), (32, 4), (64, 1), (64, 4), (64, 8), (128, 1), (128, 2)]]
-    for config in [*tiles, (64, 512, 3, 8, 1)]:  # the last: the narrow layers' whole-slice tiles
+    """Alternative linear._dot_config launches for the tensor-core linear at 2, 8, 16 and 32 rows,
+    both products (``x W^T`` and the transposed ``W x^T``), each shape class's chosen one among
+    them. Isolated replays of one weight: a weight under the 50 MB L2 reads partly from it."""
+    tiles = [(block_n, 128, split_k, 4, stages) for block_n, split_k in
+             [(32, 1), (32, 4), (64, 1), (64, 4), (64, 7), (128, 1), (128, 2)] for stages in (3, 4)]
+    configs = [linear.DotConfig(*tile, swap_ab=swap_ab) for tile in tiles for swap_ab in (False, True)]
+    # the narrow layers' whole-slice tiles
+    for config in [*configs, linear.DotConfig(64, 512, 3, 8, 1, swap_ab=False)]:
         with patched(linear, "_dot_config", lambda n, k, config=config: config):
-            for r in bench_linear(dtype, (2, 8, 16)):
+            for r in bench_linear(dtype, (2, 8, 16, 32)):
                 if r["path"] == "linear_dot":
-                    yield {**r, "op": f"{r['op']} config={config}"}
+                    yield {**r, "op": f"{r['op']} config={tuple(config)}"}
 
 
 SWEEPS = {"prefill": sweep_prefill, "decode": sweep_decode, "linear": sweep_linear}

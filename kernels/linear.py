@@ -8,24 +8,25 @@ size keeps its choice):
 * 1 row: :func:`linear_kernel`, a GEMV with plain FMAs and many small programs: 1.9-4.8 TB/s
   on the Qwen2.5-1.5B shapes, where cuBLAS's kernels reach 0.8-4.1 TB/s (its o_proj GEMV takes
   6 us for 4.7 MB); 0.24 ms off a 1.71 ms batch-1 decode step (``python -m bench.kernels``).
-* 2 to 16 rows, and up to ``MAX_DOT_ROWS`` = 32 on the narrow layers (qkv, o_proj: under
-  8192 outputs and 4096 inputs): :func:`linear_dot`, which reads the weight once for all rows
-  and multiplies on tensor cores (:func:`linear_kernel` re-reads it for every row: two rows
-  take 1.4-1.7x the time of one on the large shapes). Against cuBLAS on an H200 (bf16,
-  CUDA-graph replays, PDL on; docs/benchmarks.md): qkv 1.10-1.14x, o_proj 1.13-1.15x (1.5x at
-  2 rows, where cuBLAS picks a slow kernel), gate/up 1.03-1.06x, down 1.00-1.13x, LM head 1.04x
-  (4.2 TB/s), at 2, 8 and 16 rows. Except at 2 rows on the narrow layers: these 5-6 MB reads
-  take ~4 us either way, latency rather than bandwidth, and :func:`linear_kernel`'s many
-  programs finish two rows in 2.7-3.1 us instead of 3.9-4.1 (about 60 us a batch-2 step over
-  Qwen2.5-1.5B's 28 layers). A narrow layer's programs load their whole weight slice before
-  waiting on the kernel ahead (kernels.pdl), which is what beats cuBLAS at 17-32 rows (B=32
-  step -0.11 ms); on the wide and long layers cuBLAS is as fast there.
+* 2 to ``MAX_DOT_ROWS`` = 32 rows: :func:`linear_dot`, one weight read for all rows on tensor
+  cores (:func:`linear_kernel` re-reads it for every row: two rows take 1.4-1.7x the time of
+  one on the large shapes). The narrow layers (qkv, o_proj: under 8192 outputs and 4096
+  inputs) tile ``x W^T``, each program loading its whole weight slice before it waits on the
+  kernel ahead (kernels.pdl). The wide and long layers (gate/up and the LM head; down) tile
+  the transposed product ``W x^T``: the weight tile is the MMA's 64-row operand (wgmma on
+  Hopper, which the batch's 16-32 rows are too few to be) and its stream is software-pipelined.
+  Against ``x W^T`` tiles there up to 16 rows and cuBLAS (which also breaks the chain of PDL
+  launches) above, on an H200: batch-8 decode step at 2048 tokens 1.622 -> 1.482 ms, batch 32
+  2.123 -> 1.931 (Qwen2.5-1.5B, docs/benchmarks.md). At 2 rows the narrow layers go to
+  :func:`linear_kernel`: these 5-6 MB reads take ~4 us either way, latency rather than
+  bandwidth, and its many programs finish two rows in 2.7-3.1 us instead of 3.9-4.1 (about
+  60 us a batch-2 step over Qwen2.5-1.5B's 28 layers).
 * More rows: cuBLAS (``F.linear``).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +36,8 @@ import triton.language as tl
 from kernels import pdl
 from kernels.checks import as_rows, dot_precision
 
-MAX_DOT_ROWS = 32  # rows of x up to which linear() may run a Triton kernel; more go to cuBLAS
+MAX_DOT_ROWS = 32  # rows of x up to which linear() runs a Triton kernel; more go to cuBLAS
 _MAX_KERNEL_ROWS = 16  # linear_kernel: each row re-reads the weight, a few rows at most
-_DOT_ALL_LAYERS_ROWS = 16  # linear_dot on every layer up to this many rows; above, narrow layers only
 # Shape classes of both kernels' launch configurations (and of linear()'s choice at 2 rows):
 # "long" rows (the MLP's down projection), "wide" outputs (gate/up, LM head), else "narrow"
 # (qkv, o_proj).
@@ -70,10 +70,6 @@ def linear_path(x: torch.Tensor, weight: torch.Tensor) -> LinearPath:
     # every row, so from 3 rows on linear_dot.
     if rows == 2 and narrow:
         return "linear_kernel"
-    # 17-32 rows: only the narrow layers beat cuBLAS (their whole weight slice is loaded before
-    # the wait, see _dot_config); on the wide and long ones cuBLAS is as fast or faster.
-    if rows > _DOT_ALL_LAYERS_ROWS and not narrow:
-        return "F.linear"
     return "linear_dot"
 
 
@@ -299,6 +295,55 @@ def _linear_dot_kernel(
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
+# The wide and long layers' kernel: the same tiles and partial sums, but each program computes
+# y^T's [BLOCK_N, BLOCK_M] tile as W[BLOCK_N, BLOCK_K] @ x^T[BLOCK_K, BLOCK_M], so the weight is
+# the MMA's first operand. On Hopper that operand may have 64 rows, which makes the product a
+# wgmma reading both tiles from shared memory, and Triton pipelines its loads over num_stages
+# (x's rows alone, 16 or 32, are too few for wgmma: _linear_dot_kernel runs mma.sync). The loop
+# starts after the PDL wait: loading the first weight tile before it, as _linear_dot_kernel
+# does, peels it off the pipelined loop, and that measured slower on gate/up and down.
+@triton.jit(do_not_specialize=["M"])
+def _linear_dot_swap_ab_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_ym, stride_ys,
+    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split
+    k_len = tl.minimum(k_per_split, K - k_start)
+    w_ptrs = w_ptr + (n % N).to(tl.int64)[:, None] * stride_wn + (k_start + k)[None, :]
+    xt_ptrs = x_ptr + (m % M).to(tl.int64)[None, :] * stride_xm + (k_start + k)[:, None]
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, k_len, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs + k0)
+            xt = tl.load(xt_ptrs + k0)
+        else:
+            w = tl.load(w_ptrs + k0, mask=(k_start + k0 + k)[None, :] < K, other=0.0)
+            xt = tl.load(xt_ptrs + k0, mask=(k_start + k0 + k)[:, None] < K, other=0.0)
+        acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+
+    out_mask = (n < N)[:, None] & (m < M)[None, :]
+    y_ptrs = y_ptr + pid_k.to(tl.int64) * stride_ys + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
+    if PARTIAL:
+        tl.store(y_ptrs, acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
 # --------------------------------------------------------------------------------------------
 # Triton, the split-K reduction: a program sums BLOCK_N features of one row over the splits of
 # the workspace, in split order (deterministic), adds the bias and casts to y's dtype. The
@@ -338,32 +383,44 @@ def _dot_block_m(rows: int) -> int:
     return 16 if rows <= 16 else 32
 
 
-def _dot_config(n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) of :func:`linear_dot`.
+class DotConfig(NamedTuple):
+    """A :func:`linear_dot` launch: tile sizes, the K split, warps, pipeline stages, and whether
+    the program tiles the transposed product (``_linear_dot_swap_ab_kernel``)."""
 
-    The wide and long classes come from a sweep on an H200 (bf16, CUDA-graph replays, recorded
-    in docs/benchmarks.md: BLOCK_N 16-128, BLOCK_K 64-256, SPLIT_K 1-8, 4/8 warps, 3-5 stages)
-    on the Qwen2.5-1.5B shapes at 2, 8 and 16 rows (one compiled kernel serves all three): per
-    shape class the configuration whose slowest of the three is closest to the best measured,
-    within 1.5% of it on the long layers and within 5% on the wide ones.
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+    swap_ab: bool
 
-    * long rows (down, K 8960): 64 features a program, 24 programs, K split 8 ways.
-    * wide outputs (gate/up 17920, LM head 151936): 128 features a program (140 and 1187
-      programs, no split; 64 was 4% faster at 8-16 rows on gate/up but 5% slower at 2).
-    * narrow (qkv 2048, o_proj 1536): 64 features a program and K split 3 ways into single
-      512-wide tiles, so that each program loads its whole weight slice (64 KB) before the wait
-      (kernels.pdl); 8 warps, one stage. Measured in the model, against the sweep's best in
-      isolation (32 features, 4 splits of 128-wide tiles): batch 8 and 16 steps -10%, and at
-      17-32 rows it beats cuBLAS (docs/benchmarks.md).
+
+def _dot_config(n: int, k: int) -> DotConfig:
+    """The :func:`linear_dot` launch for a weight ``[n, k]``, from sweeps on an H200 (bf16,
+    Qwen2.5-1.5B shapes; docs/benchmarks.md), the last of them inside CUDA-graph decode steps at
+    2-32 rows (one compiled kernel serves up to 16 rows, another 17-32).
+
+    * wide outputs (gate/up 17920, LM head 151936): the transposed product in 64-feature tiles
+      of 128-wide K steps, 280 and 2374 programs, no split, 3 stages (4, best in isolation, was
+      0.03 ms a batch-32 step slower; 128-feature tiles 0.13 ms).
+    * long rows (down, K 8960): the transposed product, 64 features, K split 7 ways into ranges
+      of ten 128-wide steps, 168 programs, 4 stages (as fast as 5 ranges of 256-wide steps at 3
+      stages; 5 ranges of 128-wide steps at 3 stages: +0.1 ms a batch-32 step).
+    * narrow (qkv 2048, o_proj 1536): ``x W^T`` in 64 features a program and K split 3 ways
+      into single 512-wide tiles, so that each program loads its whole weight slice (64 KB)
+      before the wait (kernels.pdl); 8 warps, one stage. Measured in the model, against the
+      sweep's best in isolation (32 features, 4 splits of 128-wide tiles): batch 8 and 16
+      steps -10%. The transposed product on these layers, in the tiles that were fastest in
+      isolation, made batch 8-32 steps 0.003-0.04 ms slower.
 
     Splits keep K ranges of 256 or more (shorter ones lost more to the partial sums than they
-    gained); :func:`plan_split` may run fewer ranges than SPLIT_K.
+    gained); :func:`plan_split` may run fewer ranges than ``split_k``.
     """
     if n >= _WIDE_N:  # before the long-row test: a wide grid needs no split, whatever K
-        return 128, 128, 1, 4, 3
+        return DotConfig(64, 128, 1, 4, 3, swap_ab=True)
     if k >= _LONG_K:
-        return 64, 128, max(1, min(8, k // 256)), 4, 3
-    return 64, 512, max(1, min(3, k // 256)), 8, 1
+        return DotConfig(64, 128, max(1, min(7, k // 256)), 4, 4, swap_ab=True)
+    return DotConfig(64, 512, max(1, min(3, k // 256)), 8, 1, swap_ab=False)
 
 
 def plan_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
@@ -389,22 +446,24 @@ def linear_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return y
-    block_n, block_k, split_k, warps, stages = _dot_config(n, k)
-    k_per_split, splits = plan_split(k, block_k, split_k)
+    cfg = _dot_config(n, k)
+    k_per_split, splits = plan_split(k, cfg.block_k, cfg.split_k)
     launch = pdl.launch_args(x.device)
     block_m = _dot_block_m(rows)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(rows, block_m), splits)
-    common = dict(EVEN_K=k % block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                  DOT_PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages, **launch)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(rows, block_m), splits)
+    kernel = _linear_dot_swap_ab_kernel if cfg.swap_ab else _linear_dot_kernel
+    common = dict(EVEN_K=k % cfg.block_k == 0, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  **launch)
     if splits == 1:
-        _linear_dot_kernel[grid](
+        kernel[grid](
             x2, weight, bias if bias is not None else weight, y,
             rows, n, k, k_per_split, x2.stride(0), weight.stride(0), n, 0,
             HAS_BIAS=bias is not None, PARTIAL=False, **common,
         )
         return y
     ws = torch.empty((splits, rows, n), dtype=torch.float32, device=x.device)
-    _linear_dot_kernel[grid](
+    kernel[grid](
         x2, weight, weight, ws,
         rows, n, k, k_per_split, x2.stride(0), weight.stride(0), n, rows * n,
         HAS_BIAS=False, PARTIAL=True, **common,

@@ -312,12 +312,18 @@ LINEAR_DOT_CPU_CASES = {
     "17-rows-even-k-split2": dict(rows=(17,), n=40, k=1024, bias=True, strided=True),
     # 33 rows: a full 32-row tile and a 1-row one, each reading the weight
     "33-rows": dict(rows=(33,), n=70, k=600, bias=True, strided=False),
-    # long rows (K 4100): 64-feature tiles (N 70: a full and a ragged one), K in 7 ranges of
-    # 640 (the last of 260); a 3-D x
+    # long rows (K 4100), the transposed product: 64-feature tiles (N 70: a full and a ragged
+    # one), K in 7 ranges of 640 (the last of 260); a 3-D x
     "long-split7": dict(rows=(2, 3), n=70, k=4100, bias=False, strided=False),
-    # wide outputs (N 8200): 128-feature tiles, 65 programs with a ragged last one; no split,
-    # so the dot kernel adds the bias; K one full tile (EVEN_K)
+    # long rows, 17 rows (a 32-row tile), K 4096 in 7 ranges (the last of 256), unmasked along
+    # K (EVEN_K); strided x
+    "long-17-rows-even-k": dict(rows=(17,), n=64, k=4096, bias=False, strided=True),
+    # wide outputs (N 8200), the transposed product: 64-feature tiles, 129 programs with a
+    # ragged last one; no split, so the dot kernel adds the bias; K one full tile (EVEN_K)
     "wide-even-k": dict(rows=(16,), n=8200, k=128, bias=True, strided=False),
+    # wide, 33 rows: two 32-row tiles (the second holds one row); K 200 in a full and a
+    # masked step
+    "wide-33-rows": dict(rows=(33,), n=8200, k=200, bias=True, strided=False),
 }
 
 
@@ -347,15 +353,16 @@ def test_split_k_reduce_adds_splits_in_order_interpreted(interpreter: None, spli
 def test_linear_dot_config() -> None:
     """The H200 sweep's configurations at the Qwen2.5-1.5B shapes, and K splits that never
     leave a range empty (the reduce kernel would add garbage) or shorter than 256."""
-    assert linear._dot_config(2048, 1536) == (64, 512, 3, 8, 1)  # qkv: one tile a program
-    assert linear._dot_config(1536, 1536) == (64, 512, 3, 8, 1)  # o_proj
-    assert linear._dot_config(2 * 8960, 1536) == (128, 128, 1, 4, 3)  # gate/up
-    assert linear._dot_config(1536, 8960) == (64, 128, 8, 4, 3)  # down
-    assert linear._dot_config(151936, 1536) == (128, 128, 1, 4, 3)  # LM head
+    narrow = linear.DotConfig(64, 512, 3, 8, 1, swap_ab=False)  # one tile a program
+    assert linear._dot_config(2048, 1536) == narrow  # qkv
+    assert linear._dot_config(1536, 1536) == narrow  # o_proj
+    assert linear._dot_config(2 * 8960, 1536) == linear.DotConfig(64, 128, 1, 4, 3, swap_ab=True)  # gate/up
+    assert linear._dot_config(1536, 8960) == linear.DotConfig(64, 128, 7, 4, 4, swap_ab=True)  # down
+    assert linear._dot_config(151936, 1536) == linear.DotConfig(64, 128, 1, 4, 3, swap_ab=True)  # LM head
     for n, k in [(40, 600), (9, 100), (70, 4100), (1536, 1536), (1536, 8960), (896, 896), (64, 300), (64, 7)]:
-        block_n, block_k, split_k, _, _ = linear._dot_config(n, k)
-        per, splits = linear.plan_split(k, block_k, split_k)
-        assert per % block_k == 0 and 1 <= splits <= split_k and (splits - 1) * per < k <= splits * per
+        cfg = linear._dot_config(n, k)
+        per, splits = linear.plan_split(k, cfg.block_k, cfg.split_k)
+        assert per % cfg.block_k == 0 and 1 <= splits <= cfg.split_k and (splits - 1) * per < k <= splits * per
         assert splits == 1 or per >= 256
 
 
@@ -581,15 +588,15 @@ def test_linear_gpu(cuda: torch.device, rows: int, n: int, k: int, bias: bool, d
                                               (HIDDEN, INTER, False), (151936, HIDDEN, False)])
 def test_linear_dot_gpu(cuda: torch.device, rows: int, n: int, k: int, bias: bool, dtype: torch.dtype) -> None:
     """Every Qwen2.5-1.5B projection at batch sizes linear() gives linear_dot (24 rows: the
-    32-row tile, which linear() uses on qkv and o_proj); qkv, o_proj and down split K, so the second call's bitwise equality checks the ordered reduction."""
+    32-row tile), both products (``x W^T`` on qkv and o_proj, ``W x^T`` on the rest); qkv,
+    o_proj and down split K, so the second call's bitwise equality checks the ordered reduction."""
     check_linear((rows,), n, k, bias, dtype, cuda, strided=rows == 8, kernel=linear.linear_dot)
 
 
 @pytest.mark.gpu
 def test_linear_dispatch(cuda: torch.device) -> None:
-    """linear() on a GPU: linear_kernel at 1 row (and 2 on a narrow layer), linear_dot up to 16
-    rows, and up to MAX_DOT_ROWS on narrow layers, cuBLAS above; same results. Every CPU tensor
-    goes to F.linear."""
+    """linear() on a GPU: linear_kernel at 1 row (and 2 on a narrow layer), linear_dot up to
+    MAX_DOT_ROWS, cuBLAS above; same results. Every CPU tensor goes to F.linear."""
     narrow = torch.randn(256, 512, device=cuda, dtype=torch.bfloat16) / math.sqrt(512)
     wide = torch.randn(2 * INTER, 512, device=cuda, dtype=torch.bfloat16) / math.sqrt(512)
     long = torch.randn(256, INTER, device=cuda, dtype=torch.bfloat16) / math.sqrt(INTER)
@@ -597,9 +604,11 @@ def test_linear_dispatch(cuda: torch.device) -> None:
         (1, "narrow"): "linear_kernel", (1, "wide"): "linear_kernel", (1, "long"): "linear_kernel",
         (2, "narrow"): "linear_kernel", (2, "wide"): "linear_dot", (2, "long"): "linear_dot",
         (3, "narrow"): "linear_dot", (16, "narrow"): "linear_dot", (16, "wide"): "linear_dot",
-        (16, "long"): "linear_dot", (17, "narrow"): "linear_dot", (17, "wide"): "F.linear", (17, "long"): "F.linear",
-        (linear.MAX_DOT_ROWS, "narrow"): "linear_dot", (linear.MAX_DOT_ROWS, "wide"): "F.linear",
+        (16, "long"): "linear_dot", (17, "narrow"): "linear_dot", (17, "wide"): "linear_dot",
+        (17, "long"): "linear_dot", (linear.MAX_DOT_ROWS, "narrow"): "linear_dot",
+        (linear.MAX_DOT_ROWS, "wide"): "linear_dot", (linear.MAX_DOT_ROWS, "long"): "linear_dot",
         (linear.MAX_DOT_ROWS + 1, "narrow"): "F.linear", (linear.MAX_DOT_ROWS + 1, "wide"): "F.linear",
+        (linear.MAX_DOT_ROWS + 1, "long"): "F.linear",
     }
     weights = {"narrow": narrow, "wide": wide, "long": long}
     for (rows, name), path in expected_paths.items():

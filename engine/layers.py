@@ -71,7 +71,11 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """``y = all_reduce(x_r W_r^T) + b``: this rank keeps input columns ``[in_start, in_end)``."""
+    """``y = all_reduce(x_r W_r^T) + b``: this rank keeps input columns ``[in_start, in_end)``.
+
+    Its output feeds a residual add (o_proj, down), so :meth:`forward` returns it as partial
+    sums for :class:`RMSNorm` to add (see there).
+    """
 
     def __init__(
         self, in_start: int, in_end: int, out_features: int, bias: bool, dtype: torch.dtype, tp: TensorParallel
@@ -87,8 +91,13 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(source[:, self.in_start : self.in_end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[splits, ..., out_features]`` partial sums of y (``ops.linear_partial_sums``): on one
+        rank without a bias, the linear kernel's split-K partials, left for the norm's load to add
+        (one launch fewer); otherwise a single split, y itself."""
+        if self.tp.size == 1 and self.bias is None:
+            return ops.linear_partial_sums(x, self.weight)
         y = self.tp.all_reduce(ops.linear(x, self.weight))
-        return y + self.bias if self.bias is not None else y
+        return (y + self.bias if self.bias is not None else y).unsqueeze(0)
 
 
 class Embedding(nn.Module):
@@ -111,7 +120,11 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(norm(x + residual), x + residual)``; with no residual, ``(norm(x), x)``."""
+        """Returns ``(norm(x + residual), x + residual)``; with no residual, ``(norm(x), x)``.
+
+        With a residual, x is the layer output added to it, as :class:`RowParallelLinear`'s
+        partial sums ``[splits, *residual.shape]`` (summed in order and rounded first).
+        """
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps), x
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -13,6 +13,7 @@ from typing import Any
 
 _OPS = {
     "linear": "kernels.linear",
+    "linear_partial_sums": "kernels.linear",
     "rms_norm": "kernels.rmsnorm",
     "fused_add_rms_norm": "kernels.rmsnorm",
     "silu_and_mul": "kernels.activation",
@@ -42,6 +43,7 @@ def _op(name: str) -> Callable[..., Any]:
 
 
 linear = _op("linear")
+linear_partial_sums = _op("linear_partial_sums")
 rms_norm = _op("rms_norm")
 fused_add_rms_norm = _op("fused_add_rms_norm")
 silu_and_mul = _op("silu_and_mul")

@@ -403,9 +403,12 @@ def _dot_config(n: int, k: int) -> DotConfig:
     * wide outputs (gate/up 17920, LM head 151936): the transposed product in 64-feature tiles
       of 128-wide K steps, 280 and 2374 programs, no split, 3 stages (4, best in isolation, was
       0.03 ms a batch-32 step slower; 128-feature tiles 0.13 ms).
-    * long rows (down, K 8960): the transposed product, 64 features, K split 7 ways into ranges
-      of ten 128-wide steps, 168 programs, 4 stages (as fast as 5 ranges of 256-wide steps at 3
-      stages; 5 ranges of 128-wide steps at 3 stages: +0.1 ms a batch-32 step).
+    * long rows (down, K 8960): the transposed product, 64 features, K split 5 ways into ranges
+      of seven 256-wide steps, 120 programs, 3 stages. With the reduce kernel it was as fast as
+      7 ranges of ten 128-wide steps at 4 stages; with the partials summed by the add + RMSNorm
+      kernel (linear_partial_sums), fewer splits to load made it 0.01-0.02 ms a batch-8 to 32
+      step faster. 5 or 4 ranges of 128-wide steps at 4 stages were slower at 32 rows (+0.03,
+      +0.06 ms), as were 5 ranges of 128-wide steps at 3 stages before (+0.1 ms).
     * narrow (qkv 2048, o_proj 1536): ``x W^T`` in 64 features a program and K split 3 ways
       into single 512-wide tiles, so that each program loads its whole weight slice (64 KB)
       before the wait (kernels.pdl); 8 warps, one stage. Measured in the model, against the
@@ -419,7 +422,7 @@ def _dot_config(n: int, k: int) -> DotConfig:
     if n >= _WIDE_N:  # before the long-row test: a wide grid needs no split, whatever K
         return DotConfig(64, 128, 1, 4, 3, swap_ab=True)
     if k >= _LONG_K:
-        return DotConfig(64, 128, max(1, min(7, k // 256)), 4, 4, swap_ab=True)
+        return DotConfig(64, 256, max(1, min(5, k // 256)), 4, 3, swap_ab=True)
     return DotConfig(64, 512, max(1, min(3, k // 256)), 8, 1, swap_ab=False)
 
 
@@ -440,12 +443,18 @@ def linear_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     accumulated in fp32 (fp32 inputs multiply in full fp32, not tf32). Deterministic: split-K
     partial sums are added in a fixed order.
     """
+    return _linear_dot(x, weight, bias, reduce=True)
+
+
+def _linear_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, reduce: bool) -> torch.Tensor:
+    """:func:`linear_dot`'s launches. ``reduce=False`` (no bias) skips the split-K reduce and
+    returns the workspace as :func:`linear_partial_sums` describes."""
     x2 = _check_inputs(x, weight, bias)
     n, k = weight.shape
     rows = x2.shape[0]
     y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
-        return y
+        return y if reduce else y.unsqueeze(0)
     cfg = _dot_config(n, k)
     k_per_split, splits = plan_split(k, cfg.block_k, cfg.split_k)
     launch = pdl.launch_args(x.device)
@@ -461,13 +470,15 @@ def linear_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             rows, n, k, k_per_split, x2.stride(0), weight.stride(0), n, 0,
             HAS_BIAS=bias is not None, PARTIAL=False, **common,
         )
-        return y
+        return y if reduce else y.unsqueeze(0)
     ws = torch.empty((splits, rows, n), dtype=torch.float32, device=x.device)
     kernel[grid](
         x2, weight, weight, ws,
         rows, n, k, k_per_split, x2.stride(0), weight.stride(0), n, rows * n,
         HAS_BIAS=False, PARTIAL=True, **common,
     )
+    if not reduce:
+        return ws.view(splits, *x.shape[:-1], n)
     block_r = min(1024, triton.next_power_of_2(n))
     _split_k_reduce_kernel[(rows, triton.cdiv(n, block_r))](
         ws, bias if bias is not None else ws, y,
@@ -475,3 +486,29 @@ def linear_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_N=block_r, num_warps=4, **launch,
     )
     return y
+
+
+# --------------------------------------------------------------------------------------------
+# Partial sums for the consumer to add: a split-K linear's reduce kernel is one more launch in
+# the decode chain, and its only work, reading the splits' partials, the next kernel can do as
+# it loads its input. The layers whose output feeds the residual add (o_proj, down) hand their
+# partials to the add + RMSNorm kernel (kernels.rmsnorm), which sums them in the reduce
+# kernel's order: the same residual sum bit for bit, one launch fewer a layer each.
+# --------------------------------------------------------------------------------------------
+
+
+def linear_partial_sums_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`linear_ref` (no bias) as a single split: ``[1, ..., N]``."""
+    return linear_ref(x, weight).unsqueeze(0)
+
+
+def linear_partial_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x W^T`` as partial sums over ranges of K, ``[splits, ..., N]``: their sum over the first
+    dim, in order and in fp32, rounded to x's dtype, is :func:`linear`'s output bit for bit
+    (kernels.rmsnorm.fused_add_rms_norm adds them so). Where :func:`linear` runs
+    :func:`linear_dot` and it splits K, the fp32 partials its reduce kernel would have summed
+    (that kernel does not run); otherwise one split, a view of :func:`linear`'s output in x's
+    dtype."""
+    if linear_path(x, weight) == "linear_dot":
+        return _linear_dot(x, weight, None, reduce=False)
+    return linear(x, weight).unsqueeze(0)

@@ -150,6 +150,15 @@ def check_rms_norm(rows: tuple[int, ...], hidden: int, dtype: torch.dtype, devic
     assert torch.equal(summed, summed_ref)  # one fp32 add, one rounding: bit-exact
     assert_close(out, out_ref, atol, rtol)
     assert torch.equal(x, x_before) and torch.equal(residual, r_before)
+    # Split-K partial sums in place of x: three fp32 splits, added in order and rounded first.
+    partials = rand(gen, 3, *rows, hidden, dtype=torch.float32, device=device) * 4
+    partials_before = partials.clone()
+    out, summed = rmsnorm.fused_add_rms_norm(partials, residual, weight, 1e-6)
+    out_ref, summed_ref = rmsnorm.fused_add_rms_norm_ref(partials, residual, weight, 1e-6)
+    assert summed.dtype == dtype and torch.equal(summed, summed_ref)
+    assert torch.equal(summed, ((partials[0] + partials[1] + partials[2]).to(dtype).float() + residual.float()).to(dtype))
+    assert_close(out, out_ref, atol, rtol)
+    assert torch.equal(partials, partials_before)
 
 
 def check_silu_and_mul(rows: tuple[int, ...], inter: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -178,6 +187,27 @@ def check_linear(rows: tuple[int, ...], n: int, k: int, bias: bool, dtype: torch
     atol, rtol = LINEAR_TOL[dtype]
     assert_close(out, expected, atol, rtol)
     assert torch.equal(out, kernel(x, weight, b))
+
+
+def check_linear_partial_sums(rows: tuple[int, ...], n: int, k: int, splits: int, dtype: torch.dtype,
+                              device: torch.device, partial_sums: Callable[..., torch.Tensor],
+                              reduced: Callable[..., torch.Tensor]) -> None:
+    """``partial_sums(x, weight)`` has ``splits`` splits, and the add + RMSNorm of them gives the
+    bits of ``reduced(x, weight)`` (the same linear, reduced) added to the residual. The
+    normalised rows agree to an ulp: with several splits the kernel runs 16 warps, whose sum of
+    squares over the row associates differently from the 8 of a single split."""
+    gen = torch.Generator().manual_seed(4)
+    x = rand(gen, *rows, k, dtype=dtype, device=device)
+    weight = rand(gen, n, k, dtype=dtype, device=device) / math.sqrt(k)
+    residual = rand(gen, *rows, n, dtype=dtype, device=device)
+    norm = rand(gen, n, dtype=dtype, device=device)
+    partials = partial_sums(x, weight)
+    assert partials.shape == (splits, *rows, n)
+    assert partials.dtype == (torch.float32 if splits > 1 else dtype)
+    out, summed = rmsnorm.fused_add_rms_norm(partials, residual, norm, 1e-6)
+    out_want, summed_want = rmsnorm.fused_add_rms_norm(reduced(x, weight), residual, norm, 1e-6)
+    assert torch.equal(summed, summed_want)
+    assert_close(out, out_want, *ELEMENTWISE_TOL[dtype])
 
 
 def check_rope(num_tokens: int, num_pad: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -313,9 +343,9 @@ LINEAR_DOT_CPU_CASES = {
     # 33 rows: a full 32-row tile and a 1-row one, each reading the weight
     "33-rows": dict(rows=(33,), n=70, k=600, bias=True, strided=False),
     # long rows (K 4100), the transposed product: 64-feature tiles (N 70: a full and a ragged
-    # one), K in 7 ranges of 640 (the last of 260); a 3-D x
-    "long-split7": dict(rows=(2, 3), n=70, k=4100, bias=False, strided=False),
-    # long rows, 17 rows (a 32-row tile), K 4096 in 7 ranges (the last of 256), unmasked along
+    # one), K in 5 ranges of 1024 (the last of 4, one masked 256-wide step); a 3-D x
+    "long-split5": dict(rows=(2, 3), n=70, k=4100, bias=False, strided=False),
+    # long rows, 17 rows (a 32-row tile), K 4096 in 4 ranges of 1024, unmasked along
     # K (EVEN_K); strided x
     "long-17-rows-even-k": dict(rows=(17,), n=64, k=4096, bias=False, strided=True),
     # wide outputs (N 8200), the transposed product: 64-feature tiles, 129 programs with a
@@ -331,6 +361,23 @@ LINEAR_DOT_CPU_CASES = {
 @pytest.mark.parametrize("case", list(LINEAR_DOT_CPU_CASES))
 def test_linear_dot_interpreted(interpreter: None, case: str, dtype: torch.dtype) -> None:
     check_linear(**LINEAR_DOT_CPU_CASES[case], dtype=dtype, device=CPU, kernel=linear.linear_dot)
+
+
+@pytest.mark.parametrize("case", ["narrow-split2", "long-split5", "narrow-short-k"])
+def test_linear_partial_sums_interpreted(interpreter: None, case: str) -> None:
+    """linear_dot's partials left unreduced (2 and 5 splits; one when K is not split) and added
+    by the add + RMSNorm kernel: the bits of the reduce kernel's output added to the residual."""
+    shape = LINEAR_DOT_CPU_CASES[case]
+    splits = {"narrow-split2": 2, "long-split5": 5, "narrow-short-k": 1}[case]
+    check_linear_partial_sums(shape["rows"], shape["n"], shape["k"], splits, torch.float16, CPU,
+                              lambda x, w: linear._linear_dot(x, w, None, reduce=False), linear.linear_dot)
+
+
+def test_linear_partial_sums_off_gpu_is_one_split() -> None:
+    x, weight = torch.randn(5, 24), torch.randn(16, 24)
+    partials = linear.linear_partial_sums(x, weight)
+    assert partials.shape == (1, 5, 16) and torch.equal(partials[0], linear.linear_ref(x, weight))
+    assert torch.equal(linear.linear_partial_sums_ref(x, weight), partials)
 
 
 @pytest.mark.parametrize("splits", [2, 7])
@@ -357,7 +404,7 @@ def test_linear_dot_config() -> None:
     assert linear._dot_config(2048, 1536) == narrow  # qkv
     assert linear._dot_config(1536, 1536) == narrow  # o_proj
     assert linear._dot_config(2 * 8960, 1536) == linear.DotConfig(64, 128, 1, 4, 3, swap_ab=True)  # gate/up
-    assert linear._dot_config(1536, 8960) == linear.DotConfig(64, 128, 7, 4, 4, swap_ab=True)  # down
+    assert linear._dot_config(1536, 8960) == linear.DotConfig(64, 256, 5, 4, 3, swap_ab=True)  # down
     assert linear._dot_config(151936, 1536) == linear.DotConfig(64, 128, 1, 4, 3, swap_ab=True)  # LM head
     for n, k in [(40, 600), (9, 100), (70, 4100), (1536, 1536), (1536, 8960), (896, 896), (64, 300), (64, 7)]:
         cfg = linear._dot_config(n, k)
@@ -521,6 +568,10 @@ def test_wrappers_reject_bad_inputs() -> None:
         linear.linear_dot(x, torch.randn(3, 8).half())
     with pytest.raises(ValueError, match="unit stride in its last dim"):
         linear.linear_dot(torch.randn(8, 4).t(), torch.randn(3, 8))
+    with pytest.raises(ValueError, match="partial sums"):
+        rmsnorm.fused_add_rms_norm(torch.randn(2, 4, 7), x, torch.randn(8), 1e-6)
+    with pytest.raises(ValueError, match="partial sums"):
+        rmsnorm.fused_add_rms_norm_ref(torch.randn(4, 7), x, torch.randn(8), 1e-6)
     with pytest.raises(ValueError, match="even"):
         activation.silu_and_mul(torch.randn(4, 7))
     new = (torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16), torch.zeros(2, dtype=torch.int64),
@@ -591,6 +642,20 @@ def test_linear_dot_gpu(cuda: torch.device, rows: int, n: int, k: int, bias: boo
     32-row tile), both products (``x W^T`` on qkv and o_proj, ``W x^T`` on the rest); qkv,
     o_proj and down split K, so the second call's bitwise equality checks the ordered reduction."""
     check_linear((rows,), n, k, bias, dtype, cuda, strided=rows == 8, kernel=linear.linear_dot)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize(("rows", "n", "k", "splits"), [
+    (1, HIDDEN, HIDDEN, 1), (2, HIDDEN, HIDDEN, 1), (8, HIDDEN, HIDDEN, 3), (24, HIDDEN, HIDDEN, 3),
+    (2, HIDDEN, INTER, 5), (16, HIDDEN, INTER, 5), (32, HIDDEN, INTER, 5), (33, HIDDEN, INTER, 1)])
+def test_linear_partial_sums_gpu(cuda: torch.device, rows: int, n: int, k: int, splits: int,
+                                 dtype: torch.dtype) -> None:
+    """o_proj and down through linear_partial_sums at the row counts of each linear() path (one
+    row and two narrow ones: linear_kernel; 33: cuBLAS; both give one split), added by the
+    add + RMSNorm kernel: the residual sum has the bits of linear()'s output added to the
+    residual (the checker says why the normalised rows agree to an ulp, not bitwise)."""
+    check_linear_partial_sums((rows,), n, k, splits, dtype, cuda, linear.linear_partial_sums, linear.linear)
 
 
 @pytest.mark.gpu

@@ -406,9 +406,10 @@ def _dot_config(n: int, k: int) -> DotConfig:
     * long rows (down, K 8960): the transposed product, 64 features, K split 5 ways into ranges
       of seven 256-wide steps, 120 programs, 3 stages. With the reduce kernel it was as fast as
       7 ranges of ten 128-wide steps at 4 stages; with the partials summed by the add + RMSNorm
-      kernel (linear_partial_sums), fewer splits to load made it 0.01-0.02 ms a batch-8 to 32
-      step faster. 5 or 4 ranges of 128-wide steps at 4 stages were slower at 32 rows (+0.03,
-      +0.06 ms), as were 5 ranges of 128-wide steps at 3 stages before (+0.1 ms).
+      kernel (linear_partial_sums), fewer splits to load made batch-2 to 24 steps up to 0.03 ms
+      faster (batch 32 within 0.007). 5 or 4 ranges of 128-wide steps at 4 stages were slower
+      at 32 rows (+0.03, +0.06 ms), as were 5 ranges of 128-wide steps at 3 stages before
+      (+0.1 ms).
     * narrow (qkv 2048, o_proj 1536): ``x W^T`` in 64 features a program and K split 3 ways
       into single 512-wide tiles, so that each program loads its whole weight slice (64 KB)
       before the wait (kernels.pdl); 8 warps, one stage. Measured in the model, against the

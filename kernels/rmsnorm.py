@@ -155,18 +155,17 @@ def fused_add_rms_norm(
     if x.shape == residual.shape:
         x = x.unsqueeze(0)
     _check_partials(x, residual)
-    splits = x.shape[0]
-    x3 = as_rows("x", x, hidden).view(splits, -1, hidden)
     r2 = as_rows("residual", residual, hidden)
+    x3 = as_rows("x", x, hidden).view(x.shape[0], r2.shape[0], hidden)
     out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
     summed = torch.empty_like(out)
     out2, sum2 = out.view(-1, hidden), summed.view(-1, hidden)
     if r2.shape[0] == 0:
         return out, summed
-    block, num_warps = _launch_config(hidden, splits)
+    block, num_warps = _launch_config(hidden, x3.shape[0])
     _fused_add_rms_norm_kernel[(r2.shape[0],)](
         x3, r2, weight, out2, sum2,
         x3.stride(0), x3.stride(1), r2.stride(0), out2.stride(0), sum2.stride(0), hidden, eps,
-        SPLITS=splits, BLOCK=block, num_warps=num_warps, **pdl.launch_args(x.device),
+        SPLITS=x3.shape[0], BLOCK=block, num_warps=num_warps, **pdl.launch_args(x.device),
     )
     return out, summed

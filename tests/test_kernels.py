@@ -380,6 +380,14 @@ def test_linear_partial_sums_off_gpu_is_one_split() -> None:
     assert torch.equal(linear.linear_partial_sums_ref(x, weight), partials)
 
 
+def test_fused_add_rms_norm_of_no_rows() -> None:
+    """An empty batch, plain or as partial sums, gives empty outputs and launches nothing."""
+    residual, weight = torch.randn(0, 8), torch.randn(8)
+    for x in (torch.randn(0, 8), torch.randn(3, 0, 8)):
+        out, summed = rmsnorm.fused_add_rms_norm(x, residual, weight, 1e-6)
+        assert out.shape == summed.shape == (0, 8)
+
+
 @pytest.mark.parametrize("splits", [2, 7])
 def test_split_k_reduce_adds_splits_in_order_interpreted(interpreter: None, splits: int) -> None:
     """The split-K reduce kernel (its splits unrolled) against the splits added one after

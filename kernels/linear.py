@@ -236,6 +236,26 @@ def linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 # --------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _dot_program_tile(w_ptr, N, K, k_per_split, stride_wn,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A linear_dot program's part of the grid (feature tiles, row tiles, K ranges), as both
+    products tile it: its K range's index, its rows m and features n, a tile's K offsets k,
+    where its K range starts and how long it is (>= 1: the wrapper launches no empty range),
+    and the pointers of its first weight tile ``[BLOCK_N, BLOCK_K]``."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split
+    k_len = tl.minimum(k_per_split, K - k_start)
+    # int64 row offsets: the LM head's weight is 151936 x 1536 elements.
+    w_ptrs = w_ptr + (n % N).to(tl.int64)[:, None] * stride_wn + (k_start + k)[None, :]
+    return pid_k, m, n, k, k_start, k_len, w_ptrs
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_dot_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
@@ -246,16 +266,8 @@ def _linear_dot_kernel(
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # M is not specialized (do_not_specialize): batch sizes 2 to 16 share one compiled kernel.
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    k_start = pid_k * k_per_split
-    k_len = tl.minimum(k_per_split, K - k_start)  # >= 1: the wrapper launches no empty range
-    # int64 row offsets: the LM head's weight is 151936 x 1536 elements.
-    w_ptrs = w_ptr + (n % N).to(tl.int64)[:, None] * stride_wn + (k_start + k)[None, :]
+    pid_k, m, n, k, k_start, k_len, w_ptrs = _dot_program_tile(w_ptr, N, K, k_per_split, stride_wn,
+                                                               BLOCK_M, BLOCK_N, BLOCK_K)
     x_ptrs = x_ptr + (m % M).to(tl.int64)[:, None] * stride_xm + (k_start + k)[None, :]
 
     # The first weight tile (on the narrow layers the program's whole K range) is loaded before
@@ -311,15 +323,8 @@ def _linear_dot_swap_ab_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    k_start = pid_k * k_per_split
-    k_len = tl.minimum(k_per_split, K - k_start)
-    w_ptrs = w_ptr + (n % N).to(tl.int64)[:, None] * stride_wn + (k_start + k)[None, :]
+    pid_k, m, n, k, k_start, k_len, w_ptrs = _dot_program_tile(w_ptr, N, K, k_per_split, stride_wn,
+                                                               BLOCK_M, BLOCK_N, BLOCK_K)
     xt_ptrs = x_ptr + (m % M).to(tl.int64)[None, :] * stride_xm + (k_start + k)[:, None]
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()

@@ -137,10 +137,12 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` fp32 logits, written into ``out`` when given (the
-        CUDA graphs' one logits buffer); the cast to fp32 is the same kernel either way."""
+        CUDA graphs' one logits buffer) or a new tensor. The LM head's kernels store them in
+        fp32 themselves (ops.linear's ``out``), the same way for both."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        logits = ops.linear(hidden, head.weight)
-        return logits.float() if out is None else out.copy_(logits)
+        if out is None:
+            out = torch.empty((hidden.shape[0], head.weight.shape[0]), dtype=torch.float32, device=hidden.device)
+        return ops.linear(hidden, head.weight, out=out)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]

@@ -173,7 +173,9 @@ def check_linear(rows: tuple[int, ...], n: int, k: int, bias: bool, dtype: torch
                  device: torch.device, strided: bool = False,
                  kernel: Callable[..., torch.Tensor] = linear.linear_kernel) -> None:
     """``kernel`` (linear_kernel or linear_dot) against the fp32 reference, and bitwise equal to
-    itself on a second call (linear_dot's split-K partial sums are added in a fixed order)."""
+    itself on a second call (linear_dot's split-K partial sums are added in a fixed order). Into
+    an fp32 ``out`` it stores the unrounded sum: fp32-close to the reference, and rounded to the
+    inputs' dtype the bits of its own output."""
     gen = torch.Generator().manual_seed(3)
     wide = rand(gen, *rows, k + (8 if strided else 0), dtype=dtype, device=device)
     x = wide[..., :k]  # a row stride larger than K when strided
@@ -187,6 +189,10 @@ def check_linear(rows: tuple[int, ...], n: int, k: int, bias: bool, dtype: torch
     atol, rtol = LINEAR_TOL[dtype]
     assert_close(out, expected, atol, rtol)
     assert torch.equal(out, kernel(x, weight, b))
+    out32 = torch.full((*rows, n), float("nan"), dtype=torch.float32, device=device)
+    assert kernel(x, weight, b, out=out32) is out32
+    assert torch.equal(out32.to(dtype), out)
+    assert_close(out32, expected, *LINEAR_TOL[torch.float32])
 
 
 def check_linear_partial_sums(rows: tuple[int, ...], n: int, k: int, splits: int, dtype: torch.dtype,
@@ -576,6 +582,13 @@ def test_wrappers_reject_bad_inputs() -> None:
         linear.linear_dot(x, torch.randn(3, 8).half())
     with pytest.raises(ValueError, match="unit stride in its last dim"):
         linear.linear_dot(torch.randn(8, 4).t(), torch.randn(3, 8))
+    for kernel in (linear.linear_kernel, linear.linear_dot, linear.linear_ref):
+        with pytest.raises(ValueError, match=r"out must be \[4, 3\]"):
+            kernel(x, torch.randn(3, 8), out=torch.empty(4, 4))
+        with pytest.raises(ValueError, match="float32"):
+            kernel(x, torch.randn(3, 8), out=torch.empty(4, 3, dtype=torch.float16))
+        with pytest.raises(ValueError, match="out must be contiguous"):
+            kernel(x, torch.randn(3, 8), out=torch.empty(3, 4).t())
     with pytest.raises(ValueError, match="partial sums"):
         rmsnorm.fused_add_rms_norm(torch.randn(2, 4, 7), x, torch.randn(8), 1e-6)
     with pytest.raises(ValueError, match="partial sums"):
@@ -689,6 +702,11 @@ def test_linear_dispatch(cuda: torch.device) -> None:
         x = torch.randn(rows, weight.shape[1], device=cuda, dtype=torch.bfloat16)
         assert linear.linear_path(x, weight) == path, (rows, name)
         assert_close(linear.linear(x, weight), linear.linear_ref(x.float(), weight.float()), *LINEAR_TOL[x.dtype])
+        out32 = linear.linear(x, weight, out=torch.empty(rows, weight.shape[0], device=cuda))
+        if path == "F.linear":  # cuBLAS rounds to bf16, then the copy
+            assert torch.equal(out32, linear.linear_ref(x, weight).float())
+        else:  # the kernels store their fp32 sum
+            assert torch.equal(out32.to(x.dtype), linear.linear(x, weight))
     assert linear.linear_path(torch.randn(1, 512), narrow.cpu()) == "F.linear"
     assert linear.linear_path(torch.randn(4, 512), narrow.cpu()) == "F.linear"
 

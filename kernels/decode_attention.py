@@ -290,6 +290,13 @@ _TARGET_PROGRAMS_PER_SM = 4  # resident programs an SM (registers allow 4 of 4 w
 _MIN_PARTITION_TILES = 2  # tiles a partition holds at least, past the one-tile limit
 _ONE_TILE_PROGRAMS_PER_SM = 1  # one-tile partitions while the batch's take at most this many an SM
 _WARPS_STAGES = (4, 2)  # num_warps, num_stages of the partition kernel
+# The reduce kernel runs one warp a program from this batch size on, four below it. Its merge
+# sums over partitions (axis 0 of a [BLOCK_P, D] tile): in one warp that stays in registers,
+# in four it goes through shared memory and barriers. In the step (H200, Qwen2.5-1.5B) one warp
+# cut the reduce's share of the critical path from 4.4 to 2.0 us a layer at B=32 C=2048 (step
+# 1.864 -> 1.790 ms) and gained 0.01-0.05 ms at B=8-32; at batch 1, whose few programs merge up
+# to 33 partitions each, four warps were faster (docs/benchmarks.md).
+_ONE_WARP_REDUCE_BATCH = 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -424,6 +431,7 @@ def paged_decode_attention(
             m, l, partials, context_lens, out,
             max_len, out.stride(0), out.stride(1), num_heads, head_dim, num_partitions, one_tile_limit,
             BLOCK_P=min(16, triton.next_power_of_2(num_partitions)), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
-            MIN_TILES=_MIN_PARTITION_TILES, num_warps=4, **pdl.launch_args(q.device),
+            MIN_TILES=_MIN_PARTITION_TILES, num_warps=1 if batch >= _ONE_WARP_REDUCE_BATCH else 4,
+            **pdl.launch_args(q.device),
         )
     return out

@@ -522,10 +522,13 @@ def _linear_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if not reduce:
         return ws.view(splits, *x.shape[:-1], n)
     block_r = min(1024, triton.next_power_of_2(n))
+    # 8 warps: one 16-byte load a split per thread. Against 4 warps in the decode step (H200,
+    # where qkv's reduce is the one left): batch 32 at 2048 tokens 0.007 ms faster, the same
+    # elsewhere (docs/benchmarks.md).
     _split_k_reduce_kernel[(rows, triton.cdiv(n, block_r))](
         ws, bias if bias is not None else ws, y,
         n, rows * n, n, n,
-        SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_N=block_r, num_warps=4, **launch,
+        SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_N=block_r, num_warps=8, **launch,
     )
     return y
 

@@ -35,10 +35,9 @@ from engine.model_runner import ModelRunner
 from kernels import pdl
 
 
-def profiled_steps(runner: ModelRunner, batch: int, context: int, steps: int, seed: int,
-                   activities: list[ProfilerActivity]) -> profile:
-    """The profiler after ``steps`` decode steps of ``batch`` sequences of ``context`` tokens
-    (random K/V), following 5 untimed ones."""
+def profiled_steps(runner: ModelRunner, batch: int, context: int, steps: int, seed: int) -> profile:
+    """The profiler (CPU ops, and the kernels on a GPU) after ``steps`` decode steps of
+    ``batch`` sequences of ``context`` tokens (random K/V), following 5 untimed ones."""
     gen = torch.Generator().manual_seed(seed)
     token_ids = torch.randint(0, runner.model_config.vocab_size, (batch,), generator=gen).tolist()
     plan = uniform_decode_plan(runner, token_ids, context, gen)
@@ -48,6 +47,7 @@ def profiled_steps(runner: ModelRunner, batch: int, context: int, steps: int, se
         runner.run(plan)
     if on_gpu:
         torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
             runner.run(plan)
@@ -56,11 +56,9 @@ def profiled_steps(runner: ModelRunner, batch: int, context: int, steps: int, se
     return prof
 
 
-def profile_rows(runner: ModelRunner, batch: int, context: int, steps: int, seed: int) -> tuple[list[dict], float]:
-    """Per-kernel rows (name, calls and µs per step, share) and the profiled step time in µs."""
-    on_gpu = runner.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    prof = profiled_steps(runner, batch, context, steps, seed, activities)
+def profile_rows(prof: profile, on_gpu: bool, steps: int) -> tuple[list[dict], float]:
+    """Per-kernel rows (name, calls and µs per step, share) and the profiled step time in µs,
+    of ``steps`` steps in ``prof`` (:func:`profiled_steps`)."""
     totals: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     for event in prof.events():
@@ -126,16 +124,13 @@ def critical_path_rows(kernels: Sequence[KernelSpan], steps: int) -> tuple[list[
     return rows, busy / steps, idle / steps
 
 
-def critical_path(runner: ModelRunner, batch: int, context: int, steps: int, seed: int) -> tuple[list[dict], float, float]:
-    """:func:`critical_path_rows` of ``steps`` decode steps on the GPU, from the profiler's
-    trace of the kernels (CUPTI's spans, graph replays included)."""
-    prof = profiled_steps(runner, batch, context, steps, seed, [ProfilerActivity.CUDA])
+def kernel_spans(prof: profile) -> list[KernelSpan]:
+    """The device kernels in ``prof``'s trace (CUPTI's spans, graph replays included)."""
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
         events = json.loads(trace.read_text())["traceEvents"]
-    kernels = [KernelSpan(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"]
-    return critical_path_rows(kernels, steps)
+    return [KernelSpan(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -165,9 +160,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         cuda_graph_max_batch=args.batch, cache=CacheConfig(block_size=block_size, num_blocks=blocks + 1),
         scheduler=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=max(args.batch, args.context)),
     ), model_config)
-    rows, step_us = profile_rows(runner, args.batch, args.context, args.steps, args.seed)
-    path_rows = critical_path(runner, args.batch, args.context, args.steps, args.seed) if args.critical_path else None
+    prof = profiled_steps(runner, args.batch, args.context, args.steps, args.seed)
     runner.close()
+    rows, step_us = profile_rows(prof, device.type == "cuda", args.steps)
+    path_rows = critical_path_rows(kernel_spans(prof), args.steps) if args.critical_path else None
     if pdl.enabled(device):
         print("note: kernels launch with PDL, so their spans overlap; PDSERVE_PDL=0 gives per-kernel times")
     print(f"decode B={args.batch} C={args.context} on {device}: {step_us:.1f} us of "

@@ -30,9 +30,9 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from kernels import activation, decode_attention, linear, prefill_attention, rmsnorm, rope
+from kernels import activation, decode_attention, embedding, linear, prefill_attention, rmsnorm, rope
 
-HQ, HKV, HEAD_DIM, HIDDEN, INTER, BLOCK = 12, 2, 128, 1536, 8960, 16
+HQ, HKV, HEAD_DIM, HIDDEN, INTER, BLOCK, VOCAB = 12, 2, 128, 1536, 8960, 16, 151936
 Row = dict[str, Any]
 
 
@@ -89,7 +89,12 @@ def paged_cache(context_lens: list[int], dtype: torch.dtype, gen: torch.Generato
 
 
 def bench_elementwise(dtype: torch.dtype) -> Iterator[Row]:
+    table = torch.randn(VOCAB, HIDDEN, device="cuda", dtype=dtype)
     for rows in (1, 128, 2048):
+        ids = torch.randint(0, VOCAB, (rows,), device="cuda")
+        yield row("embedding", f"{rows} of {VOCAB}x{HIDDEN}", lambda: embedding.embedding(ids, table),
+                  lambda: embedding.embedding_ref(ids, table), graph_us, graph_us,
+                  ("TB/s", 2 * rows * HIDDEN * table.element_size()))
         x = torch.randn(rows, HIDDEN, device="cuda", dtype=dtype)
         res = torch.randn_like(x)
         w = torch.randn(HIDDEN, device="cuda", dtype=dtype)

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine import ops
@@ -108,7 +107,7 @@ class Embedding(nn.Module):
         self.weight = _parameter((vocab_size, hidden_size), dtype, default_weight_loader)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        return ops.embedding(input_ids, self.weight)
 
 
 class RMSNorm(nn.Module):

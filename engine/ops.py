@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 _OPS = {
+    "embedding": "kernels.embedding",
     "linear": "kernels.linear",
     "linear_partial_sums": "kernels.linear",
     "rms_norm": "kernels.rmsnorm",
@@ -42,6 +43,7 @@ def _op(name: str) -> Callable[..., Any]:
     return call
 
 
+embedding = _op("embedding")
 linear = _op("linear")
 linear_partial_sums = _op("linear_partial_sums")
 rms_norm = _op("rms_norm")

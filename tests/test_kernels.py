@@ -30,7 +30,7 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels import activation, decode_attention, linear, pdl, prefill_attention, rmsnorm, rope
+from kernels import activation, decode_attention, embedding, linear, pdl, prefill_attention, rmsnorm, rope
 
 CPU = torch.device("cpu")
 
@@ -159,6 +159,19 @@ def check_rms_norm(rows: tuple[int, ...], hidden: int, dtype: torch.dtype, devic
     assert torch.equal(summed, ((partials[0] + partials[1] + partials[2]).to(dtype).float() + residual.float()).to(dtype))
     assert_close(out, out_ref, atol, rtol)
     assert torch.equal(partials, partials_before)
+
+
+def check_embedding(num_tokens: int, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device,
+                    strided_ids: bool = False) -> None:
+    """A gather: bitwise the reference, for ids that repeat and that hit both ends of the table."""
+    gen = torch.Generator().manual_seed(11)
+    weight = rand(gen, vocab, hidden, dtype=dtype, device=device)
+    ids = torch.randint(0, vocab, (num_tokens * (2 if strided_ids else 1),), generator=gen)
+    ids[:3] = torch.tensor([0, vocab - 1, 0])[: len(ids)]
+    ids = ids.to(device)[:: 2 if strided_ids else 1]  # every other id: a stride-2 view when strided
+    out = embedding.embedding(ids, weight)
+    assert out.shape == (num_tokens, hidden) and out.dtype == dtype
+    assert torch.equal(out, embedding.embedding_ref(ids, weight))
 
 
 def check_silu_and_mul(rows: tuple[int, ...], inter: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -309,6 +322,18 @@ CPU_DTYPES = [torch.float32, torch.float16]
 def test_rms_norm_interpreted(interpreter: None, rows: tuple[int, ...], hidden: int, strided: bool,
                               dtype: torch.dtype) -> None:
     check_rms_norm(rows, hidden, dtype, CPU, strided)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize(("num_tokens", "vocab", "hidden", "strided_ids"), [(5, 50, 40, False), (4, 17, 96, True)])
+def test_embedding_interpreted(interpreter: None, num_tokens: int, vocab: int, hidden: int, strided_ids: bool,
+                               dtype: torch.dtype) -> None:
+    check_embedding(num_tokens, vocab, hidden, dtype, CPU, strided_ids)
+
+
+def test_embedding_of_no_tokens() -> None:
+    out = embedding.embedding(torch.zeros(0, dtype=torch.int64), torch.randn(5, 8))
+    assert out.shape == (0, 8)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -595,6 +620,14 @@ def test_wrappers_reject_bad_inputs() -> None:
         rmsnorm.fused_add_rms_norm_ref(torch.randn(4, 7), x, torch.randn(8), 1e-6)
     with pytest.raises(ValueError, match="even"):
         activation.silu_and_mul(torch.randn(4, 7))
+    with pytest.raises(ValueError, match="1-D integer"):
+        embedding.embedding(torch.zeros(2, 3, dtype=torch.int64), torch.randn(5, 8))
+    with pytest.raises(ValueError, match="1-D integer"):
+        embedding.embedding(torch.zeros(3), torch.randn(5, 8))
+    with pytest.raises(ValueError, match="unit stride in hidden"):
+        embedding.embedding(torch.zeros(3, dtype=torch.int64), torch.randn(8, 5).t())
+    with pytest.raises(ValueError, match="weight must be float32, float16 or bfloat16"):
+        embedding.embedding(torch.zeros(3, dtype=torch.int64), torch.randn(5, 8, dtype=torch.float64))
     new = (torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16), torch.zeros(2, dtype=torch.int64),
            torch.randn(8, 16), torch.randn(8, 4, 2, 16), torch.randn(8, 4, 2, 16), torch.zeros(2, dtype=torch.int64))
     with pytest.raises(ValueError, match="int32"):
@@ -641,6 +674,13 @@ def cuda() -> torch.device:
 @pytest.mark.parametrize("rows", [1, 8, 32, 128, 2048])
 def test_rms_norm_gpu(cuda: torch.device, rows: int, dtype: torch.dtype) -> None:
     check_rms_norm((rows,), HIDDEN, dtype, cuda, strided=rows == 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 32, 2048])
+def test_embedding_gpu(cuda: torch.device, num_tokens: int, dtype: torch.dtype) -> None:
+    check_embedding(num_tokens, 151936, HIDDEN, dtype, cuda, strided_ids=num_tokens == 32)
 
 
 @pytest.mark.gpu
@@ -808,7 +848,7 @@ def _decode_layer_chain(cuda: torch.device) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(9)
     dtype = torch.bfloat16
     _, _, k_cache, v_cache, tables = make_paged_cache([300], BLOCK, HKV, HEAD_DIM, dtype, cuda, gen)  # no NaN
-    hidden = rand(gen, 1, HIDDEN, dtype=dtype, device=cuda)
+    hidden = embedding.embedding(torch.tensor([7], device=cuda), rand(gen, 64, HIDDEN, dtype=dtype, device=cuda))
     residual = rand(gen, 1, HIDDEN, dtype=dtype, device=cuda)
     shapes = [((HQ + 2 * HKV) * HEAD_DIM, HIDDEN), (HIDDEN, HQ * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
     weights = [rand(gen, *shape, dtype=dtype, device=cuda) / math.sqrt(shape[1]) for shape in shapes]
@@ -825,7 +865,7 @@ def _decode_layer_chain(cuda: torch.device) -> list[torch.Tensor]:
     o = linear.linear_kernel(attn.reshape(1, HQ * HEAD_DIM), weights[1])
     x, residual = rmsnorm.fused_add_rms_norm(o, residual, norm, 1e-6)
     down = linear.linear_kernel(activation.silu_and_mul(linear.linear_kernel(x, weights[2])), weights[3])
-    return [attn, o, down, residual, k_cache]
+    return [hidden, attn, o, down, residual, k_cache]
 
 
 def _linear_dot_chain(cuda: torch.device) -> list[torch.Tensor]:

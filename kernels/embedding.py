@@ -58,7 +58,7 @@ def embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if out.numel() == 0:
         return out
     block = triton.next_power_of_2(hidden)
-    # One 16-byte load per thread and repeat: a 1536-wide bf16 row is 2 loads a thread in 4 warps.
+    # Warps for two 16-byte loads a thread: a 1536-wide bf16 row (2048 with padding) takes 4.
     warps = max(1, min(8, block * weight.element_size() // (16 * 32 * 2)))
     _embedding_kernel[(input_ids.shape[0],)](
         input_ids, weight, out, hidden, input_ids.stride(0), weight.stride(0), out.stride(0),

@@ -27,6 +27,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs two CUDA devices"))
 
 
+@pytest.fixture
+def interpreter() -> None:
+    """Require the Triton kernels to run under Triton's interpreter (tests/test_kernels.py's
+    docstring says why it must be set here)."""
+    import numpy
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from kernels import rmsnorm
+
+    if not isinstance(rmsnorm._rms_norm_kernel, InterpretedFunction):
+        if torch.cuda.is_available():
+            pytest.skip("kernels are compiled for the GPU here; the gpu tests cover them")
+        pytest.fail("TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does it)")
+    if _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 4):
+        # Older interpreters loop to a loaded bound through int() of a 1-element array,
+        # which NumPy 2.4 refuses; triton 3.7+ (the CI's) is fine with any NumPy.
+        pytest.skip("the interpreter of triton < 3.7 needs numpy < 2.4")
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int(minor)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """fp32 random-weight checkpoints of the tiny presets, written once per test session."""

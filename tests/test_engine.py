@@ -3,6 +3,7 @@ and overlapped steps against read-back-first ones."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine import ops
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.engine import LLMEngine, RequestOutput
 from engine.sampling import SamplingParams
@@ -39,9 +41,9 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
 
 
 def make_engine(model_dir: Path, num_blocks: int = 256, max_model_len: int = 256, overlap: bool = True,
-                **sched: object) -> LLMEngine:
+                kernels: str = "auto", **sched: object) -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=str(model_dir), dtype="float32", device="cpu", max_model_len=max_model_len,
+        model=str(model_dir), dtype="float32", device="cpu", max_model_len=max_model_len, kernels=kernels,
         overlap_scheduling=overlap, cache=CacheConfig(num_blocks=num_blocks),
         scheduler=SchedulerConfig(**sched),  # type: ignore[arg-type]
     ))
@@ -103,6 +105,28 @@ def test_greedy_matches_transformers(tiny_model_dirs: dict[str, Path], name: str
     for i, prompt in enumerate(prompts):
         assert results[str(i)] == hf_greedy(reference, prompt, 32), f"prompt {i} ({len(prompt)} tokens)"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.fixture
+def triton_kernels(interpreter: None) -> Iterator[None]:
+    """The engine built in the test binds every op to its Triton kernel (the interpreter, on
+    CPU); the torch references are bound again afterwards, for the tests that follow."""
+    yield
+    ops.use_kernels("torch")
+
+
+@pytest.mark.parametrize("name", PARITY_MODELS)
+def test_greedy_on_triton_kernels_matches_transformers(triton_kernels: None, tiny_model_dirs: dict[str, Path],
+                                                       name: str) -> None:
+    """The model wired to the Triton kernels, as on a GPU (embedding, the norms, SiLU-mul, RoPE
+    with the K/V store, prefill and decode attention; linears stay F.linear off the GPU), decodes
+    as transformers does: a varlen prefill and continuous batching over two requests."""
+    model_dir = tiny_model_dirs[name]
+    engine = make_engine(model_dir, kernels="triton")
+    prompts = make_prompts(engine.model_config.vocab_size, [5, 21], seed=3)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    reference = hf_model(model_dir)
+    assert engine.generate(prompts, params) == [hf_greedy(reference, prompt, 6) for prompt in prompts]
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])

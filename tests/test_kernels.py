@@ -6,9 +6,9 @@ when a kernel module is imported, and ``triton.language``'s own jitted helpers (
 ``tl.max``...) are fixed when triton is imported, so TRITON_INTERPRET=1 must be in the
 environment before the first ``import triton`` of the process: tests/conftest.py sets it at its
 top on machines without CUDA, and pytest loads it before any test module (the engine's modules,
-which import ``kernels.*`` for the references, come later). The ``interpreter`` fixture checks
-that this held instead of trusting it. The interpreter costs about 18 ms per program instance:
-each case keeps to a few dozen programs.
+which import ``kernels.*`` for the references, come later). The ``interpreter`` fixture
+(conftest) checks that this held instead of trusting it. The interpreter costs about 18 ms per
+program instance: each case keeps to a few dozen programs.
 
 GPU (``-m gpu``; conftest skips them without CUDA): real Qwen2.5-1.5B shapes (12 query heads,
 2 KV heads, head_dim 128, hidden 1536, intermediate 8960, block_size 16), bf16 and fp16, random
@@ -24,33 +24,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import numpy
 import pytest
 import torch
 import triton
-from triton.runtime.interpreter import InterpretedFunction
 
 from kernels import activation, decode_attention, embedding, linear, pdl, prefill_attention, rmsnorm, rope
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def interpreter() -> None:
-    """Require the kernels to run under Triton's interpreter (see the module docstring)."""
-    if not isinstance(rmsnorm._rms_norm_kernel, InterpretedFunction):
-        if torch.cuda.is_available():
-            pytest.skip("kernels are compiled for the GPU here; the gpu tests cover them")
-        pytest.fail("TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does it)")
-    if _version(triton.__version__) < (3, 7) and _version(numpy.__version__) >= (2, 4):
-        # Older interpreters loop to a loaded bound through int() of a 1-element array,
-        # which NumPy 2.4 refuses; triton 3.7+ (the CI's) is fine with any NumPy.
-        pytest.skip("the interpreter of triton < 3.7 needs numpy < 2.4")
-
-
-def _version(text: str) -> tuple[int, int]:
-    major, minor = text.split(".")[:2]
-    return int(major), int(minor)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> None:

@@ -147,6 +147,15 @@ def bench_linear(dtype: torch.dtype, rows_list: tuple[int, ...] = (1, 2, 4, 8, 1
             yield row(f"linear {name} ({path})", f"{rows}x{k} @ {n}x{k}", lambda: linear.linear(x, weight, bias),
                       lambda: linear.linear_ref(x, weight, bias), graph_us, graph_us,
                       ("TB/s", weight.numel() * weight.element_size()), {"path": path})
+    # gate/up with the SwiGLU gate: against the two kernels it replaces at one row (the same bits)
+    n, k = LINEAR_SHAPES["gate_up_proj"]
+    weight = torch.randn(n, k, device="cuda", dtype=dtype) / math.sqrt(k)
+    for rows in (1, 8):
+        x = torch.randn(rows, k, device="cuda", dtype=dtype)
+        yield row("linear_silu_and_mul gate_up_proj (ref: linear, then silu_and_mul)", f"{rows}x{k} @ {n}x{k}",
+                  lambda: linear.linear_silu_and_mul(x, weight),
+                  lambda: activation.silu_and_mul(linear.linear(x, weight)), graph_us, graph_us,
+                  ("TB/s", weight.numel() * weight.element_size()))
 
 
 DECODE_SHAPES = [(1, 1024), (1, 4096), (8, 4096), (32, 2048), (128, 1024), (128, 4096)]

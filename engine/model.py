@@ -81,7 +81,9 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(start, end, config.hidden_size, bias=config.mlp_bias, dtype=dtype, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        # One op for gate/up and the gate: at one row the linear kernel applies it (kernels.linear).
+        gate_up = self.gate_up_proj
+        return self.down_proj(ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias))
 
 
 class DecoderLayer(nn.Module):

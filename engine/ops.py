@@ -15,9 +15,9 @@ _OPS = {
     "embedding": "kernels.embedding",
     "linear": "kernels.linear",
     "linear_partial_sums": "kernels.linear",
+    "linear_silu_and_mul": "kernels.linear",
     "rms_norm": "kernels.rmsnorm",
     "fused_add_rms_norm": "kernels.rmsnorm",
-    "silu_and_mul": "kernels.activation",
     "rope_and_store_kv": "kernels.rope",
     "paged_decode_attention": "kernels.decode_attention",
     "paged_prefill_attention": "kernels.prefill_attention",
@@ -46,9 +46,9 @@ def _op(name: str) -> Callable[..., Any]:
 embedding = _op("embedding")
 linear = _op("linear")
 linear_partial_sums = _op("linear_partial_sums")
+linear_silu_and_mul = _op("linear_silu_and_mul")
 rms_norm = _op("rms_norm")
 fused_add_rms_norm = _op("fused_add_rms_norm")
-silu_and_mul = _op("silu_and_mul")
 rope_and_store_kv = _op("rope_and_store_kv")
 paged_decode_attention = _op("paged_decode_attention")
 paged_prefill_attention = _op("paged_prefill_attention")

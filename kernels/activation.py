@@ -18,6 +18,13 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """``silu(gate) * up`` of fp32 tensors, as every kernel computes the SwiGLU gate (so that
+    the fused gate/up kernel, kernels.linear, gives this kernel's bits)."""
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, stride_x, stride_out, inter,
     BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
@@ -30,8 +37,7 @@ def _silu_and_mul_kernel(
         tl.extra.cuda.gdc_wait()
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, silu_mul(gate, up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 _BLOCK = 1024  # columns per program: 4 KB of each half in bf16

@@ -22,6 +22,9 @@ size keeps its choice):
   bandwidth, and its many programs finish two rows in 2.7-3.1 us instead of 3.9-4.1 (about
   60 us a batch-2 step over Qwen2.5-1.5B's 28 layers).
 * More rows: cuBLAS (``F.linear``).
+
+:func:`linear_silu_and_mul` is the MLP's gate/up projection with the SwiGLU gate applied, in the
+one-row kernel's epilogue where :func:`linear` runs that kernel.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.activation import silu_and_mul, silu_and_mul_ref, silu_mul
 from kernels.checks import as_rows, dot_precision
 
 MAX_DOT_ROWS = 32  # rows of x up to which linear() runs a Triton kernel; more go to cuBLAS
@@ -157,13 +161,22 @@ def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     N, K,
     stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEPTH: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU_AND_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DEPTH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, BLOCK_N)
+    if SILU_AND_MUL:
+        # W = [gate | up] by rows, N = 2 * I. The program takes BLOCK_N / 2 features; tile row r
+        # is feature r // 2 of the gate for even r, of the up projection for odd r, so that the
+        # epilogue pairs neighbouring rows.
+        features = tl.program_id(1) * (BLOCK_N // 2) + r // 2
+        n = features + (r % 2) * (N // 2)
+        n_mask = features < N // 2
+    else:
+        n = tl.program_id(1) * BLOCK_N + r
+        n_mask = n < N
     k = tl.arange(0, BLOCK_K)
-    n_mask = n < N
     w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :]
     x_ptrs = x_ptr + row * stride_xm + k
     # The first weight tile (on the narrow layers the whole slice: BLOCK_K >= K) is loaded
@@ -199,7 +212,14 @@ def _linear_kernel(
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+    if SILU_AND_MUL:
+        # Rounded to y's dtype (x's) first, as the unfused linear stores what silu_and_mul loads.
+        gate, up = tl.split(tl.reshape(y.to(y_ptr.dtype.element_ty).to(tl.float32), [BLOCK_N // 2, 2]))
+        features = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + row * stride_ym + features, silu_mul(gate, up).to(y_ptr.dtype.element_ty),
+                 mask=features < N // 2)
+    else:
+        tl.store(y_ptr + row * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 def _launch_config(n: int, k: int) -> tuple[int, int, int, int, int]:
@@ -238,13 +258,73 @@ def linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = _output(x, n, out)
     if rows == 0 or n == 0:
         return y
+    _launch_linear_kernel(x2, weight, bias, y, silu_and_mul=False)
+    return y
+
+
+def _launch_linear_kernel(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+                          silu_and_mul: bool) -> None:
+    """``_linear_kernel`` over x's rows ``x2`` into y (checked by the caller), in the weight
+    shape's launch configuration; with ``silu_and_mul`` each program takes BLOCK_N / 2 features."""
+    n, k = weight.shape
     block_n, block_k, warps, stages, depth = _launch_config(n, k)
-    _linear_kernel[(rows, triton.cdiv(n, block_n))](
+    features = n // 2 if silu_and_mul else n
+    per_program = block_n // 2 if silu_and_mul else block_n
+    _linear_kernel[(x2.shape[0], triton.cdiv(features, per_program))](
         x2, weight, bias if bias is not None else weight, y,
-        n, k, x2.stride(0), weight.stride(0), n,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, DEPTH=depth, num_warps=warps,
-        num_stages=stages, **pdl.launch_args(x.device),
+        n, k, x2.stride(0), weight.stride(0), features,
+        HAS_BIAS=bias is not None, SILU_AND_MUL=silu_and_mul, BLOCK_N=block_n, BLOCK_K=block_k, DEPTH=depth,
+        num_warps=warps, num_stages=stages, **pdl.launch_args(x2.device),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# The MLP's gate/up projection and its SwiGLU gate, ``silu(x W_gate^T) * (x W_up^T)``. Where
+# linear() runs the one-row kernel, that kernel computes the gate in its epilogue: each program
+# takes matching gate and up rows of W, so the step's SiLU-mul kernel, a launch and a boundary
+# in the chain of PDL kernels, goes away (H200, same call, the same logits bit for bit: B=1
+# decode step 1.094 -> 1.085 ms at 128 tokens, 1.211 -> 1.186 at 2048; 16 or 4 rows a program
+# instead of 8, or DEPTH 2, were slower). Elsewhere it is silu_and_mul(linear(...)): from two
+# rows on, the tensor-core tiles' features are not paired, and SiLU-mul costs nothing there
+# (the step's critical path at 8-32 rows, docs/benchmarks.md).
+# --------------------------------------------------------------------------------------------
+
+
+def linear_silu_and_mul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`~kernels.activation.silu_and_mul_ref` of :func:`linear_ref`: weight ``[2 * I, K]``
+    holds the gate's rows, then the up projection's; returns ``[..., I]`` in x's dtype."""
+    return silu_and_mul_ref(linear_ref(x, weight, bias))
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton :func:`linear_silu_and_mul_ref`: :func:`linear_silu_and_mul_kernel` where
+    :func:`linear` runs the one-row kernel, else :func:`linear` then the SiLU-mul kernel. The
+    same bits either way."""
+    if linear_path(x, weight) == "linear_kernel":
+        return linear_silu_and_mul_kernel(x, weight, bias)
+    return silu_and_mul(linear(x, weight, bias))
+
+
+def linear_silu_and_mul_kernel(x: torch.Tensor, weight: torch.Tensor,
+                               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`linear_kernel` with the SwiGLU gate in its epilogue, for a few rows (at most 16).
+
+    x ``[..., K]``, weight ``[2 * I, K]`` (gate rows, then up rows) and bias ``[2 * I]`` as for
+    :func:`linear_kernel`. Returns a new ``[..., I]`` tensor in x's dtype: each projection is
+    rounded to x's dtype before the gate, so the output is bit for bit
+    ``silu_and_mul(linear_kernel(x, weight, bias))``.
+    """
+    x2 = _check_inputs(x, weight, bias)
+    n = weight.shape[0]
+    if n % 2:
+        raise ValueError(f"weight must have an even number of rows (gate | up), got {tuple(weight.shape)}")
+    rows = x2.shape[0]
+    if rows > _MAX_KERNEL_ROWS:
+        raise ValueError(f"linear_silu_and_mul_kernel takes at most {_MAX_KERNEL_ROWS} rows, got {rows}")
+    y = torch.empty((*x.shape[:-1], n // 2), dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return y
+    _launch_linear_kernel(x2, weight, bias, y.view(rows, n // 2), silu_and_mul=True)
     return y
 
 

@@ -188,6 +188,21 @@ def check_linear(rows: tuple[int, ...], n: int, k: int, bias: bool, dtype: torch
     assert_close(out32, expected, *LINEAR_TOL[torch.float32])
 
 
+def check_linear_silu_and_mul(rows: tuple[int, ...], inter: int, k: int, bias: bool, dtype: torch.dtype,
+                              device: torch.device) -> None:
+    """The one-row kernel with the gate in its epilogue against the fp32 reference, and bitwise
+    equal to the two kernels it replaces (the linear kernel, then SiLU-mul)."""
+    gen = torch.Generator().manual_seed(5)
+    x = rand(gen, *rows, k, dtype=dtype, device=device)
+    weight = rand(gen, 2 * inter, k, dtype=dtype, device=device) * (3 / math.sqrt(k))  # gates of order 3
+    b = rand(gen, 2 * inter, dtype=dtype, device=device) if bias else None
+    out = linear.linear_silu_and_mul_kernel(x, weight, b)
+    assert out.shape == (*rows, inter) and out.dtype == dtype
+    assert torch.equal(out, activation.silu_and_mul(linear.linear_kernel(x, weight, b)))
+    expected = linear.linear_silu_and_mul_ref(x.float(), weight.float(), None if b is None else b.float())
+    assert_close(out, expected, *LINEAR_TOL[dtype])
+
+
 def check_linear_partial_sums(rows: tuple[int, ...], n: int, k: int, splits: int, dtype: torch.dtype,
                               device: torch.device, partial_sums: Callable[..., torch.Tensor],
                               reduced: Callable[..., torch.Tensor]) -> None:
@@ -329,6 +344,17 @@ def test_linear_interpreted(interpreter: None, rows: tuple[int, ...], n: int, k:
                             dtype: torch.dtype) -> None:
     """Ragged N and K tails; 4100 takes the long-row configuration (K tiles of 1024)."""
     check_linear(rows, n, k, bias, dtype, CPU, strided)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize(("rows", "inter", "k", "bias"),
+                         [((1,), 5, 600, True), ((2, 2), 4100, 40, False), ((3,), 6, 4100, True)])
+def test_linear_silu_and_mul_interpreted(interpreter: None, rows: tuple[int, ...], inter: int, k: int, bias: bool,
+                                         dtype: torch.dtype) -> None:
+    """Each launch configuration of the one-row kernel: narrow (5 features, the last program's
+    second one masked), wide (2 * 4100 rows: 4 features a program, 1025 programs) and long K
+    (DEPTH 2)."""
+    check_linear_silu_and_mul(rows, inter, k, bias, dtype, CPU)
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -575,6 +601,12 @@ def test_wrappers_reject_bad_inputs() -> None:
         linear.linear_kernel(torch.randn(17, 8), torch.randn(3, 8))
     with pytest.raises(ValueError, match="bias"):
         linear.linear_kernel(x, torch.randn(3, 8), torch.randn(4))
+    with pytest.raises(ValueError, match="even number of rows"):
+        linear.linear_silu_and_mul_kernel(x, torch.randn(3, 8))
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        linear.linear_silu_and_mul_kernel(torch.randn(17, 8), torch.randn(4, 8))
+    with pytest.raises(ValueError, match="do not chain"):
+        linear.linear_silu_and_mul_kernel(x, torch.randn(4, 7))
     with pytest.raises(ValueError, match="do not chain"):
         linear.linear_dot(x, torch.randn(3, 7))
     with pytest.raises(ValueError, match="bias"):
@@ -733,6 +765,34 @@ def test_linear_dispatch(cuda: torch.device) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 16])
+def test_linear_silu_and_mul_gpu(cuda: torch.device, rows: int, dtype: torch.dtype) -> None:
+    """Qwen2.5-1.5B's gate/up projection."""
+    check_linear_silu_and_mul((rows,), INTER, HIDDEN, False, dtype, cuda)
+
+
+@pytest.mark.gpu
+def test_linear_silu_and_mul_dispatch(cuda: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """linear_silu_and_mul() runs the fused kernel where linear() would run the one-row kernel,
+    and the linear then SiLU-mul elsewhere, with the same bits either way."""
+    fused_rows = []
+    fused = linear.linear_silu_and_mul_kernel
+
+    def spy(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        fused_rows.append(x.shape[0])
+        return fused(x, weight, bias)
+
+    monkeypatch.setattr(linear, "linear_silu_and_mul_kernel", spy)
+    weight = torch.randn(2 * INTER, HIDDEN, device=cuda, dtype=torch.bfloat16) / math.sqrt(HIDDEN)
+    for rows in (1, 2, 8, linear.MAX_DOT_ROWS + 1):
+        x = torch.randn(rows, HIDDEN, device=cuda, dtype=torch.bfloat16)
+        out = linear.linear_silu_and_mul(x, weight)
+        assert torch.equal(out, activation.silu_and_mul(linear.linear(x, weight)))
+    assert fused_rows == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("rows", [1, 32, 2048])
 def test_silu_and_mul_gpu(cuda: torch.device, rows: int, dtype: torch.dtype) -> None:
     check_silu_and_mul((rows,), INTER, dtype, cuda)
@@ -844,7 +904,7 @@ def _decode_layer_chain(cuda: torch.device) -> list[torch.Tensor]:
         k_cache, v_cache, last_slots(tables, lens, BLOCK), tables, lens, HEAD_DIM**-0.5, 4096)
     o = linear.linear_kernel(attn.reshape(1, HQ * HEAD_DIM), weights[1])
     x, residual = rmsnorm.fused_add_rms_norm(o, residual, norm, 1e-6)
-    down = linear.linear_kernel(activation.silu_and_mul(linear.linear_kernel(x, weights[2])), weights[3])
+    down = linear.linear_kernel(linear.linear_silu_and_mul_kernel(x, weights[2]), weights[3])
     return [hidden, attn, o, down, residual, k_cache]
 
 

@@ -150,7 +150,7 @@ def _output(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
 # Triton 3.6 and 3.9, whatever num_stages), so a program has one weight tile in flight unless
 # the loop itself loads ahead: with DEPTH 2 each iteration issues the next tile's loads before it
 # multiplies the current one. That pays on the long rows (the down projection: 9 tiles a
-# program, 384 programs), not on the wide outputs (gate/up: 3 tiles, 2240 programs, +0.01 ms
+# program, 768 programs), not on the wide outputs (gate/up: 3 tiles, 2240 programs, +0.01 ms
 # a B=1 step with DEPTH 2), whose many programs already keep loads in flight
 # (docs/benchmarks.md).
 # --------------------------------------------------------------------------------------------
@@ -225,8 +225,11 @@ def _linear_kernel(
 def _launch_config(n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, DEPTH), from sweeps on an H200 at one row (bf16).
 
-    Long rows (the MLP's down projection) take wide K tiles, more warps and the next tile's
-    loads issued ahead (DEPTH 2: B=1 decode step 1.123 -> 1.104 ms; DEPTH 3 gave the same);
+    Long rows (the MLP's down projection) take 2 features a program, wide K tiles, more warps
+    and the next tile's loads issued ahead (DEPTH 2: B=1 decode step 1.123 -> 1.104 ms; DEPTH 3
+    gave the same). 2 features, not 4, since the gate/up kernel applies the SwiGLU gate (down
+    follows it directly): B=1 step 1.089 -> 1.067 ms at 128 tokens, 1.189 -> 1.176 at 2048, same
+    call; 8 features, 2048-wide or 512-wide tiles, or 4 warps were slower;
     wide outputs (the gate/up projection, the LM head) take 8 features a program; everything
     else ("narrow": qkv, o_proj) 4 features and the whole row in one tile, so a program loads
     its entire weight slice before the wait (kernels.pdl). That tile was measured in the model,
@@ -234,7 +237,7 @@ def _launch_config(n: int, k: int) -> tuple[int, int, int, int, int]:
     (docs/benchmarks.md).
     """
     if k >= _LONG_K:
-        return 4, 1024, 8, 1, 2
+        return 2, 1024, 8, 1, 2
     if n >= _WIDE_N:
         return 8, 512, 4, 2, 1
     return 4, 2048, 4, 1, 1

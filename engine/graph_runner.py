@@ -28,6 +28,7 @@ captured NCCL all-reduce that outlives its communicator hangs the process at exi
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -100,8 +101,7 @@ class _StepGraphs:
 
     def __init__(self, model: CausalLM, buckets: list[int], max_model_len: int, block_size: int,
                  dummy_block: int, logits: torch.Tensor | None) -> None:
-        """Token buffers for the largest bucket (token ids, positions, slots: padding goes to
-        the dummy slot); the subclass adds its own, then captures. ``logits``: the leader's fp32
+        """The subclass allocates its static inputs, then captures. ``logits``: the leader's fp32
         ``[rows, vocab]`` buffer the graphs write into (see the module docstring); None on a TP
         peer, whose graphs return hidden states."""
         self.model = model
@@ -111,10 +111,6 @@ class _StepGraphs:
         self.dummy_block = dummy_block
         self.logits = logits
         self.device = next(model.parameters()).device
-        n = buckets[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self.slot_mapping = torch.full((n,), dummy_block * block_size, dtype=torch.int64, device=self.device)
         self.outputs: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
@@ -153,11 +149,53 @@ class _StepGraphs:
         torch.cuda.empty_cache()
 
 
+class DecodeInputs(NamedTuple):
+    """The per-sequence inputs of a decode graph of ``bucket`` rows: views of one int64 buffer
+    (:func:`decode_inputs`)."""
+
+    input_ids: torch.Tensor  # [bucket] int64
+    positions: torch.Tensor  # [bucket] int64
+    slot_mapping: torch.Tensor  # [bucket] int64
+    context_lens: torch.Tensor  # [bucket] int32
+
+
+def _segment(bucket: int) -> int:
+    """int64 elements a bucket's packed input takes: its rows rounded up to 16 bytes, so that
+    every view starts 16-byte aligned (as the kernels are compiled for freshly allocated tensors)."""
+    return 2 * -(-bucket // 2)
+
+
+def packed_len(bucket: int) -> int:
+    """int64 elements of a bucket's packed inputs: ids, positions and slots, then the context
+    lengths as int32 pairs."""
+    return 3 * _segment(bucket) + _segment(bucket) // 2
+
+
+def decode_inputs(packed: torch.Tensor | np.ndarray, bucket: int) -> DecodeInputs:
+    """A bucket's inputs as views of ``packed`` (a device tensor or a host array, int64, at least
+    :func:`packed_len` long), so that one copy fills them all."""
+    b, seg = bucket, _segment(bucket)
+    lens = packed[3 * seg : packed_len(b)]
+    lens = lens.view(torch.int32) if isinstance(lens, torch.Tensor) else lens.view(np.int32)
+    return DecodeInputs(packed[:b], packed[seg : seg + b], packed[2 * seg : 2 * seg + b], lens[:b])
+
+
 class CudaGraphRunner(_StepGraphs):
     """Decode steps of up to ``max_batch_size`` sequences, one graph per :func:`batch_buckets`
-    size (see the module docstring)."""
+    size (see the module docstring).
+
+    A step costs two host-to-device copies ahead of its replay, whatever the batch: the token
+    ids, positions, slots and context lengths of the bucket's rows, padding included, packed in
+    one buffer laid out for that bucket (:func:`decode_inputs`; the graphs of other buckets read
+    other views of it), and the block tables. One copy each instead of one a tensor and a fill
+    kernel a padded tensor: the copies and fills ran 10 us ahead of a batch-1 step (H200).
+    """
 
     kind = "decode"
+    # Block tables up to this size are copied whole, rows as wide as the graph's: one contiguous
+    # copy. Larger ones copy only the plan's columns, which a strided destination turns into a
+    # copy and a kernel.
+    WHOLE_TABLE_BYTES = 1 << 18
 
     def __init__(
         self,
@@ -172,44 +210,61 @@ class CudaGraphRunner(_StepGraphs):
         self.max_batch_size = n = self.buckets[-1]
         if logits is not None and logits.shape[0] < n:
             raise ValueError(f"the logits buffer has {logits.shape[0]} rows, the largest decode bucket {n}")
-        max_blocks = -(-max_model_len // block_size)
-        self.block_tables = torch.full((n, max_blocks), dummy_block, dtype=torch.int32, device=self.device)
-        self.context_lens = torch.ones(n, dtype=torch.int32, device=self.device)
+        self.max_blocks = -(-max_model_len // block_size)
+        self.packed = torch.zeros(packed_len(n), dtype=torch.int64, device=self.device)
+        self.inputs = {bucket: decode_inputs(self.packed, bucket) for bucket in self.buckets}
+        self.block_tables = torch.full((n, self.max_blocks), dummy_block, dtype=torch.int32, device=self.device)
         self._capture_all()
 
+    def _prepare_capture(self, bucket: int) -> None:
+        """Padding rows only (context length 1 in the dummy block) for the warm-up and capture."""
+        self._load_plan(StepPlan([], [], [], np.zeros((0, 1), dtype=np.int32), [], [0], [], True), bucket)
+
     def _context(self, bucket: int) -> AttentionContext:
+        inputs = self.inputs[bucket]
         return AttentionContext(
             is_decode=True,
-            slot_mapping=self.slot_mapping[:bucket],
+            slot_mapping=inputs.slot_mapping,
             block_tables=self.block_tables[:bucket],
-            context_lens=self.context_lens[:bucket],
+            context_lens=inputs.context_lens,
             max_context_len=self.max_model_len,  # static: sizes the split-KV grid for any context
         )
 
     def _run_model(self, bucket: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket])
+        inputs = self.inputs[bucket]
+        hidden = self.model(inputs.input_ids, inputs.positions)
         return hidden if self.logits is None else self.model.compute_logits(hidden, self.logits[:bucket])
 
     def can_run(self, plan: StepPlan) -> bool:
         return plan.is_decode and len(plan.input_ids) <= self.max_batch_size
+
+    def _load_plan(self, plan: StepPlan, bucket: int) -> None:
+        """Copy ``plan`` padded to ``bucket`` rows into the bucket's static inputs: padding rows
+        are token 0 at position 0, written to the dummy slot, with a context of one token in
+        the dummy block."""
+        batch = len(plan.input_ids)
+        host = np.zeros(packed_len(bucket), dtype=np.int64)
+        rows = decode_inputs(host, bucket)
+        for values, padding, dest in ((plan.input_ids, 0, rows.input_ids), (plan.positions, 0, rows.positions),
+                                      (plan.slot_mapping, self.dummy_block * self.block_size, rows.slot_mapping),
+                                      (plan.context_lens, 1, rows.context_lens)):
+            dest[:batch] = values
+            dest[batch:] = padding
+        _load(self.packed[: len(host)], host)
+        width = plan.block_tables.shape[1]
+        if bucket * self.max_blocks * 4 <= self.WHOLE_TABLE_BYTES:
+            width = self.max_blocks
+        tables = np.full((bucket, width), self.dummy_block, dtype=np.int32)
+        tables[:batch, : plan.block_tables.shape[1]] = plan.block_tables
+        _load(self.block_tables[:bucket, :width], tables)
 
     def run(self, plan: StepPlan, sampled: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the bucket's graph for a decode plan; logits (leader) or hidden states ``[B, ...]``.
         ``sampled``: the tokens the plan's placeholders name (``write_pending_tokens``)."""
         batch = len(plan.input_ids)
         bucket = next(b for b in self.buckets if b >= batch)
-        _load(self.input_ids[:batch], plan.input_ids)
-        write_pending_tokens(self.input_ids[:batch], plan.input_ids, sampled)
-        _load(self.positions[:batch], plan.positions)
-        _load(self.slot_mapping[:batch], plan.slot_mapping)
-        _load(self.context_lens[:batch], plan.context_lens)
-        _load(self.block_tables[:batch, : plan.block_tables.shape[1]], plan.block_tables)
-        # Padding rows: reset whatever an earlier, larger batch left there.
-        self.input_ids[batch:bucket].zero_()
-        self.positions[batch:bucket].zero_()
-        self.slot_mapping[batch:bucket].fill_(self.dummy_block * self.block_size)
-        self.context_lens[batch:bucket].fill_(1)
-        self.block_tables[batch:bucket, 0].fill_(self.dummy_block)
+        self._load_plan(plan, bucket)
+        write_pending_tokens(self.inputs[bucket].input_ids[:batch], plan.input_ids, sampled)
         self.graphs[bucket].replay()
         return self.outputs[bucket][:batch]
 
@@ -231,8 +286,11 @@ class PrefillGraphRunner(_StepGraphs):
         logits: torch.Tensor | None,
     ) -> None:
         super().__init__(model, token_buckets(max_tokens), max_model_len, block_size, dummy_block, logits)
-        self.max_tokens = self.buckets[-1]
+        self.max_tokens = n = self.buckets[-1]
         self.max_seqs = max_seqs
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.slot_mapping = torch.full((n,), dummy_block * block_size, dtype=torch.int64, device=self.device)
         if logits is not None and logits.shape[0] < max_seqs:
             raise ValueError(f"the logits buffer has {logits.shape[0]} rows, a prefill step samples up to {max_seqs}")
         # Wide enough for a sequence of max_model_len and for the padding sequence of any bucket.

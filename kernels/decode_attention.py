@@ -131,6 +131,20 @@ def _rotated(ptrs, d, pair, mask, cos, signed_sin):
             + tl.load(ptrs + pair, mask=mask, other=0.0).to(tl.float32) * signed_sin)
 
 
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """The online softmax state (running max m_i, sum l_i, accumulator acc) of a row tile after
+    one more key tile: scores s ``[M, N]`` in log2 units (-inf where masked; each row's m_i or
+    its row of s must hold a finite value) and values v ``[N, D]``. Shared by the decode and
+    prefill kernels."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 # Integers that change from step to step are not specialized (Triton compiles a variant for
 # values of 1 and for multiples of 16): an eager step of a new shape would otherwise stop the
 # GPU for a compile, about a second on an H200, the first time it comes.
@@ -222,14 +236,9 @@ def _decode_partition_kernel(
             block = tl.load(block_tables_ptr + seq * stride_bt + n_next // BLOCK_SIZE, mask=n_next < end, other=0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N], log2 units
             s = tl.where(n_mask[None, :], s, float("-inf"))
-            # The first tile holds token `start` < end, so m_new is finite from then on and
-            # exp2(-inf - m_new) = 0 for masked tokens.
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            # The first tile holds token `start` < end, so m_i is finite from then on and
+            # exp2(-inf - m_i) = 0 for masked tokens.
+            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_mask = g_mask[:, None] & d_mask[None, :]
         if SINGLE_PARTITION:

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import dot_precision
-from kernels.decode_attention import _LOG2E, _check_paged_cache, gather_kv
+from kernels.decode_attention import _LOG2E, _check_paged_cache, _online_softmax_step, gather_kv
 
 
 def paged_prefill_attention_ref(
@@ -102,12 +102,7 @@ def _attend_tile(
     if MASKED:
         s = tl.where((n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
     # Every row sees key 0 in the first tile it processes, so m_new is finite from then on.
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    return _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
 @triton.jit

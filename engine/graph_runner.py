@@ -184,19 +184,16 @@ class CudaGraphRunner(_StepGraphs):
     """Decode steps of up to ``max_batch_size`` sequences, one graph per :func:`batch_buckets`
     size (see the module docstring).
 
-    A step costs two host-to-device copies ahead of its replay, whatever the batch: the token
-    ids, positions, slots and context lengths of the bucket's rows, padding included, packed in
-    one buffer laid out for that bucket (:func:`decode_inputs`; the graphs of other buckets read
-    other views of it), and the block tables. Against a copy a tensor and a fill kernel a padded
-    one, same kernels, same bits (H200, Qwen2.5-1.5B): -0.006 ms a batch-1 step, -0.011 to
-    -0.013 at batch 8-32, -0.021 at batches 3 and 13, which pad (docs/benchmarks.md).
+    A step's inputs go up in two copies ahead of its replay, whatever the batch: the token ids,
+    positions, slots and context lengths of the bucket's rows, padding included, packed in one
+    buffer laid out for that bucket (:func:`decode_inputs`; the graphs of other buckets read
+    other views of it), and the block tables' rows, padding rows included, in the plan's
+    columns. Against a copy a tensor and a fill kernel a padded one, same kernels, same bits
+    (H200, Qwen2.5-1.5B): -0.005 ms a batch-1 step, -0.006 to -0.007 at batch 8, -0.015 at
+    batch 5, which pads (docs/benchmarks.md).
     """
 
     kind = "decode"
-    # Block tables up to this size are copied whole, rows as wide as the graph's: one contiguous
-    # copy. Larger ones copy only the plan's columns, which a strided destination turns into a
-    # copy and a kernel.
-    WHOLE_TABLE_BYTES = 1 << 18
 
     def __init__(
         self,
@@ -252,12 +249,11 @@ class CudaGraphRunner(_StepGraphs):
             dest[:batch] = values
             dest[batch:] = padding
         _load(self.packed[: len(host)], host)
-        width = plan.block_tables.shape[1]
-        if bucket * self.max_blocks * self.block_tables.element_size() <= self.WHOLE_TABLE_BYTES:
-            width = self.max_blocks
-        tables = np.full((bucket, width), self.dummy_block, dtype=np.int32)
-        tables[:batch, : plan.block_tables.shape[1]] = plan.block_tables
-        _load(self.block_tables[:bucket, :width], tables)
+        # The plan's columns only: copying whole rows, as wide as max_model_len, made a batch-8
+        # step at 128 tokens 0.03 ms slower (H200, not explained; docs/benchmarks.md).
+        tables = np.full((bucket, plan.block_tables.shape[1]), self.dummy_block, dtype=np.int32)
+        tables[:batch] = plan.block_tables
+        _load(self.block_tables[:bucket, : tables.shape[1]], tables)
 
     def run(self, plan: StepPlan, sampled: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the bucket's graph for a decode plan; logits (leader) or hidden states ``[B, ...]``.

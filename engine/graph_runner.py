@@ -208,10 +208,10 @@ class CudaGraphRunner(_StepGraphs):
         self.max_batch_size = n = self.buckets[-1]
         if logits is not None and logits.shape[0] < n:
             raise ValueError(f"the logits buffer has {logits.shape[0]} rows, the largest decode bucket {n}")
-        self.max_blocks = -(-max_model_len // block_size)
+        max_blocks = -(-max_model_len // block_size)
         self.packed = torch.zeros(packed_len(n), dtype=torch.int64, device=self.device)
         self.inputs = {bucket: decode_inputs(self.packed, bucket) for bucket in self.buckets}
-        self.block_tables = torch.full((n, self.max_blocks), dummy_block, dtype=torch.int32, device=self.device)
+        self.block_tables = torch.full((n, max_blocks), dummy_block, dtype=torch.int32, device=self.device)
         self._capture_all()
 
     def _prepare_capture(self, bucket: int) -> None:

@@ -146,13 +146,19 @@ def _output(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
 # row reads the weight again (measured: two rows take 1.4-1.7x the time of one on the large
 # shapes).
 #
-# Triton pipelines only loads that feed a tl.dot (there is no cp.async in this compiled loop,
-# Triton 3.6 and 3.9, whatever num_stages), so a program has one weight tile in flight unless
-# the loop itself loads ahead: with DEPTH 2 each iteration issues the next tile's loads before it
-# multiplies the current one. That pays on the long rows (the down projection: 9 tiles a
-# program, 768 programs), not on the wide outputs (gate/up: 3 tiles, 2240 programs, +0.01 ms
-# a B=1 step with DEPTH 2), whose many programs already keep loads in flight
-# (docs/benchmarks.md).
+# Triton pipelines a loop's loads that feed no tl.dot only when the loop itself asks for it
+# (``tl.range(..., num_stages=S)``: cp.async into S - 1 shared-memory buffers; the kernel's
+# num_stages does nothing here, Triton 3.6 and 3.9). So the loop after the first tile takes one
+# of two forms:
+# * DEPTH 1, ``STAGES`` >= 2: the wide outputs (gate/up, the LM head; 3 tiles a program). After
+#   the wait their remaining tiles are in flight at once: B=1 decode step 1.060 -> 1.027 ms at
+#   128 tokens, 1.175 -> 1.141 at 2048, the same logits bit for bit (gate/up 14.6 -> 13.6 us,
+#   3.77 -> 4.05 TB/s). Without the first tile ahead of the wait it was slower than before;
+# * DEPTH 2: the long rows (the down projection: 9 tiles a program, 768 programs). Each
+#   iteration issues the next tile's loads before it multiplies the current one, in registers.
+#   Pipelined through shared memory instead (1-8 features, 256-4096-wide tiles, 3-8 stages),
+#   down was 0.01 ms faster at best at 128 tokens and slower at 2048.
+# (H200, Qwen2.5-1.5B; docs/benchmarks.md.)
 # --------------------------------------------------------------------------------------------
 
 
@@ -162,7 +168,7 @@ def _linear_kernel(
     N, K,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, SILU_AND_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DEPTH: tl.constexpr, USE_PDL: tl.constexpr,
+    DEPTH: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, BLOCK_N)
@@ -194,7 +200,7 @@ def _linear_kernel(
     if DEPTH == 1:
         x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
         acc = w * x[None, :]
-        for k0 in range(BLOCK_K, K, BLOCK_K):
+        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
             k_mask = (k0 + k) < K
             w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
             x = tl.load(x_ptrs + k0, mask=k_mask, other=0.0).to(tl.float32)
@@ -223,23 +229,24 @@ def _linear_kernel(
 
 
 def _launch_config(n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages, DEPTH), from sweeps on an H200 at one row (bf16).
+    """(BLOCK_N, BLOCK_K, num_warps, STAGES, DEPTH), from sweeps on an H200 at one row (bf16).
 
     Long rows (the MLP's down projection) take 2 features a program, wide K tiles, more warps
     and the next tile's loads issued ahead (DEPTH 2: B=1 decode step 1.123 -> 1.104 ms; DEPTH 3
     gave the same). 2 features, not 4, since the gate/up kernel applies the SwiGLU gate (down
     follows it directly): B=1 step 1.089 -> 1.067 ms at 128 tokens, 1.189 -> 1.176 at 2048, same
     call; 8 features, 2048-wide or 512-wide tiles, or 4 warps were slower;
-    wide outputs (the gate/up projection, the LM head) take 8 features a program; everything
-    else ("narrow": qkv, o_proj) 4 features and the whole row in one tile, so a program loads
-    its entire weight slice before the wait (kernels.pdl). That tile was measured in the model,
-    where it beats the isolated sweep's (4, 512, 4, 3): B=1 decode step -0.04 ms
-    (docs/benchmarks.md).
+    wide outputs (the gate/up projection, the LM head) take 8 features a program and their
+    tiles after the first in flight together (3 stages; see above); everything else
+    ("narrow": qkv, o_proj) 4 features and the whole row in one tile, so a program loads its
+    entire weight slice before the wait (kernels.pdl). That tile was measured in the model,
+    where it beats the isolated sweep's (4, 512, 4, 3): B=1 decode step -0.04 ms; 512-wide
+    tiles in 3 stages were 0.03 ms slower (docs/benchmarks.md).
     """
     if k >= _LONG_K:
         return 2, 1024, 8, 1, 2
     if n >= _WIDE_N:
-        return 8, 512, 4, 2, 1
+        return 8, 512, 4, 3, 1
     return 4, 2048, 4, 1, 1
 
 
@@ -277,7 +284,7 @@ def _launch_linear_kernel(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         x2, weight, bias if bias is not None else weight, y,
         n, k, x2.stride(0), weight.stride(0), features,
         HAS_BIAS=bias is not None, SILU_AND_MUL=silu_and_mul, BLOCK_N=block_n, BLOCK_K=block_k, DEPTH=depth,
-        num_warps=warps, num_stages=stages, **pdl.launch_args(x2.device),
+        STAGES=stages, num_warps=warps, num_stages=stages, **pdl.launch_args(x2.device),
     )
 
 

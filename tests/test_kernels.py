@@ -357,12 +357,14 @@ def test_linear_silu_and_mul_interpreted(interpreter: None, rows: tuple[int, ...
     check_linear_silu_and_mul(rows, inter, k, bias, dtype, CPU)
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize(("stages", "depth"), [(1, 1), (3, 1), (1, 2)])
 @pytest.mark.parametrize("k", [16, 40, 80])  # one tile; three, the last ragged; five
-def test_linear_kernel_depths_interpreted(interpreter: None, monkeypatch: pytest.MonkeyPatch, depth: int,
-                                          k: int) -> None:
-    """Both loops of the one-row kernel (DEPTH 2 loads a tile ahead) over 16-wide K tiles."""
-    monkeypatch.setattr(linear, "_launch_config", lambda n, k: (4, 16, 4, 1, depth))
+def test_linear_kernel_loops_interpreted(interpreter: None, monkeypatch: pytest.MonkeyPatch, stages: int,
+                                         depth: int, k: int) -> None:
+    """Each loop of the one-row kernel over 16-wide K tiles: plain, pipelined through shared
+    memory (3 stages; the interpreter runs it as the plain loop, the GPU tests compile it), and
+    DEPTH 2 (a tile ahead in registers)."""
+    monkeypatch.setattr(linear, "_launch_config", lambda n, k: (4, 16, 4, stages, depth))
     check_linear((2,), 6, k, True, torch.float32, CPU)
 
 

@@ -154,10 +154,15 @@ def _output(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
 #   the wait their remaining tiles are in flight at once: B=1 decode step 1.060 -> 1.027 ms at
 #   128 tokens, 1.175 -> 1.141 at 2048, the same logits bit for bit (gate/up 14.6 -> 13.6 us,
 #   3.77 -> 4.05 TB/s). Without the first tile ahead of the wait it was slower than before;
-# * DEPTH 2: the long rows (the down projection: 9 tiles a program, 768 programs). Each
-#   iteration issues the next tile's loads before it multiplies the current one, in registers.
+# * DEPTH 2: the long rows (the down projection: 9 tiles a program, 768 programs). Their first
+#   two tiles go out before the wait (three were no better than one), then each iteration
+#   issues the next tile's loads before it multiplies the current one, in registers.
 #   Pipelined through shared memory instead (1-8 features, 256-4096-wide tiles, 3-8 stages),
 #   down was 0.01 ms faster at best at 128 tokens and slower at 2048.
+# x's loads ask L1 to keep x (evict_last), which every program re-reads while the weights pass
+# once; hints on the weights' loads (.cg, evict_first) were level or slower. With down's second
+# early tile: B=1 decode step 1.028 -> 1.012 ms at 128 tokens, 1.140 -> 1.124 at 2048, same
+# call, the same logits bit for bit (each alone gained 0.002-0.005 ms).
 # (H200, Qwen2.5-1.5B; docs/benchmarks.md.)
 # --------------------------------------------------------------------------------------------
 
@@ -194,24 +199,32 @@ def _linear_kernel(
         # Converted here, so the program waits for its tile before it lets the next kernel
         # launch. Converting at the multiply instead made B=1 and B=2 steps 0.05 ms slower.
         w = w.to(tl.float32)
+    else:  # the long rows' second tile goes out before the wait too
+        k_mask1 = (BLOCK_K + k) < K
+        w1 = tl.load(w_ptrs + BLOCK_K, mask=n_mask[:, None] & k_mask1[None, :], other=0.0)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+    # Every program reads all of x while the weights stream past once: x's lines are the ones
+    # to keep in L1 (evict_last).
     if DEPTH == 1:
-        x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         acc = w * x[None, :]
         for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
             k_mask = (k0 + k) < K
             w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            x = tl.load(x_ptrs + k0, mask=k_mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs + k0, mask=k_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
             acc += w * x[None, :]
     else:  # DEPTH 2: the next tile's loads go out before this one's multiply
-        x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+        x = tl.load(x_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_last")
+        x1 = tl.load(x_ptrs + BLOCK_K, mask=k_mask1, other=0.0, eviction_policy="evict_last")
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w, x = w1, x1
+        for k0 in range(2 * BLOCK_K, K, BLOCK_K):
             k_mask = (k0 + k) < K
             w_next = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            x_next = tl.load(x_ptrs + k0, mask=k_mask, other=0.0)
+            x_next = tl.load(x_ptrs + k0, mask=k_mask, other=0.0, eviction_policy="evict_last")
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
             w, x = w_next, x_next
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]

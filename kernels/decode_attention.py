@@ -259,7 +259,8 @@ def _decode_reduce_kernel(
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """One program per (query head, sequence): merges that head's partition partials."""
+    """One program per (query head, sequence, BLOCK_D columns of the head): merges those
+    columns of the head's partition partials."""
     head = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     context_len = tl.minimum(tl.load(context_lens_ptr + seq), max_len)  # a step input: before the wait
@@ -269,7 +270,7 @@ def _decode_reduce_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()  # the partials are the partition kernel's output
     base = (seq * num_heads + head) * num_partitions
-    d = tl.arange(0, BLOCK_D)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
     # Online merge over chunks of BLOCK_P partitions keeps registers bounded for long contexts.
     m_run = float("-inf")
@@ -299,13 +300,12 @@ _TARGET_PROGRAMS_PER_SM = 4  # resident programs an SM (registers allow 4 of 4 w
 _MIN_PARTITION_TILES = 2  # tiles a partition holds at least, past the one-tile limit
 _ONE_TILE_PROGRAMS_PER_SM = 1  # one-tile partitions while the batch's take at most this many an SM
 _WARPS_STAGES = (4, 2)  # num_warps, num_stages of the partition kernel
-# The reduce kernel runs one warp a program from this batch size on, four below it. Its merge
-# sums over partitions (axis 0 of a [BLOCK_P, D] tile): in one warp that stays in registers,
-# in four it goes through shared memory and barriers. In the step (H200, Qwen2.5-1.5B) one warp
-# cut the reduce's share of the critical path from 4.4 to 2.0 us a layer at B=32 C=2048 (step
-# 1.864 -> 1.790 ms) and gained 0.01-0.05 ms at B=8-32; at batch 1, whose few programs merge up
-# to 33 partitions each, four warps were faster (docs/benchmarks.md).
-_ONE_WARP_REDUCE_BATCH = 8
+# The reduce kernel runs one warp a program: its merge sums over partitions (axis 0 of a
+# [BLOCK_P, columns] tile), which in one warp stays in registers and in more goes through shared
+# memory and barriers. Small batches split each head's columns over several programs instead
+# (_reduce_columns), so that the few heads still spread over the SMs.
+_REDUCE_PROGRAMS_PER_SM = 3
+_MIN_REDUCE_COLUMNS = 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -330,6 +330,24 @@ def _num_partitions(max_context_len: int, batch: int, num_kv_heads: int, device:
     """
     wave = _TARGET_PROGRAMS_PER_SM * _num_sms(device) // (batch * num_kv_heads)
     return max(1, min(wave, triton.cdiv(max_context_len, _BLOCK_N)))
+
+
+def _reduce_columns(batch: int, num_heads: int, head_dim: int, device: torch.device) -> int:
+    """Columns of a head a reduce program merges: the head's width (a power of two) halved while
+    the batch's programs stay within _REDUCE_PROGRAMS_PER_SM an SM, down to _MIN_REDUCE_COLUMNS.
+
+    On an H200 (Qwen2.5-1.5B, 12 heads of 128) that is 16 columns at batch 1-4, 32 at 8, 64 at
+    16 and whole heads from 32. Against whole heads (4 warps below batch 8, one from it) the
+    decode step went 1.020 -> 1.008 ms at batch 1 and 128 tokens, 1.139 -> 1.067 at 2048, and
+    0.015-0.064 ms faster at batch 2-16, level from 32, where halves or quarters of a head were
+    0.03-0.06 ms slower (docs/benchmarks.md).
+    """
+    columns = triton.next_power_of_2(head_dim)
+    programs = batch * num_heads
+    while columns > _MIN_REDUCE_COLUMNS and 2 * programs <= _REDUCE_PROGRAMS_PER_SM * _num_sms(device):
+        columns //= 2
+        programs *= 2
+    return columns
 
 
 def _one_tile_limit(batch: int, num_kv_heads: int, device: torch.device) -> int:
@@ -436,11 +454,12 @@ def paged_decode_attention(
         num_warps=_WARPS_STAGES[0], num_stages=_WARPS_STAGES[1], **pdl.launch_args(q.device),
     )
     if num_partitions > 1:
-        _decode_reduce_kernel[(num_heads, batch)](
+        columns = _reduce_columns(batch, num_heads, head_dim, q.device)
+        _decode_reduce_kernel[(num_heads, batch, triton.cdiv(head_dim, columns))](
             m, l, partials, context_lens, out,
             max_len, out.stride(0), out.stride(1), num_heads, head_dim, num_partitions, one_tile_limit,
-            BLOCK_P=min(16, triton.next_power_of_2(num_partitions)), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
-            MIN_TILES=_MIN_PARTITION_TILES, num_warps=1 if batch >= _ONE_WARP_REDUCE_BATCH else 4,
+            BLOCK_P=min(16, triton.next_power_of_2(num_partitions)), BLOCK_D=columns, BLOCK_N=_BLOCK_N,
+            MIN_TILES=_MIN_PARTITION_TILES, num_warps=1,
             **pdl.launch_args(q.device),
         )
     return out

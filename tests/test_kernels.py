@@ -21,6 +21,7 @@ even with a zero softmax weight, fails with NaN.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -512,6 +513,29 @@ def test_decode_partition_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     assert one_tile_limit(8, 2, gpu) == 8  # batch 8: up to 512 tokens
     assert one_tile_limit(32, 2, gpu) == 2  # batch 32 at 128 tokens: two one-tile partitions
     assert one_tile_limit(128, 2, gpu) == 2  # the same at batch 128, where one program an SM allows none
+
+
+def test_decode_reduce_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an H200 the reduce splits a head's columns while the batch's programs stay within 396
+    (3 an SM), never below 16 columns: Qwen2.5-1.5B's 12 heads of 128 take 16 columns at batch
+    1-4, 32 at 8, 64 at 16 and whole heads from 32."""
+    monkeypatch.setattr(decode_attention, "_num_sms", lambda device: 132)
+    columns = functools.partial(decode_attention._reduce_columns, device=torch.device("cuda", 0))
+    assert [columns(b, 12, 128) for b in (1, 2, 4, 8, 16, 32, 128)] == [16, 16, 16, 32, 64, 128, 128]
+    assert columns(1, 6, 128) == 16 and columns(16, 6, 128) == 32  # a rank's heads under TP 2
+    assert columns(1, 12, 80) == 16  # 80 wide: as a 128-wide head, in 5 programs
+    assert columns(1, 2, 8) == 8  # a head narrower than the minimum stays whole
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_decode_reduce_splits_columns_interpreted(interpreter: None, monkeypatch: pytest.MonkeyPatch,
+                                                   head_dim: int) -> None:
+    """With an H200's 132 SMs the split kernel's reduce merges each head in 16-column programs
+    (4 of them for 64-wide heads; 3 for 40-wide ones, the last masked): the same output."""
+    monkeypatch.setattr(decode_attention, "_num_sms", lambda device: 132)
+    assert decode_attention._reduce_columns(2, 4, head_dim, CPU) == 16
+    check_decode([300, 70], 384, num_heads=4, num_kv_heads=2, head_dim=head_dim, block_size=16,
+                 dtype=torch.float32, device=CPU)
 
 
 @pytest.mark.parametrize(("context_lens", "partitions"), [([70, 500], (4, 4)), ([300], (5, 8)), ([100], (2, 8))])

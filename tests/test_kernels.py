@@ -979,10 +979,10 @@ def test_pdl_changes_no_bits(cuda: torch.device, monkeypatch: pytest.MonkeyPatch
 def test_attention_compiles_once_across_step_shapes(cuda: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     """Sequence counts, block-table widths, max context lengths and partition counts of 1, of
     multiples of 16 and of neither run one compiled variant of each attention kernel for each
-    number of warps its wrapper launches (the split-KV reduce: one warp from batch 8, four
-    below): Triton would otherwise compile a variant per class on first sight, a second's stall
-    mid-serving (docs/benchmarks.md). Every case keeps several partitions (one is a constexpr
-    branch)."""
+    number of warps its wrapper launches: Triton would otherwise compile a variant per class on
+    first sight, a second's stall mid-serving (docs/benchmarks.md). Every case keeps several
+    partitions (one is a constexpr branch), and every case's split-KV reduce merges 16-column
+    slices of the heads (the columns are a constexpr the wrapper picks from the batch size)."""
     compiled: list[tuple[str, int]] = []
     monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
                         lambda *, fn, compile, **_: compiled.append((fn.name, compile["num_warps"])))
@@ -990,11 +990,12 @@ def test_attention_compiles_once_across_step_shapes(cuda: torch.device, monkeypa
     # (query lens, context lens): 1, 16 and 17 sequences; tables 2, 16 and 17 blocks wide.
     for query_lens, context_lens in (([1], [16]), ([8] * 16, [240] * 16), ([5] * 17, [256] * 17)):
         check_prefill(query_lens, context_lens, HQ, HKV, HEAD_DIM, BLOCK, dtype, cuda)
-    # (context lens, max context len): 32, 20 and 15 partitions; tables 129, 80 and 257 blocks
+    # (context lens, max context len): 32, 20 and 64 partitions; tables 129, 80 and 257 blocks
     # wide. Each case has more than 8 partitions, so the reduce kernel's merge chunk (BLOCK_P, a
     # constexpr: the partition count's next power of two, at most 16) is 16 in all three.
-    for context_lens, max_len in (([2048], 2048), ([1260, 7, 300], 1260), ([4095] * 17, 4095)):
+    for context_lens, max_len in (([2048], 2048), ([1260, 7, 300], 1260), ([4095] * 4, 4095)):
         assert decode_attention._num_partitions(max_len, len(context_lens), HKV, cuda) > 1
+        assert decode_attention._reduce_columns(len(context_lens), HQ, HEAD_DIM, cuda) == 16
         check_decode(context_lens, max_len, HQ, HKV, HEAD_DIM, BLOCK, dtype, cuda)
     for name in ("_prefill_kernel", "_decode_partition_kernel", "_decode_reduce_kernel"):
         warps = [w for n, w in compiled if n == name]

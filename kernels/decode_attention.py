@@ -333,8 +333,9 @@ def _num_partitions(max_context_len: int, batch: int, num_kv_heads: int, device:
 
 
 def _reduce_columns(batch: int, num_heads: int, head_dim: int, device: torch.device) -> int:
-    """Columns of a head a reduce program merges: the head's width (a power of two) halved while
-    the batch's programs stay within _REDUCE_PROGRAMS_PER_SM an SM, down to _MIN_REDUCE_COLUMNS.
+    """Columns of a head a reduce program merges: the head's width, rounded up to a power of two,
+    halved while the batch's programs stay within _REDUCE_PROGRAMS_PER_SM an SM, down to
+    _MIN_REDUCE_COLUMNS.
 
     On an H200 (Qwen2.5-1.5B, 12 heads of 128) that is 16 columns at batch 1-4, 32 at 8, 64 at
     16 and whole heads from 32. Against whole heads (4 warps below batch 8, one from it) the

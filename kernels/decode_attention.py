@@ -252,6 +252,24 @@ def _decode_partition_kernel(
             tl.store(part_ptr + idx[:, None] * head_dim + d[None, :], acc, mask=out_mask)
 
 
+@triton.jit
+def _merge_chunk(m_ptr, l_ptr, part_ptr, base, p0, used, d, d_mask, head_dim, m_run, l_run, acc,
+                 BLOCK_P: tl.constexpr):
+    """The merge state (running max m_run, sum l_run, accumulator acc over columns d) after
+    partitions p0 .. p0 + BLOCK_P - 1 of those below ``used`` (p0 < used)."""
+    p = p0 + tl.arange(0, BLOCK_P)
+    p_mask = p < used
+    m = tl.load(m_ptr + base + p, mask=p_mask, other=float("-inf"))
+    l = tl.load(l_ptr + base + p, mask=p_mask, other=0.0)
+    o = tl.load(part_ptr + (base + p)[:, None] * head_dim + d[None, :],
+                mask=p_mask[:, None] & d_mask[None, :], other=0.0)
+    # The chunk holds partition p0 < used, so m_new is finite.
+    m_new = tl.maximum(m_run, tl.max(m, axis=0))
+    w = tl.where(p_mask, l * tl.exp2(m - m_new), 0.0)
+    alpha = tl.exp2(m_run - m_new)
+    return m_new, l_run * alpha + tl.sum(w, axis=0), acc * alpha + tl.sum(w[:, None] * o, axis=0)
+
+
 @triton.jit(do_not_specialize=["max_len", "num_partitions", "one_tile_limit"])
 def _decode_reduce_kernel(
     m_ptr, l_ptr, part_ptr, context_lens_ptr, out_ptr,
@@ -272,24 +290,19 @@ def _decode_reduce_kernel(
     base = (seq * num_heads + head) * num_partitions
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
-    # Online merge over chunks of BLOCK_P partitions keeps registers bounded for long contexts.
     m_run = float("-inf")
     l_run = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for p0 in range(0, used, BLOCK_P):
-        p = p0 + tl.arange(0, BLOCK_P)
-        p_mask = p < used
-        m = tl.load(m_ptr + base + p, mask=p_mask, other=float("-inf"))
-        l = tl.load(l_ptr + base + p, mask=p_mask, other=0.0)
-        o = tl.load(part_ptr + (base + p)[:, None] * head_dim + d[None, :],
-                    mask=p_mask[:, None] & d_mask[None, :], other=0.0)
-        # Chunk p0 holds partition p0 < used, so m_new is finite.
-        m_new = tl.maximum(m_run, tl.max(m, axis=0))
-        w = tl.where(p_mask, l * tl.exp2(m - m_new), 0.0)
-        alpha = tl.exp2(m_run - m_new)
-        l_run = l_run * alpha + tl.sum(w, axis=0)
-        acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
-        m_run = m_new
+    # A merge is quickest in a tile as tall as the partitions it merges (masked rows cost time):
+    # contexts of up to _SHORT_MERGE partitions get a tile of that height, the rest chunks of
+    # BLOCK_P, which keep registers bounded for long contexts.
+    if used > _SHORT_MERGE:
+        for p0 in range(0, used, BLOCK_P):
+            m_run, l_run, acc = _merge_chunk(m_ptr, l_ptr, part_ptr, base, p0, used, d, d_mask, head_dim,
+                                             m_run, l_run, acc, BLOCK_P)
+    elif used > 0:
+        m_run, l_run, acc = _merge_chunk(m_ptr, l_ptr, part_ptr, base, 0, used, d, d_mask, head_dim,
+                                         m_run, l_run, acc, _SHORT_MERGE)
     # l_run is 0 only for an empty context (used == 0): write zeros rather than NaN.
     out = acc / tl.where(l_run > 0, l_run, 1.0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -306,6 +319,14 @@ _WARPS_STAGES = (4, 2)  # num_warps, num_stages of the partition kernel
 # (_reduce_columns), so that the few heads still spread over the SMs.
 _REDUCE_PROGRAMS_PER_SM = 3
 _MIN_REDUCE_COLUMNS = 16
+# Partitions the reduce merges in one tile of their own height; more go in chunks of up to
+# _MAX_MERGE_CHUNK (the grid's partition count, rounded up to a power of two, if fewer). Rows
+# of a tile past the partitions it merges cost time (H200, Qwen2.5-1.5B, same call against
+# 16-row chunks: decode step 1.012 -> 1.009 ms at batch 1 and 128 tokens, 1.343 -> 1.333 at
+# batch 32, two partitions each; 1.067 -> 1.055 at batch 1 and 2048 tokens, 32 partitions in
+# one chunk instead of two, where 64-row chunks were no faster; docs/benchmarks.md).
+_SHORT_MERGE = tl.constexpr(2)
+_MAX_MERGE_CHUNK = 32
 
 
 @functools.lru_cache(maxsize=None)
@@ -459,7 +480,7 @@ def paged_decode_attention(
         _decode_reduce_kernel[(num_heads, batch, triton.cdiv(head_dim, columns))](
             m, l, partials, context_lens, out,
             max_len, out.stride(0), out.stride(1), num_heads, head_dim, num_partitions, one_tile_limit,
-            BLOCK_P=min(16, triton.next_power_of_2(num_partitions)), BLOCK_D=columns, BLOCK_N=_BLOCK_N,
+            BLOCK_P=min(_MAX_MERGE_CHUNK, triton.next_power_of_2(num_partitions)), BLOCK_D=columns, BLOCK_N=_BLOCK_N,
             MIN_TILES=_MIN_PARTITION_TILES, num_warps=1,
             **pdl.launch_args(q.device),
         )

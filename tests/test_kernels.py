@@ -538,6 +538,17 @@ def test_decode_reduce_splits_columns_interpreted(interpreter: None, monkeypatch
                  dtype=torch.float32, device=CPU)
 
 
+def test_decode_reduce_merges_in_chunks_interpreted(interpreter: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an H200's 132 SMs a 2100-token sequence beside a 100-token one splits into 33
+    one-tile partitions, which the reduce merges in chunks of 32 (two: 32, then 1), while the
+    short one's two partitions take the two-row tile: the reference's output either way."""
+    monkeypatch.setattr(decode_attention, "_num_sms", lambda device: 132)
+    assert decode_attention._num_partitions(2100, 2, 2, CPU) == 33
+    assert decode_attention._one_tile_limit(2, 2, CPU) == 33
+    check_decode([2100, 100], 2100, num_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
+                 dtype=torch.float32, device=CPU)
+
+
 @pytest.mark.parametrize(("context_lens", "partitions"), [([70, 500], (4, 4)), ([300], (5, 8)), ([100], (2, 8))])
 def test_decode_split_ignores_max_context_len(interpreter: None, context_lens: list[int],
                                               partitions: tuple[int, int]) -> None:
@@ -991,8 +1002,8 @@ def test_attention_compiles_once_across_step_shapes(cuda: torch.device, monkeypa
     for query_lens, context_lens in (([1], [16]), ([8] * 16, [240] * 16), ([5] * 17, [256] * 17)):
         check_prefill(query_lens, context_lens, HQ, HKV, HEAD_DIM, BLOCK, dtype, cuda)
     # (context lens, max context len): 32, 20 and 64 partitions; tables 129, 80 and 257 blocks
-    # wide. Each case has more than 8 partitions, so the reduce kernel's merge chunk (BLOCK_P, a
-    # constexpr: the partition count's next power of two, at most 16) is 16 in all three.
+    # wide. Each case has more than 16 partitions, so the reduce kernel's merge chunk (BLOCK_P, a
+    # constexpr: the partition count's next power of two, at most 32) is 32 in all three.
     for context_lens, max_len in (([2048], 2048), ([1260, 7, 300], 1260), ([4095] * 4, 4095)):
         assert decode_attention._num_partitions(max_len, len(context_lens), HKV, cuda) > 1
         assert decode_attention._reduce_columns(len(context_lens), HQ, HEAD_DIM, cuda) == 16

@@ -159,16 +159,35 @@ class DecodeInputs(NamedTuple):
     context_lens: torch.Tensor  # [bucket] int32
 
 
-def _segment(bucket: int) -> int:
-    """int64 elements a bucket's packed input takes: its rows rounded up to 16 bytes, so that
-    every view starts 16-byte aligned (as the kernels are compiled for freshly allocated tensors)."""
-    return 2 * -(-bucket // 2)
+def _segment(elements: int) -> int:
+    """int64 elements rounded up to 16 bytes: a bucket's rows of one packed input, or a region of
+    the buffer, so that every view starts 16-byte aligned (as the kernels are compiled for
+    freshly allocated tensors)."""
+    return 2 * -(-elements // 2)
 
 
 def packed_len(bucket: int) -> int:
     """int64 elements of a bucket's packed inputs: ids, positions and slots, then the context
     lengths as int32 pairs."""
     return 3 * _segment(bucket) + _segment(bucket) // 2
+
+
+class DecodeBufferLayout(NamedTuple):
+    """Where a decode runner's static inputs lie in its one int64 buffer (offsets in int64
+    elements, each 16-byte aligned): the packed inputs every bucket but 1 reads (at 0), bucket
+    1's own packed inputs, then the block tables, ``[max_bucket, max_blocks]`` int32. Bucket 1's
+    inputs sit right before the first block-table row, so a batch-1 step goes up in one copy."""
+
+    one_row_at: int
+    tables_at: int
+    size: int
+
+
+def decode_buffer_layout(max_bucket: int, max_blocks: int) -> DecodeBufferLayout:
+    """The layout for buckets of up to ``max_bucket`` rows and tables ``max_blocks`` wide."""
+    one_row_at = _segment(packed_len(max_bucket))
+    tables_at = one_row_at + _segment(packed_len(1))
+    return DecodeBufferLayout(one_row_at, tables_at, tables_at + -(-max_bucket * max_blocks // 2))
 
 
 def decode_inputs(packed: torch.Tensor | np.ndarray, bucket: int) -> DecodeInputs:
@@ -180,17 +199,49 @@ def decode_inputs(packed: torch.Tensor | np.ndarray, bucket: int) -> DecodeInput
     return DecodeInputs(packed[:b], packed[seg : seg + b], packed[2 * seg : 2 * seg + b], lens[:b])
 
 
+def pack_decode_step(plan: StepPlan, bucket: int, layout: DecodeBufferLayout, dummy_block: int,
+                     block_size: int) -> tuple[int, np.ndarray, np.ndarray | None]:
+    """A decode ``plan`` padded to ``bucket`` rows, as host arrays for a runner's buffer:
+    ``(start, host, tables)``. ``host`` (int64) goes to the buffer at int64 offset ``start``;
+    ``tables``, the block tables' rows in the plan's columns, to the block tables' top-left
+    corner, or None where ``host`` holds them (bucket 1, :func:`decode_buffer_layout`; an odd
+    width gets one more, dummy, column). Padding rows are token 0 at position 0, written to the
+    dummy slot, with a context of one token in the dummy block."""
+    batch = len(plan.input_ids)
+    # The plan's columns only: copying whole rows, as wide as max_model_len, made a batch-8 step
+    # at 128 tokens 0.03 ms slower (H200, not explained; docs/benchmarks.md).
+    tables = np.full((bucket, plan.block_tables.shape[1]), dummy_block, dtype=np.int32)
+    tables[:batch] = plan.block_tables
+    if bucket == 1:
+        start, table_at = layout.one_row_at, layout.tables_at - layout.one_row_at
+        host = np.zeros(table_at + -(-tables.shape[1] // 2), dtype=np.int64)
+        row = host[table_at:].view(np.int32)
+        row[:] = dummy_block
+        row[: tables.shape[1]] = tables[0]
+    else:
+        start, host = 0, np.zeros(packed_len(bucket), dtype=np.int64)
+    rows = decode_inputs(host, bucket)
+    for values, padding, dest in ((plan.input_ids, 0, rows.input_ids), (plan.positions, 0, rows.positions),
+                                  (plan.slot_mapping, dummy_block * block_size, rows.slot_mapping),
+                                  (plan.context_lens, 1, rows.context_lens)):
+        dest[:batch] = values
+        dest[batch:] = padding
+    return start, host, None if bucket == 1 else tables
+
+
 class CudaGraphRunner(_StepGraphs):
     """Decode steps of up to ``max_batch_size`` sequences, one graph per :func:`batch_buckets`
     size (see the module docstring).
 
-    A step's inputs go up in two copies ahead of its replay, whatever the batch: the token ids,
-    positions, slots and context lengths of the bucket's rows, padding included, packed in one
-    buffer laid out for that bucket (:func:`decode_inputs`; the graphs of other buckets read
-    other views of it), and the block tables' rows, padding rows included, in the plan's
-    columns. Against a copy a tensor and a fill kernel a padded one, same kernels, same bits
-    (H200, Qwen2.5-1.5B): -0.005 ms a batch-1 step, -0.006 to -0.007 at batch 8, -0.015 at
-    batch 5, which pads (docs/benchmarks.md).
+    A step's inputs go up in two copies ahead of its replay: the token ids, positions, slots and
+    context lengths of the bucket's rows, padding included, packed for that bucket
+    (:func:`decode_inputs`; the graphs of other buckets read other views of the same bytes), and
+    the block tables' rows, padding rows included, in the plan's columns. Against a copy a
+    tensor and a fill kernel a padded one, same kernels, same bits (H200, Qwen2.5-1.5B): -0.005
+    ms a batch-1 step, -0.006 to -0.007 at batch 8, -0.015 at batch 5, which pads. Bucket 1 has
+    packed inputs of its own right before the first block-table row (:func:`decode_buffer_layout`),
+    so that a batch-1 step goes up in one copy: -0.0013 ms a step at 128 and at 2048 tokens
+    (docs/benchmarks.md).
     """
 
     kind = "decode"
@@ -209,9 +260,12 @@ class CudaGraphRunner(_StepGraphs):
         if logits is not None and logits.shape[0] < n:
             raise ValueError(f"the logits buffer has {logits.shape[0]} rows, the largest decode bucket {n}")
         max_blocks = -(-max_model_len // block_size)
-        self.packed = torch.zeros(packed_len(n), dtype=torch.int64, device=self.device)
-        self.inputs = {bucket: decode_inputs(self.packed, bucket) for bucket in self.buckets}
-        self.block_tables = torch.full((n, max_blocks), dummy_block, dtype=torch.int32, device=self.device)
+        self.layout = layout = decode_buffer_layout(n, max_blocks)
+        self.buffer = torch.zeros(layout.size, dtype=torch.int64, device=self.device)
+        self.inputs = {bucket: decode_inputs(self.buffer[layout.one_row_at if bucket == 1 else 0 :], bucket)
+                       for bucket in self.buckets}
+        self.block_tables = self.buffer[layout.tables_at :].view(torch.int32)[: n * max_blocks].view(n, max_blocks)
+        self.block_tables.fill_(dummy_block)
         self._capture_all()
 
     def _prepare_capture(self, bucket: int) -> None:
@@ -237,23 +291,12 @@ class CudaGraphRunner(_StepGraphs):
         return plan.is_decode and len(plan.input_ids) <= self.max_batch_size
 
     def _load_plan(self, plan: StepPlan, bucket: int) -> None:
-        """Copy ``plan`` padded to ``bucket`` rows into the bucket's static inputs: padding rows
-        are token 0 at position 0, written to the dummy slot, with a context of one token in
-        the dummy block."""
-        batch = len(plan.input_ids)
-        host = np.zeros(packed_len(bucket), dtype=np.int64)
-        rows = decode_inputs(host, bucket)
-        for values, padding, dest in ((plan.input_ids, 0, rows.input_ids), (plan.positions, 0, rows.positions),
-                                      (plan.slot_mapping, self.dummy_block * self.block_size, rows.slot_mapping),
-                                      (plan.context_lens, 1, rows.context_lens)):
-            dest[:batch] = values
-            dest[batch:] = padding
-        _load(self.packed[: len(host)], host)
-        # The plan's columns only: copying whole rows, as wide as max_model_len, made a batch-8
-        # step at 128 tokens 0.03 ms slower (H200, not explained; docs/benchmarks.md).
-        tables = np.full((bucket, plan.block_tables.shape[1]), self.dummy_block, dtype=np.int32)
-        tables[:batch] = plan.block_tables
-        _load(self.block_tables[:bucket, : tables.shape[1]], tables)
+        """Copy ``plan`` padded to ``bucket`` rows (:func:`pack_decode_step`) into the bucket's
+        static inputs, straight from pinned memory."""
+        start, host, tables = pack_decode_step(plan, bucket, self.layout, self.dummy_block, self.block_size)
+        _load(self.buffer[start : start + len(host)], host)
+        if tables is not None:
+            _load(self.block_tables[:bucket, : tables.shape[1]], tables)
 
     def run(self, plan: StepPlan, sampled: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the bucket's graph for a decode plan; logits (leader) or hidden states ``[B, ...]``.

@@ -182,6 +182,10 @@ class DecodeBufferLayout(NamedTuple):
     tables_at: int
     size: int
 
+    def inputs_at(self, bucket: int) -> int:
+        """Where bucket ``bucket``'s packed inputs (:func:`decode_inputs`) start."""
+        return self.one_row_at if bucket == 1 else 0
+
 
 def decode_buffer_layout(max_bucket: int, max_blocks: int) -> DecodeBufferLayout:
     """The layout for buckets of up to ``max_bucket`` rows and tables ``max_blocks`` wide."""
@@ -212,14 +216,15 @@ def pack_decode_step(plan: StepPlan, bucket: int, layout: DecodeBufferLayout, du
     # at 128 tokens 0.03 ms slower (H200, not explained; docs/benchmarks.md).
     tables = np.full((bucket, plan.block_tables.shape[1]), dummy_block, dtype=np.int32)
     tables[:batch] = plan.block_tables
+    start = layout.inputs_at(bucket)
     if bucket == 1:
-        start, table_at = layout.one_row_at, layout.tables_at - layout.one_row_at
+        table_at = layout.tables_at - start
         host = np.zeros(table_at + -(-tables.shape[1] // 2), dtype=np.int64)
         row = host[table_at:].view(np.int32)
         row[:] = dummy_block
         row[: tables.shape[1]] = tables[0]
     else:
-        start, host = 0, np.zeros(packed_len(bucket), dtype=np.int64)
+        host = np.zeros(packed_len(bucket), dtype=np.int64)
     rows = decode_inputs(host, bucket)
     for values, padding, dest in ((plan.input_ids, 0, rows.input_ids), (plan.positions, 0, rows.positions),
                                   (plan.slot_mapping, dummy_block * block_size, rows.slot_mapping),
@@ -262,8 +267,7 @@ class CudaGraphRunner(_StepGraphs):
         max_blocks = -(-max_model_len // block_size)
         self.layout = layout = decode_buffer_layout(n, max_blocks)
         self.buffer = torch.zeros(layout.size, dtype=torch.int64, device=self.device)
-        self.inputs = {bucket: decode_inputs(self.buffer[layout.one_row_at if bucket == 1 else 0 :], bucket)
-                       for bucket in self.buckets}
+        self.inputs = {b: decode_inputs(self.buffer[layout.inputs_at(b) :], b) for b in self.buckets}
         self.block_tables = self.buffer[layout.tables_at :].view(torch.int32)[: n * max_blocks].view(n, max_blocks)
         self.block_tables.fill_(dummy_block)
         self._capture_all()

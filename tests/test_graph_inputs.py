@@ -61,7 +61,8 @@ def test_decode_step_lands_in_the_graph_inputs(max_bucket: int, width: int) -> N
         buffer[start : start + len(host)] = torch.from_numpy(host)
         if host_tables is not None:
             block_tables[:bucket, :width] = torch.from_numpy(host_tables)
-        views = decode_inputs(buffer[layout.one_row_at if bucket == 1 else 0 :], bucket)
+        assert start == layout.inputs_at(bucket) == (layout.one_row_at if bucket == 1 else 0)
+        views = decode_inputs(buffer[start:], bucket)
         pad = bucket - batch
         assert views.input_ids.tolist() == plan.input_ids + [0] * pad
         assert views.positions.tolist() == plan.positions + [0] * pad

@@ -273,16 +273,23 @@ def linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     and rounded once: ``out`` when given (contiguous, x's dtype or fp32), else a new tensor in
     x's dtype.
     """
-    x2 = _check_inputs(x, weight, bias)
-    n, k = weight.shape
-    rows = x2.shape[0]
-    if rows > _MAX_KERNEL_ROWS:
-        raise ValueError(f"linear_kernel takes at most {_MAX_KERNEL_ROWS} rows, got {rows}: use F.linear")
+    x2 = _check_rows(x, weight, bias)
+    n = weight.shape[0]
     y = _output(x, n, out)
-    if rows == 0 or n == 0:
+    if x2.shape[0] == 0 or n == 0:
         return y
     _launch_linear_kernel(x2, weight, bias, y, silu_and_mul=False)
     return y
+
+
+def _check_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`_check_inputs` for the one-row kernel, which re-reads the weight for every row:
+    ValueError above ``_MAX_KERNEL_ROWS`` rows."""
+    x2 = _check_inputs(x, weight, bias)
+    if x2.shape[0] > _MAX_KERNEL_ROWS:
+        raise ValueError(f"the one-row linear kernel takes at most {_MAX_KERNEL_ROWS} rows, got {x2.shape[0]}: "
+                         "use F.linear")
+    return x2
 
 
 def _launch_linear_kernel(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
@@ -337,13 +344,11 @@ def linear_silu_and_mul_kernel(x: torch.Tensor, weight: torch.Tensor,
     rounded to x's dtype before the gate, so the output is bit for bit
     ``silu_and_mul(linear_kernel(x, weight, bias))``.
     """
-    x2 = _check_inputs(x, weight, bias)
+    x2 = _check_rows(x, weight, bias)
     n = weight.shape[0]
     if n % 2:
         raise ValueError(f"weight must have an even number of rows (gate | up), got {tuple(weight.shape)}")
     rows = x2.shape[0]
-    if rows > _MAX_KERNEL_ROWS:
-        raise ValueError(f"linear_silu_and_mul_kernel takes at most {_MAX_KERNEL_ROWS} rows, got {rows}")
     y = torch.empty((*x.shape[:-1], n // 2), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return y

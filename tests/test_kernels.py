@@ -993,7 +993,8 @@ def test_attention_compiles_once_across_step_shapes(cuda: torch.device, monkeypa
     number of warps its wrapper launches: Triton would otherwise compile a variant per class on
     first sight, a second's stall mid-serving (docs/benchmarks.md). Every case keeps several
     partitions (one is a constexpr branch), and every case's split-KV reduce merges 16-column
-    slices of the heads (the columns are a constexpr the wrapper picks from the batch size)."""
+    slices of the heads and prefetches its first K/V tiles (the columns and the prefetch are
+    constexprs the wrapper picks from the batch size)."""
     compiled: list[tuple[str, int]] = []
     monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
                         lambda *, fn, compile, **_: compiled.append((fn.name, compile["num_warps"])))
@@ -1007,6 +1008,7 @@ def test_attention_compiles_once_across_step_shapes(cuda: torch.device, monkeypa
     for context_lens, max_len in (([2048], 2048), ([1260, 7, 300], 1260), ([4095] * 4, 4095)):
         assert decode_attention._num_partitions(max_len, len(context_lens), HKV, cuda) > 1
         assert decode_attention._reduce_columns(len(context_lens), HQ, HEAD_DIM, cuda) == 16
+        assert len(context_lens) <= decode_attention._PREFETCH_MAX_BATCH
         check_decode(context_lens, max_len, HQ, HKV, HEAD_DIM, BLOCK, dtype, cuda)
     for name in ("_prefill_kernel", "_decode_partition_kernel", "_decode_reduce_kernel"):
         warps = [w for n, w in compiled if n == name]

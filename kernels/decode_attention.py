@@ -11,6 +11,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.checks import check_float_dtype, dot_precision
+from kernels.pdl import prefetch_l2
 from kernels.rope import check_new_tokens, rope_and_store_kv_ref
 
 
@@ -132,17 +133,6 @@ def _rotated(ptrs, d, pair, mask, cos, signed_sin):
 
 
 @triton.jit
-def _prefetch_l2(ptrs, mask):
-    """``prefetch.global.L2`` of the line at each of ``ptrs`` where ``mask`` holds. It has no
-    register result, so the program goes on at once (a load would hold its registers until the
-    data came); CUDA only, the interpreter runs no PTX."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        constraints="=r,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
-    )
-
-
-@triton.jit
 def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     """The online softmax state (running max m_i, sum l_i, accumulator acc) of a row tile after
     one more key tile: scores s ``[M, N]`` in log2 units (-inf where masked; each row's m_i or
@@ -201,15 +191,14 @@ def _decode_partition_kernel(
     signed_sin = tl.where(first, -sin, sin)
     if USE_PDL:
         if PREFETCH_FIRST_TILE:
-            # The first tile's K/V rows (earlier steps' tokens; the new token's slot is only
-            # written after the wait, and a prefetch reads nothing into registers) go into L2
-            # while the kernel ahead finishes, so the gather after the wait reads L2, not DRAM.
-            # One prefetch a LINE_ELEMS-wide line of each row.
+            # The first tile's K/V rows (earlier steps' tokens, and the new token's slot, stored
+            # after the wait) go into L2 while the kernel ahead finishes, so the gather after
+            # the wait reads L2, not DRAM. One prefetch a LINE_ELEMS-wide line of each row.
             row = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
             lines = row[:, None] + (tl.arange(0, BLOCK_D // LINE_ELEMS) * LINE_ELEMS)[None, :]
             line_mask = (n < end)[:, None] & (lines >= 0)  # broadcast to the lines' shape
-            _prefetch_l2(k_cache_ptr + lines, line_mask)
-            _prefetch_l2(v_cache_ptr + lines, line_mask)
+            prefetch_l2(k_cache_ptr + lines, line_mask)
+            prefetch_l2(v_cache_ptr + lines, line_mask)
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     # Empty partitions exit at once; the single partition always writes (zeros for an empty
@@ -355,7 +344,6 @@ _MAX_MERGE_CHUNK = 32
 # At batch 32 and 2048 tokens, 512 programs prefetching 16 MB made the step 0.006 ms slower
 # (level at 128 tokens, 0.003 faster at batch 128; docs/benchmarks.md).
 _PREFETCH_MAX_BATCH = 16
-_L2_LINE_BYTES = 128  # a prefetch brings one L2 line
 
 
 @functools.lru_cache(maxsize=None)
@@ -503,7 +491,7 @@ def paged_decode_attention(
         MIN_TILES=_MIN_PARTITION_TILES, SINGLE_PARTITION=num_partitions == 1,
         DOT_PRECISION=dot_precision(k_cache.dtype),
         PREFETCH_FIRST_TILE=batch <= _PREFETCH_MAX_BATCH,
-        LINE_ELEMS=min(block_d, _L2_LINE_BYTES // k_cache.element_size()),
+        LINE_ELEMS=min(block_d, pdl.L2_LINE_BYTES // k_cache.element_size()),
         num_warps=_WARPS_STAGES[0], num_stages=_WARPS_STAGES[1], **pdl.launch_args(q.device),
     )
     if num_partitions > 1:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from bench import batch_divergence, decode, tp_decode
-from bench.common import block_tables, compare_greedy, decode_plan, divergences, run_tp_group, teacher_forced_logits
+from bench.common import (
+    block_tables, compare_greedy, decode_plan, divergences, fill_kv_random, run_tp_group, teacher_forced_logits,
+)
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
 
@@ -91,6 +94,26 @@ def test_prefill_cases_may_be_left_out() -> None:
     assert decode.parse_prefill_lens("512,2048") == [512, 2048]
     with pytest.raises(ValueError):
         decode.parse_prefill_lens("0")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fill_kv_random_fills_all_but_the_dummy_block_by_seed(device: str) -> None:
+    """On CUDA the fill is a captured graph's replay (bench.common says why): it must still give
+    standard-normal K/V in every real block, leave the dummy block zero, and follow the seed."""
+    layers, blocks = 3, 6
+    kv_cache = torch.zeros(layers, 2, blocks + 1, 16, 2, 32, dtype=torch.bfloat16, device=device)
+    runner = SimpleNamespace(kv_cache=kv_cache, num_blocks=blocks, device=torch.device(device))
+    fill_kv_random(runner, seed=3)
+    first = kv_cache.clone()
+    real = first[:, :, :blocks].float()
+    assert first[:, :, blocks].count_nonzero() == 0
+    assert abs(real.mean().item()) < 0.05 and abs(real.std().item() - 1) < 0.05
+    assert (real[:, :, :, 0, 0, 0] != 0).all()  # every block of every layer written
+    kv_cache.zero_()
+    fill_kv_random(runner, seed=3)
+    assert torch.equal(kv_cache, first)
+    fill_kv_random(runner, seed=4)
+    assert not torch.equal(kv_cache, first) and kv_cache[:, :, blocks].count_nonzero() == 0
 
 
 def test_decode_plan_addresses_the_last_position() -> None:

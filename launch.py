@@ -14,10 +14,13 @@ import sys
 import threading
 import time
 
-import click
+try:
+    import click
 
-from cluster.config import ClusterConfig
-from cluster.launcher import Cluster, ClusterError
+    from pdserve.cluster.config import ClusterConfig
+    from pdserve.cluster.launcher import Cluster, ClusterError
+except ModuleNotFoundError as missing:  # run from a checkout that was never installed
+    sys.exit(f"error: {missing.name} is not installed; run `pip install -e .` in the repository root first")
 
 DEMO_PROMPTS = (
     "What is the capital of France?",
@@ -28,7 +31,7 @@ DEMO_PROMPTS = (
 
 def run_demo(endpoint: str, prompts: tuple[str, ...], max_tokens: int) -> None:
     """Stream each prompt's answer through the client and print its latencies."""
-    from cluster.client import Chunk, Client
+    from pdserve.cluster.client import Chunk, Client
 
     with Client(endpoint, timeout=600) as client:
         for prompt in prompts:

@@ -1,6 +1,6 @@
 """How far greedy decoding of one engine moves when only the batch composition changes.
 
-    python -m bench.batch_divergence --model qwen2.5-1.5b --max-num-seqs 64,8 --out divergence.json
+    python -m pdserve.bench.batch_divergence --model qwen2.5-1.5b --max-num-seqs 64,8 --out divergence.json
 
 Runs the same greedy requests through the single-process engine twice, with two batch limits
 (so each step's batch, and with it the rounding of every matmul, differs), and reports each
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import click
 
-from bench.common import divergences, write_json
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine
-from engine.presets import resolve_model
-from engine.sampling import SamplingParams
+from pdserve.bench.common import divergences, write_json
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.presets import resolve_model
+from pdserve.engine.sampling import SamplingParams
 
 
 @click.command()

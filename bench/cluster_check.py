@@ -1,7 +1,7 @@
 """Serve N concurrent greedy requests through real clusters and compare them with one engine.
 
-    python -m bench.cluster_check --model qwen2.5-1.5b --devices 0,1 --out check.json
-    python -m bench.cluster_check --model qwen2.5-1.5b --devices 0,1,2 --prefill-tp 2   # 2p1d
+    python -m pdserve.bench.cluster_check --model qwen2.5-1.5b --devices 0,1 --out check.json
+    python -m pdserve.bench.cluster_check --model qwen2.5-1.5b --devices 0,1,2 --prefill-tp 2   # 2p1d
 
 For each topology (disaggregated with sync and async NCCL transfer, a prefill group of
 ``--prefill-tp`` ranks and a decode group of ``--decode-tp``; colocated, one TP-1 group per
@@ -30,14 +30,14 @@ from pathlib import Path
 
 import click
 
-from cluster.client import Chunk, Client
-from bench.common import divergences, greedy_report
-from bench.compare import LaunchedCluster
-from bench.metrics import percentile
-from engine.config import CacheConfig, EngineConfig
-from engine.engine import LLMEngine
-from engine.presets import resolve_model
-from engine.sampling import SamplingParams
+from pdserve.cluster.client import Chunk, Client
+from pdserve.bench.common import divergences, greedy_report
+from pdserve.bench.compare import LaunchedCluster
+from pdserve.bench.metrics import percentile
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.presets import resolve_model
+from pdserve.engine.sampling import SamplingParams
 
 
 def serve(endpoint: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:

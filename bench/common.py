@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from cluster.group import RankProcesses, RankSpec, free_port, group_specs, init_distributed
-from engine.config import EngineConfig, ModelConfig
-from engine.model_runner import ModelRunner
-from engine.presets import ensure_preset_model
-from engine.step_plan import StepPlan, padded_block_tables
+from pdserve.cluster.group import RankProcesses, RankSpec, free_port, group_specs, init_distributed
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.presets import ensure_preset_model
+from pdserve.engine.step_plan import StepPlan, padded_block_tables
 
 # Device-to-device copy ceiling of one H200 (bytes read + written), /work/shared/ENVIRONMENT.md.
 H200_BANDWIDTH = 4.29e12

@@ -1,9 +1,9 @@
 """Disaggregated prefill/decode against colocated serving on the same devices, one workload.
 
-    python -m bench.compare --model qwen2.5-1.5b --devices 0,1 --workload mixed --rates 4,8,16,32 \\
+    python -m pdserve.bench.compare --model qwen2.5-1.5b --devices 0,1 --workload mixed --rates 4,8,16,32 \\
         --num-requests 160 --isolated-decode --slo-ttft-ms 500 --out-dir results/pd-vs-colocated
-    python -m bench.compare --model qwen2.5-1.5b --devices 0,1,2 --prefill-tp 2 --workload mixed ...  # 2p1d
-    python -m bench.compare --model demo --devices "" --workload text --num-requests 6 --rates 2   # CPU
+    python -m pdserve.bench.compare --model qwen2.5-1.5b --devices 0,1,2 --prefill-tp 2 --workload mixed ...  # 2p1d
+    python -m pdserve.bench.compare --model demo --devices "" --workload text --num-requests 6 --rates 2   # CPU
 
 Three clusters run one after another, each ``launch.py`` in a subprocess on a free port with its
 log in OUT_DIR/<system>.log, stopped with SIGTERM and required to exit 0:
@@ -44,9 +44,9 @@ from typing import Any
 
 import click
 
-from bench.metrics import tpot
-from bench.common import write_json
-from bench.serve import (
+from pdserve.bench.metrics import tpot
+from pdserve.bench.common import write_json
+from pdserve.bench.serve import (
     TABLE_HEADERS,
     BenchConfig,
     RequestSpec,
@@ -62,9 +62,9 @@ from bench.serve import (
     run_requests,
     write_plots,
 )
-from cluster.client import AsyncClient
-from cluster.group import free_port
-from engine.presets import resolve_model
+from pdserve.cluster.client import AsyncClient
+from pdserve.cluster.group import free_port
+from pdserve.engine.presets import resolve_model
 
 REPO = Path(__file__).resolve().parent.parent
 ISOLATED_RUNS = 3

@@ -1,8 +1,8 @@
 """Decode and prefill step times of the engine against Hugging Face transformers, one process.
 
-    python -m bench.decode --preset qwen2.5-1.5b --out results.json --plot decode.png
-    python -m bench.decode --from-json results.json --plot decode.png   # re-print and re-plot a run
-    python -m bench.decode --preset tiny-llama --device cpu --batch-sizes 1,2 --contexts 16,32 \\
+    python -m pdserve.bench.decode --preset qwen2.5-1.5b --out results.json --plot decode.png
+    python -m pdserve.bench.decode --from-json results.json --plot decode.png   # re-print and re-plot a run
+    python -m pdserve.bench.decode --preset tiny-llama --device cpu --batch-sizes 1,2 --contexts 16,32 \\
         --prefill-lens 32 --iters 2          # CPU smoke run
 
 What is timed (median of ``--iters`` calls after ``--warmup``; CUDA events on GPU):
@@ -56,7 +56,7 @@ import torch._dynamo
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, CompileConfig, StaticCache
 
-from bench.common import (
+from pdserve.bench.common import (
     H200_BANDWIDTH,
     add_step_timing_args,
     block_tables,
@@ -81,9 +81,9 @@ from bench.common import (
     weight_bytes,
     write_json,
 )
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_dtype
-from engine.model_runner import ModelRunner
-from engine.step_plan import StepPlan
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_dtype
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.step_plan import StepPlan
 
 # transformers' CompileConfig per --hf mode. "compiled-static" is exactly what generate() uses
 # with a static cache (inductor, "reduce-overhead" = CUDA graphs, automatic dynamic shapes):
@@ -360,7 +360,7 @@ def write_plot(result: dict[str, Any], path: Path) -> Path | None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.decode", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="qwen2.5-1.5b", help="model-shape preset with random weights")
     parser.add_argument("--model", help="a Hugging Face model directory (instead of --preset)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -405,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cases += [Case("prefill", count, length) for count, length in args.prefill_batches]
 
     runs = 2 if hf_mode != "off" else 1
-    with tqdm(total=runs * len(cases), unit="case", desc="bench.decode") as progress:
+    with tqdm(total=runs * len(cases), unit="case", desc="pdserve.bench.decode") as progress:
         runner = build_runner(path, device, dtype, cases, args.block_size, args.max_model_len)
         info = {"max_model_len": runner.max_model_len, "num_blocks": runner.num_blocks,
                 "graph_buckets": runner.graph_runner.buckets if runner.graph_runner else None,
@@ -423,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     result = {
         "metadata": metadata(
-            device, command_line("bench.decode", argv), preset=None if args.model else args.preset,
+            device, command_line("pdserve.bench.decode", argv), preset=None if args.model else args.preset,
             model_dir=str(path), dtype=dtype, hf_mode=hf_mode, hf_compile=HF_COMPILE_OPTIONS.get(hf_mode),
             iters=args.iters, warmup=args.warmup, block_size=args.block_size,
             bandwidth_bytes_per_s=H200_BANDWIDTH, **info,

@@ -1,7 +1,7 @@
 """How much of a decode step the engine's host side costs: ``LLMEngine.step`` against its forward,
 with overlapped steps and without.
 
-    python -m bench.engine_step --preset qwen2.5-1.5b --batch-sizes 1,64,128 --out engine_step.json
+    python -m pdserve.bench.engine_step --preset qwen2.5-1.5b --batch-sizes 1,64,128 --out engine_step.json
 
 For each batch size, B greedy requests of ``--context`` random prompt tokens are prefilled, then
 ``--iters`` decode steps of ``LLMEngine.step`` are timed on the wall clock: scheduling, the step
@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
-from bench.common import (
+from pdserve.bench.common import (
     ON_OFF_BOTH, add_step_timing_args, blocks_for, command_line, fmt, format_table, metadata, model_dir, parse_ints,
     parse_step_timing_args, resolve_device, summary, time_steps, uniform_decode_plan, write_json,
 )
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine
-from engine.sampling import SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling import SamplingParams
 
 
 def measure(engine: LLMEngine, batch: int, context: int, warmup: int, iters: int, seed: int) -> dict[str, Any]:
@@ -82,7 +82,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m bench.engine_step", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.engine_step", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="qwen2.5-1.5b", help="model-shape preset with random weights")
     parser.add_argument("--model", help="a Hugging Face model directory (instead of --preset)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         del engine  # its weights and KV pool go before the next engine sizes itself
     rows.sort(key=lambda r: (r["batch"], r["overlap"]))
     print(table(rows))
-    result = {"metadata": metadata(device, command_line("bench.engine_step", argv), model_dir=str(path),
+    result = {"metadata": metadata(device, command_line("pdserve.bench.engine_step", argv), model_dir=str(path),
                                    iters=args.iters, warmup=args.warmup, block_size=args.block_size),
               "rows": rows}
     write_json(result, args.out)

@@ -1,7 +1,7 @@
 """Front-end throughput: how many streamed tokens a second the router and the client library
 deliver when the engine is out of the way.
 
-    python -m bench.frontend --streams 64,128 --output-len 256 --step-ms 0,2 --out frontend.json
+    python -m pdserve.bench.frontend --streams 64,128 --output-len 256 --step-ms 0,2 --out frontend.json
 
 Each configuration starts the real ``Router`` (colocated mode, one group, no tokenizer unless
 ``--tokenizer`` names a model directory) in a process, and in place of the worker group a
@@ -33,12 +33,12 @@ from typing import Any
 import torch
 import zmq
 
-from bench.common import ON_OFF_BOTH, command_line, fmt, format_table, metadata, parse_ints, write_json
-from bench.metrics import percentile
-from cluster.client import AsyncClient
-from cluster.config import Addresses, ClusterConfig
-from cluster.group import free_port
-from cluster.protocol import Chunk, Ready, TokenOutput, TokenOutputs, WorkRequest, decode, encode
+from pdserve.bench.common import ON_OFF_BOTH, command_line, fmt, format_table, metadata, parse_ints, write_json
+from pdserve.bench.metrics import percentile
+from pdserve.cluster.client import AsyncClient
+from pdserve.cluster.config import Addresses, ClusterConfig
+from pdserve.cluster.group import free_port
+from pdserve.cluster.protocol import Chunk, Ready, TokenOutput, TokenOutputs, WorkRequest, decode, encode
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def router_main(setup: Setup, stop: Any) -> None:
     """The real router until ``stop`` is set."""
     from transformers import AutoTokenizer
 
-    from router.router import Router
+    from pdserve.router.router import Router
 
     tokenizer = AutoTokenizer.from_pretrained(setup.tokenizer) if setup.tokenizer else None
     router = Router(ClusterConfig(mode="colocated"), Addresses(setup.run_dir, setup.endpoint), tokenizer,
@@ -165,7 +165,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m bench.frontend", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.frontend", description=__doc__.split("\n")[0])
     parser.add_argument("--streams", default="64,128", type=parse_ints, help="concurrent streaming requests")
     parser.add_argument("--output-len", default=256, type=int, help="tokens of every request")
     parser.add_argument("--step-ms", default="0,2", help="the stand-in's step period(s), ms; 0: unpaced")
@@ -180,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows = [measure(n, args.output_len, s, batched, args.tokenizer)
             for n in args.streams for s in step_ms for batched in ON_OFF_BOTH[args.batch_chunks]]
     print(table(rows))
-    result = {"metadata": metadata(torch.device("cpu"), command_line("bench.frontend", argv)), "rows": rows}
+    result = {"metadata": metadata(torch.device("cpu"), command_line("pdserve.bench.frontend", argv)), "rows": rows}
     write_json(result, args.out)
     return result
 

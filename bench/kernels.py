@@ -1,6 +1,6 @@
 """Kernel micro-benchmarks on one GPU: each Triton kernel against its torch reference.
 
-    python -m bench.kernels --out out/kernels.json [--dtype bfloat16] [--sweep prefill|decode|linear ...]
+    python -m pdserve.bench.kernels --out out/kernels.json [--dtype bfloat16] [--sweep prefill|decode|linear ...]
 
 Shapes are Qwen2.5-1.5B's (12 query heads, 2 KV heads, head_dim 128, hidden 1536,
 intermediate 8960, block_size 16). Every Triton kernel is timed as CUDA-graph replays
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from kernels import activation, decode_attention, embedding, linear, prefill_attention, rmsnorm, rope
+from pdserve.kernels import activation, decode_attention, embedding, linear, prefill_attention, rmsnorm, rope
 
 HQ, HKV, HEAD_DIM, HIDDEN, INTER, BLOCK, VOCAB = 12, 2, 128, 1536, 8960, 16, 151936
 Row = dict[str, Any]

@@ -1,9 +1,9 @@
 """End-to-end serving benchmark: streaming load from ``AsyncClient`` against a running cluster.
 
-    python -m bench.serve --endpoint tcp://127.0.0.1:5555 --workload random --input-len 512 \\
+    python -m pdserve.bench.serve --endpoint tcp://127.0.0.1:5555 --workload random --input-len 512 \\
         --output-len 128 --len-dist uniform --rates 1,2,4,8 --num-requests 200 --out run.json --plot-dir plots
-    python -m bench.serve --workload mixed --rate 4 --slo-ttft-ms 500 --slo-tpot-ms 50
-    python -m bench.serve --workload text --num-requests 20 --concurrency 4      # the demo model
+    python -m pdserve.bench.serve --workload mixed --rate 4 --slo-ttft-ms 500 --slo-tpot-ms 50
+    python -m pdserve.bench.serve --workload text --num-requests 20 --concurrency 4      # the demo model
 
 Load: ``--rate R`` sends requests as a Poisson process of R req/s (``inf``: all at once),
 ``--rates`` runs several rates in turn on the same requests and arrival pattern (scaled),
@@ -49,10 +49,10 @@ from typing import Any
 import click
 from tqdm import tqdm
 
-from bench.common import log_axis, pyplot, save_figure, write_json
-from bench.metrics import RequestRecord, compute_metrics, itls
-from cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable
-from cluster.protocol import Chunk
+from pdserve.bench.common import log_axis, pyplot, save_figure, write_json
+from pdserve.bench.metrics import RequestRecord, compute_metrics, itls
+from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable
+from pdserve.cluster.protocol import Chunk
 
 WORKLOADS = ("random", "mixed", "shared-prefix", "text")
 LEN_DISTS = ("fixed", "uniform", "lognormal")

@@ -1,7 +1,7 @@
 """Host time of a decode step's inputs, block tables as int32 arrays (now) against lists of
 Python ints (before), measured in the same run.
 
-    python -m bench.step_inputs --out step_inputs.json
+    python -m pdserve.bench.step_inputs --out step_inputs.json
 
 Rows per batch size (contexts of ``--context`` tokens, 16-token blocks, so batch x blocks
 block-table entries), each as arrays against lists, for a real decode batch (sequences and their
@@ -27,11 +27,11 @@ import msgpack
 import numpy as np
 import torch
 
-from bench.common import format_table, write_json
-from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence as Request
-from engine.step_plan import StepPlan, build_plan, decode_message, encode_message, host_tensor, padded_block_tables
+from pdserve.bench.common import format_table, write_json
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.sequence import Sequence as Request
+from pdserve.engine.step_plan import StepPlan, build_plan, decode_message, encode_message, host_tensor, padded_block_tables
 
 BLOCK_SIZE = 16
 
@@ -96,7 +96,7 @@ def encode_lists(plan: StepPlan, tables: list[list[int]]) -> bytes:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m bench.step_inputs", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.step_inputs", description=__doc__.split("\n")[0])
     parser.add_argument("--batch-sizes", default="8,32,128", type=lambda s: [int(v) for v in s.split(",")])
     parser.add_argument("--context", default=2048, type=int)
     parser.add_argument("--iters", default=50, type=int)

@@ -1,6 +1,6 @@
 """Where one decode step's time goes, kernel by kernel.
 
-    python -m bench.step_profile --preset qwen2.5-1.5b --batch 1 --context 128 --out profile.json
+    python -m pdserve.bench.step_profile --preset qwen2.5-1.5b --batch 1 --context 128 --out profile.json
 
 Runs decode steps of one (batch, context) case through ``ModelRunner.run`` (the CUDA graph on a
 GPU) under ``torch.profiler`` and prints, per kernel name, the calls and the device time per
@@ -29,10 +29,10 @@ from typing import Any, NamedTuple
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import fill_kv_random, format_table, model_dir, resolve_device, uniform_decode_plan, write_json
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.model_runner import ModelRunner
-from kernels import pdl
+from pdserve.bench.common import fill_kv_random, format_table, model_dir, resolve_device, uniform_decode_plan, write_json
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.kernels import pdl
 
 
 def profiled_steps(runner: ModelRunner, batch: int, context: int, steps: int, seed: int) -> profile:
@@ -134,7 +134,7 @@ def kernel_spans(prof: profile) -> list[KernelSpan]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.step_profile", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="qwen2.5-1.5b")
     parser.add_argument("--model", help="a Hugging Face model directory (instead of --preset)")
     parser.add_argument("--device", default="auto")

@@ -1,7 +1,7 @@
 """Decode step time of one tensor-parallel group, for several TP degrees.
 
-    python -m bench.tp_decode --preset qwen2.5-1.5b --out tp.json
-    python -m bench.tp_decode --preset tiny-llama --device cpu --tp 1,2 --batch-sizes 1,2 \\
+    python -m pdserve.bench.tp_decode --preset qwen2.5-1.5b --out tp.json
+    python -m pdserve.bench.tp_decode --preset tiny-llama --device cpu --tp 1,2 --batch-sizes 1,2 \\
         --contexts 16 --iters 2            # CPU smoke run (gloo, no graphs)
 
 For each degree ``t`` a group of ``t`` rank processes starts on GPUs ``0..t-1`` (NCCL, CUDA
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench.common import (
+from pdserve.bench.common import (
     H200_BANDWIDTH,
     add_step_timing_args,
     blocks_for,
@@ -45,8 +45,8 @@ from bench.common import (
     weight_bytes,
     write_json,
 )
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.model_runner import ModelRunner
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.model_runner import ModelRunner
 
 
 def time_decode_task(runner: ModelRunner, payload: dict[str, Any]) -> dict[str, Any]:
@@ -81,7 +81,7 @@ def engine_config(path: Path, dtype: str, device: torch.device, batches: Sequenc
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.tp_decode", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.tp_decode", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="qwen2.5-1.5b", help="model-shape preset with random weights")
     parser.add_argument("--model", help="a Hugging Face model directory (instead of --preset)")
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     payload = {"cases": [(b, c) for c in args.contexts for b in args.batch_sizes], "seed": args.seed,
                "warmup": args.warmup, "iters": args.iters}
     groups: dict[int, dict[str, Any]] = {}
-    for tp in tqdm(args.tp, unit="group", desc="bench.tp_decode"):
+    for tp in tqdm(args.tp, unit="group", desc="pdserve.bench.tp_decode"):
         devices = list(range(tp)) if device.type == "cuda" else None
         groups[tp] = run_tp_group(config, tp, devices, time_decode_task, payload, random_kv=True,
                                   timeout=args.timeout)
@@ -125,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(format_table(headers, rows))
 
     result = {
-        "metadata": metadata(device, command_line("bench.tp_decode", argv),
+        "metadata": metadata(device, command_line("pdserve.bench.tp_decode", argv),
                              preset=None if args.model else args.preset, model_dir=str(path), dtype=dtype,
                              iters=args.iters, warmup=args.warmup, block_size=args.block_size,
                              max_model_len=config.max_model_len, bandwidth_bytes_per_s=H200_BANDWIDTH),

@@ -1,8 +1,8 @@
 """KV transfer between a prefill and a decode rank through the real backends, against raw send/recv.
 
-    python -m bench.transfer --preset qwen2.5-1.5b --out transfer.json            # 2 GPUs
-    python -m bench.transfer --preset qwen2.5-1.5b --prefill-tp 2 --decode-tp 2   # 4 GPUs
-    python -m bench.transfer --preset tiny-llama --device cpu --sizes 64,256 --concurrent 4x128 \\
+    python -m pdserve.bench.transfer --preset qwen2.5-1.5b --out transfer.json            # 2 GPUs
+    python -m pdserve.bench.transfer --preset qwen2.5-1.5b --prefill-tp 2 --decode-tp 2   # 4 GPUs
+    python -m pdserve.bench.transfer --preset tiny-llama --device cpu --sizes 64,256 --concurrent 4x128 \\
         --iters 2 --out x.json                                                     # CPU smoke run
 
 One torch.distributed world of ``P + D`` rank processes: global ranks ``0..P-1`` are a prefill
@@ -84,15 +84,15 @@ import torch.distributed as dist
 import zmq
 from tqdm import tqdm
 
-from cluster.group import RankProcesses, free_port
-from cluster.protocol import KVAnnounce, KVReply, Sampling
-from cluster.protocol import decode as decode_message
-from cluster.protocol import encode as encode_message
-from engine.config import ModelConfig, parse_dtype
-from engine.presets import load_preset
-from engine.step_plan import KVCommand, StepReceiver, StepSender
-from kvtransfer.agent import KVTransferAgent
-from kvtransfer.base import Transfer, TransferConfig, TransferStats, TransferTopology, create_backend
+from pdserve.cluster.group import RankProcesses, free_port
+from pdserve.cluster.protocol import KVAnnounce, KVReply, Sampling
+from pdserve.cluster.protocol import decode as decode_message
+from pdserve.cluster.protocol import encode as encode_message
+from pdserve.engine.config import ModelConfig, parse_dtype
+from pdserve.engine.presets import load_preset
+from pdserve.engine.step_plan import KVCommand, StepReceiver, StepSender
+from pdserve.kvtransfer.agent import KVTransferAgent
+from pdserve.kvtransfer.base import Transfer, TransferConfig, TransferStats, TransferTopology, create_backend
 
 BLOCK_SIZE = 16
 # The issue's targets: (case, key, comparison, bound).
@@ -758,7 +758,7 @@ def _concurrent(text: str) -> tuple[int, int]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.transfer", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.transfer", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen2.5-1.5b", help="model-shape preset (configs/models)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="KV dtype (default bfloat16 on cuda, float32 on cpu)")
@@ -807,7 +807,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     num_blocks = args.num_blocks or need + max(need // 4, 4)
     if num_blocks < need:
         raise SystemExit(f"--num-blocks {num_blocks}: the largest case needs {need}")
-    command = " ".join(sys.orig_argv) if argv is None else " ".join(["python", "-m", "bench.transfer", *argv])
+    command = " ".join(sys.orig_argv) if argv is None else " ".join(["python", "-m", "pdserve.bench.transfer", *argv])
 
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-transfer-") as run_dir:
         setup = Setup(

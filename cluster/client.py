@@ -1,6 +1,6 @@
 """Client library (blocking and asyncio) and CLI for a running cluster.
 
-    python -m cluster.client "What is the capital of France?" --max-tokens 64 --stream
+    python -m pdserve.cluster.client "What is the capital of France?" --max-tokens 64 --stream
 
 Requests are multiplexed over one DEALER socket; replies are matched by ``request_id``.
 """
@@ -18,7 +18,7 @@ import click
 import zmq
 import zmq.asyncio
 
-from cluster.protocol import (
+from pdserve.cluster.protocol import (
     Abort,
     Chunk,
     Chunks,

@@ -9,8 +9,8 @@ from typing import Any
 
 import yaml
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvtransfer.base import TransferConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.kvtransfer.base import TransferConfig
 
 ROLES = ("prefill", "decode", "colocated")
 

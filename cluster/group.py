@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig, ParallelConfig
-from engine.parallel import TensorParallel
+from pdserve.engine.config import EngineConfig, ParallelConfig
+from pdserve.engine.parallel import TensorParallel
 
 
 def free_port() -> int:

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from cluster.config import Addresses, ClusterConfig, GroupLayout
-from cluster.group import RankProcesses, free_port, group_specs
-from cluster.worker import WorkerSpec, worker_main
-from engine.config import ModelConfig
-from engine.presets import resolve_model
-from router.router import Router
+from pdserve.cluster.config import Addresses, ClusterConfig, GroupLayout
+from pdserve.cluster.group import RankProcesses, free_port, group_specs
+from pdserve.cluster.worker import WorkerSpec, worker_main
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.presets import resolve_model
+from pdserve.router.router import Router
 
 logger = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from cluster.group import RankProcesses, RankSpec, free_port, group_specs, init_distributed
-from engine.config import EngineConfig, ModelConfig
-from engine.engine import LLMEngine
-from engine.model_runner import ModelRunner
-from engine.sampling import SamplingParams
+from pdserve.cluster.group import RankProcesses, RankSpec, free_port, group_specs, init_distributed
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampling import SamplingParams
 
 
 def _rank_main(spec: RankSpec, prompts: list[list[int]], params: list[dict], result_path: str) -> None:

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from cluster.config import Addresses, GroupLayout
-from cluster.group import RankSpec, init_distributed
-from cluster.protocol import (
+from pdserve.cluster.config import Addresses, GroupLayout
+from pdserve.cluster.group import RankSpec, init_distributed
+from pdserve.cluster.protocol import (
     Abort,
     Message,
     ProtocolError,
@@ -38,13 +38,13 @@ from cluster.protocol import (
     decode,
     encode,
 )
-from engine.config import ModelConfig
-from engine.engine import LLMEngine, RequestOutput
-from engine.model_runner import ModelRunner
-from engine.parallel import TensorParallel
-from engine.sampling import RequestError, SamplingParams
-from kvtransfer.agent import KVTransferAgent
-from kvtransfer.base import TransferConfig, TransferTopology, create_backend
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.parallel import TensorParallel
+from pdserve.engine.sampling import RequestError, SamplingParams
+from pdserve.kvtransfer.agent import KVTransferAgent
+from pdserve.kvtransfer.base import TransferConfig, TransferTopology, create_backend
 
 logger = logging.getLogger(__name__)
 
@@ -237,8 +237,8 @@ _PR_SET_PDEATHSIG = 1
 
 def worker_main(spec: WorkerSpec) -> None:
     """Entry point of a rank process: join the world, build the engine, serve until shutdown."""
-    from decode_worker.worker import DecodeLeader
-    from prefill_worker.worker import PrefillLeader
+    from pdserve.decode_worker.worker import DecodeLeader
+    from pdserve.prefill_worker.worker import PrefillLeader
 
     _die_with_launcher()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher drives shutdown, not Ctrl-C

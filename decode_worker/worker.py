@@ -17,13 +17,13 @@ so an abort during a transfer frees the blocks only after it.
 
 from __future__ import annotations
 
-from cluster.protocol import KVAnnounce, KVReply, Message, WorkerError
-from cluster.worker import Leader, WorkerSpec, sampling_params
-from engine.engine import LLMEngine, RequestOutput
-from engine.sampling import RequestError
-from engine.step_plan import KVCommand
-from kvtransfer.agent import KVTransferAgent
-from kvtransfer.base import TransferStats
+from pdserve.cluster.protocol import KVAnnounce, KVReply, Message, WorkerError
+from pdserve.cluster.worker import Leader, WorkerSpec, sampling_params
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.sampling import RequestError
+from pdserve.engine.step_plan import KVCommand
+from pdserve.kvtransfer.agent import KVTransferAgent
+from pdserve.kvtransfer.base import TransferStats
 
 
 class DecodeLeader(Leader):

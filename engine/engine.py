@@ -12,14 +12,14 @@ from pathlib import Path
 
 import torch
 
-from engine.block_manager import BlockManager
-from engine.config import EngineConfig, ModelConfig
-from engine.model_runner import ModelRunner
-from engine.parallel import TensorParallel
-from engine.sampling import RequestError, Sampler, SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import Sequence, SequenceStatus
-from engine.step_plan import StepPlan, build_plan, pending_token
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.parallel import TensorParallel
+from pdserve.engine.sampling import RequestError, Sampler, SamplingParams
+from pdserve.engine.scheduler import ScheduledBatch, Scheduler
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.step_plan import StepPlan, build_plan, pending_token
 
 
 @dataclass

@@ -33,9 +33,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engine.context import AttentionContext, set_context
-from engine.model import CausalLM
-from engine.step_plan import StepPlan, host_tensor, write_pending_tokens
+from pdserve.engine.context import AttentionContext, set_context
+from pdserve.engine.model import CausalLM
+from pdserve.engine.step_plan import StepPlan, host_tensor, write_pending_tokens
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import ops
-from engine.config import RopeConfig
-from engine.parallel import TensorParallel
+from pdserve.engine import ops
+from pdserve.engine.config import RopeConfig
+from pdserve.engine.parallel import TensorParallel
 
 
 def default_weight_loader(param: nn.Parameter, source: Any, shard_id: str | None = None) -> None:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine import ops
-from engine.config import ModelConfig
-from engine.context import get_context
-from engine.layers import ColumnParallelLinear, Embedding, RMSNorm, RotaryEmbedding, RowParallelLinear
-from engine.parallel import TensorParallel, head_shard, split_range
+from pdserve.engine import ops
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.context import get_context
+from pdserve.engine.layers import ColumnParallelLinear, Embedding, RMSNorm, RotaryEmbedding, RowParallelLinear
+from pdserve.engine.parallel import TensorParallel, head_shard, split_range
 
 
 class Attention(nn.Module):

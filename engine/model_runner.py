@@ -11,16 +11,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine import ops
-from engine.config import EngineConfig, ModelConfig
-from engine.context import AttentionContext, set_context
-from engine.graph_runner import CudaGraphRunner, PrefillGraphRunner, batch_buckets, token_buckets
-from engine.parallel import TensorParallel, head_shard
-from engine.step_plan import KVCommand, StepPlan, StepReceiver, StepSender, device_tensor, write_pending_tokens
-from engine.weights import build_model
+from pdserve.engine import ops
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.context import AttentionContext, set_context
+from pdserve.engine.graph_runner import CudaGraphRunner, PrefillGraphRunner, batch_buckets, token_buckets
+from pdserve.engine.parallel import TensorParallel, head_shard
+from pdserve.engine.step_plan import KVCommand, StepPlan, StepReceiver, StepSender, device_tensor, write_pending_tokens
+from pdserve.engine.weights import build_model
 
 if TYPE_CHECKING:
-    from kvtransfer.agent import KVTransferAgent
+    from pdserve.kvtransfer.agent import KVTransferAgent
 
 logger = logging.getLogger(__name__)
 

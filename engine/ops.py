@@ -12,15 +12,15 @@ from collections.abc import Callable
 from typing import Any
 
 _OPS = {
-    "embedding": "kernels.embedding",
-    "linear": "kernels.linear",
-    "linear_partial_sums": "kernels.linear",
-    "linear_silu_and_mul": "kernels.linear",
-    "rms_norm": "kernels.rmsnorm",
-    "fused_add_rms_norm": "kernels.rmsnorm",
-    "rope_and_store_kv": "kernels.rope",
-    "paged_decode_attention": "kernels.decode_attention",
-    "paged_prefill_attention": "kernels.prefill_attention",
+    "embedding": "pdserve.kernels.embedding",
+    "linear": "pdserve.kernels.linear",
+    "linear_partial_sums": "pdserve.kernels.linear",
+    "linear_silu_and_mul": "pdserve.kernels.linear",
+    "rms_norm": "pdserve.kernels.rmsnorm",
+    "fused_add_rms_norm": "pdserve.kernels.rmsnorm",
+    "rope_and_store_kv": "pdserve.kernels.rope",
+    "paged_decode_attention": "pdserve.kernels.decode_attention",
+    "paged_prefill_attention": "pdserve.kernels.prefill_attention",
 }
 
 _impl: dict[str, Callable[..., Any]] = {}

@@ -4,7 +4,7 @@ A preset is the config.json of a real model (or of a tiny test model); writing i
 weights gives a Hugging Face directory with the real tensor names and shapes, so the engine,
 the kernels and transformers all load it as they would the real checkpoint.
 
-``python -m engine.presets list`` and ``python -m engine.presets write NAME --out DIR``.
+``python -m pdserve.engine.presets list`` and ``python -m pdserve.engine.presets write NAME --out DIR``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import yaml
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from engine.config import ModelConfig, parse_dtype
-from engine.demo import ensure_demo_model
-from engine.paths import atomic_directory, build_once, models_cache_dir
+from pdserve.engine.config import ModelConfig, parse_dtype
+from pdserve.engine.demo import ensure_demo_model
+from pdserve.engine.paths import atomic_directory, build_once, models_cache_dir
 
 __all__ = [
     "PRESETS_DIR",

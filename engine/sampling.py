@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.step_plan import device_tensor
+from pdserve.engine.step_plan import device_tensor
 
 
 class RequestError(ValueError):

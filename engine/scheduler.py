@@ -19,9 +19,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.sampling import SamplingParams
+from pdserve.engine.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

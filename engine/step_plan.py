@@ -22,7 +22,7 @@ import zmq
 # For the annotation only: the sampler imports this module, and the scheduler (through Sequence)
 # imports the sampler.
 if TYPE_CHECKING:
-    from engine.scheduler import ScheduledBatch
+    from pdserve.engine.scheduler import ScheduledBatch
 
 
 @dataclass(eq=False)  # block_tables is an array: compare plans field by field

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
-from engine.layers import RotaryEmbedding
-from engine.model import CausalLM
-from engine.parallel import TensorParallel
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.layers import RotaryEmbedding
+from pdserve.engine.model import CausalLM
+from pdserve.engine.parallel import TensorParallel
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:

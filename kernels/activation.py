@@ -7,8 +7,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.checks import as_rows
+from pdserve.kernels import pdl
+from pdserve.kernels.checks import as_rows
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

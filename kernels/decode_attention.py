@@ -9,10 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.checks import check_float_dtype, dot_precision
-from kernels.pdl import prefetch_l2
-from kernels.rope import check_new_tokens, rope_and_store_kv_ref
+from pdserve.kernels import pdl
+from pdserve.kernels.checks import check_float_dtype, dot_precision
+from pdserve.kernels.pdl import prefetch_l2
+from pdserve.kernels.rope import check_new_tokens, rope_and_store_kv_ref
 
 
 def gather_kv(

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.checks import check_float_dtype
+from pdserve.kernels import pdl
+from pdserve.kernels.checks import check_float_dtype
 
 
 def embedding_ref(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ size keeps its choice):
 
 * 1 row: :func:`linear_kernel`, a GEMV with plain FMAs and many small programs: 1.9-4.8 TB/s
   on the Qwen2.5-1.5B shapes, where cuBLAS's kernels reach 0.8-4.1 TB/s (its o_proj GEMV takes
-  6 us for 4.7 MB); 0.24 ms off a 1.71 ms batch-1 decode step (``python -m bench.kernels``).
+  6 us for 4.7 MB); 0.24 ms off a 1.71 ms batch-1 decode step (``python -m pdserve.bench.kernels``).
 * 2 to ``MAX_DOT_ROWS`` = 32 rows: :func:`linear_dot`, one weight read for all rows on tensor
   cores (:func:`linear_kernel` re-reads it for every row: two rows take 1.4-1.7x the time of
   one on the large shapes). The narrow layers (qkv, o_proj: under 8192 outputs and 4096
@@ -36,9 +36,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.activation import silu_and_mul, silu_and_mul_ref, silu_mul
-from kernels.checks import as_rows, dot_precision
+from pdserve.kernels import pdl
+from pdserve.kernels.activation import silu_and_mul, silu_and_mul_ref, silu_mul
+from pdserve.kernels.checks import as_rows, dot_precision
 
 MAX_DOT_ROWS = 32  # rows of x up to which linear() runs a Triton kernel; more go to cuBLAS
 _MAX_KERNEL_ROWS = 16  # linear_kernel: each row re-reads the weight, a few rows at most

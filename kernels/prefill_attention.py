@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import dot_precision
-from kernels.decode_attention import _LOG2E, _check_paged_cache, _online_softmax_step, gather_kv
+from pdserve.kernels.checks import dot_precision
+from pdserve.kernels.decode_attention import _LOG2E, _check_paged_cache, _online_softmax_step, gather_kv
 
 
 def paged_prefill_attention_ref(

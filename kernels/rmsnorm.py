@@ -6,9 +6,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.checks import FLOAT_DTYPES, as_rows
-from kernels.pdl import prefetch_l2
+from pdserve.kernels import pdl
+from pdserve.kernels.checks import FLOAT_DTYPES, as_rows
+from pdserve.kernels.pdl import prefetch_l2
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

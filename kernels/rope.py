@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.checks import check_float_dtype
+from pdserve.kernels import pdl
+from pdserve.kernels.checks import check_float_dtype
 
 
 def rope_and_store_kv_ref(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from engine.step_plan import KVCommand
-from kvtransfer.base import Transfer, TransferBackend, TransferStats
+from pdserve.engine.step_plan import KVCommand
+from pdserve.kvtransfer.base import Transfer, TransferBackend, TransferStats
 
 
 class KVTransferAgent:

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.parallel import HeadShard, head_shard
-from kvtransfer.plan import Piece, resharding_plan
+from pdserve.engine.parallel import HeadShard, head_shard
+from pdserve.kvtransfer.plan import Piece, resharding_plan
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,8 @@ class TransferConfig:
     layer_groups: int = 1
 
     def __post_init__(self) -> None:
-        if self.backend not in _REGISTRY:
-            raise ValueError(f"unknown KV transfer backend {self.backend!r}; available: {sorted(_REGISTRY)}")
+        if self.backend not in available_backends():
+            raise ValueError(f"unknown KV transfer backend {self.backend!r}; available: {available_backends()}")
         if self.max_staging_bytes < 1:
             raise ValueError("max_staging_bytes must be positive")
         if self.layer_groups < 1:
@@ -159,5 +159,15 @@ def register_backend(name: str) -> Callable:
     return wrap
 
 
+def available_backends() -> list[str]:
+    """Names of the registered backends, the built-in ones included."""
+    # The built-in backends register themselves when their module is imported; importing it
+    # here (not at the top: it imports this module) spares every caller that step.
+    from pdserve.kvtransfer import torch_dist  # noqa: F401
+
+    return sorted(_REGISTRY)
+
+
 def create_backend(config: TransferConfig, topology: TransferTopology, kv_cache: torch.Tensor) -> TransferBackend:
+    available_backends()
     return _REGISTRY[config.backend](config, topology, kv_cache)

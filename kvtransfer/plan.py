@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from engine.parallel import HeadShard, head_shard
+from pdserve.engine.parallel import HeadShard, head_shard
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from engine.parallel import split_range
-from kvtransfer.base import Transfer, TransferBackend, TransferConfig, TransferStats, TransferTopology, register_backend
+from pdserve.engine.parallel import split_range
+from pdserve.kvtransfer.base import Transfer, TransferBackend, TransferConfig, TransferStats, TransferTopology, register_backend
 
 
 class _TorchTransfer(Transfer):

@@ -19,12 +19,12 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from cluster.protocol import KVAnnounce, KVReply, Message, WorkRequest
-from cluster.worker import Leader, WorkerSpec
-from engine.engine import LLMEngine, RequestOutput
-from engine.step_plan import KVCommand
-from kvtransfer.agent import KVTransferAgent
-from kvtransfer.base import Transfer
+from pdserve.cluster.protocol import KVAnnounce, KVReply, Message, WorkRequest
+from pdserve.cluster.worker import Leader, WorkerSpec
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.step_plan import KVCommand
+from pdserve.kvtransfer.agent import KVTransferAgent
+from pdserve.kvtransfer.base import Transfer
 
 _RETRY_FIRST_S = 0.002
 _RETRY_MAX_S = 0.05

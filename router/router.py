@@ -20,8 +20,8 @@ from typing import Any
 
 import zmq
 
-from cluster.config import Addresses, ClusterConfig
-from cluster.protocol import (
+from pdserve.cluster.config import Addresses, ClusterConfig
+from pdserve.cluster.protocol import (
     Abort,
     Chunk,
     Chunks,
@@ -42,12 +42,12 @@ from cluster.protocol import (
     decode,
     encode,
 )
-from cluster.worker import sampling_params
-from engine.detokenizer import IncrementalDetokenizer
-from engine.engine import validate_request
-from engine.sampling import RequestError
-from engine.tokenization import encode_prompt
-from router.policy import create_policy
+from pdserve.cluster.worker import sampling_params
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.engine import validate_request
+from pdserve.engine.sampling import RequestError
+from pdserve.engine.tokenization import encode_prompt
+from pdserve.router.policy import create_policy
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ def interpreter() -> None:
     import triton
     from triton.runtime.interpreter import InterpretedFunction
 
-    from kernels import rmsnorm
+    from pdserve.kernels import rmsnorm
 
     if not isinstance(rmsnorm._rms_norm_kernel, InterpretedFunction):
         if torch.cuda.is_available():
@@ -55,7 +55,7 @@ def _version(text: str) -> tuple[int, int]:
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """fp32 random-weight checkpoints of the tiny presets, written once per test session."""
-    from engine.presets import list_presets, load_preset, write_random_checkpoint
+    from pdserve.engine.presets import list_presets, load_preset, write_random_checkpoint
 
     root = tmp_path_factory.mktemp("tiny-models")
     return {
@@ -67,6 +67,6 @@ def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
-    from engine.demo import ensure_demo_model
+    from pdserve.engine.demo import ensure_demo_model
 
     return ensure_demo_model(quiet=True)

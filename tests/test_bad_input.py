@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import CacheConfig, EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling import RequestError, SamplingParams
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling import RequestError, SamplingParams
 
 
 @pytest.fixture(scope="module")

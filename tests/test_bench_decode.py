@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bench import batch_divergence, decode, tp_decode
-from bench.common import (
+from pdserve.bench import batch_divergence, decode, tp_decode
+from pdserve.bench.common import (
     block_tables, compare_greedy, decode_plan, divergences, fill_kv_random, run_tp_group, teacher_forced_logits,
 )
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.model_runner import ModelRunner
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.engine.model_runner import ModelRunner
 
 # The documented smoke run, with a small batched prefill and one warm-up call to keep CI fast.
 SMOKE = ["--preset", "tiny-llama", "--device", "cpu", "--batch-sizes", "1,2", "--contexts", "16,32",

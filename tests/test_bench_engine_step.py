@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.engine_step import main
+from pdserve.bench.engine_step import main
 
 
 def test_cpu_engine_step_split(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:

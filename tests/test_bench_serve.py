@@ -1,5 +1,5 @@
 """The serving benchmark: metrics on synthetic timelines with known answers, workloads, and a
-short end-to-end run of ``python -m bench.serve`` against a real CPU cluster on the demo model."""
+short end-to-end run of ``python -m pdserve.bench.serve`` against a real CPU cluster on the demo model."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import to_json
-from bench.compare import LaunchedCluster, required_model_len, system_args, write_report
-from bench.metrics import RequestRecord, compute_metrics, e2e, itls, meets_slo, percentile, summarize, tpot, ttft
-from bench.serve import BenchConfig, RequestSpec, arrival_times, build_requests, write_plots
+from pdserve.bench.common import to_json
+from pdserve.bench.compare import LaunchedCluster, required_model_len, system_args, write_report
+from pdserve.bench.metrics import RequestRecord, compute_metrics, e2e, itls, meets_slo, percentile, summarize, tpot, ttft
+from pdserve.bench.serve import BenchConfig, RequestSpec, arrival_times, build_requests, write_plots
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -149,7 +149,7 @@ def test_load_generator_against_a_cpu_cluster(tmp_path: Path, demo_model_dir: Pa
     with LaunchedCluster(args, tmp_path / "launch.log", start_timeout=300) as cluster:
         out = tmp_path / "run.json"
         bench = subprocess.run(
-            [sys.executable, "-m", "bench.serve", "--endpoint", cluster.endpoint, "--workload", "random",
+            [sys.executable, "-m", "pdserve.bench.serve", "--endpoint", cluster.endpoint, "--workload", "random",
              "--input-len", "24", "--output-len", "6", "--len-dist", "uniform", "--num-requests", "5",
              "--warmup", "1", "--rates", "8,inf", "--model-dir", str(demo_model_dir), "--slo-ttft-ms", "20000",
              "--slo-tpot-ms", "5000", "--out", str(out), "--plot-dir", str(tmp_path / "plots")],
@@ -157,7 +157,7 @@ def test_load_generator_against_a_cpu_cluster(tmp_path: Path, demo_model_dir: Pa
         )
         assert bench.returncode == 0, bench.stderr[-4000:]
         text = subprocess.run(
-            [sys.executable, "-m", "bench.serve", "--endpoint", cluster.endpoint, "--workload", "text",
+            [sys.executable, "-m", "pdserve.bench.serve", "--endpoint", cluster.endpoint, "--workload", "text",
              "--output-len", "8", "--num-requests", "3", "--warmup", "0", "--concurrency", "2",
              "--out", str(tmp_path / "text.json")],
             cwd=REPO, capture_output=True, text=True, timeout=300,
@@ -220,7 +220,7 @@ def test_cluster_check_2p1d_on_cpu(tmp_path: Path, tiny_model_dirs: dict[str, Pa
     on CPU, every output identical to the single-process engine, no divergence recorded."""
     out = tmp_path / "check.json"
     run = subprocess.run(
-        [sys.executable, "-m", "bench.cluster_check", "--model", str(tiny_model_dirs["tiny-qwen2"]), "--devices", "",
+        [sys.executable, "-m", "pdserve.bench.cluster_check", "--model", str(tiny_model_dirs["tiny-qwen2"]), "--devices", "",
          "--prefill-tp", "2", "--num-requests", "6", "--max-tokens", "6", "--max-model-len", "256",
          "--topologies", "disagg-gloo", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,

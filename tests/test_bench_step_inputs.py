@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.step_inputs import main
+from pdserve.bench.step_inputs import main
 
 
 def test_step_inputs_rows(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.step_profile import KernelSpan, critical_path_rows, main
+from pdserve.bench.step_profile import KernelSpan, critical_path_rows, main
 
 
 def test_cpu_profile_of_a_decode_step(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:

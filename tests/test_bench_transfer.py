@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import transfer
-from bench.transfer import BLOCK_SIZE, Case, Setup, _Rank, block_ids, fill_pattern, pattern_seed
+from pdserve.bench import transfer
+from pdserve.bench.transfer import BLOCK_SIZE, Case, Setup, _Rank, block_ids, fill_pattern, pattern_seed
 
 SMOKE = ["--preset", "tiny-llama", "--device", "cpu", "--sizes", "64,256", "--concurrent", "4x128", "--iters", "2"]
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from bench.compare import LaunchedCluster
-from cluster.client import Chunk, Client, ClusterError, Final
-from cluster.group import free_port
-from engine.config import CacheConfig, EngineConfig
-from engine.engine import LLMEngine
-from engine.sampling import SamplingParams
+from pdserve.bench.compare import LaunchedCluster
+from pdserve.cluster.client import Chunk, Client, ClusterError, Final
+from pdserve.cluster.group import free_port
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling import SamplingParams
 
 MAX_MODEL_LEN = 512
 
@@ -175,7 +175,7 @@ def test_demo_model_text_prompts_and_colocated_mode_agree(cluster_factory, demo_
     (chunked prefill) give the single-process engine's greedy tokens."""
     from transformers import AutoTokenizer
 
-    from engine.tokenization import encode_prompt
+    from pdserve.engine.tokenization import encode_prompt
 
     questions = ["What is the capital of France?", "Name a colour.", "Count to five.", "Say hi. ☃ 日本"] * 4
     tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
@@ -218,7 +218,7 @@ def test_sigterm_under_load_ends_every_request_and_exits_zero(cluster_factory, t
 
 
 def test_client_reports_a_missing_cluster_clearly() -> None:
-    from cluster.client import ClusterUnavailable
+    from pdserve.cluster.client import ClusterUnavailable
 
     with Client(f"tcp://127.0.0.1:{free_port()}", timeout=0.5) as client:
         with pytest.raises(ClusterUnavailable, match="is it running"):
@@ -230,8 +230,8 @@ def test_async_client_skips_an_undecodable_frame_and_gets_its_final() -> None:
 
     import zmq
 
-    from cluster.client import AsyncClient
-    from cluster.protocol import encode
+    from pdserve.cluster.client import AsyncClient
+    from pdserve.cluster.protocol import encode
 
     router = zmq.Context.instance().socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import ClusterConfig
+from pdserve.cluster.config import ClusterConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

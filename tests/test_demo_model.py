@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import engine.demo as demo
-from engine.config import ModelConfig
-from engine.demo import demo_model_dir, ensure_demo_model
-from engine.presets import resolve_model
+from pdserve.engine import demo
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.demo import demo_model_dir, ensure_demo_model
+from pdserve.engine.presets import resolve_model
 
 
 @pytest.fixture(scope="session")

@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.config import CacheConfig, EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.engine import LLMEngine
-from engine.sampling import SamplingParams
-from engine.tokenization import encode_prompt
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.tokenization import encode_prompt
 
 
 @pytest.mark.slow

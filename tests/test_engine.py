@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import ops
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.engine import LLMEngine, RequestOutput
-from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledBatch
-from engine.step_plan import build_plan, pending_token, write_pending_tokens
+from pdserve.engine import ops
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.step_plan import build_plan, pending_token, write_pending_tokens
 
 PARITY_MODELS = ["tiny-qwen2", "tiny-llama-odd"]
 PROMPT_LENGTHS = [1, 5, 16, 17, 40, 63]

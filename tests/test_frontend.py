@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from bench.frontend import Setup, main, stand_in_cluster
-from cluster.protocol import Chunk, Chunks, Final, Generate, Sampling, decode, encode
+from pdserve.bench.frontend import Setup, main, stand_in_cluster
+from pdserve.cluster.protocol import Chunk, Chunks, Final, Generate, Sampling, decode, encode
 
 REQUESTS = 64
 

@@ -31,14 +31,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.common import block_tables, compare_greedy, decode_plan, fill_kv_random, teacher_forced_logits
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.engine import LLMEngine
-from engine.graph_runner import pad_prefill_plan
-from engine.model_runner import ModelRunner
-from engine.presets import ensure_preset_model, load_preset, write_random_checkpoint
-from engine.sampling import SamplingParams
-from engine.step_plan import StepPlan, padded_block_tables
+from pdserve.bench.common import block_tables, compare_greedy, decode_plan, fill_kv_random, teacher_forced_logits
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.graph_runner import pad_prefill_plan
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.presets import ensure_preset_model, load_preset, write_random_checkpoint
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.step_plan import StepPlan, padded_block_tables
 
 pytestmark = pytest.mark.gpu
 

@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.common import compare_greedy, run_tp_group, teacher_forced_logits
-from cluster.offline import generate_tp
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.engine import LLMEngine
-from engine.model_runner import ModelRunner
-from engine.presets import ensure_preset_model
-from engine.sampling import SamplingParams
+from pdserve.bench.common import compare_greedy, run_tp_group, teacher_forced_logits
+from pdserve.cluster.offline import generate_tp
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.presets import ensure_preset_model
+from pdserve.engine.sampling import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.graph_runner import DecodeInputs, decode_buffer_layout, decode_inputs, pack_decode_step, packed_len
-from engine.step_plan import StepPlan
+from pdserve.engine.graph_runner import DecodeInputs, decode_buffer_layout, decode_inputs, pack_decode_step, packed_len
+from pdserve.engine.step_plan import StepPlan
 
 
 @pytest.mark.parametrize("bucket", [1, 2, 3, 4, 8, 13, 24, 256])

@@ -29,7 +29,7 @@ import pytest
 import torch
 import triton
 
-from kernels import activation, decode_attention, embedding, linear, pdl, prefill_attention, rmsnorm, rope
+from pdserve.kernels import activation, decode_attention, embedding, linear, pdl, prefill_attention, rmsnorm, rope
 
 CPU = torch.device("cpu")
 

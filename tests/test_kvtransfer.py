@@ -17,14 +17,14 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from cluster.group import RankProcesses, free_port
-from engine.config import CacheConfig, EngineConfig
-from engine.engine import LLMEngine
-from engine.parallel import head_shard
-from engine.sampling import SamplingParams
-from engine.step_plan import KVCommand
-from kvtransfer.agent import KVTransferAgent
-from kvtransfer.base import TransferConfig, TransferTopology, create_backend
+from pdserve.cluster.group import RankProcesses, free_port
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.parallel import head_shard
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.step_plan import KVCommand
+from pdserve.kvtransfer.agent import KVTransferAgent
+from pdserve.kvtransfer.base import TransferConfig, TransferTopology, create_backend
 
 NUM_BLOCKS = 96
 MAX_P, MAX_D = 3, 4  # one world of 7 ranks serves every pair: prefill 0..2, decode 3..6

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.parallel import head_shard
-from kvtransfer.plan import resharding_plan
+from pdserve.engine.parallel import head_shard
+from pdserve.kvtransfer.plan import resharding_plan
 
 
 @pytest.mark.parametrize("num_kv_heads", range(1, 9))

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from bench.common import block_tables, prefill_plan
-from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.graph_runner import pad_prefill_plan, token_buckets
-from engine.model_runner import ModelRunner
-from engine.step_plan import StepPlan, padded_block_tables
+from pdserve.bench.common import block_tables, prefill_plan
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.engine.graph_runner import pad_prefill_plan, token_buckets
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.step_plan import StepPlan, padded_block_tables
 
 BLOCK = 4
 

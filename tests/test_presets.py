@@ -11,9 +11,9 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-import engine.presets as presets
-from engine.config import ModelConfig
-from engine.presets import (
+from pdserve.engine import presets
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.presets import (
     checkpoint_tensor_shapes,
     ensure_preset_model,
     list_presets,

@@ -9,8 +9,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from cluster import protocol
-from cluster.protocol import (
+from pdserve.cluster import protocol
+from pdserve.cluster.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Chunk,

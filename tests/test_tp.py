@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.offline import generate_tp
-from engine.config import CacheConfig, EngineConfig
-from engine.engine import LLMEngine
-from engine.parallel import check_tp_size, head_shard, split_range
-from engine.sampling import SamplingParams
-from engine.step_plan import KVCommand, StepPlan, decode_message, encode_message, host_tensor
+from pdserve.cluster.offline import generate_tp
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.parallel import check_tp_size, head_shard, split_range
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.step_plan import KVCommand, StepPlan, decode_message, encode_message, host_tensor
 
 
 def test_peer_messages_round_trip() -> None:
@@ -150,7 +150,7 @@ def _rank_dies_or_waits(rank: int, init: str) -> None:
 
 
 def test_a_dead_peer_stops_the_group_with_its_rank_named() -> None:
-    from cluster.group import RankProcesses, free_port
+    from pdserve.cluster.group import RankProcesses, free_port
 
     init = f"tcp://127.0.0.1:{free_port()}"
     group = RankProcesses(_rank_dies_or_waits, [(0, init), (1, init)])

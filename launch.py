@@ -13,12 +13,15 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 try:
     import click
 
-    from pdserve.cluster.config import ClusterConfig
+    from pdserve.cluster.config import ClusterConfig, cluster_settings
     from pdserve.cluster.launcher import Cluster, ClusterError
+    from pdserve.engine.config import SettingSpec
 except ModuleNotFoundError as missing:  # run from a checkout that was never installed
     sys.exit(f"error: {missing.name} is not installed; run `pip install -e .` in the repository root first")
 
@@ -49,75 +52,107 @@ def run_demo(endpoint: str, prompts: tuple[str, ...], max_tokens: int) -> None:
                     ttft = (arrivals[0] - started) * 1e3 if arrivals else float("nan")
                     transfer = message.timings.get("transfer")
                     click.echo(
-                        f"\n[{message.usage['prompt_tokens']} prompt + {message.usage['completion_tokens']} generated, "
-                        f"{message.finish_reason}] TTFT {ttft:.0f} ms, inter-token {itl} mean"
+                        f"\n[{message.usage['prompt_tokens']} prompt + {message.usage['completion_tokens']} "
+                        f"generated, {message.finish_reason}] TTFT {ttft:.0f} ms, inter-token {itl} mean"
                         + (f", KV transfer {transfer * 1e3:.1f} ms" if transfer is not None else ""),
                         err=True,
                     )
 
 
-@click.command(context_settings={"show_default": True})
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
-              help="A cluster preset (configs/*.yaml); flags given here override it.")
-@click.option("--model", default=None, help="'demo' (default), a shape preset (random weights) or a HF directory.")
-@click.option("--mode", type=click.Choice(["disagg", "colocated"]), default=None, help="[default: disagg]")
-@click.option("--prefill-tp", type=int, default=None, help="[default: 1]")
-@click.option("--decode-tp", type=int, default=None, help="[default: 1]")
-@click.option("--prefill-groups", type=int, default=None, help="[default: 1]")
-@click.option("--decode-groups", type=int, default=None, help="[default: 1]")
-@click.option("--colocated-groups", type=int, default=None, help="colocated mode [default: 1]")
-@click.option("--colocated-tp", type=int, default=None, help="colocated mode [default: 1]")
-@click.option("--transfer", type=click.Choice(["auto", "nccl", "nccl-async", "gloo", "gloo-async"]), default=None,
-              help="KV transfer backend [default: nccl-async on GPUs, gloo on CPU]")
-@click.option("--transfer-layer-groups", type=int, default=None,
-              help="KV messages per request and destination rank, each a range of layers [default: 1]")
-@click.option("--transfer-staging-mib", type=float, default=None,
-              help="KV buffers a rank may hold for transfers in flight, MiB [default: 4096]")
-@click.option("--devices", default=None, help="Comma-separated GPU ids [default: all visible]")
-@click.option("--host", default=None, help="[default: 127.0.0.1]")
-@click.option("--port", type=int, default=None, help="[default: 5555]")
-@click.option("--max-model-len", type=int, default=None, help="[default: 4096]")
-@click.option("--kv-memory-fraction", "gpu_memory_utilization", type=float, default=None,
-              help="Fraction of each GPU for weights + KV cache [default: 0.85]")
-@click.option("--num-blocks", type=int, default=None, help="Fixed KV blocks per rank [default: sized from memory]")
-@click.option("--max-num-seqs", type=int, default=None, help="Most sequences a group runs at once [default: 256]")
-@click.option("--graph-max-batch", "cuda_graph_max_batch", type=int, default=None,
-              help="Largest CUDA-graph decode batch [default: 256]")
-@click.option("--graph-max-prefill-tokens", "cuda_graph_max_prefill_tokens", type=int, default=None,
-              help="Largest CUDA-graph prefill step in tokens, 0 for none [default: 2048]")
-@click.option("--graph-max-prefill-seqs", "cuda_graph_max_prefill_seqs", type=int, default=None,
-              help="Most sequences (decodes included) in a CUDA-graph prefill or mixed step [default: 256]")
-@click.option("--enforce-eager", is_flag=True, default=None, help="No CUDA graphs.")
-@click.option("--no-overlap", "overlap_scheduling", flag_value=False, default=None,
-              help="Read each step's tokens back before planning the next (overlap is on by default).")
-@click.option("--no-chunked-prefill", "enable_chunked_prefill", flag_value=False, default=None,
-              help="Prefill whole prompts in their own steps (colocated baseline without chunking).")
-@click.option("--dispatch", type=click.Choice(["round-robin", "least-tokens"]), default=None,
-              help="[default: round-robin]")
-@click.option("--drain-timeout", type=float, default=None, help="Seconds to finish in-flight requests on shutdown.")
-@click.option("--demo", is_flag=True, help="Answer a few prompts through the client, then shut down.")
-@click.option("--demo-max-tokens", type=int, default=48)
-def main(config_path: str | None, devices: str | None, demo: bool, demo_max_tokens: int, **flags: object) -> None:
-    overrides = {k: v for k, v in flags.items() if v is not None}
-    if devices is not None:
-        overrides["devices"] = tuple(int(d) for d in devices.split(",") if d.strip())
+_SECTIONS = ("Launcher", "Model", "Topology", "Serving", "Engine", "KV transfer", "GPU")
+
+
+class SectionedCommand(click.Command):
+    """``--help`` lists the options under their sections, GPU-only ones last."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {name: [] for name in _SECTIONS}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                sections.setdefault(getattr(param, "section", "Launcher"), []).append(record)
+        for name, rows in sections.items():
+            if rows:
+                with formatter.section(f"{name} options" + (" (used only on GPUs)" if name == "GPU" else "")):
+                    formatter.write_dl(rows)
+
+
+class SettingOption(click.Option):
+    def __init__(self, *args: Any, section: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.section = section
+
+
+def _parse_devices(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
     try:
-        config = ClusterConfig.from_yaml(config_path, **overrides) if config_path else ClusterConfig(**overrides)
+        return tuple(int(d) for d in value.split(",") if d.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated GPU ids such as 0,1, got {value!r}") from None
+
+
+def _setting_option(spec: SettingSpec) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """One click option per setting. Its default is None ("not given") so that a preset's value
+    is overridden only by flags the user typed; the help shows the setting's real default."""
+    shown = spec.default_text or ("on" if spec.default is True else "off" if spec.default is False else spec.default)
+    help_text = f"{spec.help}  [default: {shown}]"
+    kwargs: dict[str, Any] = {"default": None, "help": help_text, "section": spec.section, "cls": SettingOption}
+    if spec.type is bool:
+        decls = [f"{spec.flag}/--no-{spec.flag[2:]}", spec.key]
+    else:
+        decls = [spec.flag, spec.key]
+        if spec.choices:
+            kwargs["type"] = click.Choice(spec.choices)
+        elif spec.key == "devices":
+            kwargs["callback"] = _parse_devices
+        elif spec.default is not None and not isinstance(spec.default, str):
+            kwargs["type"] = type(spec.default)
+        elif "int" in str(spec.type):
+            kwargs["type"] = int
+    return click.option(*decls, **kwargs)
+
+
+def setting_options(function: Callable[..., Any]) -> Callable[..., Any]:
+    for spec in reversed(cluster_settings()):
+        function = _setting_option(spec)(function)
+    return function
+
+
+@click.command(cls=SectionedCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False),
+    help="A cluster preset (configs/*.yaml, keys as the flags below); flags given here override it.",
+)
+@click.option("--demo", is_flag=True, help="Answer a few prompts through the client, then shut down.")
+@click.option("--demo-max-tokens", type=int, default=48, show_default=True, help="Tokens per demo answer.")
+@setting_options
+def main(config_path: str | None, demo: bool, demo_max_tokens: int, **flags: Any) -> None:
+    """Serve a disaggregated prefill/decode cluster (or a colocated baseline) until Ctrl-C."""
+    given = {k: v for k, v in flags.items() if v is not None}
+    try:
+        config = ClusterConfig.from_yaml(config_path, **given) if config_path else ClusterConfig.from_settings(given)
     except (TypeError, ValueError) as e:
         raise click.UsageError(str(e)) from None
-    cluster = Cluster(config)
+    cluster = Cluster(config, require_tokenizer=demo)
     started = time.monotonic()
     try:
         cluster.start()
-    except (ClusterError, ValueError, FileNotFoundError) as e:
+    except (ClusterError, ValueError, FileNotFoundError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"ready in {time.monotonic() - started:.1f} s: {cluster.summary()}", err=True)
     click.echo(f"endpoint {cluster.endpoint}", err=True)
     finished = threading.Event()
+    demo_failure: list[BaseException] = []
     if demo:
+
         def demo_thread() -> None:
             try:
                 run_demo(cluster.endpoint, DEMO_PROMPTS, demo_max_tokens)
+            except Exception as e:  # reported after the cluster has shut down, with exit status 1
+                demo_failure.append(e)
             finally:
                 finished.set()
 
@@ -126,6 +161,8 @@ def main(config_path: str | None, devices: str | None, demo: bool, demo_max_toke
         cluster.serve(until=finished.is_set)
     except ClusterError as e:
         raise click.ClickException(str(e)) from None
+    if demo_failure:
+        raise click.ClickException(f"the demo failed: {demo_failure[0]}")
     click.echo("stopped: every process exited cleanly", err=True)
 
 

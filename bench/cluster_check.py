@@ -102,7 +102,7 @@ def main(model: str, devices: str, num_requests: int, max_tokens: int, max_model
                                     device=f"cuda:{first_device}" if first_device else "cpu",
                                     cache=CacheConfig(gpu_memory_utilization=0.3)))
     reference = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    device_args = ["--devices", devices, "--kv-memory-fraction", "0.55"] if devices else []
+    device_args = ["--devices", devices, "--gpu-memory-utilization", "0.55"] if devices else []
     disagg = ["--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp)]
     num_devices = len(devices.split(",")) if devices else prefill_tp + decode_tp
     colocated = ["--mode", "colocated", "--colocated-groups", str(num_devices), *device_args]

@@ -13,7 +13,7 @@ log in OUT_DIR/<system>.log, stopped with SIGTERM and required to exit 0:
 * ``colocated-chunked``: ``configs/colocated.yaml``, one colocated group of TP 1 per device of
   the disaggregated system (two for 1p1d, three for 2p1d) with chunked prefill (decodes and
   prompt chunks share a 2048-token step budget), least-tokens dispatch;
-* ``colocated-no-chunk``: the same with ``--no-chunked-prefill`` (a prompt is prefilled whole,
+* ``colocated-no-chunk``: the same with ``--no-enable-chunked-prefill`` (a prompt is prefilled whole,
   in a step of its own, while the group's decodes wait).
 
 Each gets the same requests at the same arrival times (``bench.serve``'s options). Written to
@@ -127,7 +127,7 @@ def system_args(on_gpu: bool, prefill_tp: int = 1, decode_tp: int = 1) -> dict[s
         "disagg": ["--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
                    "--transfer", "nccl-async" if on_gpu else "gloo-async"],
         "colocated-chunked": colocated,
-        "colocated-no-chunk": [*colocated, "--no-chunked-prefill"],
+        "colocated-no-chunk": [*colocated, "--no-enable-chunked-prefill"],
     }
 
 

@@ -55,6 +55,18 @@ class ClusterUnavailable(TimeoutError):
 _ids = itertools.count()
 
 
+def normalize_endpoint(endpoint: str) -> str:
+    """``tcp://HOST:PORT`` (or ``ipc://PATH``) from that form, ``HOST:PORT`` or a bare ``PORT``."""
+    if "://" in endpoint:
+        if not endpoint.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"endpoint {endpoint!r}: expected tcp://HOST:PORT, HOST:PORT or PORT")
+        return endpoint
+    host, _, port = endpoint.rpartition(":")
+    if port.isdigit() and 0 < int(port) < 65536:
+        return f"tcp://{host or '127.0.0.1'}:{port}"
+    raise ValueError(f"endpoint {endpoint!r}: expected tcp://HOST:PORT, HOST:PORT or PORT")
+
+
 def _request(prompt: str | None, token_ids: list[int] | None, stream: bool, chat: bool,
              request_id: str | None, sampling: dict[str, Any], batch_chunks: bool = False) -> Generate:
     request_id = request_id or f"{os.getpid()}-{next(_ids)}"
@@ -66,7 +78,7 @@ class Client:
     """Blocking client. ``timeout`` bounds the wait for each reply message."""
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 60.0) -> None:
-        self.endpoint = endpoint
+        self.endpoint = endpoint = normalize_endpoint(endpoint)
         self.timeout = timeout
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -152,7 +164,7 @@ class AsyncClient:
     for all of them."""
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 60.0, batch_chunks: bool = True) -> None:
-        self.endpoint = endpoint
+        self.endpoint = endpoint = normalize_endpoint(endpoint)
         self.timeout = timeout
         self.batch_chunks = batch_chunks
         self._ctx = zmq.asyncio.Context.instance()
@@ -223,36 +235,48 @@ class AsyncClient:
         self._socket.close()
 
 
-@click.command()
+def _endpoint_option(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        return normalize_endpoint(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e).split(": ", 1)[1]) from None
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("prompt")
-@click.option("--endpoint", default=DEFAULT_ENDPOINT, show_default=True)
-@click.option("--max-tokens", default=64, show_default=True, type=int)
-@click.option("--temperature", default=0.0, show_default=True, type=float)
-@click.option("--top-p", default=1.0, show_default=True, type=float)
-@click.option("--top-k", default=-1, show_default=True, type=int)
-@click.option("--seed", default=None, type=int)
-@click.option("--stream/--no-stream", default=True, show_default=True)
+@click.option("--endpoint", default=DEFAULT_ENDPOINT, show_default=True, callback=_endpoint_option,
+              help="The cluster's client endpoint: tcp://HOST:PORT, HOST:PORT or PORT.")
+@click.option("--max-tokens", default=64, show_default=True, type=int, help="Most tokens to generate.")
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 for greedy decoding.")
+@click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass.")
+@click.option("--top-k", default=-1, show_default=True, type=int, help="Sample from the k likeliest; -1 for all.")
+@click.option("--seed", default=None, type=int, help="Seed of this request's sampling.")
+@click.option("--stream/--no-stream", default=True, show_default=True, help="Print tokens as they arrive.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
-@click.option("--timeout", default=60.0, show_default=True, type=float)
+@click.option("--timeout", default=60.0, show_default=True, type=float, help="Seconds to wait for each reply.")
 def main(prompt: str, endpoint: str, max_tokens: int, temperature: float, top_p: float, top_k: int,
          seed: int | None, stream: bool, raw: bool, timeout: float) -> None:
+    """Send PROMPT to a running cluster and print the answer (timings on stderr)."""
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+    mid_line = False  # an error after partial output starts on a line of its own
     with Client(endpoint, timeout) as client:
         try:
             request_id = client.submit(prompt, stream=stream, chat=not raw, **sampling)
             for message in client.chunks(request_id):
-                if isinstance(message, Chunk):
-                    sys.stdout.write(message.text)
+                text = message.text if isinstance(message, Chunk) or not stream else ""
+                if text:
+                    sys.stdout.write(text)
                     sys.stdout.flush()
-                else:
-                    if not stream:
-                        sys.stdout.write(message.text)
+                    mid_line = not text.endswith("\n")
+                if isinstance(message, Final):
                     t = message.timings
-                    click.echo(f"\n[{message.finish_reason}, {message.usage}] TTFT {t.get('first_token', 0) * 1e3:.1f} ms, "
-                               f"total {t.get('total', 0) * 1e3:.1f} ms", err=True)
+                    click.echo(f"\n[{message.finish_reason}, {message.usage}] TTFT {t.get('first_token', 0) * 1e3:.1f} "
+                               f"ms, total {t.get('total', 0) * 1e3:.1f} ms", err=True)
         except (ClusterError, ClusterUnavailable) as e:
+            if mid_line:
+                click.echo(err=True)
             raise click.ClickException(str(e)) from None
 
 
 if __name__ == "__main__":
-    main()
+    main(prog_name="python -m pdserve.cluster.client")

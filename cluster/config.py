@@ -1,4 +1,9 @@
-"""The cluster spec: what launch.py builds from flags and YAML presets, validated once."""
+"""The cluster spec: one tree of settings (topology, engine, KV transfer), validated once.
+
+``ClusterConfig`` nests the engine's and the transfer's own configs; every user-facing field
+is a ``setting`` with one flat key (``max_model_len``), which is both its YAML key and, with
+dashes, its ``launch.py`` flag (``--max-model-len``). See ``pdserve.engine.config.settings_of``.
+"""
 
 from __future__ import annotations
 
@@ -9,78 +14,97 @@ from typing import Any
 
 import yaml
 
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.config import (
+    EngineConfig,
+    ModelConfig,
+    SettingSpec,
+    build_config,
+    setting,
+    settings_of,
+    subtree,
+)
+from pdserve.engine.parallel import check_tp_size
 from pdserve.kvtransfer.base import TransferConfig
 
 ROLES = ("prefill", "decode", "colocated")
+MODES = ("disagg", "colocated")
+DISPATCH_POLICIES = ("round-robin", "least-tokens")
+_DISAGG_ONLY = ("prefill_tp", "decode_tp", "prefill_groups", "decode_groups")
+_COLOCATED_ONLY = ("colocated_tp", "colocated_groups")
+
+
+def _topology(default: int, help: str) -> Any:
+    return setting(default, help=help, section="Topology")
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """How many groups of which role, their TP degrees, devices and the client endpoint."""
+    """How many groups of which role, their TP degrees and devices, the client endpoint, the
+    engine every rank runs and how KV moves between groups."""
 
-    model: str = "demo"
-    mode: str = "disagg"  # disagg | colocated
-    prefill_tp: int = 1
-    decode_tp: int = 1
-    prefill_groups: int = 1
-    decode_groups: int = 1
-    colocated_groups: int = 1
-    colocated_tp: int = 1
-    transfer: str = "auto"  # auto: nccl-async on CUDA, gloo on CPU
-    transfer_layer_groups: int = 1  # KV messages per request per destination rank (layer ranges)
-    transfer_staging_mib: float = 4096.0  # KV buffers a rank may hold for transfers in flight
-    devices: tuple[int, ...] | None = None  # GPU ids; None: all visible GPUs, or CPU without any
-    host: str = "127.0.0.1"
-    port: int = 5555
-    dtype: str = "auto"
-    max_model_len: int = 4096
-    gpu_memory_utilization: float = 0.85
-    num_blocks: int | None = None  # fixed KV pool size per rank (tests); None sizes from memory
-    block_size: int = 16
-    cuda_graph_max_batch: int = 256
-    cuda_graph_max_prefill_tokens: int = 2048  # largest captured prefill step; 0: prefill runs eagerly
-    cuda_graph_max_prefill_seqs: int = 256  # most sequences (decodes included) a captured prefill step holds
-    enforce_eager: bool = False
-    overlap_scheduling: bool = True  # plan a step while the GPU runs the last
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enable_chunked_prefill: bool = True
-    dispatch: str = "round-robin"
-    drain_timeout: float = 30.0
-    start_timeout: float = 600.0
+    mode: str = setting(
+        "disagg", help="disagg: separate prefill and decode groups; colocated: groups that serve whole requests.",
+        section="Topology", choices=MODES,
+    )
+    prefill_tp: int = _topology(1, "Tensor-parallel degree of each prefill group (disagg).")
+    decode_tp: int = _topology(1, "Tensor-parallel degree of each decode group (disagg).")
+    prefill_groups: int = _topology(1, "Number of prefill groups (disagg).")
+    decode_groups: int = _topology(1, "Number of decode groups (disagg).")
+    colocated_tp: int = _topology(1, "Tensor-parallel degree of each colocated group (colocated).")
+    colocated_groups: int = _topology(1, "Number of colocated groups (colocated).")
+    devices: tuple[int, ...] | None = setting(
+        None, help="Comma-separated GPU ids, one per rank in group order.", section="GPU",
+        default_text="all visible GPUs; CPU when there are none",
+    )
+    host: str = setting("127.0.0.1", help="Address the client endpoint binds.", section="Serving")
+    port: int = setting(5555, help="TCP port of the client endpoint.", section="Serving")
+    dispatch: str = setting(
+        "round-robin", help="How the router picks a group for each request.", section="Serving",
+        choices=DISPATCH_POLICIES,
+    )
+    drain_timeout: float = setting(30.0, help="Seconds to finish in-flight requests on shutdown.", section="Serving")
+    start_timeout: float = setting(600.0, help="Seconds the groups may take to become ready.", section="Serving")
+    engine: EngineConfig = subtree(EngineConfig)
+    transfer: TransferConfig = subtree(TransferConfig, prefix="transfer_")
 
     def __post_init__(self) -> None:
-        if self.mode not in ("disagg", "colocated"):
-            raise ValueError(f"mode must be disagg or colocated, got {self.mode!r}")
-        for name in ("prefill_tp", "decode_tp", "prefill_groups", "decode_groups", "colocated_groups",
-                     "colocated_tp", "transfer_layer_groups"):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.dispatch not in DISPATCH_POLICIES:
+            raise ValueError(f"dispatch must be one of {', '.join(DISPATCH_POLICIES)}, got {self.dispatch!r}")
+        for name in (*_DISAGG_ONLY, *_COLOCATED_ONLY):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.transfer_staging_mib > 0:
-            raise ValueError(f"transfer_staging_mib must be positive, got {self.transfer_staging_mib}")
-        if self.transfer not in ("auto", "nccl", "nccl-async", "gloo", "gloo-async"):
-            raise ValueError(f"unknown transfer backend {self.transfer!r}")
+        # A flag of the other mode would be silently ignored: say so instead.
+        unused = _COLOCATED_ONLY if self.mode == "disagg" else _DISAGG_ONLY
+        for name in unused:
+            if getattr(self, name) != 1:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} applies to --mode {'colocated' if self.mode == 'disagg' else 'disagg'}, "
+                                 f"not --mode {self.mode}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.drain_timeout < 0:
-            raise ValueError("drain_timeout must be >= 0")
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.start_timeout <= 0:
+            raise ValueError(f"start_timeout must be positive, got {self.start_timeout}")
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any], origin: str = "settings") -> ClusterConfig:
+        """Built from flat ``{key: value}`` settings (see the module docstring)."""
+        settings = {k.replace("-", "_"): v for k, v in settings.items()}
+        if settings.get("devices") is not None:
+            settings["devices"] = tuple(settings["devices"])
+        return build_config(cls, settings, origin)
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> ClusterConfig:
-        """A YAML preset (keys = field names, dashes allowed), then the given overrides."""
+        """A YAML preset (flat keys as in ``--help``, dashes allowed), then the given overrides."""
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: a cluster preset must be a mapping of settings")
-        data = {k.replace("-", "_"): v for k, v in data.items()}
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{path}: unknown setting {unknown[0]!r}")
-        if "devices" in data and data["devices"] is not None:
-            data["devices"] = tuple(data["devices"])
         data.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**data)
+        return cls.from_settings(data, origin=str(path))
 
     def groups(self) -> list[tuple[str, int, int]]:
         """``(role, group index, tp)`` of every worker group, in global-rank order."""
@@ -95,43 +119,34 @@ class ClusterConfig:
         return sum(tp for _, _, tp in self.groups())
 
     def resolved_transfer(self, on_gpu: bool) -> TransferConfig:
-        staging = max(1, int(self.transfer_staging_mib * 2**20))
-        if self.transfer == "auto":
-            return TransferConfig("nccl-async" if on_gpu else "gloo", max_staging_bytes=staging,
-                                  layer_groups=self.transfer_layer_groups)
-        if self.transfer.startswith("nccl") and not on_gpu:
-            raise ValueError(f"--transfer {self.transfer} needs GPUs; use gloo on CPU")
-        if self.transfer.startswith("gloo") and on_gpu:
-            raise ValueError(f"--transfer {self.transfer} moves CPU tensors; use nccl on GPUs")
-        return TransferConfig(self.transfer, max_staging_bytes=staging, layer_groups=self.transfer_layer_groups)
+        return self.transfer.resolved(on_gpu)
 
-    def engine_config(self, model_dir: str) -> EngineConfig:
-        chunked = self.enable_chunked_prefill
-        return EngineConfig(
-            model=model_dir,
-            dtype=self.dtype,
-            max_model_len=self.max_model_len,
-            enforce_eager=self.enforce_eager,
-            cuda_graph_max_batch=self.cuda_graph_max_batch,
-            cuda_graph_max_prefill_tokens=self.cuda_graph_max_prefill_tokens,
-            cuda_graph_max_prefill_seqs=self.cuda_graph_max_prefill_seqs,
-            overlap_scheduling=self.overlap_scheduling,
-            cache=CacheConfig(block_size=self.block_size, num_blocks=self.num_blocks,
-                              gpu_memory_utilization=self.gpu_memory_utilization),
-            scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens if chunked
-                else max(self.max_num_batched_tokens, self.max_model_len),
-                enable_chunked_prefill=chunked,
-            ),
-        )
+    def check_model(self, model: ModelConfig) -> None:
+        """Refuse, before any rank starts, what the model cannot run: a TP degree its heads do
+        not allow, or a max_model_len beyond its positions."""
+        for role, tp in sorted({(role, tp) for role, _, tp in self.groups()}):
+            try:
+                check_tp_size(model.num_heads, model.num_kv_heads, tp)
+            except ValueError as e:
+                raise ValueError(f"--{role}-tp {tp}: {e}") from None
+        self.engine.resolved_max_model_len(model)
+
+    def engine_config(self, model_dir: str, model: ModelConfig) -> EngineConfig:
+        """The engine config every rank starts from: the resolved model directory and length,
+        and without chunked prefill a step budget that holds a whole prompt."""
+        max_model_len = self.engine.resolved_max_model_len(model)
+        scheduler = self.engine.scheduler
+        if not scheduler.enable_chunked_prefill:
+            budget = max(scheduler.max_num_batched_tokens, max_model_len)
+            scheduler = dataclasses.replace(scheduler, max_num_batched_tokens=budget)
+        return dataclasses.replace(self.engine, model=model_dir, max_model_len=max_model_len, scheduler=scheduler)
 
     def placement(self, visible_gpus: int) -> list[tuple[int, ...] | None]:
         """CUDA devices of each group's ranks (in ``groups()`` order); None entries run on CPU."""
         groups = self.groups()
         if visible_gpus == 0:
             if self.devices:
-                raise ValueError(f"--devices {list(self.devices)} given but no GPU is visible")
+                raise ValueError(f"--devices {','.join(map(str, self.devices))} given but no GPU is visible")
             return [None] * len(groups)
         devices = list(self.devices) if self.devices is not None else list(range(visible_gpus))
         bad = [d for d in devices if not 0 <= d < visible_gpus]
@@ -147,6 +162,11 @@ class ClusterConfig:
             out.append(tuple(devices[next_device : next_device + tp]))
             next_device += tp
         return out
+
+
+def cluster_settings() -> list[SettingSpec]:
+    """Every setting of the cluster spec: its key, flag, type, default, help and section."""
+    return settings_of(ClusterConfig)
 
 
 @dataclass(frozen=True)

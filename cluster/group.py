@@ -125,7 +125,7 @@ class RankProcesses:
         """The ranks that exited non-zero so far, if any (non-blocking)."""
         failed = [f"rank {i} exited with code {p.exitcode}" for i, p in enumerate(self.processes)
                   if p.exitcode not in (None, 0)]
-        return "; ".join(failed) + " (errors are on stderr)" if failed else None
+        return "; ".join(failed) + " (its traceback is in the cluster's log)" if failed else None
 
     def alive(self) -> bool:
         return any(proc.is_alive() for proc in self.processes)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import zmq
 
 from pdserve.cluster.config import Addresses, ClusterConfig, GroupLayout
 from pdserve.cluster.group import RankProcesses, free_port, group_specs
@@ -28,8 +30,9 @@ class Cluster:
     """``start()`` spawns every rank and waits for the groups; ``serve()`` runs the router until
     SIGINT/SIGTERM, then drains in-flight requests and stops every process."""
 
-    def __init__(self, config: ClusterConfig) -> None:
+    def __init__(self, config: ClusterConfig, require_tokenizer: bool = False) -> None:
         self.config = config
+        self.require_tokenizer = require_tokenizer
         self._stop_requested = False
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-")
         self.addresses = Addresses(self._tmp.name, f"tcp://{config.host}:{config.port}")
@@ -51,15 +54,22 @@ class Cluster:
         return f"{Path(self.model_dir).name}: {groups} on {where}, dispatch {c.dispatch}"
 
     def start(self) -> None:
+        """Check everything a user can get wrong, then spawn the ranks and wait until every group
+        is ready. A mistake raises ``ValueError`` or ``ClusterError`` before any rank starts."""
         c = self.config
-        self.model_dir = str(resolve_model(c.model))
+        _check_port_free(c.host, c.port)
+        self.model_dir = str(resolve_model(c.engine.model))
         model = ModelConfig.from_pretrained(self.model_dir)
+        c.check_model(model)
         visible = torch.cuda.device_count()
         self.placement = c.placement(visible)
         on_gpu = self.placement[0] is not None
         self.transfer = c.resolved_transfer(on_gpu)
-        engine = c.engine_config(self.model_dir)
-        max_model_len = engine.resolved_max_model_len(model)
+        engine = c.engine_config(self.model_dir, model)
+        tokenizer = _load_tokenizer(self.model_dir)
+        if tokenizer is None and self.require_tokenizer:
+            raise ClusterError(f"{c.engine.model} has no tokenizer (random-weight presets have none), so it cannot "
+                               "answer text prompts; use --model demo or a Hugging Face directory with one")
         layout = GroupLayout.of(c)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         specs: list[WorkerSpec] = []
@@ -68,7 +78,11 @@ class Cluster:
             for rank_spec in group_specs(engine, tp, ranks[0], c.world_size, init_method, layout.all_groups(),
                                          devices, self.addresses.steps(role, group)):
                 specs.append(WorkerSpec(rank_spec, role, group, self.addresses, layout, self.transfer))
-        self.router = Router(c, self.addresses, _load_tokenizer(self.model_dir), model.vocab_size, max_model_len)
+        try:
+            self.router = Router(c, self.addresses, tokenizer, model.vocab_size, engine.max_model_len)
+        except zmq.ZMQError as e:
+            self._tmp.cleanup()
+            raise ClusterError(f"cannot listen on {self.endpoint}: {e.strerror}") from None
         self.processes = RankProcesses(worker_main, [(spec,) for spec in specs])
         deadline = time.monotonic() + c.start_timeout
         while not self.router.all_ready():
@@ -130,6 +144,17 @@ class Cluster:
         if self.router is not None:
             self.router.close()
         self._tmp.cleanup()
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """One clear line, before anything starts, when the client port is taken."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ binds
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise ClusterError(f"cannot listen on {host}:{port}: {e.strerror} (another pdserve running? "
+                               "choose another --port)") from None
 
 
 def _load_tokenizer(model_dir: str) -> object | None:

@@ -2,17 +2,138 @@
 
 A rank gets its own copy with ``dataclasses.replace``; derived values are computed by methods
 and returned, never written back into a config.
+
+User-facing fields are declared with :func:`setting` (a default and a help text). The cluster
+spec nests these dataclasses into one tree, and :func:`settings_of` lists its settings under
+one flat key each: the YAML key, and with dashes the command-line flag. A setting therefore has
+one name, one default and one help text, declared once, here or beside its owner.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import json
 import math
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+# -- settings tree --------------------------------------------------------------------------
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    section: str = "Engine",
+    choices: tuple[str, ...] | None = None,
+    default_text: str | None = None,
+    key: str | None = None,
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
+    """A user-facing field: its help text, the ``--help`` section it shows in, its choices, how
+    to show a default that is not a plain value (``default_text``), and its flat key when that
+    is not the subtree's prefix + the field's name."""
+    metadata = {"help": help, "section": section, "choices": choices, "default_text": default_text, "key": key}
+    return field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def subtree(factory: Any, prefix: str = "") -> Any:
+    """A nested config whose settings join the parent's, their keys prefixed with ``prefix``."""
+    return field(default_factory=factory, metadata={"subtree": prefix})
+
+
+def internal(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A field set by the program, never by the user (no flag, no YAML key)."""
+    return field(default=default, default_factory=default_factory, metadata={"internal": True})
+
+
+@dataclass(frozen=True)
+class SettingSpec:
+    """One user-facing setting of a config tree."""
+
+    key: str  # YAML key; the flag is ``--`` + key with dashes
+    path: tuple[str, ...]  # attribute path from the root config
+    type: Any  # the field's type hint
+    default: Any
+    help: str
+    section: str
+    choices: tuple[str, ...] | None
+    default_text: str | None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+
+def settings_of(cls: type, prefix: str = "", path: tuple[str, ...] = ()) -> list[SettingSpec]:
+    """Every setting of the config tree rooted at ``cls``, in declaration order.
+
+    Raises if a field is neither a setting, a subtree nor marked internal, or if two settings
+    share a key: both would give one setting two names or two meanings.
+    """
+    hints = typing.get_type_hints(cls)
+    specs: list[SettingSpec] = []
+    for f in dataclasses.fields(cls):
+        if "subtree" in f.metadata:
+            specs += settings_of(hints[f.name], prefix + f.metadata["subtree"], (*path, f.name))
+        elif "help" in f.metadata:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            key = f.metadata["key"] or prefix + f.name
+            specs.append(SettingSpec(key, (*path, f.name), hints[f.name], default, f.metadata["help"],
+                                     f.metadata["section"], f.metadata["choices"], f.metadata["default_text"]))
+        elif not f.metadata.get("internal"):
+            raise TypeError(f"{cls.__name__}.{f.name} is neither a setting, a subtree nor internal")
+    keys = [s.key for s in specs]
+    duplicates = sorted({k for k in keys if keys.count(k) > 1})
+    if duplicates:
+        raise TypeError(f"{cls.__name__}: settings share the keys {duplicates}")
+    return specs
+
+
+def build_config(cls: type, values: Mapping[str, Any], origin: str = "settings") -> Any:
+    """``cls`` built from flat ``{key: value}`` settings (defaults for the rest).
+
+    An unknown key is an error that names it and the closest known key.
+    """
+    specs = {s.key: s for s in settings_of(cls)}
+    tree: dict[str, Any] = {}
+    for key, value in values.items():
+        spec = specs.get(key)
+        if spec is None:
+            close = difflib.get_close_matches(key, specs, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{origin}: unknown setting {key!r}{hint}")
+        node = tree
+        for name in spec.path[:-1]:
+            node = node.setdefault(name, {})
+        node[spec.path[-1]] = value
+    return _construct(cls, tree)
+
+
+def _construct(cls: type, tree: Mapping[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {
+        name: _construct(hints[name], value) if isinstance(value, Mapping) else value for name, value in tree.items()
+    }
+    return cls(**kwargs)
+
+
+def flatten_config(config: Any) -> dict[str, Any]:
+    """``{key: value}`` of every setting of a built config tree (the inverse of ``build_config``)."""
+    out = {}
+    for spec in settings_of(type(config)):
+        value = config
+        for name in spec.path:
+            value = getattr(value, name)
+        out[spec.key] = value
+    return out
+
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -195,14 +316,16 @@ class ModelConfig:
 class CacheConfig:
     """The paged KV pool of one rank."""
 
-    block_size: int = 16
-    # Fixed number of blocks; when None it is derived from memory (see ``engine.model_runner``).
-    num_blocks: int | None = None
-    # GPU: fraction of total device memory this engine may use, weights and KV together (other
-    # engines in the same process, like other processes, come out of the rest).
-    gpu_memory_utilization: float = 0.90
-    # CPU: bytes of KV pool when num_blocks is not given.
-    cpu_kv_cache_bytes: int = 1 << 30
+    block_size: int = setting(16, help="Tokens per KV block (a power of two).")
+    num_blocks: int | None = setting(
+        None, help="KV blocks per rank.", default_text="sized from free memory (GPU) or cpu_kv_cache_bytes (CPU)"
+    )
+    # Weights and KV together: other engines in the same process, like other processes, come
+    # out of the rest.
+    gpu_memory_utilization: float = setting(
+        0.90, help="Fraction of each GPU's memory a rank may use for weights and KV cache.", section="GPU"
+    )
+    cpu_kv_cache_bytes: int = setting(1 << 30, help="Bytes of KV pool per rank on CPU when num_blocks is unset.")
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -219,11 +342,11 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits of one engine."""
 
-    max_num_seqs: int = 256
-    # Tokens (prompt chunks + one per decode) that one step may process.
-    max_num_batched_tokens: int = 8192
-    # Split long prompts into chunks that fit the step budget, mixed with running decodes.
-    enable_chunked_prefill: bool = True
+    max_num_seqs: int = setting(256, help="Most sequences a group runs at once.")
+    max_num_batched_tokens: int = setting(8192, help="Tokens (prompt chunks + one per decode) one step may process.")
+    enable_chunked_prefill: bool = setting(
+        True, help="Split long prompts into chunks that share each step's token budget with running decodes."
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -243,9 +366,9 @@ class ParallelConfig:
     ``<step_address>-<rank>``); needed when ``tp_size > 1``.
     """
 
-    tp_size: int = 1
-    tp_rank: int = 0
-    step_address: str | None = None
+    tp_size: int = internal(1)
+    tp_rank: int = internal(0)
+    step_address: str | None = internal(None)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -264,34 +387,46 @@ class ParallelConfig:
 class EngineConfig:
     """Everything one engine (one rank of one group) needs to start."""
 
-    model: str  # a Hugging Face directory
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    device: str = "auto"  # auto: cuda if available else cpu
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    seed: int = 0
-    kernels: str = "auto"  # auto: triton on CUDA, torch on CPU
-    enforce_eager: bool = False  # no CUDA graphs at all
-    # Largest captured decode batch (capped at scheduler.max_num_seqs); larger steps run eagerly.
-    # An eager step costs the host 12-19 ms of launches whatever its size, against 1-4 ms for a
-    # replay (H200 host, Qwen2.5-1.5B: docs/benchmarks.md), so the default covers the default
-    # max_num_seqs: every graph writes one shared logits buffer, and a bucket costs its capture.
-    cuda_graph_max_batch: int = 256
-    # Largest captured prefill (or mixed) step in tokens, 0 for none, and the most sequences it
-    # may hold (capped at scheduler.max_num_seqs); larger steps run eagerly.
-    cuda_graph_max_prefill_tokens: int = 2048
-    # A mixed step holds every running decode beside its prompt chunks, so this bounds the
-    # decode batch that a prompt's arrival keeps in graphs. A bucket of T tokens samples
-    # min(T, this) rows (the LM head's cost). Colocated serving on an H200 (docs/benchmarks.md):
-    # 64 against 16, TTFT p99 394 -> 15 ms at 80 req/s of 128-token outputs; 256 (decode graphs
-    # to 256) against 64 (to 128), 21.7 -> 58.3 req/s served at 80 req/s of 512-token outputs.
-    cuda_graph_max_prefill_seqs: int = 256
-    # Plan and launch each step before reading back the previous one's sampled tokens, so the
-    # GPU does not wait for the host between steps (docs/design.md, "Overlapped steps"); TP
-    # peers get those tokens from the leader by a broadcast on the device.
-    overlap_scheduling: bool = True
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: str = setting(
+        "demo",
+        help="'demo' (the embedded SmolLM2-135M-Instruct), a shape preset (random weights, see "
+        "`python -m pdserve.engine.presets list`) or a Hugging Face model directory.",
+        section="Model",
+    )
+    dtype: str = setting(
+        "auto", help="Weights and activations: float32, float16 or bfloat16.", section="Model",
+        default_text="auto: bfloat16 on GPUs, float32 on CPU",
+    )
+    max_model_len: int | None = setting(
+        None, help="Longest prompt + output in tokens.", section="Model", default_text="the model's own limit"
+    )
+    device: str = internal("auto")  # auto: cuda if available else cpu; the launcher places ranks
+    seed: int = internal(0)
+    kernels: str = setting(
+        "auto", help="Kernel implementation: triton or torch (the references).", choices=("auto", "triton", "torch"),
+        default_text="auto: triton on GPUs, torch on CPU",
+    )
+    enforce_eager: bool = setting(False, help="Run every step eagerly: no CUDA graphs.", section="GPU")
+    # Every graph shares one logits buffer and each bucket costs its capture, while an eager step
+    # costs the host its launches whatever its size: the default covers the default max_num_seqs.
+    cuda_graph_max_batch: int = setting(
+        256, help="Largest decode batch captured in a CUDA graph; larger steps run eagerly.", section="GPU"
+    )
+    cuda_graph_max_prefill_tokens: int = setting(
+        2048, help="Largest prefill (or mixed) step captured in a CUDA graph, in tokens; 0 for none.", section="GPU"
+    )
+    # A mixed step holds every running decode beside its prompt chunks, so this bounds the decode
+    # batch that a prompt's arrival keeps in graphs.
+    cuda_graph_max_prefill_seqs: int = setting(
+        256, help="Most sequences (decodes included) in a captured prefill or mixed step.", section="GPU"
+    )
+    # TP peers get the sampled tokens from the leader by a broadcast on the device.
+    overlap_scheduling: bool = setting(
+        True, help="Plan and launch each step before reading back the last one's tokens (docs/design.md)."
+    )
+    cache: CacheConfig = subtree(CacheConfig)
+    scheduler: SchedulerConfig = subtree(SchedulerConfig)
+    parallel: ParallelConfig = internal(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":

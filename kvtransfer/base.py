@@ -15,12 +15,14 @@ A new backend (NIXL, CUDA IPC, RDMA) subclasses ``TransferBackend`` and register
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.config import setting
 from pdserve.engine.parallel import HeadShard, head_shard
 from pdserve.kvtransfer.plan import Piece, resharding_plan
 
@@ -53,21 +55,48 @@ class TransferStats:
 
 @dataclass(frozen=True)
 class TransferConfig:
-    backend: str = "gloo"  # a key of the registry: gloo, gloo-async, nccl, nccl-async
-    # Bound on the KV buffers a rank holds for transfers in flight (packed sends, posted
-    # receives); beyond it the prefill side holds its announce and the decode side refuses one.
-    max_staging_bytes: int = 4 << 30
-    # Messages per request per destination rank, each a contiguous range of layers: with more
-    # than one, gathering, the wire and scattering of different layer ranges overlap.
-    layer_groups: int = 1
+    """How KV moves between a prefill and a decode group."""
+
+    backend: str = setting(
+        "auto",
+        help="KV transfer backend: a name in the registry (gloo, gloo-async, nccl, nccl-async).",
+        section="KV transfer",
+        default_text="auto: nccl-async on GPUs, gloo on CPU",
+        key="transfer",
+    )
+    # Beyond the bound the prefill side holds its announce and the decode side refuses one.
+    staging_mib: float = setting(
+        4096.0, help="KV buffers (packed sends, posted receives) a rank may hold for transfers in flight, MiB.",
+        section="KV transfer",
+    )
+    # With more than one, gathering, the wire and scattering of different layer ranges overlap.
+    layer_groups: int = setting(
+        1, help="KV messages per request and destination rank, each a contiguous range of layers.",
+        section="KV transfer",
+    )
 
     def __post_init__(self) -> None:
-        if self.backend not in available_backends():
-            raise ValueError(f"unknown KV transfer backend {self.backend!r}; available: {available_backends()}")
-        if self.max_staging_bytes < 1:
-            raise ValueError("max_staging_bytes must be positive")
+        if self.backend != "auto" and self.backend not in available_backends():
+            raise ValueError(f"unknown KV transfer backend {self.backend!r}; available: auto, "
+                             f"{', '.join(available_backends())}")
+        if not self.staging_mib > 0:
+            raise ValueError(f"staging_mib must be positive, got {self.staging_mib}")
         if self.layer_groups < 1:
             raise ValueError(f"layer_groups must be >= 1, got {self.layer_groups}")
+
+    @property
+    def max_staging_bytes(self) -> int:
+        return max(1, int(self.staging_mib * 2**20))
+
+    def resolved(self, on_gpu: bool) -> TransferConfig:
+        """This config with ``auto`` replaced by the backend for the device, checked against it."""
+        if self.backend == "auto":
+            return dataclasses.replace(self, backend="nccl-async" if on_gpu else "gloo")
+        if self.backend.startswith("nccl") and not on_gpu:
+            raise ValueError(f"--transfer {self.backend} needs GPUs; use gloo on CPU")
+        if self.backend.startswith("gloo") and on_gpu:
+            raise ValueError(f"--transfer {self.backend} moves CPU tensors; use nccl on GPUs")
+        return self
 
 
 @dataclass(frozen=True)
@@ -169,5 +198,7 @@ def available_backends() -> list[str]:
 
 
 def create_backend(config: TransferConfig, topology: TransferTopology, kv_cache: torch.Tensor) -> TransferBackend:
+    if config.backend == "auto":
+        raise ValueError("resolve the 'auto' transfer backend first (TransferConfig.resolved)")
     available_backends()
     return _REGISTRY[config.backend](config, topology, kv_cache)

@@ -210,7 +210,7 @@ def test_compared_systems_get_the_same_devices() -> None:
     for name in ("colocated-chunked", "colocated-no-chunk"):
         args = systems[name]
         assert args[args.index("--colocated-groups") + 1] == "3" and args[args.index("--colocated-tp") + 1] == "1"
-    assert "--no-chunked-prefill" in systems["colocated-no-chunk"]
+    assert "--no-enable-chunked-prefill" in systems["colocated-no-chunk"]
     assert system_args(on_gpu=False)["disagg"][-1] == "gloo-async"
 
 

@@ -6,23 +6,32 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cluster.config import ClusterConfig
+import dataclasses
+
+from pdserve.cluster.config import ClusterConfig, cluster_settings
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, flatten_config
+from pdserve.kvtransfer.base import TransferConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
+MODEL = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, max_position_embeddings=4096)
+
+
 def test_engine_config_carries_the_engine_settings() -> None:
-    config = ClusterConfig(overlap_scheduling=False, cuda_graph_max_batch=24, cuda_graph_max_prefill_tokens=512,
-                           cuda_graph_max_prefill_seqs=8, enforce_eager=True, max_model_len=1024, block_size=32,
-                           num_blocks=99, max_num_seqs=12, max_num_batched_tokens=2048)
-    engine = config.engine_config("model-dir")
+    config = ClusterConfig.from_settings(dict(
+        overlap_scheduling=False, cuda_graph_max_batch=24, cuda_graph_max_prefill_tokens=512,
+        cuda_graph_max_prefill_seqs=8, enforce_eager=True, max_model_len=1024, block_size=32, num_blocks=99,
+        max_num_seqs=12, max_num_batched_tokens=2048,
+    ))
+    engine = config.engine_config("model-dir", MODEL)
     assert not engine.overlap_scheduling and engine.enforce_eager
     assert (engine.cuda_graph_max_batch, engine.cuda_graph_max_prefill_tokens, engine.cuda_graph_max_prefill_seqs) \
         == (24, 512, 8)
     assert (engine.model, engine.max_model_len, engine.cache.block_size, engine.cache.num_blocks) \
         == ("model-dir", 1024, 32, 99)
     assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (12, 2048)
-    defaults = ClusterConfig().engine_config("m")
+    defaults = ClusterConfig().engine_config("m", MODEL)
     assert defaults.overlap_scheduling
     # The graphs cover every decode batch and mixed step that the default scheduler forms.
     assert defaults.cuda_graph_max_batch == defaults.cuda_graph_max_prefill_seqs == defaults.scheduler.max_num_seqs
@@ -38,3 +47,32 @@ def test_unknown_preset_setting_is_named(tmp_path: Path) -> None:
     preset.write_text("prefill-tp: 2\noverlap: false\n")
     with pytest.raises(ValueError, match="unknown setting 'overlap'"):
         ClusterConfig.from_yaml(preset)
+
+
+def test_without_chunked_prefill_a_step_holds_a_whole_prompt() -> None:
+    config = ClusterConfig.from_settings({"enable_chunked_prefill": False, "max_num_batched_tokens": 512})
+    assert config.engine_config("m", MODEL).scheduler.max_num_batched_tokens == MODEL.max_position_embeddings
+
+
+def test_one_name_and_one_default_per_setting() -> None:
+    # Each setting's default is the one its owner's dataclass declares; the spec adds none.
+    owners = {(): ClusterConfig(), ("engine",): EngineConfig(), ("engine", "cache"): CacheConfig(),
+              ("engine", "scheduler"): SchedulerConfig(), ("transfer",): TransferConfig()}
+    for spec in cluster_settings():
+        assert getattr(owners[spec.path[:-1]], spec.path[-1]) == spec.default, spec.key
+        assert spec.help.endswith(".") and spec.flag == "--" + spec.key.replace("_", "-")
+    assert flatten_config(ClusterConfig()) == {spec.key: spec.default for spec in cluster_settings()}
+
+
+def test_settings_round_trip_through_flat_keys() -> None:
+    config = ClusterConfig.from_settings({"prefill-tp": 2, "transfer": "gloo-async", "gpu_memory_utilization": 0.5,
+                                          "devices": [0, 1, 2]})
+    assert config.prefill_tp == 2 and config.transfer.backend == "gloo-async" and config.devices == (0, 1, 2)
+    assert config.engine.cache.gpu_memory_utilization == 0.5
+    assert ClusterConfig.from_settings(flatten_config(config)) == config
+    assert dataclasses.replace(config, prefill_tp=1) != config
+
+
+def test_a_misspelt_setting_names_the_closest_one() -> None:
+    with pytest.raises(ValueError, match="unknown setting 'max_model_length' \\(did you mean 'max_model_len'\\?\\)"):
+        ClusterConfig.from_settings({"max_model_length": 5})

@@ -1,0 +1,133 @@
+"""A newcomer's mistakes with launch.py and the client: one clear line and a non-zero exit,
+before any rank starts."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdserve.cluster.client import normalize_endpoint
+from pdserve.cluster.config import ClusterConfig, cluster_settings
+from pdserve.engine.config import ModelConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "launch.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def client(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pdserve.cluster.client", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """Exit status non-zero, no traceback, no rank started, and the error in one line."""
+    assert result.returncode != 0, result.stderr
+    assert "Traceback" not in result.stderr and not re.search(r"ready in \d", result.stderr), result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1, result.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield held.getsockname()[1]
+
+
+def test_port_in_use(busy_port: int, tiny_model_dirs: dict[str, Path]) -> None:
+    result = launch("--model", str(tiny_model_dirs["tiny-llama"]), "--port", str(busy_port))
+    assert_one_line_error(result, f"127.0.0.1:{busy_port}", "--port")
+    assert len(result.stderr.splitlines()) <= 2, result.stderr
+
+
+def test_tp_beyond_the_heads(tiny_model_dirs: dict[str, Path]) -> None:
+    model_dir = tiny_model_dirs["tiny-llama"]
+    heads = ModelConfig.from_pretrained(model_dir).num_heads
+    result = launch("--model", str(model_dir), "--prefill-tp", str(heads + 1))
+    assert_one_line_error(result, f"--prefill-tp {heads + 1}", str(heads))
+
+
+def test_max_model_len_beyond_the_model(tiny_model_dirs: dict[str, Path]) -> None:
+    model_dir = tiny_model_dirs["tiny-llama"]
+    limit = ModelConfig.from_pretrained(model_dir).max_position_embeddings
+    result = launch("--model", str(model_dir), "--max-model-len", str(limit + 1))
+    assert_one_line_error(result, str(limit + 1), str(limit))
+
+
+def test_max_model_len_defaults_to_the_models_own_limit(tiny_model_dirs: dict[str, Path]) -> None:
+    model_dir = tiny_model_dirs["tiny-llama"]
+    model = ModelConfig.from_pretrained(model_dir)
+    assert ClusterConfig().engine_config(str(model_dir), model).max_model_len == model.max_position_embeddings
+    shorter = ClusterConfig.from_settings({"max_model_len": 64}).engine_config(str(model_dir), model)
+    assert shorter.max_model_len == 64
+
+
+def test_demo_needs_a_tokenizer(tiny_model_dirs: dict[str, Path]) -> None:
+    result = launch("--model", str(tiny_model_dirs["tiny-llama"]), "--demo")
+    assert_one_line_error(result, "no tokenizer")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--mode", "colocated", "--prefill-tp", "2"), "--prefill-tp applies to --mode disagg"),
+        (("--colocated-tp", "2"), "--colocated-tp applies to --mode colocated"),
+        (("--port", "70000"), "port"),
+        (("--max-model-len", "-3"), "max_model_len"),
+        (("--transfer", "carrier-pigeon"), "carrier-pigeon"),
+        (("--devices", "zero"), "comma-separated GPU ids"),
+        (("--max-model-lenn", "5"), "--max-model-len"),
+    ],
+)
+def test_bad_flags_are_usage_errors(args: tuple[str, ...], needle: str) -> None:
+    result = launch(*args)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and needle in result.stderr, result.stderr
+
+
+def test_help_explains_every_flag() -> None:
+    result = launch("--help")
+    assert result.returncode == 0
+    out = " ".join(result.stdout.split())  # help text wraps
+    assert "Serve a disaggregated prefill/decode cluster" in out
+    for section in ("Model options", "Topology options", "KV transfer options", "GPU options (used only on GPUs)"):
+        assert section in out
+    assert out.index("Engine options") < out.index("GPU options"), "GPU-only flags come last"
+    for spec in cluster_settings():
+        assert spec.flag in out, spec.flag
+        assert spec.help.split()[0] in out
+    assert out.count("[default: ") >= len(cluster_settings())
+
+
+def test_client_endpoint_forms() -> None:
+    assert normalize_endpoint("localhost:5555") == "tcp://localhost:5555"
+    assert normalize_endpoint("6000") == "tcp://127.0.0.1:6000"
+    assert normalize_endpoint("tcp://10.0.0.1:7") == "tcp://10.0.0.1:7"
+    for bad in ("localhost", "http://x:1", "host:99999"):
+        with pytest.raises(ValueError, match="expected tcp://HOST:PORT"):
+            normalize_endpoint(bad)
+
+
+def test_client_cli_errors_are_readable(busy_port: int) -> None:
+    usage = client()
+    assert usage.returncode == 2 and "Usage: python -m pdserve.cluster.client [OPTIONS] PROMPT" in usage.stderr
+    bad = client("hi", "--endpoint", "localhost")
+    assert bad.returncode == 2 and "expected tcp://HOST:PORT, HOST:PORT or PORT" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    # Something listens there but is no cluster: the wait times out with one line saying what to do.
+    silent = client("hi", "--endpoint", f"localhost:{busy_port}", "--timeout", "1")
+    assert_one_line_error(silent, "no answer from a cluster", "launch.py")

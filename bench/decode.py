@@ -33,8 +33,8 @@ What is timed (median of ``--iters`` calls after ``--warmup``; CUDA events on GP
 * HF, prefill: one uncompiled forward of the same prompt(s) with ``use_cache=False`` and
   ``logits_to_keep=1`` (``generate`` runs its prefill uncompiled too).
 
-The bandwidth floor of a decode step is (weight bytes + B * C * KV bytes per token) / 4.29 TB/s
-(the H200's measured copy rate); "% of floor" is floor / measured.
+The bandwidth floor of a decode step is (weight bytes + B * C * KV bytes per token) /
+``H200_BANDWIDTH`` (the H200's copy rate); "% of floor" is floor / measured.
 """
 
 from __future__ import annotations
@@ -86,12 +86,9 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.step_plan import StepPlan
 
 # transformers' CompileConfig per --hf mode. "compiled-static" is exactly what generate() uses
-# with a static cache (inductor, "reduce-overhead" = CUDA graphs, automatic dynamic shapes):
-# the cache's static-address tensors keep their shapes static, so every (batch, context)
-# compiles anew (tens of seconds each for a 1.5B model). "compiled" marks shapes dynamic
-# from the start: one compile for batch 1 and one for every other shape, CUDA graphs recorded
-# per shape as before; its kernels differ only in the fused elementwise ops (matmuls and
-# attention are library calls either way).
+# with a static cache, which compiles anew for every (batch, context). "compiled" marks shapes
+# dynamic from the start, so far fewer compiles; its kernels differ only in the fused elementwise
+# ops (matmuls and attention are library calls either way).
 HF_COMPILE_OPTIONS: dict[str, dict[str, Any]] = {"compiled": {"dynamic": True}, "compiled-static": {}}
 
 

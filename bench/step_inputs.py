@@ -1,5 +1,4 @@
-"""Host time of a decode step's inputs, block tables as int32 arrays (now) against lists of
-Python ints (before), measured in the same run.
+"""Host time of a decode step's inputs, block tables as int32 arrays against lists of Python ints.
 
     python -m pdserve.bench.step_inputs --out step_inputs.json
 
@@ -67,7 +66,7 @@ def decode_batch(batch: int, context: int, rng: random.Random) -> ScheduledBatch
 
 
 def build_plan_lists(batch: ScheduledBatch, tables: list[list[int]]) -> StepPlan:
-    """The plan as it was built before, from block tables as lists of Python ints."""
+    """The plan built from block tables as lists of Python ints (the baseline)."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -90,7 +89,7 @@ def build_plan_lists(batch: ScheduledBatch, tables: list[list[int]]) -> StepPlan
 
 
 def encode_lists(plan: StepPlan, tables: list[list[int]]) -> bytes:
-    """The encoding before: every field as msgpack, block tables as nested lists."""
+    """The baseline encoding: every field as msgpack, block tables as nested lists."""
     values = {f.name: getattr(plan, f.name) for f in fields(plan)}
     return msgpack.packb({"kind": "step", **values, "block_tables": tables})
 

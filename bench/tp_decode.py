@@ -11,7 +11,7 @@ context C (as ``bench.decode`` builds it) with CUDA events on its stream, median
 ``--iters`` steps after ``--warmup``; the peers replay the same step from the step channel and
 meet the leader in every all-reduce, so a step's time includes the slowest rank and the step
 channel. The floor is the bandwidth floor of one rank: (its weight bytes + B * C * its KV bytes
-per token) / 4.29 TB/s.
+per token) / ``H200_BANDWIDTH``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """CUDA graphs for the model's steps: decode steps by batch size, prefill (and mixed) steps by
 token count.
 
-Decode: a step of ``B`` sequences replays the graph of the smallest bucket ``>= B``. The graph
-reads static buffers that are updated in place before each replay; rows ``B..bucket-1`` are
-padding: token 0 at position 0, written to the dummy slot, reading one token of the dummy
-block, so they never touch a real sequence's cache.
-
-Prefill: a step of ``T`` tokens in ``B`` sequences (up to ``max_tokens`` and ``max_seqs``)
-replays the graph of the smallest token bucket ``>= T`` (:func:`pad_prefill_plan` says what the
-graph runs). The padding tokens form one more sequence over the dummy block (token 0 at
-position 0, every K/V written to the dummy slot), so every row the graph computes is finite and
-no real sequence's cache is touched; sequences past it are empty. The prefill
-attention grid depends only on the token count and the number of sequences, which is what
-makes the step capturable. A bucket of ``T`` tokens holds ``min(T, max_seqs)`` sequences (every
-sequence of a step has a token in it), so small buckets sample and launch no more rows than
-they can use. Larger steps run eagerly.
-
-Each runner's graphs share one memory pool (captured largest first). On the leader every graph
-writes its fp32 logits into one buffer that the model runner owns (rows ``0..rows-1`` of the
-step), so the memory of the outputs does not grow with the number of buckets: a step's logits
-are consumed (sampled, on the same stream) before the next step's replay overwrites them.
+A step replays the graph of the smallest bucket that holds it; the graph reads static buffers
+updated in place before each replay. Padding never touches a real sequence's cache: decode
+padding rows are token 0 at position 0 writing the dummy slot and reading one token of the dummy
+block; prefill padding tokens form one extra sequence over the dummy block (so every computed row
+is finite), followed by empty sequences. A prefill bucket of ``T`` tokens holds
+``min(T, max_seqs)`` sequences, as a step has no more sequences than tokens; larger steps run
+eagerly. Each runner's graphs share one memory pool (captured largest first), and on the leader
+they all write fp32 logits into one buffer the model runner owns, consumed before the next replay.
 
 Invariant: graphs must be released (``release``) before the process group is destroyed; a
 captured NCCL all-reduce that outlives its communicator hangs the process at exit.
@@ -212,8 +201,7 @@ def pack_decode_step(plan: StepPlan, bucket: int, layout: DecodeBufferLayout, du
     width gets one more, dummy, column). Padding rows are token 0 at position 0, written to the
     dummy slot, with a context of one token in the dummy block."""
     batch = len(plan.input_ids)
-    # The plan's columns only: copying whole rows, as wide as max_model_len, made a batch-8 step
-    # at 128 tokens 0.03 ms slower (H200, not explained; docs/benchmarks.md).
+    # The plan's columns only: copying whole rows (max_model_len wide) measured slower.
     tables = np.full((bucket, plan.block_tables.shape[1]), dummy_block, dtype=np.int32)
     tables[:batch] = plan.block_tables
     start = layout.inputs_at(bucket)
@@ -238,15 +226,10 @@ class CudaGraphRunner(_StepGraphs):
     """Decode steps of up to ``max_batch_size`` sequences, one graph per :func:`batch_buckets`
     size (see the module docstring).
 
-    A step's inputs go up in two copies ahead of its replay: the token ids, positions, slots and
-    context lengths of the bucket's rows, padding included, packed for that bucket
-    (:func:`decode_inputs`; the graphs of other buckets read other views of the same bytes), and
-    the block tables' rows, padding rows included, in the plan's columns. Against a copy a
-    tensor and a fill kernel a padded one, same kernels, same bits (H200, Qwen2.5-1.5B): -0.005
-    ms a batch-1 step, -0.006 to -0.007 at batch 8, -0.015 at batch 5, which pads. Bucket 1 has
-    packed inputs of its own right before the first block-table row (:func:`decode_buffer_layout`),
-    so that a batch-1 step goes up in one copy: -0.0013 ms a step at 128 and at 2048 tokens
-    (docs/benchmarks.md).
+    A step's inputs go up in two copies ahead of its replay, rather than one per tensor plus
+    padding fills: the bucket's packed ids, positions, slots and context lengths
+    (:func:`decode_inputs`), and the block tables' rows in the plan's columns. Bucket 1's packed
+    inputs sit right before the first block-table row, so a batch-1 step takes one copy.
     """
 
     kind = "decode"

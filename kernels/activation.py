@@ -41,17 +41,13 @@ def _silu_and_mul_kernel(
 
 
 _BLOCK = 1024  # columns per program: 4 KB of each half in bf16
-# 8 warps: one 16-byte load of each half per thread. Against 4 in the decode step (H200, the
-# same bits): batch 32 at 2048 tokens 0.010 ms faster, at 128 tokens 0.007, batch 8 0.004, batch
-# 1 and 16 the same (docs/benchmarks.md).
+# 8 warps: one 16-byte load of each half per thread.
 _NUM_WARPS = 8
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """Triton :func:`silu_and_mul_ref`: x ``[..., 2*I]`` (unit stride in the last dim).
-
-    Grid: (rows, ceil(I / 1024)). Returns a new contiguous ``[..., I]`` tensor in x's dtype.
-    """
+    """Triton :func:`silu_and_mul_ref`: x ``[..., 2*I]`` (unit stride in the last dim) -> a new
+    contiguous ``[..., I]`` tensor in x's dtype."""
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError(f"x's last dim must be even (gate | up), got shape {tuple(x.shape)}")
     inter = x.shape[-1] // 2

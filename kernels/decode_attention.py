@@ -1,5 +1,5 @@
 """Paged decode attention: each sequence's new token, rotated and stored into the paged cache,
-attends to its whole cached context (the new token included)."""
+attends to its whole cached context (the new token included). Tuning figures: docs/decisions.md."""
 
 from __future__ import annotations
 
@@ -40,14 +40,11 @@ def paged_decode_attention_ref(
     scale: float,
     max_context_len: int,
 ) -> torch.Tensor:
-    """One decode step's attention: :func:`~kernels.rope.rope_and_store_kv_ref` on the step's
-    new tokens (q, k rotated; rotated k and plain v written to the caches at ``slot_mapping``),
-    then :func:`cached_decode_attention_ref` of the rotated q.
-
-    Shapes as in those two: q ``[B, Hq, D]``, k and v ``[B, Hkv, D]``, positions and
-    slot_mapping ``[B]``. Decode contract (the Triton kernel relies on it): the new token of
-    sequence b is its last, ``slot_mapping[b]`` is the slot of token ``context_lens[b] - 1``
-    under ``block_tables[b]``. Returns ``[B, Hq, D]`` in q's dtype.
+    """One decode step's attention: :func:`~kernels.rope.rope_and_store_kv_ref` on the new tokens,
+    then :func:`cached_decode_attention_ref` of the rotated q. q ``[B, Hq, D]``, k and v
+    ``[B, Hkv, D]``, positions and slot_mapping ``[B]``; returns ``[B, Hq, D]`` in q's dtype.
+    Decode contract (the Triton kernel relies on it): ``slot_mapping[b]`` is the slot of token
+    ``context_lens[b] - 1``, sequence b's new and last token, under ``block_tables[b]``.
     """
     q_rot, _ = rope_and_store_kv_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     return cached_decode_attention_ref(q_rot, k_cache, v_cache, block_tables, context_lens, scale, max_context_len)
@@ -62,13 +59,10 @@ def cached_decode_attention_ref(
     scale: float,
     max_context_len: int,
 ) -> torch.Tensor:
-    """Attention of one (already rotated) query per sequence over its ``context_lens[b]``
-    cached tokens.
-
-    Shapes: q ``[B, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]``, block_tables
-    ``[B, max_blocks]`` int32, context_lens ``[B]`` int32 (each >= 1 and
-    <= max_context_len). Query head ``h`` reads KV head ``h // (Hq // Hkv)``. Returns
-    ``[B, Hq, D]`` in q's dtype; computed in fp32.
+    """Attention of one (already rotated) query per sequence over its ``context_lens[b]`` cached
+    tokens, in fp32. q ``[B, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]``, block_tables
+    ``[B, max_blocks]`` int32, context_lens ``[B]`` int32 in ``[1, max_context_len]``. Query head
+    ``h`` reads KV head ``h // (Hq // Hkv)``. Returns ``[B, Hq, D]`` in q's dtype.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -84,31 +78,11 @@ def cached_decode_attention_ref(
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
-# --------------------------------------------------------------------------------------------
-# Triton: split-KV ("flash-decoding") paged attention.
-#
-# Grid of the main kernel: (partition, kv head, sequence). A program takes one KV head and all
-# G = Hq // Hkv query heads that read it (padded to a 16-row tile for tl.dot), and walks its
-# partition of the context in tiles of BLOCK_N tokens, gathering each tile's rows through the
-# block table. Every K/V row is loaded once for the whole group. It keeps an online softmax
-# (running max m, running sum l, accumulator acc) in base 2: scores are pre-multiplied by
-# log2(e), so exp2 replaces exp and the partials stay consistent across kernels.
-#
-# The number of partitions P is chosen on the host from the batch shape (enough programs to
-# fill the GPU in one wave, no more than a max_context_len sequence has tiles), so the grid is
-# static under CUDA graphs. Each sequence then splits its own context into at most P partitions
-# of equal size in whole BLOCK_N tiles: one tile each while the batch's one-tile partitions
-# would take at most one program an SM (a sequence of up to one_tile_limit tiles, also set on
-# the host), otherwise at least _MIN_PARTITION_TILES tiles each. The split follows the live
-# length, not max_context_len, so a graph captured for a 32k max_model_len splits a 2k-token
-# batch as one captured for 2k does (the programs past the last used partition exit at once),
-# and a long sequence in a batch of short ones gets all P programs.
-# With P = 1 the kernel writes the output directly; otherwise it writes (m, l, acc / l) per
-# partition and the reduce kernel merges them. A partition starting at or beyond a sequence's
-# context length (rounding leaves some) does nothing and the reduce kernel skips it (it
-# recomputes the sequence's partition size), and no partial ever holds the max of an empty set
-# (no NaN).
-# --------------------------------------------------------------------------------------------
+# Triton: split-KV ("flash-decoding") paged attention. Grid (partition, KV head, sequence): a
+# program takes one KV head with its G query heads, so each K/V row is loaded once for the group,
+# and runs a base-2 online softmax over its partition. The partition count P depends on host
+# shapes only (static under CUDA graphs); each sequence splits its live context into at most P
+# partitions of whole tiles. With P > 1 the reduce kernel merges the partials (m, l, acc / l).
 
 _LOG2E = 1.4426950408889634
 
@@ -116,11 +90,9 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _partition_size(context_len, num_partitions, one_tile_limit, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
     """Tokens per partition of one sequence: its context over the partitions in whole tiles, at
-    least one tile, and at least MIN_TILES tiles for a context of more than one_tile_limit
-    tiles."""
+    least one tile, at least MIN_TILES past one_tile_limit tiles."""
     min_tiles = tl.where(tl.cdiv(context_len, BLOCK_N) > one_tile_limit, MIN_TILES, 1)
-    # cdiv(cdiv(context_len, P), BLOCK_N), not the equal cdiv(tiles, P): that form compiled to a
-    # partition kernel 0.03 ms a step slower at batch 16 (H200, docs/benchmarks.md).
+    # Not the equal cdiv(tiles, P): that form compiled to a slower partition kernel.
     return tl.maximum(tl.cdiv(tl.cdiv(context_len, num_partitions), BLOCK_N), min_tiles) * BLOCK_N
 
 
@@ -134,10 +106,9 @@ def _rotated(ptrs, d, pair, mask, cos, signed_sin):
 
 @triton.jit
 def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    """The online softmax state (running max m_i, sum l_i, accumulator acc) of a row tile after
-    one more key tile: scores s ``[M, N]`` in log2 units (-inf where masked; each row's m_i or
-    its row of s must hold a finite value) and values v ``[N, D]``. Shared by the decode and
-    prefill kernels."""
+    """Online softmax state (running max m_i, sum l_i, accumulator acc) after one more key tile:
+    scores s ``[M, N]`` in log2 units (-inf where masked; each row's m_i or s must hold a finite
+    value) and values v ``[N, D]``."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -146,9 +117,7 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     return m_new, l_i, acc
 
 
-# Integers that change from step to step are not specialized (Triton compiles a variant for
-# values of 1 and for multiples of 16): an eager step of a new shape would otherwise stop the
-# GPU for a compile, about a second on an H200, the first time it comes.
+# Integers that change between steps are not specialized, so a new shape never triggers a compile.
 @triton.jit(do_not_specialize=["max_len", "stride_bt", "num_partitions", "one_tile_limit"])
 def _decode_partition_kernel(
     q_ptr, k_new_ptr, v_new_ptr, pos_ptr, cos_sin_ptr, slot_ptr,
@@ -175,9 +144,8 @@ def _decode_partition_kernel(
     first = d < half
     pair = tl.where(first, d + half, d - half)
     freq = tl.where(first, d, d - half)
-    # Before the wait (the previous kernel may still run, see kernels.pdl): step inputs (context
-    # length, the first tile's block ids, position, slot) and the constant cos/sin table. In the
-    # loop, block ids are loaded a tile ahead of the K/V gather they address.
+    # Step inputs and the cos/sin table load before the PDL wait (kernels.pdl); in the loop,
+    # block ids are loaded a tile ahead of the K/V gather they address.
     context_len = tl.minimum(tl.load(context_lens_ptr + seq), max_len)
     partition_size = _partition_size(context_len, num_partitions, one_tile_limit, BLOCK_N, MIN_TILES)
     start = part * partition_size
@@ -191,9 +159,7 @@ def _decode_partition_kernel(
     signed_sin = tl.where(first, -sin, sin)
     if USE_PDL:
         if PREFETCH_FIRST_TILE:
-            # The first tile's K/V rows (earlier steps' tokens, and the new token's slot, stored
-            # after the wait) go into L2 while the kernel ahead finishes, so the gather after
-            # the wait reads L2, not DRAM. One prefetch a LINE_ELEMS-wide line of each row.
+            # Prefetch the first tile's K/V rows into L2 while the kernel ahead finishes.
             row = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
             lines = row[:, None] + (tl.arange(0, BLOCK_D // LINE_ELEMS) * LINE_ELEMS)[None, :]
             line_mask = (n < end)[:, None] & (lines >= 0)  # broadcast to the lines' shape
@@ -205,9 +171,8 @@ def _decode_partition_kernel(
     # context, e.g. a padding row of a CUDA-graph batch).
     if SINGLE_PARTITION or start < context_len:
         cache_ty = k_cache_ptr.dtype.element_ty
-        # The new token (the sequence's last, at `slot`): the partition that holds it stores its
-        # rotated K and its V before the loop, and the barrier makes the stores visible to every
-        # thread of the program before the loop gathers that slot. No other program reads it.
+        # The partition holding the new token stores its rotated K and V before the loop; the
+        # barrier makes them visible to the program's threads before the gather reads that slot.
         newest = context_len - 1
         k_rot = _rotated(k_new_ptr + seq * stride_kb + kv_head * stride_kh, d, pair, d_mask, cos, signed_sin)
         # Rounded to k's dtype first, as the reference returns and stores it.
@@ -226,9 +191,8 @@ def _decode_partition_kernel(
         q_mask = g_mask[:, None] & d_mask[None, :]
         q_ptrs = q_ptr + seq * stride_qb + heads[:, None] * stride_qh
         q = _rotated(q_ptrs, d[None, :], pair[None, :], q_mask, cos[None, :], signed_sin[None, :])
-        # tl.dot wants both operands in one dtype: the cache's (bf16 x bf16 products are exact
-        # in the fp32 accumulator, so scores are as precise as an fp32 computation). q is
-        # rounded to its own dtype first, as the reference's rotated q is.
+        # tl.dot takes one dtype, the cache's (16-bit products are exact in fp32); q is rounded
+        # to its own dtype first, as the reference's rotated q is.
         q = q.to(q_ptr.dtype.element_ty).to(cache_ty)
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -246,8 +210,7 @@ def _decode_partition_kernel(
             block = tl.load(block_tables_ptr + seq * stride_bt + n_next // BLOCK_SIZE, mask=n_next < end, other=0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N], log2 units
             s = tl.where(n_mask[None, :], s, float("-inf"))
-            # The first tile holds token `start` < end, so m_i is finite from then on and
-            # exp2(-inf - m_i) = 0 for masked tokens.
+            # The first tile holds a valid token, so m_i stays finite and masked tokens weigh 0.
             m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_mask = g_mask[:, None] & d_mask[None, :]
@@ -303,9 +266,7 @@ def _decode_reduce_kernel(
     m_run = float("-inf")
     l_run = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
-    # A merge is quickest in a tile as tall as the partitions it merges (masked rows cost time):
-    # contexts of up to _SHORT_MERGE partitions get a tile of that height, the rest chunks of
-    # BLOCK_P, which keep registers bounded for long contexts.
+    # Masked rows cost time: a short merge gets a tile of its own height, longer ones BLOCK_P chunks.
     if used > _SHORT_MERGE:
         for p0 in range(0, used, BLOCK_P):
             m_run, l_run, acc = _merge_chunk(m_ptr, l_ptr, part_ptr, base, p0, used, d, d_mask, head_dim,
@@ -319,30 +280,17 @@ def _decode_reduce_kernel(
 
 
 _BLOCK_N = 64  # tokens per KV tile: 4 pages of 16; [64, 128] bf16 tiles for K and for V
-_TARGET_PROGRAMS_PER_SM = 4  # resident programs an SM (registers allow 4 of 4 warps): one wave
+_TARGET_PROGRAMS_PER_SM = 4  # resident 4-warp programs an SM: the grid fills one wave
 _MIN_PARTITION_TILES = 2  # tiles a partition holds at least, past the one-tile limit
 _ONE_TILE_PROGRAMS_PER_SM = 1  # one-tile partitions while the batch's take at most this many an SM
 _WARPS_STAGES = (4, 2)  # num_warps, num_stages of the partition kernel
-# The reduce kernel runs one warp a program: its merge sums over partitions (axis 0 of a
-# [BLOCK_P, columns] tile), which in one warp stays in registers and in more goes through shared
-# memory and barriers. Small batches split each head's columns over several programs instead
-# (_reduce_columns), so that the few heads still spread over the SMs.
+# The reduce runs one warp a program, so its merge over partitions stays in registers; small
+# batches split each head's columns over several programs to spread over the SMs.
 _REDUCE_PROGRAMS_PER_SM = 3
 _MIN_REDUCE_COLUMNS = 16
-# Partitions the reduce merges in one tile of their own height; more go in chunks of up to
-# _MAX_MERGE_CHUNK (the grid's partition count, rounded up to a power of two, if fewer). Rows
-# of a tile past the partitions it merges cost time (H200, Qwen2.5-1.5B, same call against
-# 16-row chunks: decode step 1.012 -> 1.009 ms at batch 1 and 128 tokens, 1.343 -> 1.333 at
-# batch 32, two partitions each; 1.067 -> 1.055 at batch 1 and 2048 tokens, 32 partitions in
-# one chunk instead of two, where 64-row chunks were no faster; docs/benchmarks.md).
-_SHORT_MERGE = tl.constexpr(2)
-_MAX_MERGE_CHUNK = 32
-# Batches of up to _PREFETCH_MAX_BATCH sequences prefetch each partition's first K/V tile into
-# L2 before the PDL wait (H200, Qwen2.5-1.5B, same call, the same logits bit for bit: decode
-# step 0.993 -> 0.985 ms at batch 1 and 128 tokens, 1.049 -> 1.035 at 2048; 0.012-0.014 faster
-# at batch 4 and 2048 tokens and at batch 8 and 16 at 128 tokens, level at batch 16 and 2048).
-# At batch 32 and 2048 tokens, 512 programs prefetching 16 MB made the step 0.006 ms slower
-# (level at 128 tokens, 0.003 faster at batch 128; docs/benchmarks.md).
+_SHORT_MERGE = tl.constexpr(2)  # partitions merged in a tile of their own height
+_MAX_MERGE_CHUNK = 32  # longer merges go in chunks of up to this many partitions
+# Only small batches prefetch the first K/V tile into L2: larger ones gained nothing from it.
 _PREFETCH_MAX_BATCH = 16
 
 
@@ -354,33 +302,17 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _num_partitions(max_context_len: int, batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Partitions per (sequence, KV head): as many as fit batch x KV heads x partitions programs
-    in one wave (_TARGET_PROGRAMS_PER_SM resident programs an SM), at least one, and no more
-    than a max_context_len sequence has tiles.
-
-    One wave, not more: a second, partly filled wave costs as much as a full one (batch 128 at
-    2048 tokens: 3 partitions, 768 programs, take 0.3 ms a step longer than 2, 512 programs).
-    Up to the wave, a larger grid was faster even for the same split, with the extra programs
-    exiting at once (H200: batch 8 at 128 tokens 1.442 -> 1.366 ms a step with 33 partitions
-    instead of 17, two used either way; docs/benchmarks.md). Depends only on host ints and
-    shapes, so a CUDA graph captured for (batch, max_context_len) stays valid for every context
-    length up to max_context_len.
+    """Partitions per (sequence, KV head): as many as fill one wave of programs (a partly filled
+    second wave costs a full one), at least one, at most a max_context_len sequence's tiles.
+    Host ints only, so a graph captured for (batch, max_context_len) serves every shorter context.
     """
     wave = _TARGET_PROGRAMS_PER_SM * _num_sms(device) // (batch * num_kv_heads)
     return max(1, min(wave, triton.cdiv(max_context_len, _BLOCK_N)))
 
 
 def _reduce_columns(batch: int, num_heads: int, head_dim: int, device: torch.device) -> int:
-    """Columns of a head a reduce program merges: the head's width, rounded up to a power of two,
-    halved while the batch's programs stay within _REDUCE_PROGRAMS_PER_SM an SM, down to
-    _MIN_REDUCE_COLUMNS.
-
-    On an H200 (Qwen2.5-1.5B, 12 heads of 128) that is 16 columns at batch 1-4, 32 at 8, 64 at
-    16 and whole heads from 32. Against whole heads (4 warps below batch 8, one from it) the
-    decode step went 1.020 -> 1.008 ms at batch 1 and 128 tokens, 1.139 -> 1.067 at 2048, and
-    0.015-0.064 ms faster at batch 2-16, level from 32, where halves or quarters of a head were
-    0.03-0.06 ms slower (docs/benchmarks.md).
-    """
+    """Columns of a head a reduce program merges: the head's width (a power of two), halved while
+    the batch's programs stay within _REDUCE_PROGRAMS_PER_SM an SM, down to _MIN_REDUCE_COLUMNS."""
     columns = triton.next_power_of_2(head_dim)
     programs = batch * num_heads
     while columns > _MIN_REDUCE_COLUMNS and 2 * programs <= _REDUCE_PROGRAMS_PER_SM * _num_sms(device):
@@ -390,14 +322,9 @@ def _reduce_columns(batch: int, num_heads: int, head_dim: int, device: torch.dev
 
 
 def _one_tile_limit(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Tiles of context up to which a sequence's partitions hold one tile each: as many as keep
-    the batch's one-tile programs within _ONE_TILE_PROGRAMS_PER_SM an SM, and never fewer than
-    _MIN_PARTITION_TILES. Longer contexts get partitions of at least _MIN_PARTITION_TILES tiles:
-    with more programs than that, one-tile partitions spend as much on their partial and its
-    merge as on their keys (H200, graphs for 32k tokens: batch 4 at 2048 tokens 1.565 -> 1.503 ms
-    a step with 16 partitions of two tiles instead of 32 of one), while batch 1 at 2048 tokens
-    and any batch at 128 tokens run faster in one-tile partitions (batch 128: 2.083 ms in one
-    partition of two tiles, 2.059 in two of one; docs/benchmarks.md)."""
+    """Tiles of context up to which partitions hold one tile each (at least _MIN_PARTITION_TILES):
+    while the batch's one-tile programs fit _ONE_TILE_PROGRAMS_PER_SM an SM. Past that, a one-tile
+    partition spends as much on its partial and merge as on its keys."""
     return max(_MIN_PARTITION_TILES, _ONE_TILE_PROGRAMS_PER_SM * _num_sms(device) // (batch * num_kv_heads))
 
 
@@ -444,16 +371,12 @@ def paged_decode_attention(
     scale: float,
     max_context_len: int,
 ) -> torch.Tensor:
-    """Triton :func:`paged_decode_attention_ref`: RoPE, the K/V store and the attention of a
-    decode step in one kernel (plus the split-KV reduce), under the reference's decode contract.
-
-    q, k, v may be strided views (slices of the fused qkv projection) with unit stride in D.
-    Returns a new contiguous ``[B, Hq, D]`` tensor in q's dtype; the caches get the new tokens'
-    rotated k and plain v. No host sync: safe to capture in a CUDA graph for a fixed
-    (B, max_context_len); context_lens, tables, positions and slots may change between replays.
-    Padding rows of a graph batch (context length 1, a shared dummy slot) get unspecified output
-    and race only on the dummy slot. A row with context_len 0 (outside the contract) yields
-    zeros, where the reference yields NaN.
+    """Triton :func:`paged_decode_attention_ref`: RoPE, the K/V store and the attention in one
+    kernel (plus the split-KV reduce). q, k, v may be strided views with unit stride in D. Returns
+    a new contiguous ``[B, Hq, D]`` tensor. No host sync: capturable in a CUDA graph for a fixed
+    (B, max_context_len), with inputs changing between replays. Padding rows (context length 1,
+    a shared dummy slot) race only on that slot and get unspecified output; context_len 0 yields
+    zeros (the reference: NaN).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")

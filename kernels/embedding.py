@@ -38,12 +38,9 @@ def _embedding_kernel(
 
 
 def embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Triton :func:`embedding_ref`, one launch with PDL on Hopper (torch's gather takes two
-    kernels from two tokens on, neither launched with PDL, so the step's chain of PDL kernels
-    starts only after them).
-
-    Ids are not range-checked here, which would need a host sync: the engine rejects
-    out-of-vocabulary ids when a request arrives (``engine.engine``).
+    """Triton :func:`embedding_ref`: one PDL launch, so the step's chain of PDL kernels starts at
+    once (torch's gather takes two kernels without PDL). Ids are not range-checked (that needs a
+    host sync): the engine rejects out-of-vocabulary ids when a request arrives.
     """
     if input_ids.dim() != 1 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be a 1-D integer tensor, got {tuple(input_ids.shape)} {input_ids.dtype}")

@@ -1,30 +1,11 @@
 """Linear layers for decode: ``y = x W^T + b`` when x has only a few rows.
 
-A decode step feeds each linear layer one row per sequence, so up to a few dozen rows the layer
-is bound by the weight read (an H200 needs ~200 flops a weight byte to be compute-bound; 16
-rows use 16). :func:`linear` picks, from the shapes alone (a CUDA graph captured for a batch
-size keeps its choice):
-
-* 1 row: :func:`linear_kernel`, a GEMV with plain FMAs and many small programs: 1.9-4.8 TB/s
-  on the Qwen2.5-1.5B shapes, where cuBLAS's kernels reach 0.8-4.1 TB/s (its o_proj GEMV takes
-  6 us for 4.7 MB); 0.24 ms off a 1.71 ms batch-1 decode step (``python -m pdserve.bench.kernels``).
-* 2 to ``MAX_DOT_ROWS`` = 32 rows: :func:`linear_dot`, one weight read for all rows on tensor
-  cores (:func:`linear_kernel` re-reads it for every row: two rows take 1.4-1.7x the time of
-  one on the large shapes). The narrow layers (qkv, o_proj: under 8192 outputs and 4096
-  inputs) tile ``x W^T``, each program loading its whole weight slice before it waits on the
-  kernel ahead (kernels.pdl). The wide and long layers (gate/up and the LM head; down) tile
-  the transposed product ``W x^T``: the weight tile is the MMA's 64-row operand (wgmma on
-  Hopper, which the batch's 16-32 rows are too few to be) and its stream is software-pipelined.
-  Against ``x W^T`` tiles there up to 16 rows and cuBLAS (which also breaks the chain of PDL
-  launches) above, on an H200: batch-8 decode step at 2048 tokens 1.622 -> 1.482 ms, batch 32
-  2.123 -> 1.931 (Qwen2.5-1.5B, docs/benchmarks.md). At 2 rows the narrow layers go to
-  :func:`linear_kernel`: these 5-6 MB reads take ~4 us either way, latency rather than
-  bandwidth, and its many programs finish two rows in 2.7-3.1 us instead of 3.9-4.1 (about
-  60 us a batch-2 step over Qwen2.5-1.5B's 28 layers).
-* More rows: cuBLAS (``F.linear``).
-
-:func:`linear_silu_and_mul` is the MLP's gate/up projection with the SwiGLU gate applied, in the
-one-row kernel's epilogue where :func:`linear` runs that kernel.
+With a few rows the layer is bound by the weight read. :func:`linear` picks the implementation
+from the shapes alone, so a CUDA graph captured for a batch size keeps its choice: 1 row goes to
+:func:`linear_kernel` (a GEMV), 2 to ``MAX_DOT_ROWS`` rows to :func:`linear_dot` (tensor cores,
+one weight read for all rows; 2-row narrow layers stay on :func:`linear_kernel`), more rows to
+cuBLAS. :func:`linear_silu_and_mul` is the MLP's gate/up projection with the SwiGLU gate applied.
+The measurements behind these choices are in docs/decisions.md.
 """
 
 from __future__ import annotations
@@ -42,9 +23,8 @@ from pdserve.kernels.checks import as_rows, dot_precision
 
 MAX_DOT_ROWS = 32  # rows of x up to which linear() runs a Triton kernel; more go to cuBLAS
 _MAX_KERNEL_ROWS = 16  # linear_kernel: each row re-reads the weight, a few rows at most
-# Shape classes of both kernels' launch configurations (and of linear()'s choice at 2 rows):
-# "long" rows (the MLP's down projection), "wide" outputs (gate/up, LM head), else "narrow"
-# (qkv, o_proj).
+# Shape classes for launch configurations: "long" rows (down), "wide" outputs (gate/up, LM head),
+# else "narrow" (qkv, o_proj).
 _LONG_K = 4096
 _WIDE_N = 8192
 
@@ -63,9 +43,8 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def linear_path(x: torch.Tensor, weight: torch.Tensor) -> LinearPath:
-    """What :func:`linear` runs for ``x [..., K]`` and ``weight [N, K]``: the name of
-    :func:`linear_kernel`, :func:`linear_dot` or ``F.linear`` (cuBLAS; every non-CUDA tensor).
-    Shapes and device only, so a CUDA graph captured for a batch size keeps the choice."""
+    """What :func:`linear` runs for ``x [..., K]`` and ``weight [N, K]``, from shapes and device
+    only: ``F.linear`` (cuBLAS) for every non-CUDA tensor and above ``MAX_DOT_ROWS`` rows."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not x.is_cuda or rows == 0 or rows > MAX_DOT_ROWS:
         return "F.linear"
@@ -73,11 +52,7 @@ def linear_path(x: torch.Tensor, weight: torch.Tensor) -> LinearPath:
         return "linear_kernel"
     n, k = weight.shape[0], weight.shape[-1]  # a bad weight is the kernels' ValueError
     narrow = n < _WIDE_N and k < _LONG_K
-    # Two rows of a narrow layer: linear_kernel's two weight reads of 5-6 MB still finish first
-    # (H200: 2.7-3.1 us against 3.9-4.1; see the module docstring). On the wide and long layers
-    # linear_dot wins from 2 rows. Between 2 and 8 rows only those two counts were measured:
-    # linear_dot takes the same time at both (one weight read), linear_kernel's grows with
-    # every row, so from 3 rows on linear_dot.
+    # A narrow layer's small weight is latency-bound: two reads by linear_kernel still finish first.
     if rows == 2 and narrow:
         return "linear_kernel"
     return "linear_dot"
@@ -85,12 +60,10 @@ def linear_path(x: torch.Tensor, weight: torch.Tensor) -> LinearPath:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`linear_ref` through the implementation :func:`linear_path` names: a Triton
-    kernel on a GPU up to ``MAX_DOT_ROWS`` rows, ``F.linear`` elsewhere.
+    """:func:`linear_ref` through the implementation :func:`linear_path` names.
 
-    The Triton kernels store their fp32 accumulator straight into ``out``: fp32 logits come out
-    of the LM head unrounded and with no cast kernel after it (0.015 ms of a batch-32 step on an
-    H200). ``F.linear`` rounds to x's dtype first and then copies."""
+    The Triton kernels store their fp32 accumulator straight into an fp32 ``out`` (unrounded
+    logits, no cast kernel); ``F.linear`` rounds to x's dtype first and then copies."""
     path = linear_path(x, weight)
     if path == "linear_kernel":
         return linear_kernel(x, weight, bias, out)
@@ -129,42 +102,18 @@ def _check_out(x: torch.Tensor, n: int, out: torch.Tensor) -> None:
 
 
 def _output(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
-    """The tensor a kernel writes x's ``[..., N]`` output to: ``out`` (checked) or a new one in
-    x's dtype."""
+    """Where a kernel writes x's ``[..., N]`` output: ``out`` (checked) or a new tensor in x's dtype."""
     if out is None:
         return torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     _check_out(x, n, out)
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# Triton, one row: a program computes BLOCK_N output features of one row of x, walking K in
-# BLOCK_K steps; the weight tile [BLOCK_N, BLOCK_K] is multiplied into the row with plain FMAs
-# in fp32 (tensor cores would need 16-row tiles; the bound is the memory read anyway) and
-# reduced over K at the end. Small BLOCK_N means many programs, which keeps enough loads in
-# flight to approach the memory bandwidth for these narrow shapes. Rows are a grid axis: each
-# row reads the weight again (measured: two rows take 1.4-1.7x the time of one on the large
-# shapes).
-#
-# Triton pipelines a loop's loads that feed no tl.dot only when the loop itself asks for it
-# (``tl.range(..., num_stages=S)``: cp.async into S - 1 shared-memory buffers; the kernel's
-# num_stages does nothing here, Triton 3.6 and 3.9). So the loop after the first tile takes one
-# of two forms:
-# * DEPTH 1, ``STAGES`` >= 2: the wide outputs (gate/up, the LM head; 3 tiles a program). After
-#   the wait their remaining tiles are in flight at once: B=1 decode step 1.060 -> 1.027 ms at
-#   128 tokens, 1.175 -> 1.141 at 2048, the same logits bit for bit (gate/up 14.6 -> 13.6 us,
-#   3.77 -> 4.05 TB/s). Without the first tile ahead of the wait it was slower than before;
-# * DEPTH 2: the long rows (the down projection: 9 tiles a program, 768 programs). Their first
-#   two tiles go out before the wait (three were no better than one), then each iteration
-#   issues the next tile's loads before it multiplies the current one, in registers.
-#   Pipelined through shared memory instead (1-8 features, 256-4096-wide tiles, 3-8 stages),
-#   down was 0.01 ms faster at best at 128 tokens and slower at 2048.
-# x's loads ask L1 to keep x (evict_last), which every program re-reads while the weights pass
-# once; hints on the weights' loads (.cg, evict_first) were level or slower. With down's second
-# early tile: B=1 decode step 1.028 -> 1.012 ms at 128 tokens, 1.140 -> 1.124 at 2048, same
-# call, the same logits bit for bit (each alone gained 0.002-0.005 ms).
-# (H200, Qwen2.5-1.5B; docs/benchmarks.md.)
-# --------------------------------------------------------------------------------------------
+# Triton, one row: a program computes BLOCK_N features of one row with plain fp32 FMAs over K
+# tiles (the bound is the memory read, not the math); small BLOCK_N gives many programs and
+# enough loads in flight. Rows are a grid axis, each re-reading the weight. Triton pipelines
+# loads that feed no tl.dot only via tl.range(num_stages=...), so the loop has two forms:
+# DEPTH 1 (STAGES tiles in flight) and DEPTH 2 (next tile loaded into registers ahead).
 
 
 @triton.jit
@@ -178,9 +127,8 @@ def _linear_kernel(
     row = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, BLOCK_N)
     if SILU_AND_MUL:
-        # W = [gate | up] by rows, N = 2 * I. The program takes BLOCK_N / 2 features; tile row r
-        # is feature r // 2 of the gate for even r, of the up projection for odd r, so that the
-        # epilogue pairs neighbouring rows.
+        # W = [gate | up] by rows. Tile row r is feature r // 2 of gate (even r) or up (odd r),
+        # so the epilogue pairs neighbouring rows.
         features = tl.program_id(1) * (BLOCK_N // 2) + r // 2
         n = features + (r % 2) * (N // 2)
         n_mask = features < N // 2
@@ -190,14 +138,11 @@ def _linear_kernel(
     k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :]
     x_ptrs = x_ptr + row * stride_xm + k
-    # The first weight tile (on the narrow layers the whole slice: BLOCK_K >= K) is loaded
-    # before the wait, as no kernel writes weights: under PDL it streams while the kernels
-    # ahead finish (kernels.pdl).
+    # Weights are never written: the first tile loads before the PDL wait (kernels.pdl).
     k_mask = k < K
     w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
     if DEPTH == 1:
-        # Converted here, so the program waits for its tile before it lets the next kernel
-        # launch. Converting at the multiply instead made B=1 and B=2 steps 0.05 ms slower.
+        # Converted here, so the tile has arrived before the next kernel may launch.
         w = w.to(tl.float32)
     else:  # the long rows' second tile goes out before the wait too
         k_mask1 = (BLOCK_K + k) < K
@@ -205,8 +150,7 @@ def _linear_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    # Every program reads all of x while the weights stream past once: x's lines are the ones
-    # to keep in L1 (evict_last).
+    # Every program re-reads x while the weights pass once: keep x in L1 (evict_last).
     if DEPTH == 1:
         x = tl.load(x_ptrs, mask=k_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         acc = w * x[None, :]
@@ -242,20 +186,9 @@ def _linear_kernel(
 
 
 def _launch_config(n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, STAGES, DEPTH), from sweeps on an H200 at one row (bf16).
-
-    Long rows (the MLP's down projection) take 2 features a program, wide K tiles, more warps
-    and the next tile's loads issued ahead (DEPTH 2: B=1 decode step 1.123 -> 1.104 ms; DEPTH 3
-    gave the same). 2 features, not 4, since the gate/up kernel applies the SwiGLU gate (down
-    follows it directly): B=1 step 1.089 -> 1.067 ms at 128 tokens, 1.189 -> 1.176 at 2048, same
-    call; 8 features, 2048-wide or 512-wide tiles, or 4 warps were slower;
-    wide outputs (the gate/up projection, the LM head) take 8 features a program and their
-    tiles after the first in flight together (3 stages; see above); everything else
-    ("narrow": qkv, o_proj) 4 features and the whole row in one tile, so a program loads its
-    entire weight slice before the wait (kernels.pdl). That tile was measured in the model,
-    where it beats the isolated sweep's (4, 512, 4, 3): B=1 decode step -0.04 ms; 512-wide
-    tiles in 3 stages were 0.03 ms slower (docs/benchmarks.md).
-    """
+    """(BLOCK_N, BLOCK_K, num_warps, STAGES, DEPTH) of the one-row kernel, tuned per shape class
+    in decode steps. Narrow layers take the whole row in one tile, so a program loads its whole
+    weight slice before the PDL wait."""
     if k >= _LONG_K:
         return 2, 1024, 8, 1, 2
     if n >= _WIDE_N:
@@ -265,14 +198,10 @@ def _launch_config(n: int, k: int) -> tuple[int, int, int, int, int]:
 
 def linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton :func:`linear_ref` for a few rows, one weight read per row (at most 16;
-    :func:`linear` uses it for 1 row, and for 2 on narrow layers).
-
-    x ``[..., K]`` (a view with unit stride in K), weight ``[N, K]`` with unit stride in K, bias
-    ``[N]``; one float dtype, one device. Returns the ``[..., N]`` output, accumulated in fp32
-    and rounded once: ``out`` when given (contiguous, x's dtype or fp32), else a new tensor in
-    x's dtype.
-    """
+    """Triton :func:`linear_ref` for up to 16 rows, one weight read per row. x ``[..., K]`` and
+    weight ``[N, K]`` with unit stride in K, bias ``[N]``, one float dtype and device. The output
+    is accumulated in fp32 and rounded once, into ``out`` (contiguous, x's dtype or fp32) or a
+    new tensor in x's dtype."""
     x2 = _check_rows(x, weight, bias)
     n = weight.shape[0]
     y = _output(x, n, out)
@@ -283,8 +212,7 @@ def linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def _check_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """:func:`_check_inputs` for the one-row kernel, which re-reads the weight for every row:
-    ValueError above ``_MAX_KERNEL_ROWS`` rows."""
+    """:func:`_check_inputs`, plus ValueError above ``_MAX_KERNEL_ROWS`` rows."""
     x2 = _check_inputs(x, weight, bias)
     if x2.shape[0] > _MAX_KERNEL_ROWS:
         raise ValueError(f"the one-row linear kernel takes at most {_MAX_KERNEL_ROWS} rows, got {x2.shape[0]}: "
@@ -294,8 +222,7 @@ def _check_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def _launch_linear_kernel(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
                           silu_and_mul: bool) -> None:
-    """``_linear_kernel`` over x's rows ``x2`` into y (checked by the caller), in the weight
-    shape's launch configuration; with ``silu_and_mul`` each program takes BLOCK_N / 2 features."""
+    """``_linear_kernel`` over x's rows ``x2`` into y (both checked by the caller)."""
     n, k = weight.shape
     block_n, block_k, warps, stages, depth = _launch_config(n, k)
     features = n // 2 if silu_and_mul else n
@@ -308,16 +235,9 @@ def _launch_linear_kernel(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     )
 
 
-# --------------------------------------------------------------------------------------------
-# The MLP's gate/up projection and its SwiGLU gate, ``silu(x W_gate^T) * (x W_up^T)``. Where
-# linear() runs the one-row kernel, that kernel computes the gate in its epilogue: each program
-# takes matching gate and up rows of W, so the step's SiLU-mul kernel, a launch and a boundary
-# in the chain of PDL kernels, goes away (H200, same call, the same logits bit for bit: B=1
-# decode step 1.094 -> 1.085 ms at 128 tokens, 1.211 -> 1.186 at 2048; 16 or 4 rows a program
-# instead of 8, or DEPTH 2, were slower). Elsewhere it is silu_and_mul(linear(...)): from two
-# rows on, the tensor-core tiles' features are not paired, and SiLU-mul costs nothing there
-# (the step's critical path at 8-32 rows, docs/benchmarks.md).
-# --------------------------------------------------------------------------------------------
+# The MLP's gate/up projection with its SwiGLU gate. At one row the linear kernel applies the
+# gate in its epilogue, saving a launch; from two rows on it is silu_and_mul(linear(...)), as the
+# tensor-core tiles do not pair gate and up features.
 
 
 def linear_silu_and_mul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -327,9 +247,8 @@ def linear_silu_and_mul_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton :func:`linear_silu_and_mul_ref`: :func:`linear_silu_and_mul_kernel` where
-    :func:`linear` runs the one-row kernel, else :func:`linear` then the SiLU-mul kernel. The
-    same bits either way."""
+    """Triton :func:`linear_silu_and_mul_ref`, fused where :func:`linear` runs the one-row kernel,
+    else :func:`linear` then the SiLU-mul kernel; the same bits either way."""
     if linear_path(x, weight) == "linear_kernel":
         return linear_silu_and_mul_kernel(x, weight, bias)
     return silu_and_mul(linear(x, weight, bias))
@@ -337,13 +256,9 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 def linear_silu_and_mul_kernel(x: torch.Tensor, weight: torch.Tensor,
                                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`linear_kernel` with the SwiGLU gate in its epilogue, for a few rows (at most 16).
-
-    x ``[..., K]``, weight ``[2 * I, K]`` (gate rows, then up rows) and bias ``[2 * I]`` as for
-    :func:`linear_kernel`. Returns a new ``[..., I]`` tensor in x's dtype: each projection is
-    rounded to x's dtype before the gate, so the output is bit for bit
-    ``silu_and_mul(linear_kernel(x, weight, bias))``.
-    """
+    """:func:`linear_kernel` with the SwiGLU gate in its epilogue: weight ``[2 * I, K]`` (gate
+    rows, then up rows). Returns a new ``[..., I]`` tensor in x's dtype, bit for bit
+    ``silu_and_mul(linear_kernel(x, weight, bias))``."""
     x2 = _check_rows(x, weight, bias)
     n = weight.shape[0]
     if n % 2:
@@ -356,34 +271,18 @@ def linear_silu_and_mul_kernel(x: torch.Tensor, weight: torch.Tensor,
     return y
 
 
-# --------------------------------------------------------------------------------------------
-# Triton, 2-32 rows on tensor cores: a program computes a [BLOCK_M, BLOCK_N] tile of y (rows of
-# x by output features), walking its K range in BLOCK_K steps: acc += x[BLOCK_M, BLOCK_K] @
-# W[BLOCK_N, BLOCK_K]^T with tl.dot (fp32 accumulate). BLOCK_M is 16 (tl.dot's minimum) or 32,
-# so one program row covers a whole decode batch and the weight is read once; more rows take
-# more programs along M, each reading the weight again (linear() sends those to cuBLAS). Rows
-# past M are padded: the loads wrap their row and feature indices (m % M, n % N, as in Triton's
-# matmul tutorial) so that they need no mask and stay vectorized, and only the store is masked.
-# Loads along K are masked only when K is not a multiple of BLOCK_K (EVEN_K): a mask along the
-# contiguous dimension costs the 16-byte vector loads.
-#
-# Layers with few outputs (o_proj, down: 1536 features; "narrow" and "long" below) give too few
-# programs to keep 132 SMs busy, so SPLIT_K > 1 also splits K: program (n, m, s) covers K range
-# [s * k_per_split, ...) and writes its fp32 partial tile to a workspace [splits, M, N];
-# _split_k_reduce_kernel then sums the partials in a fixed order, adds the bias and casts.
-# Unlike fp32 atomics, the result does not depend on program timing (bitwise reproducible,
-# which CUDA-graph replays and tests rely on). The workspace moves 2 * splits * M * N * 4 bytes
-# (mostly in L2), small against the weight's N * K * 2 when 4 * splits * M << K.
-# --------------------------------------------------------------------------------------------
+# Triton, 2-32 rows on tensor cores: a program computes a [BLOCK_M, BLOCK_N] tile of y over its K
+# range; BLOCK_M of 16 or 32 covers a decode batch, so the weight is read once. Loads wrap their
+# indices (m % M, n % N) and mask K only when needed (EVEN_K), to keep 16-byte vector loads.
+# Few-output layers split K too; _split_k_reduce_kernel sums the fp32 partials in a fixed order,
+# so results are bitwise reproducible (unlike atomics).
 
 
 @triton.jit
 def _dot_program_tile(w_ptr, N, K, k_per_split, stride_wn,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A linear_dot program's part of the grid (feature tiles, row tiles, K ranges), as both
-    products tile it: its K range's index, its rows m and features n, a tile's K offsets k,
-    where its K range starts and how long it is (>= 1: the wrapper launches no empty range),
-    and the pointers of its first weight tile ``[BLOCK_N, BLOCK_K]``."""
+    """A linear_dot program's share of the grid: (K range index, rows m, features n, tile K
+    offsets k, K range start, K range length >= 1, pointers of its first weight tile)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -406,14 +305,12 @@ def _linear_dot_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # M is not specialized (do_not_specialize): batch sizes 2 to 16 share one compiled kernel.
+    # M is not specialized: batch sizes 2 to 16 share one compiled kernel.
     pid_k, m, n, k, k_start, k_len, w_ptrs = _dot_program_tile(w_ptr, N, K, k_per_split, stride_wn,
                                                                BLOCK_M, BLOCK_N, BLOCK_K)
     x_ptrs = x_ptr + (m % M).to(tl.int64)[:, None] * stride_xm + (k_start + k)[None, :]
 
-    # The first weight tile (on the narrow layers the program's whole K range) is loaded before
-    # the wait, as no kernel writes weights: under PDL it streams while the kernels ahead
-    # finish (kernels.pdl). x may have been written by the previous kernel: after the wait.
+    # Weights load before the PDL wait (kernels.pdl); x may be the previous kernel's output.
     if EVEN_K:
         w = tl.load(w_ptrs)
     else:
@@ -431,8 +328,7 @@ def _linear_dot_kernel(
             w = tl.load(w_ptrs + k0)
             x = tl.load(x_ptrs + k0)
         else:
-            # K ranges start at multiples of BLOCK_K, so a tile never crosses into the next
-            # program's range: bounding by K is enough.
+            # K ranges start at multiples of BLOCK_K: bounding by K is enough.
             k_mask = (k_start + k0 + k)[None, :] < K
             w = tl.load(w_ptrs + k0, mask=k_mask, other=0.0)
             x = tl.load(x_ptrs + k0, mask=k_mask, other=0.0)
@@ -448,13 +344,9 @@ def _linear_dot_kernel(
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-# The wide and long layers' kernel: the same tiles and partial sums, but each program computes
-# y^T's [BLOCK_N, BLOCK_M] tile as W[BLOCK_N, BLOCK_K] @ x^T[BLOCK_K, BLOCK_M], so the weight is
-# the MMA's first operand. On Hopper that operand may have 64 rows, which makes the product a
-# wgmma reading both tiles from shared memory, and Triton pipelines its loads over num_stages
-# (x's rows alone, 16 or 32, are too few for wgmma: _linear_dot_kernel runs mma.sync). The loop
-# starts after the PDL wait: loading the first weight tile before it, as _linear_dot_kernel
-# does, peels it off the pipelined loop, and that measured slower on gate/up and down.
+# The wide and long layers' kernel computes y^T = W @ x^T, so the 64-row weight tile is the MMA's
+# first operand: a pipelined wgmma on Hopper (x's 16-32 rows are too few for one). No weight load
+# before the PDL wait here: it would peel the first tile off the pipelined loop.
 @triton.jit(do_not_specialize=["M"])
 def _linear_dot_swap_ab_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
@@ -490,14 +382,8 @@ def _linear_dot_swap_ab_kernel(
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-# --------------------------------------------------------------------------------------------
-# Triton, the split-K reduction: a program sums BLOCK_N features of one row over the splits of
-# the workspace, in split order (deterministic), adds the bias and casts to y's dtype. The
-# workspace is the dot kernel's output, so under PDL every read of it follows gdc_wait. SPLITS
-# is a constexpr (a layer shape's split count: 2-3 compiled variants a model) so the loop
-# unrolls and every split's load goes out before the first add; a loop over a runtime count
-# waits for each load in turn (Triton does not pipeline loads that feed no tl.dot).
-# --------------------------------------------------------------------------------------------
+# The split-K reduction sums BLOCK_N features of one row over the splits in order, adds the bias
+# and casts. SPLITS is a constexpr so the loop unrolls and every split's load is issued up front.
 
 
 @triton.jit
@@ -524,14 +410,12 @@ def _split_k_reduce_kernel(
 
 
 def _dot_block_m(rows: int) -> int:
-    """Rows a :func:`linear_dot` program multiplies: 16 (tl.dot's minimum) up to 16 rows, else
-    32, so that a decode batch of up to 32 reads the weight once."""
+    """Rows a :func:`linear_dot` program multiplies: 16 (tl.dot's minimum) or 32."""
     return 16 if rows <= 16 else 32
 
 
 class DotConfig(NamedTuple):
-    """A :func:`linear_dot` launch: tile sizes, the K split, warps, pipeline stages, and whether
-    the program tiles the transposed product (``_linear_dot_swap_ab_kernel``)."""
+    """A :func:`linear_dot` launch; ``swap_ab`` tiles the transposed product ``W x^T``."""
 
     block_n: int
     block_k: int
@@ -542,30 +426,10 @@ class DotConfig(NamedTuple):
 
 
 def _dot_config(n: int, k: int) -> DotConfig:
-    """The :func:`linear_dot` launch for a weight ``[n, k]``, from sweeps on an H200 (bf16,
-    Qwen2.5-1.5B shapes; docs/benchmarks.md), the last of them inside CUDA-graph decode steps at
-    2-32 rows (one compiled kernel serves up to 16 rows, another 17-32).
-
-    * wide outputs (gate/up 17920, LM head 151936): the transposed product in 64-feature tiles
-      of 128-wide K steps, 280 and 2374 programs, no split, 3 stages (4, best in isolation, was
-      0.03 ms a batch-32 step slower; 128-feature tiles 0.13 ms).
-    * long rows (down, K 8960): the transposed product, 64 features, K split 5 ways into ranges
-      of seven 256-wide steps, 120 programs, 3 stages. With the reduce kernel it was as fast as
-      7 ranges of ten 128-wide steps at 4 stages; with the partials summed by the add + RMSNorm
-      kernel (linear_partial_sums), fewer splits to load made batch-2 to 24 steps up to 0.03 ms
-      faster (batch 32 within 0.007). 5 or 4 ranges of 128-wide steps at 4 stages were slower
-      at 32 rows (+0.03, +0.06 ms), as were 5 ranges of 128-wide steps at 3 stages before
-      (+0.1 ms).
-    * narrow (qkv 2048, o_proj 1536): ``x W^T`` in 64 features a program and K split 3 ways
-      into single 512-wide tiles, so that each program loads its whole weight slice (64 KB)
-      before the wait (kernels.pdl); 8 warps, one stage. Measured in the model, against the
-      sweep's best in isolation (32 features, 4 splits of 128-wide tiles): batch 8 and 16
-      steps -10%. The transposed product on these layers, in the tiles that were fastest in
-      isolation, made batch 8-32 steps 0.003-0.04 ms slower.
-
-    Splits keep K ranges of 256 or more (shorter ones lost more to the partial sums than they
-    gained); :func:`plan_split` may run fewer ranges than ``split_k``.
-    """
+    """The :func:`linear_dot` launch for a weight ``[n, k]``, tuned per shape class in decode
+    steps: wide and long layers tile the transposed product; narrow ones split K into single
+    tiles so each program loads its whole weight slice before the PDL wait. K ranges stay >= 256
+    (shorter ones lose more to the partial sums than they gain)."""
     if n >= _WIDE_N:  # before the long-row test: a wide grid needs no split, whatever K
         return DotConfig(64, 128, 1, 4, 3, swap_ab=True)
     if k >= _LONG_K:
@@ -582,16 +446,9 @@ def plan_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
 
 def linear_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton :func:`linear_ref` on tensor cores, one weight read for up to 32 rows
-    (:func:`linear` uses it for 2 to ``MAX_DOT_ROWS`` rows; more rows work, each 32 reading the
-    weight again).
-
-    x ``[..., K]`` (a view with unit stride in K), weight ``[N, K]`` with unit stride in K, bias
-    ``[N]``; one float dtype, one device. Returns the ``[..., N]`` output, accumulated in fp32
-    (fp32 inputs multiply in full fp32, not tf32) and rounded once: ``out`` when given
-    (contiguous, x's dtype or fp32), else a new tensor in x's dtype. Deterministic: split-K
-    partial sums are added in a fixed order.
-    """
+    """Triton :func:`linear_ref` on tensor cores, one weight read per 32 rows. Inputs and output
+    as for :func:`linear_kernel` (fp32 inputs multiply in full fp32, not tf32). Deterministic:
+    split-K partial sums are added in a fixed order."""
     return _linear_dot(x, weight, bias, reduce=True, out=out)
 
 
@@ -630,9 +487,7 @@ def _linear_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if not reduce:
         return ws.view(splits, *x.shape[:-1], n)
     block_r = min(1024, triton.next_power_of_2(n))
-    # 8 warps: one 16-byte load a split per thread. Against 4 warps in the decode step (H200,
-    # where qkv's reduce is the one left): batch 32 at 2048 tokens 0.007 ms faster, the same
-    # elsewhere (docs/benchmarks.md).
+    # 8 warps: one 16-byte load a split per thread.
     _split_k_reduce_kernel[(rows, triton.cdiv(n, block_r))](
         ws, bias if bias is not None else ws, y,
         n, rows * n, n, n,
@@ -641,13 +496,8 @@ def _linear_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y
 
 
-# --------------------------------------------------------------------------------------------
-# Partial sums for the consumer to add: a split-K linear's reduce kernel is one more launch in
-# the decode chain, and its only work, reading the splits' partials, the next kernel can do as
-# it loads its input. The layers whose output feeds the residual add (o_proj, down) hand their
-# partials to the add + RMSNorm kernel (kernels.rmsnorm), which sums them in the reduce
-# kernel's order: the same residual sum bit for bit, one launch fewer a layer each.
-# --------------------------------------------------------------------------------------------
+# Partial sums for the consumer to add: o_proj and down hand their split-K partials to the
+# add + RMSNorm kernel, which sums them in the reduce kernel's order (same bits, one launch fewer).
 
 
 def linear_partial_sums_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -656,12 +506,9 @@ def linear_partial_sums_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tens
 
 
 def linear_partial_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x W^T`` as partial sums over ranges of K, ``[splits, ..., N]``: their sum over the first
-    dim, in order and in fp32, rounded to x's dtype, is :func:`linear`'s output bit for bit
-    (kernels.rmsnorm.fused_add_rms_norm adds them so). Where :func:`linear` runs
-    :func:`linear_dot` and it splits K, the fp32 partials its reduce kernel would have summed
-    (that kernel does not run); otherwise one split, a view of :func:`linear`'s output in x's
-    dtype."""
+    """``x W^T`` as partial sums over ranges of K, ``[splits, ..., N]``: summed over dim 0 in
+    order in fp32 and rounded to x's dtype, they are :func:`linear`'s output bit for bit. The fp32
+    partials where :func:`linear_dot` splits K, else one split holding :func:`linear`'s output."""
     if linear_path(x, weight) == "linear_dot":
         return _linear_dot(x, weight, None, reduce=False)
     return linear(x, weight).unsqueeze(0)

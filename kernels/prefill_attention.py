@@ -19,15 +19,10 @@ def paged_prefill_attention_ref(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Queries of sequence ``b`` are the *last* ``q_len_b`` tokens of its ``context_lens[b]``.
-
-    The K/V of all ``context_lens[b]`` tokens, a prefix already cached included, are read from
-    the paged cache (the new tokens' K/V are stored before this call). Query ``i`` of ``b`` sits
-    at position ``context_lens[b] - q_len_b + i`` and attends to every position ``<=`` it.
-
-    Shapes: q ``[T, Hq, D]`` with ``T = cu_seqlens_q[-1]``, cu_seqlens_q ``[B + 1]`` int32,
-    block_tables ``[B, max_blocks]`` int32, context_lens ``[B]`` int32, ``q_len_b <=
-    context_lens[b]``. Returns ``[T, Hq, D]`` in q's dtype; computed in fp32.
+    """Causal attention, in fp32, of the *last* ``q_len_b`` of sequence b's ``context_lens[b]``
+    tokens over all of them, read from the paged cache (the new tokens' K/V stored beforehand).
+    q ``[T, Hq, D]`` with ``T = cu_seqlens_q[-1]``, cu_seqlens_q ``[B + 1]`` int32, block_tables
+    ``[B, max_blocks]`` int32, context_lens ``[B]`` int32. Returns ``[T, Hq, D]`` in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -52,32 +47,11 @@ def paged_prefill_attention_ref(
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# Triton: flash-attention over the paged cache for a variable-length causal batch.
-#
-# The G = Hq // Hkv query heads that read one KV head are packed into the rows of a tile
-# (grouped-query packing): sequence b's queries form q_len_b * G rows, row r being query
-# r // G of query head kv_head * G + r % G, and a program takes BLOCK_M consecutive rows of one
-# KV head. Every K/V tile it gathers then serves all the heads that read it: loaded once, not G
-# times. That matters most for the one-query rows of a mixed step (each running decode beside
-# a prompt chunk), whose attention is a read of the whole context: H200, Qwen2.5-1.5B, 255
-# decodes at 512 tokens beside a 256-token prompt, see docs/benchmarks.md.
-#
-# Grid: (row tile, KV head) over the batch's row tiles laid end to end: sequence b owns tiles
-# [cu_seqlens_q[b] * G // BLOCK_M + b, cu_seqlens_q[b + 1] * G // BLOCK_M + b + 1), room for its
-# ceil(q_len * G / BLOCK_M) tiles wherever its rows start, so T * G // BLOCK_M + B tiles cover
-# any batch of T tokens in B sequences. The grid depends on T and B alone (a CUDA graph
-# captured for T tokens and B sequences runs every batch that fits them: shorter sequences
-# leave tiles that exit at once); a program finds its sequence by binary search over
-# cu_seqlens_q. Tiles are taken from the end, so the heaviest ones (a sequence's last, which
-# see the most keys) start first. A program walks key tiles of BLOCK_N tokens gathered through
-# the block table, with an online softmax in base 2 (scores pre-multiplied by log2(e)). Keys
-# fall into two ranges:
-#   [0, full_end): every query of the tile sees them, no mask is computed;
-#   [full_end, end): the diagonal, masked by causality (and by context_len);
-# keys past the tile's last query position are never loaded. Both tl.dot calls take the
-# cache dtype (bf16/fp16 on GPU) and accumulate in fp32.
-# --------------------------------------------------------------------------------------------
+# Triton flash-attention. A tile's rows pack the G query heads of one KV head (row r: query
+# r // G, head kv_head * G + r % G), so each K/V tile is loaded once for the group. Grid (row tile,
+# KV head): sequence b owns tiles [cu_seqlens_q[b] * G // BLOCK_M + b, cu_seqlens_q[b + 1] * G //
+# BLOCK_M + b + 1), so the grid depends on T and B alone (CUDA-graph safe) and spare tiles exit.
+# Tiles run from the end, heaviest first. Keys below full_end need no causal mask.
 
 
 @triton.jit
@@ -121,8 +95,7 @@ def _find_sequence(cu_seqlens_ptr, tile, num_seqs, group, BLOCK_M: tl.constexpr)
     return lo - 1
 
 
-# The sequence count and the block tables' width change from step to step: not specialized, so
-# that a step of a new shape does not wait for a compile (as decode attention's).
+# Not specialized (they change between steps), so a new shape never triggers a compile.
 @triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, cu_seqlens_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
@@ -155,9 +128,8 @@ def _prefill_kernel(
         q_offsets = q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
         q_mask = r_mask[:, None] & d_mask[None, :]
         q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
-        # tl.dot wants both operands in one dtype: the cache's (bf16 x bf16 products are exact
-        # in the fp32 accumulator). The scale is applied to the fp32 scores, not folded into q,
-        # which would round q a second time.
+        # tl.dot takes one dtype, the cache's. The scale goes on the fp32 scores: folding it into
+        # q would round q a second time.
         q = q.to(k_cache_ptr.dtype.element_ty)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -188,15 +160,8 @@ def _prefill_kernel(
 
 def _tile_config(head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel; BLOCK_M counts rows
-    (query, head) of one KV head's group.
-
-    For head_dim 128, 64 x 64 tiles, 4 warps, 2 stages were the fastest of 20 settings (BLOCK_M
-    32-128, BLOCK_N 32/64, 4/8 warps, 2/3 stages) on an H200 at every case timed, Qwen2.5-1.5B
-    heads (12 over 2): one 2048-token prompt 44.9 us a layer, 8 x 512 38.4, a 512-token chunk
-    of a 4096-token prompt 71.8, 255 decodes at 512 tokens beside a 256-token prompt 49.3
-    (docs/benchmarks.md). Wider heads halve the key tile so that the staged K/V tiles still fit
-    in shared memory.
-    """
+    (query, head) of one KV head's group. Tuned for head_dim 128; wider heads halve the key tile
+    so that the staged K/V tiles still fit in shared memory."""
     if head_dim <= 128:
         return 64, 64, 4, 2
     return 64, 32, 4, 2
@@ -211,13 +176,10 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Triton :func:`paged_prefill_attention_ref` (same shapes, invariants and result).
-
-    q may be a strided view with unit stride in D. Returns a new contiguous ``[T, Hq, D]``
-    tensor in q's dtype. No host sync (unlike the reference), and the grid comes from the
-    shapes alone (T and B): safe to capture in a CUDA graph
-    for a fixed (T, B), with cu_seqlens_q, block tables and context lengths changing between
-    replays. Token rows past ``cu_seqlens_q[-1]`` (a graph's padding) get unspecified output.
+    """Triton :func:`paged_prefill_attention_ref` (same shapes, invariants and result); q may be a
+    strided view with unit stride in D. No host sync and a grid from T and B alone: capturable in
+    a CUDA graph for a fixed (T, B), with the other inputs changing between replays. Token rows
+    past ``cu_seqlens_q[-1]`` (a graph's padding) get unspecified output.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, D], got {tuple(q.shape)}")

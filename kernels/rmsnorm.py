@@ -45,10 +45,7 @@ def _check_partials(x: torch.Tensor, residual: torch.Tensor) -> None:
                          f"[splits, *{tuple(residual.shape)}] partial sums")
 
 
-# --------------------------------------------------------------------------------------------
-# Triton kernels. One program normalises one row; the whole row sits in registers (hidden
-# sizes are a few thousand), so x is read once and the output written once.
-# --------------------------------------------------------------------------------------------
+# One program normalises one row held in registers: x is read once, the output written once.
 
 
 @triton.jit
@@ -81,18 +78,12 @@ def _fused_add_rms_norm_kernel(
     mask = cols < hidden
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if USE_PDL:
-        # The residual was written kernels ago (in a decode step, before the last linear layers
-        # streamed tens of MB through L2): its lines go into L2 while the kernel ahead finishes,
-        # so the load after the wait does not wait on DRAM (H200, Qwen2.5-1.5B, same call, the
-        # same logits bit for bit: decode step 0.993 -> 0.991 ms at batch 1 and 128 tokens,
-        # 1.045 -> 1.040 at 2048, batch 32 at 2048 tokens 1.758 -> 1.751; docs/benchmarks.md).
+        # The residual was written kernels ago and has likely left L2: prefetch it during the wait.
         lines = tl.arange(0, BLOCK // LINE_ELEMS) * LINE_ELEMS
         prefetch_l2(res_ptr + row * stride_res + lines, lines < hidden)
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    # x's splits added in order, then rounded to the residual's dtype: kernels.linear's split-K
-    # reduce, unrolled as there so that every split's load goes out before the first add (one
-    # split of the residual's dtype: x itself).
+    # x's splits added in order and rounded, as kernels.linear's split-K reduce does.
     x_ptrs = x_ptr + row * stride_x + cols
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     for _ in tl.static_range(1, SPLITS):
@@ -121,18 +112,14 @@ def _check_weight(x: torch.Tensor, weight: torch.Tensor) -> int:
 
 def _launch_config(hidden: int, splits: int = 1) -> tuple[int, int]:
     """(BLOCK, num_warps): the row padded to a power of two, about 256 elements a warp; 16 warps
-    when the add sums a split-K linear's partials, which keeps more of their loads in flight
-    (H200, Qwen2.5-1.5B decode steps at 8-32 rows: 0.01-0.03 ms faster than 8 warps, 4 warps
-    half as much; on one split, a batch-1 step, 16 warps were not faster: 1.105 against 1.103 ms)."""
+    when summing a split-K linear's partials, to keep more of their loads in flight."""
     block = triton.next_power_of_2(hidden)
     return block, 16 if splits > 1 else min(max(block // 256, 1), 16)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Triton :func:`rms_norm_ref`: x ``[..., H]`` (unit stride in H), weight ``[H]``.
-
-    Returns a new contiguous tensor of x's shape and dtype.
-    """
+    """Triton :func:`rms_norm_ref`: x ``[..., H]`` (unit stride in H), weight ``[H]``; returns a new
+    contiguous tensor of x's shape and dtype."""
     hidden = _check_weight(x, weight)
     x2 = as_rows("x", x, hidden)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -150,13 +137,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton :func:`fused_add_rms_norm_ref`: one pass reads x (every split of it) and the
-    residual, writes both outputs.
-
-    residual ``[..., H]``; x of its shape, or ``[splits, ..., H]`` partial sums (any float
-    dtypes; unit stride in H). Returns new tensors ``(rms_norm(x + residual), x + residual)``
-    in residual's dtype; the inputs are untouched.
-    """
+    """Triton :func:`fused_add_rms_norm_ref` in one pass. residual ``[..., H]``; x of its shape or
+    ``[splits, ..., H]`` partial sums (any float dtypes; unit stride in H). Returns new tensors in
+    residual's dtype; the inputs are untouched."""
     hidden = _check_weight(residual, weight)
     if x.device != residual.device:
         raise ValueError(f"x is on {x.device}, residual on {residual.device}")

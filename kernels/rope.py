@@ -20,13 +20,11 @@ def rope_and_store_kv_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k (neox / rotate-half style) and write k, v to the cache.
+    """Rotate q and k (rotate-half style); return them and write rotated k, plain v to the cache.
 
-    Shapes: q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``, positions ``[T]`` int, cos_sin_cache
-    ``[max_pos, D]`` fp32 holding ``cos`` in the first D/2 columns and ``sin`` in the last D/2,
-    k_cache and v_cache ``[num_blocks, block_size, Hkv, D]``, slot_mapping ``[T]`` int with
+    q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``, positions ``[T]`` int, cos_sin_cache ``[max_pos, D]``
+    fp32 (cos, then sin), caches ``[num_blocks, block_size, Hkv, D]``, slot_mapping ``[T]`` int,
     ``slot = block * block_size + offset`` (padding tokens point at a dummy slot).
-    Returns the rotated ``(q, k)``; the cache receives rotated k and plain v.
     """
     half = q.shape[-1] // 2
     cos_sin = cos_sin_cache[positions.long()]
@@ -156,13 +154,9 @@ def rope_and_store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton :func:`rope_and_store_kv_ref`, one kernel, one program per token.
-
-    Same shapes and results as the reference. q, k, v may be strided views (e.g. slices of a
-    fused qkv projection) as long as the last dim has unit stride. Like the reference, the
-    rotated q and k are returned as new contiguous tensors and the inputs are left untouched;
-    the caches get rotated k and plain v at ``slot_mapping`` (every slot must lie in
-    ``[0, num_blocks * block_size)``; padding tokens may share one dummy slot).
+    """Triton :func:`rope_and_store_kv_ref`, one program per token: same shapes and results.
+    q, k, v may be strided views with unit stride in D and are left untouched; the rotated q and k
+    are new contiguous tensors. Every slot must lie in ``[0, num_blocks * block_size)``.
     """
     check_new_tokens(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     num_tokens, num_q_heads, head_dim = q.shape

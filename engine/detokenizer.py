@@ -11,7 +11,8 @@ class IncrementalDetokenizer:
     Decoding token by token breaks characters that span several byte-level tokens and drops
     the spaces some tokenizers attach to the following token. Instead, decode a short window
     ending at the new tokens, and emit only once the text no longer ends in U+FFFD (an
-    incomplete UTF-8 sequence). Concatenated deltas equal ``tokenizer.decode(all_ids)``.
+    incomplete UTF-8 sequence). Concatenated deltas equal ``tokenizer.decode(all_ids)`` without
+    the clean-up of tokenization spaces.
     """
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
@@ -22,7 +23,11 @@ class IncrementalDetokenizer:
         self.read_offset = 0  # tokens before this are already emitted
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        # Never the clean-up: it edits text across window boundaries (so deltas would not add up),
+        # and transformers warns on every first decode of a byte-level BPE tokenizer that asks for it.
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def add(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (may be empty)."""

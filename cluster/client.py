@@ -8,6 +8,7 @@ Requests are multiplexed over one DEALER socket; replies are matched by ``reques
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import os
 import sys
@@ -172,6 +173,7 @@ class AsyncClient:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(endpoint)
         self._queues: dict[str, asyncio.Queue[Message | BaseException]] = {}
+        self._stats_waiters: collections.deque[asyncio.Future[Stats]] = collections.deque()  # in send order
         self._reader: asyncio.Task | None = None
 
     async def _read(self) -> None:
@@ -183,6 +185,10 @@ class AsyncClient:
                     message: Message = decode(await self._socket.recv())
                 except ProtocolError:
                     continue
+                if isinstance(message, Stats):  # replies to stats requests come in the order they were sent
+                    if self._stats_waiters and not (waiter := self._stats_waiters.popleft()).done():
+                        waiter.set_result(message)
+                    continue
                 for reply in message.chunks if isinstance(message, Chunks) else (message,):
                     queue = self._queues.get(getattr(reply, "request_id", None) or "")
                     if queue is not None:
@@ -190,13 +196,20 @@ class AsyncClient:
         except (zmq.ZMQError, OSError) as e:
             for queue in self._queues.values():
                 queue.put_nowait(e)
+            while self._stats_waiters:
+                waiter = self._stats_waiters.popleft()
+                if not waiter.done():
+                    waiter.set_exception(e)
             self._reader = None
+
+    def _start_reader(self) -> None:
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read())
 
     async def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None, chat: bool = True,
                      request_id: str | None = None, **sampling: Any) -> AsyncIterator[Chunk | Final]:
         """Chunks in order, then the Final; raises ClusterError on an error reply."""
-        if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self._read())
+        self._start_reader()
         request = _request(prompt, token_ids, True, chat, request_id, sampling, batch_chunks=self.batch_chunks)
         queue: asyncio.Queue[Message | BaseException] = asyncio.Queue()
         self._queues[request.request_id or ""] = queue
@@ -228,6 +241,20 @@ class AsyncClient:
 
     async def abort(self, request_id: str) -> None:
         await self._socket.send(encode(Abort(request_id)))
+
+    async def stats(self, timeout: float | None = None) -> Stats:
+        """The cluster's state (see ``Client.stats``); ClusterUnavailable after ``timeout`` seconds
+        (default: the client's)."""
+        self._start_reader()
+        waiter: asyncio.Future[Stats] = asyncio.get_running_loop().create_future()
+        # A waiter that timed out stays queued: the late reply it gets keeps the others in order.
+        self._stats_waiters.append(waiter)
+        await self._socket.send(encode(StatsRequest()))
+        wait = self.timeout if timeout is None else timeout
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), wait)
+        except asyncio.TimeoutError:
+            raise ClusterUnavailable(self.endpoint, wait) from None
 
     def close(self) -> None:
         if self._reader is not None:

@@ -299,6 +299,10 @@ class Stats(Message):
     type: ClassVar[str] = "stats"
     requests_in_flight: int
     groups: dict[str, dict[str, int]]  # "prefill0" -> WorkerStats fields
+    # What a front end (an HTTP server) needs besides: health, and the default output budget.
+    ready: bool = False  # every group has reported ready
+    accepting: bool = True  # False once the cluster drains for shutdown
+    max_model_len: int = 0  # prompt + output tokens a request may hold
 
 
 @dataclass

@@ -183,7 +183,8 @@ class Router:
             self._abort_workers(request_id)
             self._final(request_id, "abort")
         elif isinstance(message, StatsRequest):
-            self._reply(client, Stats(len(self.requests), dict(self.worker_stats)))
+            self._reply(client, Stats(len(self.requests), dict(self.worker_stats), self.all_ready(), self.accepting,
+                                      self.max_model_len))
         else:
             self._reply(client, Error(getattr(message, "request_id", None), "unexpected_type",
                                       f"clients may send generate, abort or stats_request, not {message.type}"))

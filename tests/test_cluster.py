@@ -251,3 +251,43 @@ def test_async_client_skips_an_undecodable_frame_and_gets_its_final() -> None:
         assert asyncio.run(run()).token_ids == [7]
     finally:
         router.close()
+
+
+def test_async_client_stats_match_replies_in_order_beside_a_stream() -> None:
+    """Stats replies carry no request id: each goes to the oldest waiting ``stats()``, and a
+    stream's messages on the same socket are not taken for them; no reply is ClusterUnavailable."""
+    import asyncio
+
+    import zmq
+
+    from pdserve.cluster.client import AsyncClient, ClusterUnavailable
+    from pdserve.cluster.protocol import Stats, StatsRequest, decode, encode
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    async def run() -> tuple[list[Stats], Final]:
+        client = AsyncClient(f"tcp://127.0.0.1:{port}", timeout=10)
+        try:
+            stream = asyncio.create_task(client.generate(token_ids=[1], request_id="r1", max_tokens=1))
+            identity, frame = await asyncio.to_thread(router.recv_multipart)
+            assert decode(frame).type == "generate"
+            first, second = (asyncio.create_task(client.stats()) for _ in range(2))
+            for _ in range(2):
+                assert isinstance(decode((await asyncio.to_thread(router.recv_multipart))[1]), StatsRequest)
+            router.send_multipart([identity, encode(Stats(1, {}, ready=False, max_model_len=64))])
+            router.send_multipart([identity, encode(Final("r1", "length", [7], "", {}, {}))])
+            router.send_multipart([identity, encode(Stats(0, {}, ready=True, max_model_len=64))])
+            replies = [await first, await second]
+            with pytest.raises(ClusterUnavailable):
+                await client.stats(timeout=0.2)
+            return replies, await stream
+        finally:
+            client.close()
+
+    try:
+        replies, final = asyncio.run(run())
+    finally:
+        router.close()
+    assert [(s.requests_in_flight, s.ready) for s in replies] == [(1, False), (0, True)]
+    assert final.token_ids == [7]

@@ -90,6 +90,7 @@ if hasattr(protocol, "StatsRequest"):
         protocol.Stats(2, {"prefill0": {"num_blocks": 64, "free_blocks": 60, "running": 1, "waiting": 0,
                                         "kv_held": 1, "kv_refused": 0}}),
         protocol.Stats(0, {}),
+        protocol.Stats(1, {}, ready=True, accepting=False, max_model_len=512),
         protocol.WorkerStats("decode", 0, 64, 10, 3, 1, 2, 0),
     ]
 

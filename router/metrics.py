@@ -1,0 +1,175 @@
+"""Prometheus metrics of the HTTP front end, named after vLLM's where one exists (``vllm:`` ->
+``pdserve:``).
+
+Latencies are measured where the front end sees them (request arrival, each chunk, the end);
+the phases of a request (queue, prefill, KV transfer, decode) come from the ``timings`` of its
+``final`` message; running/waiting requests, KV usage and refused transfers per worker group
+come from the cluster's ``stats`` reply, read at each scrape. One registry per server, never the
+process-wide default, so that several servers (tests) never share counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pdserve.cluster.protocol import Stats
+
+PREFIX = "pdserve:"
+
+# vLLM's buckets, with finer ones below 10 ms: a GPU decode step takes about a millisecond.
+# fmt: off
+TTFT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                   40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+# fmt: on
+
+# final.timings key -> histogram name (without the prefix) and help.
+PHASES = {
+    "queue": (
+        "request_queue_time_seconds",
+        "Time from the request reaching its prefill engine to its first scheduling.",
+    ),
+    "prefill": ("request_prefill_time_seconds", "Time from first scheduling to the first token sampled."),
+    "transfer": ("kv_transfer_time_seconds", "Time to move the prompt's KV cache from prefill to decode."),
+    "decode": ("request_decode_time_seconds", "Time generating the tokens after the first."),
+}
+
+
+class FrontendMetrics:
+    """The front end's metrics in their own registry; ``exposition()`` is the /metrics body."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            f"{PREFIX}time_to_first_token_seconds",
+            "Time from the HTTP request's arrival to its first token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            f"{PREFIX}inter_token_latency_seconds",
+            "Time between consecutive chunks of tokens of a request.",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}e2e_request_latency_seconds",
+            "Time from the HTTP request's arrival to its last token.",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.phases = {
+            key: Histogram(f"{PREFIX}{name}", doc, buckets=REQUEST_BUCKETS, registry=r)
+            for key, (name, doc) in PHASES.items()
+        }
+        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter(
+            f"{PREFIX}generation_tokens", "Tokens generated for finished requests.", registry=r
+        )
+        self.request_prompt_tokens = Histogram(
+            f"{PREFIX}request_prompt_tokens", "Prompt tokens a request.", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.request_generation_tokens = Histogram(
+            f"{PREFIX}request_generation_tokens", "Generated tokens a request.", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.kv_transfer_bytes = Counter(
+            f"{PREFIX}kv_transfer_bytes", "Bytes of KV cache moved from prefill to decode groups.", registry=r
+        )
+        self.success = Counter(
+            f"{PREFIX}request_success",
+            "Requests that ran to their end, by finish reason (abort: the client went away).",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.errors = Counter(
+            f"{PREFIX}request_error",
+            "Requests answered with an error, by reason (the error code).",
+            ["reason"],
+            registry=r,
+        )
+        self.cluster = ClusterCollector()
+        r.register(self.cluster)
+
+    def observe_final(self, finish_reason: str, usage: Mapping[str, int], timings: Mapping[str, float]) -> None:
+        """A request's end: its finish reason, token counts and the cluster's phase timings."""
+        self.success.labels(finish_reason).inc()
+        prompt, generated = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(generated)
+        self.request_prompt_tokens.observe(prompt)
+        self.request_generation_tokens.observe(generated)
+        for key, histogram in self.phases.items():
+            if key in timings:
+                histogram.observe(timings[key])
+        if "transfer_bytes" in timings:
+            self.kv_transfer_bytes.inc(timings["transfer_bytes"])
+
+    def observe_error(self, reason: str) -> None:
+        self.errors.labels(reason).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ClusterCollector(Collector):
+    """Gauges (and the refused-transfer counter) from the latest ``stats`` reply, read at scrape
+    time; nothing per group while the cluster has not answered."""
+
+    def __init__(self) -> None:
+        self.stats: Stats | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats
+        up = GaugeMetricFamily(
+            f"{PREFIX}cluster_ready",
+            "1 when the cluster answered the last scrape's stats request with every group ready.",
+        )
+        up.add_metric([], float(stats is not None and stats.ready))
+        yield up
+        if stats is None:
+            return
+        in_flight = GaugeMetricFamily(
+            f"{PREFIX}cluster_requests_in_flight",
+            "Requests accepted by the cluster and not yet ended, over all its clients.",
+        )
+        in_flight.add_metric([], stats.requests_in_flight)
+        yield in_flight
+        families = {
+            "running": GaugeMetricFamily(
+                f"{PREFIX}num_requests_running", "Sequences running in a group's scheduler.", labels=["group"]
+            ),
+            "waiting": GaugeMetricFamily(
+                f"{PREFIX}num_requests_waiting", "Sequences waiting in a group's scheduler.", labels=["group"]
+            ),
+            "usage": GaugeMetricFamily(
+                f"{PREFIX}kv_cache_usage_perc", "Fraction of a group's KV blocks in use (1 = all).", labels=["group"]
+            ),
+            "kv_held": GaugeMetricFamily(
+                f"{PREFIX}kv_transfers_pending",
+                "Prefill: requests holding their KV until it moves; decode: KV receives in flight.",
+                labels=["group"],
+            ),
+        }
+        refused = CounterMetricFamily(
+            f"{PREFIX}kv_transfer_refused",
+            "KV announcements the decode side refused for lack of blocks or buffer room (the prefill side retries).",
+            labels=["group"],
+        )
+        for group, g in sorted(stats.groups.items()):
+            families["running"].add_metric([group], g.get("running", 0))
+            families["waiting"].add_metric([group], g.get("waiting", 0))
+            total = g.get("num_blocks", 0)
+            families["usage"].add_metric([group], 1.0 - g.get("free_blocks", 0) / total if total else 0.0)
+            families["kv_held"].add_metric([group], g.get("kv_held", 0))
+            refused.add_metric([group], g.get("kv_refused", 0))
+        yield from families.values()
+        yield refused

@@ -1,0 +1,316 @@
+"""The OpenAI API's shapes: request bodies checked into a ``GenerationRequest`` for the cluster,
+response and stream-chunk bodies, and errors in OpenAI's form.
+
+Requests are decoded strictly (no "5" for 5, no ``true`` for 1): a field of the wrong type or
+out of range, a field this server does not support (``n`` > 1, ``logprobs``, tools, ...) and a
+field OpenAI does not have are each a 400 naming the field. vLLM's extensions ``top_k``,
+``ignore_eos`` and ``stop_token_ids`` are accepted. Prompts are tokenized here, the same way the
+ZMQ client's are (``engine.tokenization.encode_prompt``), so the cluster gets token ids.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pdserve.engine.tokenization import encode_prompt
+
+MAX_INT32 = 2**31 - 1
+MAX_INT64 = 2**63 - 1
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+
+    @property
+    def type(self) -> str:
+        return "invalid_request_error" if self.status < 500 else "server_error"
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> APIError:
+    return APIError(400, message, code, param)
+
+
+# -- request bodies -------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """The fields both endpoints share."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)  # vLLM: -1 and 0 both turn it off
+    seed: int | None = Field(None, ge=0, le=MAX_INT64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    n: int | None = Field(None, ge=1, le=MAX_INT32)
+    user: str | None = None  # accepted and ignored, as it only identifies the caller to OpenAI
+    # OpenAI fields this server does not implement: any value but the neutral one is refused.
+    logprobs: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+
+
+# Each unsupported field and the values that mean "not used" (what SDKs send by default).
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+@dataclass
+class GenerationRequest:
+    """A checked request: the prompt as token ids, the cluster's sampling fields, and what the
+    front end does itself (stop strings, streaming, the response's shape)."""
+
+    kind: Literal["completion", "chat"]
+    model: str
+    token_ids: list[int]
+    sampling: dict[str, Any]  # cluster.protocol.Sampling fields
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"{'cmpl' if self.kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+
+    @property
+    def chunk_object(self) -> str:
+        return "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
+        """A stream chunk: ``text`` (None: none, as in chat's last chunk) and/or the finish reason."""
+        if self.kind == "completion":
+            choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        else:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {
+            "id": self.id,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage_body(usage),
+        }
+
+    def response(self, text: str, finish_reason: str, usage: dict[str, int]) -> dict[str, Any]:
+        """The whole (non-streaming) response."""
+        if self.kind == "completion":
+            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            obj = "text_completion"
+        else:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+            obj = "chat.completion"
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage_body(usage),
+        }
+
+
+def usage_body(usage: dict[str, int]) -> dict[str, int]:
+    prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def parse_request(
+    kind: Literal["completion", "chat"], body: bytes, served_model: str, tokenizer: Any, max_model_len: int
+) -> GenerationRequest:
+    """Check a request body (raw JSON) and tokenize its prompt; raises APIError (400)."""
+    try:
+        request = (CompletionRequest if kind == "completion" else ChatRequest).model_validate_json(body)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    if request.model != served_model:
+        raise APIError(
+            400,
+            f"The model {request.model!r} does not exist: this server serves {served_model!r}",
+            "model_not_found",
+            "model",
+        )
+    for name, neutral in UNSUPPORTED.items():
+        if name in request.model_fields_set and getattr(request, name) not in neutral:
+            raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
+    if request.n not in (None, 1):
+        raise bad_request(
+            "n > 1 is not supported by this server: ask for one choice per request", "n", "unsupported_parameter"
+        )
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+
+    if isinstance(request, CompletionRequest):
+        token_ids, prompt_param = _completion_prompt(request, tokenizer), "prompt"
+        max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's default
+    else:
+        token_ids, prompt_param = _chat_prompt(request, tokenizer), "messages"
+        max_tokens = request.max_completion_tokens or request.max_tokens or max_model_len - len(token_ids)
+    total = len(token_ids) + max_tokens
+    if total > max_model_len or max_tokens < 1:
+        fits = len(token_ids) < max_model_len
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens; this request asks for {total} "
+            f"({len(token_ids)} in the {prompt_param}, {max_tokens} to generate). Shorten the {prompt_param} "
+            "or ask for fewer tokens.",
+            "max_tokens" if fits else prompt_param,
+            "context_length_exceeded",
+        )
+
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    sampling = {
+        "max_tokens": max_tokens,
+        "temperature": 1.0 if request.temperature is None else request.temperature,
+        "top_p": 1.0 if request.top_p is None else request.top_p,
+        "top_k": -1 if request.top_k in (None, 0) else request.top_k,
+        "seed": request.seed,
+        "stop_token_ids": list(request.stop_token_ids or []),
+        "ignore_eos": request.ignore_eos,
+    }
+    include_usage = request.stream_options is not None and request.stream_options.include_usage
+    return GenerationRequest(
+        kind, served_model, token_ids, sampling, [s for s in stop if s], request.stream, include_usage
+    )
+
+
+def _completion_prompt(request: CompletionRequest, tokenizer: Any) -> list[int]:
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) > 1:
+            raise bad_request(
+                "a list of several prompts is not supported by this server: send one prompt per request",
+                "prompt",
+                "unsupported_parameter",
+            )
+        prompt = prompt[0]
+    if not prompt:
+        raise bad_request("prompt is empty", "prompt")
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
+        return encode_prompt(tokenizer, prompt, chat=False)
+    return list(prompt)
+
+
+def _chat_prompt(request: ChatRequest, tokenizer: Any) -> list[int]:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise bad_request("this model has no chat template: use /v1/completions", "messages")
+    messages = []
+    for message in request.messages:
+        content = message.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        entry = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        messages.append(entry)
+    try:
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # noqa: BLE001 (a template's own checks, e.g. alternating roles, raise anything)
+        raise bad_request(f"the model's chat template refused these messages: {e}", "messages") from None
+    # As engine.tokenization.encode_prompt does for one user turn: the same ids as the ZMQ client's.
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def _validation_error(error: ValidationError) -> APIError:
+    first = error.errors(include_url=False)[0]
+    loc = first["loc"]
+    if first["type"] == "json_invalid":
+        return bad_request(f"The request body is not valid JSON: {first['msg']}", None, "malformed_json")
+    if not loc:
+        return bad_request(f"The request body must be a JSON object: {first['msg']}", None, "malformed_json")
+    param = str(loc[0])
+    if first["type"] == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument supplied: {param}", param, "unrecognized_argument")
+    if first["type"] == "missing":
+        return bad_request(
+            f"Missing required parameter: {'.'.join(map(str, loc))}", param, "missing_required_parameter"
+        )
+    return bad_request(f"Invalid value for {'.'.join(map(str, loc))}: {first['msg']}", param, "invalid_value")

@@ -1,0 +1,446 @@
+"""An OpenAI-compatible HTTP front end for a running cluster (FastAPI on uvicorn).
+
+    python -m pdserve.router.openai_server --endpoint tcp://127.0.0.1:5555 --port 8000
+
+``POST /v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events ending
+``data: [DONE]``, or whole), ``GET /v1/models``, ``GET /health`` (200 only while every worker
+group is ready and the cluster accepts requests) and ``GET /metrics`` (Prometheus). Requests go to
+the router through one ``AsyncClient`` (ZMQ); a client that goes away mid-request has its
+request aborted, which frees its KV on both sides. SIGTERM or SIGINT drains: new requests get
+503 while the running ones finish (up to ``drain_timeout``), then the process exits 0; a second
+signal stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any, Literal
+
+import click
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
+
+from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable
+from pdserve.cluster.protocol import Chunk, Final, Stats
+from pdserve.router.metrics import FrontendMetrics
+from pdserve.router.openai_api import APIError, GenerationRequest, parse_request
+from pdserve.router.stop_strings import StopStringMatcher
+
+logger = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+STATS_TIMEOUT = 2.0  # seconds a health check or scrape waits for the router's stats
+
+
+@dataclass
+class Outcome:
+    finish_reason: str
+    usage: dict[str, int]
+
+
+class Frontend:
+    """The HTTP front end's state: the cluster client, the tokenizer, metrics, and draining."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        model_dir: str,
+        served_model_name: str | None = None,
+        timeout: float = 600.0,
+        drain_timeout: float = 30.0,
+    ) -> None:
+        self.endpoint = endpoint
+        self.model_dir = str(model_dir)
+        self.model_name = served_model_name or Path(model_dir).name
+        self.timeout = timeout
+        self.drain_timeout = drain_timeout
+        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.metrics = FrontendMetrics()
+        self.client: AsyncClient | None = None
+        self.max_model_len: int | None = None
+        self.in_flight = 0
+        self.draining_since: float | None = None
+        self.created = int(time.time())
+        self._ids = itertools.count()
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        self.client = AsyncClient(self.endpoint, timeout=self.timeout)
+        with contextlib.suppress(APIError):  # the cluster may come up after us: /health says when
+            await self._model_len()
+        try:
+            yield
+        finally:
+            self.client.close()
+
+    @property
+    def draining(self) -> bool:
+        return self.draining_since is not None
+
+    def start_draining(self) -> None:
+        if self.draining_since is None:
+            logger.info("draining: %d request(s) in flight", self.in_flight)
+            self.draining_since = time.monotonic()
+
+    def drained(self) -> bool:
+        """Draining, and nothing left to wait for (or waited long enough)."""
+        return self.draining_since is not None and (
+            self.in_flight == 0 or time.monotonic() - self.draining_since > self.drain_timeout
+        )
+
+    def _spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run ``work`` on its own: from a cancelled request an await of it would be cancelled too."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- the app ----------------------------------------------------------------------------
+
+    def app(self) -> FastAPI:
+        app = FastAPI(title="pdserve", lifespan=self.lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+
+        @app.exception_handler(APIError)
+        async def api_error(_: Request, error: APIError) -> JSONResponse:
+            self.metrics.observe_error(error.code)
+            return JSONResponse(error.body(), status_code=error.status)
+
+        @app.exception_handler(HTTPException)
+        async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+            code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+            body = APIError(error.status_code, str(error.detail), code).body()
+            return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+
+        @app.exception_handler(Exception)
+        async def internal_error(_: Request, error: Exception) -> JSONResponse:
+            logger.exception("internal error")
+            self.metrics.observe_error("internal_error")
+            body = APIError(500, f"internal error: {type(error).__name__}: {error}", "internal_error").body()
+            return JSONResponse(body, status_code=500)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await self.generate("completion", request)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Response:
+            return await self.generate("chat", request)
+
+        @app.get("/v1/models")
+        async def models() -> JSONResponse:
+            card = {
+                "id": self.model_name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "pdserve",
+                "root": self.model_dir,
+                "max_model_len": self.max_model_len,
+            }
+            return JSONResponse({"object": "list", "data": [card]})
+
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            if self.draining:
+                raise APIError(503, "the server is shutting down", "shutting_down")
+            stats = await self._stats()
+            if not stats.accepting:
+                raise APIError(503, "the cluster is shutting down", "shutting_down")
+            if not stats.ready:
+                raise APIError(
+                    503, f"the cluster is starting: groups ready so far: {sorted(stats.groups)}", "not_ready"
+                )
+            return JSONResponse({"status": "ok"})
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            with contextlib.suppress(APIError):  # an unreachable cluster: gauges left out, cluster_ready 0
+                await self._stats()
+            return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+        return app
+
+    async def _stats(self) -> Stats:
+        assert self.client is not None
+        try:
+            stats = await self.client.stats(timeout=STATS_TIMEOUT)
+        except ClusterUnavailable:
+            self.metrics.cluster.stats = None
+            raise APIError(503, f"the cluster at {self.endpoint} does not answer", "cluster_unavailable") from None
+        self.metrics.cluster.stats = stats
+        if stats.max_model_len > 0:
+            self.max_model_len = stats.max_model_len
+        return stats
+
+    async def _model_len(self) -> int:
+        if self.max_model_len is None:
+            await self._stats()
+        if self.max_model_len is None:
+            raise APIError(503, "the cluster did not say its maximum model length", "cluster_unavailable")
+        return self.max_model_len
+
+    # -- generation -------------------------------------------------------------------------
+
+    async def generate(self, kind: Literal["completion", "chat"], request: Request) -> Response:
+        arrival = time.perf_counter()
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "shutting_down")
+        max_model_len = await self._model_len()
+        gen = parse_request(kind, await request.body(), self.model_name, self.tokenizer, max_model_len)
+        run = _Run(self, gen, arrival)
+        texts = run.texts()
+        if not gen.stream:
+            return await _until_disconnect(request, self._whole(gen, run, texts))
+        try:  # wait for the first token: a request the cluster refuses still gets its 4xx/5xx status
+            first: str | None = await anext(texts)
+        except StopAsyncIteration:
+            first = None
+        return _EventStream(self._events(gen, run, texts, first), texts)
+
+    async def _whole(self, gen: GenerationRequest, run: _Run, texts: AsyncIterator[str]) -> JSONResponse:
+        parts = [text async for text in texts]
+        assert run.outcome is not None
+        return JSONResponse(gen.response("".join(parts), run.outcome.finish_reason, run.outcome.usage))
+
+    async def _events(
+        self, gen: GenerationRequest, run: _Run, texts: AsyncIterator[str], first: str | None
+    ) -> AsyncIterator[bytes]:
+        sent = False  # chat: the first chunk carries the assistant's role
+        try:
+            if first is not None:
+                yield _event(gen.chunk(first, first=True))
+                sent = True
+            async for text in texts:
+                yield _event(gen.chunk(text, first=not sent))
+                sent = True
+        except APIError as error:  # the status is sent: the error goes in the stream, as OpenAI does
+            self.metrics.observe_error(error.code)
+            yield _event(error.body())
+            yield DONE
+            return
+        assert run.outcome is not None
+        yield _event(gen.chunk(None if gen.kind == "chat" else "", run.outcome.finish_reason, first=not sent))
+        if gen.include_usage:
+            yield _event(gen.usage_chunk(run.outcome.usage))
+        yield DONE
+
+    def next_request_id(self) -> str:
+        return f"http-{next(self._ids)}"
+
+
+class _Run:
+    """One request's run through the cluster: ``texts()`` yields each chunk's text (after the stop
+    strings), then ``outcome`` holds the finish reason and usage. Left early (the client went
+    away, a timeout), it aborts the request in the cluster."""
+
+    def __init__(self, frontend: Frontend, gen: GenerationRequest, arrival: float) -> None:
+        self.frontend = frontend
+        self.gen = gen
+        self.arrival = arrival
+        self.request_id = frontend.next_request_id()
+        self.outcome: Outcome | None = None
+
+    async def texts(self) -> AsyncIterator[str]:
+        frontend, metrics, gen = self.frontend, self.frontend.metrics, self.gen
+        client = frontend.client
+        assert client is not None
+        matcher = StopStringMatcher(gen.stop) if gen.stop else None
+        ended = False  # the cluster sent the request's terminal message
+        last: float | None = None
+        frontend.in_flight += 1
+        try:
+            stream = client.stream(token_ids=gen.token_ids, request_id=self.request_id, **gen.sampling)
+            async with contextlib.aclosing(stream) as messages:
+                async for message in messages:
+                    now = time.perf_counter()
+                    if isinstance(message, Final):
+                        ended = True
+                        if matcher is not None and (tail := matcher.flush()):
+                            yield tail
+                        self._finish(message.finish_reason, message, now)
+                        return
+                    assert isinstance(message, Chunk)
+                    if last is None:
+                        metrics.ttft.observe(now - self.arrival)
+                    else:
+                        metrics.itl.observe(now - last)
+                    last = now
+                    if matcher is None:
+                        yield message.text
+                        continue
+                    text, stopped = matcher.add(message.text)
+                    yield text
+                    if stopped:  # the cluster only knows stop tokens: end it here, then read its final
+                        await client.abort(self.request_id)
+                        final = None
+                        async for message in messages:
+                            final = message if isinstance(message, Final) else final
+                        ended = True
+                        assert final is not None
+                        self._finish("stop", final, now)
+                        return
+        except ClusterError as e:
+            ended = True
+            raise _cluster_error(e) from None
+        except ClusterUnavailable:
+            raise APIError(
+                503, f"the cluster at {frontend.endpoint} stopped answering", "cluster_unavailable"
+            ) from None
+        finally:
+            frontend.in_flight -= 1
+            if not ended:
+                metrics.success.labels("abort").inc()
+                frontend._spawn(client.abort(self.request_id))
+
+    def _finish(self, reason: str, final: Final, now: float) -> None:
+        self.outcome = Outcome(reason, final.usage)
+        self.frontend.metrics.e2e.observe(now - self.arrival)
+        self.frontend.metrics.observe_final(reason, final.usage, final.timings)
+
+
+def _cluster_error(error: ClusterError) -> APIError:
+    """The cluster's error reply as an HTTP error (docs/protocol.md lists the codes)."""
+    if error.code == "invalid_request":
+        field = error.error.message.partition(":")[0]
+        return APIError(400, error.error.message, "invalid_request", "prompt" if field == "token_ids" else field)
+    if error.code in ("shutting_down", "shutdown", "worker_failed"):
+        return APIError(503, error.error.message, error.code)
+    return APIError(500, f"{error.code}: {error.error.message}", error.code)
+
+
+def _event(body: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent event stream that closes its request's run however the response ends (a
+    client that disconnects cancels the stream, possibly before it started)."""
+
+    def __init__(self, events: AsyncIterator[bytes], texts: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.texts = texts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.texts.aclose()  # type: ignore[attr-defined]
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """``work``'s response, or, if the client disconnects first, ``work`` cancelled (its run then
+    aborts the request in the cluster)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return Response(status_code=499)  # nobody is listening; 499 is nginx's "client closed request"
+    return task.result()
+
+
+def _load_tokenizer(model_dir: str) -> Any:
+    """The model's tokenizer, or None for checkpoints without one (random-weight presets)."""
+    if not any((Path(model_dir) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with a drain: the first SIGTERM/SIGINT refuses new requests (503) and exits once the
+    running ones finish; a second exits at once. The signal is not re-raised after the exit (as
+    uvicorn would), so a drained server exits 0."""
+
+    def __init__(self, config: uvicorn.Config, frontend: Frontend) -> None:
+        super().__init__(config)
+        self.frontend = frontend
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.frontend.draining:
+            self.should_exit = self.force_exit = True
+        else:
+            self.frontend.start_draining()
+
+    async def on_tick(self, counter: int) -> bool:
+        return await super().on_tick(counter) or self.frontend.drained()
+
+
+def serve_openai(
+    endpoint: str,
+    model_dir: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: str | None = None,
+    drain_timeout: float = 30.0,
+    timeout: float = 600.0,
+    log_level: str = "info",
+) -> None:
+    """Serve the OpenAI API for the cluster at ``endpoint`` until SIGTERM/SIGINT (blocking; run it
+    in its own process: the router's loop and this one should not share an interpreter lock)."""
+    frontend = Frontend(endpoint, model_dir, served_model_name, timeout=timeout, drain_timeout=drain_timeout)
+    config = uvicorn.Config(
+        frontend.app(), host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
+    )
+    _Server(config, frontend).run()
+
+
+@click.command(context_settings={"show_default": True})
+@click.option("--endpoint", default=DEFAULT_ENDPOINT, help="The cluster's client endpoint.")
+@click.option(
+    "--model",
+    default="demo",
+    help="The served model: 'demo', a shape preset or a HF directory "
+    "(the same as the cluster's; its tokenizer and chat template are used here).",
+)
+@click.option(
+    "--served-model-name", default=None, help="The name clients give as 'model' [default: the model directory's name]."
+)
+@click.option("--host", default="127.0.0.1")
+@click.option("--port", type=int, default=8000)
+@click.option("--drain-timeout", type=float, default=30.0, help="Seconds to finish running requests on SIGTERM.")
+@click.option("--timeout", type=float, default=600.0, help="Seconds to wait for any one message of a request.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
+def main(
+    endpoint: str,
+    model: str,
+    served_model_name: str | None,
+    host: str,
+    port: int,
+    drain_timeout: float,
+    timeout: float,
+    log_level: str,
+) -> None:
+    """An OpenAI-compatible HTTP server in front of a running cluster."""
+    from pdserve.engine.presets import resolve_model
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serve_openai(endpoint, str(resolve_model(model)), host, port, served_model_name, drain_timeout, timeout, log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,684 @@
+"""The OpenAI-compatible HTTP front end against a real CPU cluster on the demo model.
+
+One cluster (``launch.py``, 1 prefill + 1 decode group) and one front end
+(``python -m pdserve.router.openai_server``) per module, both subprocesses. The official
+``openai`` client must get the ZMQ client's greedy text; raw HTTP (httpx) checks the SSE framing,
+each bad-input class's status and error body, and that a client going away frees its KV. The
+module's last test drains the cluster, so the tests run in file order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.bench.compare import LaunchedCluster
+from pdserve.cluster.client import Client, Final
+from pdserve.cluster.group import free_port
+from pdserve.router.stop_strings import StopStringMatcher
+
+REPO = Path(__file__).resolve().parent.parent
+MAX_MODEL_LEN = 512
+MODEL = "smollm2-135m-instruct"  # the demo model's directory name: the served name by default
+QUESTION = "What is the capital of France?"
+TEXT_PROMPT = "The three primary colours are"
+
+
+# -- stop strings (no cluster) --------------------------------------------------------------
+
+
+def feed(stops: list[str], deltas: list[str]) -> tuple[str, bool]:
+    matcher = StopStringMatcher(stops)
+    out, stopped = [], False
+    for delta in deltas:
+        text, stopped = matcher.add(delta)
+        out.append(text)
+        if stopped:
+            break
+    if not stopped:
+        out.append(matcher.flush())
+    return "".join(out), stopped
+
+
+def test_stop_strings_cut_before_the_first_match_even_across_deltas() -> None:
+    assert feed(["STOP"], ["abc ST", "O", "P def"]) == ("abc ", True)
+    assert feed(["xyz", "c d"], ["ab", "c de", "xyz"]) == ("ab", True)  # the earliest match wins
+    assert feed(["STOP"], ["abc ST", "OP"]) == ("abc ", True)
+    assert feed(["STOP"], ["abc ST", "ART"]) == ("abc START", False)  # held-back tail released
+    assert feed([], ["a", "b"]) == ("ab", False)
+    assert feed(["\n"], ["one\ntwo"]) == ("one", True)
+
+
+def test_stop_strings_never_send_a_character_of_a_stop_string() -> None:
+    matcher = StopStringMatcher(["</end>"])
+    sent = [matcher.add(d)[0] for d in ["x<", "/e", "n"]]
+    assert "".join(sent) == "x"  # "</en" could still become the stop string
+    assert matcher.add("d> tail") == ("", True)
+    assert matcher.flush() == ""
+
+
+# -- the cluster and the front end -----------------------------------------------------------
+
+
+class FrontendProcess:
+    """``python -m pdserve.router.openai_server`` on a free port; started on construction."""
+
+    def __init__(self, endpoint: str, log_path: Path, *args: str, timeout: float = 120.0) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        command = [
+            sys.executable,
+            "-m",
+            "pdserve.router.openai_server",
+            "--endpoint",
+            endpoint,
+            "--model",
+            "demo",
+            "--port",
+            str(self.port),
+            *args,
+        ]
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:  # listening once /v1/models answers (/health also needs the cluster)
+            try:
+                if httpx.get(f"{self.base_url}/v1/models", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"the front end did not start:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.2)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclass
+class Served:
+    cluster: LaunchedCluster
+    frontend: FrontendProcess
+    zmq: Client
+    http: httpx.Client
+    client: openai.OpenAI
+
+    @property
+    def base_url(self) -> str:
+        return self.frontend.base_url
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[Served]:
+    logs = tmp_path_factory.mktemp("openai")
+    cluster = LaunchedCluster(
+        [
+            "--model",
+            "demo",
+            "--prefill-tp",
+            "1",
+            "--decode-tp",
+            "1",
+            "--transfer",
+            "gloo-async",
+            "--num-blocks",
+            "400",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+        ],
+        logs / "launch.log",
+        start_timeout=300,
+    )
+    frontend = None
+    try:
+        frontend = FrontendProcess(cluster.endpoint, logs / "frontend.log", "--timeout", "60")
+        with (
+            Client(cluster.endpoint, timeout=120) as zmq_client,
+            httpx.Client(base_url=frontend.base_url, timeout=120) as http,
+        ):
+            wait_for(lambda: http.get("/health").status_code == 200, 60, "the front end never became healthy")
+            client = openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0)
+            yield Served(cluster, frontend, zmq_client, http, client)
+            client.close()
+    finally:
+        if frontend is not None:
+            frontend.kill()
+        cluster.kill()
+
+
+def wait_for(condition: Any, timeout: float, message: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, message
+        time.sleep(0.1)
+
+
+def zmq_greedy(served: Served, prompt: str | None = None, **kwargs: Any) -> Final:
+    kwargs.setdefault("temperature", 0.0)
+    return served.zmq.generate(prompt, **kwargs)
+
+
+def sse_events(response: httpx.Response) -> list[Any]:
+    """The ``data:`` payloads of a server-sent event stream, each event checked for its framing."""
+    body = response.read().decode()
+    assert body.endswith("\n\n"), body[-200:]
+    events = body[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), events
+    payloads = [e.removeprefix("data: ") for e in events]
+    assert payloads[-1] == "[DONE]" and "[DONE]" not in payloads[:-1]
+    return [json.loads(p) for p in payloads[:-1]]
+
+
+def metric_samples(served: Served) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of /metrics, parsed with prometheus_client's own parser."""
+    response = served.http.get("/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(response.text)
+        for s in family.samples
+    }
+
+
+def sample(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def idle(stats: Any) -> bool:
+    return stats.requests_in_flight == 0 and all(
+        g["free_blocks"] == g["num_blocks"] and g["kv_held"] == 0 for g in stats.groups.values()
+    )
+
+
+@pytest.mark.slow
+def test_models_and_health(served: Served) -> None:
+    models = served.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert served.http.get("/v1/models").json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    health = served.http.get("/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+@pytest.mark.slow
+def test_official_client_gets_the_zmq_clients_greedy_text(served: Served) -> None:
+    raw = zmq_greedy(served, TEXT_PROMPT, chat=False, max_tokens=8)
+    chat = zmq_greedy(served, QUESTION, chat=True, max_tokens=8)
+    ids = zmq_greedy(served, token_ids=[1, 504, 3458, 314], max_tokens=8)
+    assert raw.text and chat.text and ids.text
+    client = served.client
+
+    completion = client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=8, temperature=0)
+    assert completion.choices[0].text == raw.text
+    assert completion.choices[0].finish_reason == raw.finish_reason
+    assert completion.usage is not None
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (
+        raw.usage["prompt_tokens"],
+        raw.usage["completion_tokens"],
+    )
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens
+
+    stream = client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == raw.text
+
+    by_ids = client.completions.create(model=MODEL, prompt=[1, 504, 3458, 314], max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == ids.text
+
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_completion_tokens=8, temperature=0
+    )
+    assert reply.choices[0].message.content == chat.text and reply.choices[0].message.role == "assistant"
+    assert reply.usage is not None and reply.usage.prompt_tokens == chat.usage["prompt_tokens"]
+
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.text
+
+    async def with_async_client() -> tuple[str, str]:
+        async with openai.AsyncOpenAI(base_url=f"{served.base_url}/v1", api_key="unused", max_retries=0) as aclient:
+            text_stream = await aclient.completions.create(
+                model=MODEL, prompt=TEXT_PROMPT, max_tokens=8, temperature=0, stream=True
+            )
+            streamed = "".join([c.choices[0].text async for c in text_stream])
+            whole = await aclient.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION}]}],
+                max_tokens=8,
+                temperature=0,
+            )
+            return streamed, whole.choices[0].message.content or ""
+
+    assert asyncio.run(with_async_client()) == (raw.text, chat.text)
+
+
+@pytest.mark.slow
+def test_sse_framing_usage_chunk_and_done(served: Served, demo_model_dir: Path) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with served.http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    *content, finish, usage = events
+    assert content[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"] for e in events)
+    assert all(e["choices"][0]["finish_reason"] is None for e in content)
+    assert finish["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+    assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 6
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in content)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    expected = zmq_greedy(
+        served, token_ids=tokenizer.encode(rendered, add_special_tokens=False), max_tokens=6, ignore_eos=True
+    )
+    assert text == expected.text and usage["usage"]["prompt_tokens"] == expected.usage["prompt_tokens"]
+
+    # Without include_usage: no usage chunk; a completion's finish chunk has empty text.
+    body = {"model": MODEL, "prompt": TEXT_PROMPT, "max_tokens": 3, "temperature": 0, "stream": True}
+    with served.http.stream("POST", "/v1/completions", json=body) as response:
+        events = sse_events(response)
+    assert "usage" not in events[-1] and events[-1]["choices"][0]["text"] == ""
+    assert all(e["object"] == "text_completion" for e in events)
+
+
+@pytest.mark.slow
+def test_stop_strings_stop_token_ids_seed_top_k_and_ignore_eos(served: Served) -> None:
+    client = served.client
+    full = zmq_greedy(served, TEXT_PROMPT, chat=False, max_tokens=24, ignore_eos=True)
+    # A stop string from the middle of the greedy text, where it first occurs.
+    at = next(i for i in range(4, len(full.text) - 3) if full.text.find(full.text[i : i + 3]) == i)
+    stop = full.text[at : at + 3]
+    cut = client.completions.create(
+        model=MODEL,
+        prompt=TEXT_PROMPT,
+        max_tokens=24,
+        temperature=0,
+        stop=[stop, "never in the text \u2603"],
+        extra_body={"ignore_eos": True},
+    )
+    assert (cut.choices[0].text, cut.choices[0].finish_reason) == (full.text[:at], "stop")
+    streamed = client.completions.create(
+        model=MODEL,
+        prompt=TEXT_PROMPT,
+        max_tokens=24,
+        temperature=0,
+        stop=stop,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == full.text[:at]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    # A stop token: generation ends right after it (the cluster keeps its text, as its protocol says).
+    index = next(i for i in range(2, len(full.token_ids)) if full.token_ids.index(full.token_ids[i]) == i)
+    head = zmq_greedy(served, TEXT_PROMPT, chat=False, max_tokens=index + 1)
+    stopped = client.completions.create(
+        model=MODEL,
+        prompt=TEXT_PROMPT,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"stop_token_ids": [full.token_ids[index]], "ignore_eos": True},
+    )
+    assert stopped.usage is not None and stopped.usage.completion_tokens == index + 1
+    assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == (head.text, "stop")
+
+    # Sampling reaches the cluster: a seed repeats, top_k=1 (and a tiny top_p) is greedy at any temperature.
+    seeded = [
+        client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=12, temperature=1.0, seed=7)
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
+    assert (
+        seeded[0]
+        == seeded[1]
+        == served.zmq.generate(TEXT_PROMPT, chat=False, max_tokens=12, temperature=1.0, seed=7).text
+    )
+    for extra in ({"top_k": 1}, {"top_p": 1e-6}):
+        kwargs: dict[str, Any] = {"extra_body": extra} if "top_k" in extra else extra
+        sampled = client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=24, temperature=1.5, **kwargs)
+        assert full.text.startswith(sampled.choices[0].text), extra
+
+    # ignore_eos: a chat answer runs to max_completion_tokens instead of stopping at <|im_end|>.
+    short = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_completion_tokens=40, temperature=0
+    )
+    assert short.choices[0].finish_reason == "stop" and short.usage is not None
+    long = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_completion_tokens=short.usage.completion_tokens + 3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert long.choices[0].finish_reason == "length" and long.usage is not None
+    assert long.usage.completion_tokens == short.usage.completion_tokens + 3
+
+
+TOO_LONG = list(range(1, MAX_MODEL_LEN - 10))
+BAD_REQUESTS = {
+    # name: (path, body (dict, or raw bytes), status, code, param)
+    "malformed json": ("/v1/completions", b'{"model": "x", "prompt": ', 400, "malformed_json", None),
+    "not an object": ("/v1/chat/completions", b"[1, 2]", 400, "malformed_json", None),
+    "unknown model": ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 400, "model_not_found", "model"),
+    "negative temperature": (
+        "/v1/completions",
+        {"prompt": "hi", "temperature": -0.5},
+        400,
+        "invalid_value",
+        "temperature",
+    ),
+    "top_p 0": ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "invalid_value", "top_p"),
+    "top_p above 1": ("/v1/chat/completions", {"top_p": 1.5}, 400, "invalid_value", "top_p"),
+    "max_tokens 0": ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
+    "top_k -2": ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "invalid_value", "top_k"),
+    "negative seed": ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "invalid_value", "seed"),
+    "string max_tokens": ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "invalid_value", "max_tokens"),
+    "missing prompt": ("/v1/completions", {"max_tokens": 5}, 400, "missing_required_parameter", "prompt"),
+    "empty prompt": ("/v1/completions", {"prompt": ""}, 400, "invalid_request", "prompt"),
+    "prompt too long": (
+        "/v1/completions",
+        {"prompt": TOO_LONG, "max_tokens": 16},
+        400,
+        "context_length_exceeded",
+        "max_tokens",
+    ),
+    "chat too long": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi " * MAX_MODEL_LEN}]},
+        400,
+        "context_length_exceeded",
+        "messages",
+    ),
+    "token outside the vocabulary": ("/v1/completions", {"prompt": [1, 2, 10**6]}, 400, "invalid_request", "prompt"),
+    "token outside the vocabulary, streamed": (
+        "/v1/completions",
+        {"prompt": [1, 2, 10**6], "stream": True},
+        400,
+        "invalid_request",
+        "prompt",
+    ),
+    "n=2": ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "unsupported_parameter", "n"),
+    "logprobs": ("/v1/completions", {"prompt": "hi", "logprobs": 1}, 400, "unsupported_parameter", "logprobs"),
+    "chat logprobs": ("/v1/chat/completions", {"logprobs": True}, 400, "unsupported_parameter", "logprobs"),
+    "best_of": ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "unsupported_parameter", "best_of"),
+    "tools": (
+        "/v1/chat/completions",
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "unsupported_parameter",
+        "tools",
+    ),
+    "several prompts": ("/v1/completions", {"prompt": ["a", "b"]}, 400, "unsupported_parameter", "prompt"),
+    "unknown field": ("/v1/completions", {"prompt": "hi", "colour": "red"}, 400, "unrecognized_argument", "colour"),
+    "stream_options without stream": (
+        "/v1/completions",
+        {"prompt": "hi", "stream_options": {"include_usage": True}},
+        400,
+        "invalid_request",
+        "stream_options",
+    ),
+    "image content": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+        400,
+        "invalid_value",
+        "messages",
+    ),
+    "no such route": ("/v1/embeddings", {"input": "hi"}, 404, "not_found", None),
+}
+
+
+@pytest.mark.slow
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served: Served) -> None:
+    before = metric_samples(served)
+    for name, (path, body, status, code, param) in BAD_REQUESTS.items():
+        if isinstance(body, dict):
+            body = {"model": MODEL, **body}
+            if path.endswith("chat/completions"):
+                body.setdefault("messages", [{"role": "user", "content": "hi"}])
+            content = json.dumps(body).encode()
+        else:
+            content = body
+        response = served.http.post(path, content=content, headers={"Content-Type": "application/json"})
+        assert response.status_code == status, (name, response.text)
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], name
+        assert (error["code"], error["param"]) == (code, param), (name, error)
+        assert error["type"] == ("invalid_request_error" if status < 500 else "server_error"), name
+
+    with pytest.raises(openai.BadRequestError) as info:  # what the official client makes of one
+        served.client.completions.create(model=MODEL, prompt="hi", n=2)
+    assert info.value.status_code == 400 and info.value.code == "unsupported_parameter" and info.value.param == "n"
+
+    after = metric_samples(served)
+    for code in (
+        "malformed_json",
+        "model_not_found",
+        "invalid_value",
+        "unsupported_parameter",
+        "context_length_exceeded",
+    ):
+        expected = sum(1 for *_, c, _ in BAD_REQUESTS.values() if c == code) + (code == "unsupported_parameter")
+        got = sample(after, "pdserve:request_error_total", reason=code) - sample(
+            before, "pdserve:request_error_total", reason=code
+        )
+        assert got == expected, code
+    ok = served.client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_metrics_parse_and_move_with_a_request(served: Served) -> None:
+    before = metric_samples(served)
+    with served.http.stream(
+        "POST",
+        "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": TEXT_PROMPT,
+            "max_tokens": 5,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as response:
+        events = sse_events(response)
+    usage = events[-1]["usage"]
+    chunks = len(events) - 2  # less the finish and usage chunks
+    after = metric_samples(served)
+
+    def moved(name: str, **labels: str) -> float:
+        return sample(after, name, **labels) - sample(before, name, **labels)
+
+    assert moved("pdserve:request_success_total", finished_reason="length") == 1
+    assert moved("pdserve:generation_tokens_total") == 5
+    assert moved("pdserve:prompt_tokens_total") == usage["prompt_tokens"]
+    assert moved("pdserve:time_to_first_token_seconds_count") == 1
+    assert moved("pdserve:inter_token_latency_seconds_count") == chunks - 1
+    assert moved("pdserve:e2e_request_latency_seconds_count") == 1
+    for phase in ("request_queue_time", "request_prefill_time", "kv_transfer_time", "request_decode_time"):
+        assert moved(f"pdserve:{phase}_seconds_count") == 1, phase
+    assert moved("pdserve:kv_transfer_bytes_total") > 0
+    assert sample(after, "pdserve:cluster_ready") == 1
+    wait_for(lambda: idle(served.zmq.stats()), 30, "the cluster did not become idle")  # groups report every 0.2 s
+    idle_samples = metric_samples(served)
+    for group in ("prefill0", "decode0"):
+        for gauge in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting", "kv_transfers_pending"):
+            assert (f"pdserve:{gauge}", (("group", group),)) in idle_samples, (gauge, group)
+            assert sample(idle_samples, f"pdserve:{gauge}", group=group) == 0, (gauge, group)
+        assert sample(idle_samples, "pdserve:kv_transfer_refused_total", group=group) == 0
+
+
+@pytest.mark.slow
+def test_a_client_that_goes_away_aborts_its_request_and_frees_the_kv(served: Served) -> None:
+    before = metric_samples(served)
+    body = {
+        "model": MODEL,
+        "prompt": TEXT_PROMPT,
+        "max_tokens": 480,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(base_url=served.base_url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        started = time.monotonic()
+        events = 0
+        for line in lines:
+            events += line.startswith("data: ")
+            if events == 4:
+                break
+        per_token = (time.monotonic() - started) / 3
+        stats = served.zmq.stats()
+        assert stats.requests_in_flight == 1 and not idle(stats)  # running, holding blocks
+
+        def decoding() -> bool:  # the gauges of /metrics show it too
+            samples = metric_samples(served)
+            return (
+                sample(samples, "pdserve:num_requests_running", group="decode0") == 1
+                and sample(samples, "pdserve:kv_cache_usage_perc", group="decode0") > 0
+            )
+
+        wait_for(decoding, 10, "the metrics never showed the running request")
+    gone = time.monotonic()  # the connection is closed: the front end must abort the request
+    wait_for(lambda: idle(served.zmq.stats()), 60, "the KV was not freed")
+    # Left alone it would run ~476 more tokens; the abort frees it in a fraction of that.
+    assert time.monotonic() - gone < max(2.0, 476 * per_token / 4)
+
+    # A non-streaming request whose client times out is aborted too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served.base_url}/v1/completions", json={**body, "stream": False}, timeout=1.5)
+    gone = time.monotonic()
+    wait_for(lambda: idle(served.zmq.stats()), 60, "the KV was not freed")
+    assert time.monotonic() - gone < max(2.0, 476 * per_token / 4)
+    after = metric_samples(served)
+    assert (
+        sample(after, "pdserve:request_success_total", finished_reason="abort")
+        - sample(before, "pdserve:request_success_total", finished_reason="abort")
+        == 2
+    )
+
+
+@pytest.mark.slow
+def test_sigterm_drains_refuses_new_requests_with_503_and_exits_zero(served: Served, tmp_path: Path) -> None:
+    frontend = FrontendProcess(served.cluster.endpoint, tmp_path / "frontend.log")
+    try:
+        first_token = threading.Event()
+        outcome: dict[str, Any] = {}
+
+        def long_request() -> None:
+            body = {
+                "model": MODEL,
+                "prompt": TEXT_PROMPT,
+                "max_tokens": 60,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            with httpx.stream("POST", f"{frontend.base_url}/v1/completions", json=body, timeout=60) as response:
+                lines = []
+                for line in response.iter_lines():
+                    lines.append(line)
+                    first_token.set()
+                outcome["lines"] = lines
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        assert first_token.wait(60)
+        frontend.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        for method, path in (("GET", "/health"), ("POST", "/v1/completions")):
+            response = httpx.request(method, f"{frontend.base_url}{path}", json={"model": MODEL, "prompt": "hi"})
+            assert response.status_code == 503 and response.json()["error"]["code"] == "shutting_down", path
+        thread.join(60)
+        data = [line for line in outcome["lines"] if line]
+        assert data[-1] == "data: [DONE]" and json.loads(data[-2][6:])["usage"]["completion_tokens"] == 60
+        assert frontend.proc.wait(timeout=60) == 0, (tmp_path / "frontend.log").read_text()[-2000:]
+    finally:
+        frontend.kill()
+
+
+@pytest.mark.slow
+def test_without_a_cluster_health_and_requests_are_503(tmp_path: Path) -> None:
+    frontend = FrontendProcess(f"tcp://127.0.0.1:{free_port()}", tmp_path / "frontend.log")
+    try:
+        health = httpx.get(f"{frontend.base_url}/health", timeout=30)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "cluster_unavailable"
+        response = httpx.post(f"{frontend.base_url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=30)
+        assert response.status_code == 503 and response.json()["error"]["code"] == "cluster_unavailable"
+        metrics = httpx.get(f"{frontend.base_url}/metrics", timeout=30).text
+        assert "pdserve:cluster_ready 0.0" in metrics
+        assert frontend.stop() == 0
+    finally:
+        frontend.kill()
+
+
+@pytest.mark.slow
+def test_a_draining_cluster_answers_503(served: Served) -> None:
+    """Last in the module: SIGTERM to the cluster. Its running request finishes; health and new
+    requests are 503 while it drains; it exits 0."""
+    outcome: dict[str, Any] = {}
+    started = threading.Event()
+
+    def long_request() -> None:
+        body = {
+            "model": MODEL,
+            "prompt": TEXT_PROMPT,
+            "max_tokens": 100,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream("POST", f"{served.base_url}/v1/completions", json=body, timeout=60) as response:
+            started.set()
+            outcome["events"] = sse_events(response)
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    assert started.wait(60)
+    served.cluster.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: served.http.get("/health").status_code == 503, 30, "health stayed 200 while draining")
+    response = served.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert response.status_code == 503 and response.json()["error"]["code"] == "shutting_down"
+    thread.join(60)
+    assert outcome["events"][-1]["choices"][0]["finish_reason"] == "length"
+    assert served.cluster.proc.wait(timeout=120) == 0

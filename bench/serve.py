@@ -1,9 +1,19 @@
-"""End-to-end serving benchmark: streaming load from ``AsyncClient`` against a running cluster.
+"""End-to-end serving benchmark: streaming load from ``AsyncClient`` against a running cluster,
+or the same load over HTTP against any OpenAI-compatible server.
 
     python -m pdserve.bench.serve --endpoint tcp://127.0.0.1:5555 --workload random --input-len 512 \\
         --output-len 128 --len-dist uniform --rates 1,2,4,8 --num-requests 200 --out run.json --plot-dir plots
     python -m pdserve.bench.serve --workload mixed --rate 4 --slo-ttft-ms 500 --slo-tpot-ms 50
     python -m pdserve.bench.serve --workload text --num-requests 20 --concurrency 4      # the demo model
+    python -m pdserve.bench.serve --backend openai --base-url http://127.0.0.1:8000 --workload text
+
+Backends: ``zmq`` (the default) streams through ``AsyncClient``; ``openai`` streams server-sent
+events from ``--base-url``: ``/v1/completions`` with the token ids for token workloads,
+``/v1/chat/completions`` with one user message for ``text`` (the template the ZMQ path applies
+in the router), ``--model-name`` or else the first of ``/v1/models``, ``stream_options.include_usage``
+for the token counts. Each event that carries text (none, or several tokens) is one chunk of
+one token, as vLLM's ``bench serve`` counts them; the server's phase timings (and so the mean
+KV transfer) are only known over ZMQ.
 
 Load: ``--rate R`` sends requests as a Poisson process of R req/s (``inf``: all at once),
 ``--rates`` runs several rates in turn on the same requests and arrival pattern (scaled),
@@ -25,7 +35,10 @@ Workloads (token ids drawn uniformly from ``[0, --vocab-size)``):
   template applied by the router), stopping at the model's end of sequence or ``--output-len``.
 
 Metric definitions are in ``bench/metrics.py``. The JSON (``--out``) holds the config, each
-rate's metrics (also per request kind when there are several) and every request's record.
+rate's metrics (also per request kind when there are several) and every request's record. Each
+point also carries vLLM ``bench serve``'s flat keys (``request_throughput``, ``mean_ttft_ms``,
+``median_itl_ms``, ``std_e2el_ms``, ``p99_tpot_ms``, ...: see :func:`vllm_keys`), and so does the
+document itself when it has one point, so that tools reading vLLM's result files read it too.
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ import math
 import platform
 import random
 import shlex
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -50,11 +64,13 @@ import click
 from tqdm import tqdm
 
 from pdserve.bench.common import log_axis, pyplot, save_figure, write_json
-from pdserve.bench.metrics import RequestRecord, compute_metrics, itls
+from pdserve.bench.metrics import RequestRecord, compute_metrics, duration, e2e, itls, percentile, tpot, ttft
 from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable
 from pdserve.cluster.protocol import Chunk
 
 WORKLOADS = ("random", "mixed", "shared-prefix", "text")
+BACKENDS = ("zmq", "openai")
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 LEN_DISTS = ("fixed", "uniform", "lognormal")
 PROMPTS_FILE = Path(__file__).resolve().with_name("prompts.txt")
 DEFAULT_VOCAB_SIZE = 32000  # Llama-2's: below every supported model's vocabulary
@@ -234,7 +250,75 @@ async def stream_one(client: AsyncClient, spec: RequestSpec, record: RequestReco
         record.error = str(e)
 
 
-async def run_requests(client: AsyncClient, specs: Sequence[RequestSpec], rate: float | None,
+class OpenAIBackend:
+    """Streams requests to an OpenAI-compatible server (see the module's docstring)."""
+
+    def __init__(self, base_url: str, model: str | None, timeout: float) -> None:
+        import httpx  # the bench extra's: the ZMQ path does without it
+
+        self.httpx = httpx
+        # No connection limit: every request in flight holds its own stream.
+        self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout,
+                                      limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+        self.model = model
+
+    async def model_name(self) -> str:
+        if self.model is None:
+            response = await self.http.get("/v1/models")
+            response.raise_for_status()
+            self.model = str(response.json()["data"][0]["id"])
+        return self.model
+
+    def request(self, spec: RequestSpec, model: str) -> tuple[str, dict[str, Any]]:
+        common = {"model": model, "max_tokens": spec.max_tokens, "temperature": 0.0, "stream": True,
+                  "stream_options": {"include_usage": True}}
+        if spec.token_ids is not None:
+            return "/v1/completions", {**common, "prompt": spec.token_ids, "ignore_eos": spec.ignore_eos}
+        return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": spec.prompt}]}
+
+    async def stream_one(self, spec: RequestSpec, record: RequestRecord, start: float) -> None:
+        """As :func:`stream_one`, over HTTP: one chunk of one token per event with text."""
+        path, body = self.request(spec, await self.model_name())
+        record.sent = time.perf_counter() - start
+        try:
+            async with self.http.stream("POST", path, json=body) as response:
+                if response.status_code != 200:
+                    record.error = f"HTTP {response.status_code}: {(await response.aread())[:500].decode(errors='replace')}"
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:") or record.error is not None:
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    self._on_event(json.loads(data), record, time.perf_counter() - start)
+            record.finished = time.perf_counter() - start
+        except (self.httpx.HTTPError, ValueError) as e:
+            record.finished = time.perf_counter() - start
+            record.error = f"{type(e).__name__}: {e}"
+        if record.error is None and record.finish_reason is not None and not record.output_tokens:
+            record.output_tokens = len(record.chunk_times)  # a server that sent no usage
+
+    @staticmethod
+    def _on_event(event: dict[str, Any], record: RequestRecord, now: float) -> None:
+        if "error" in event:
+            record.error = str(event["error"].get("message", event["error"]))
+            return
+        if event.get("usage"):
+            record.prompt_tokens = event["usage"].get("prompt_tokens")
+            record.output_tokens = event["usage"].get("completion_tokens") or 0
+        for choice in event.get("choices") or ():
+            text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+            if text:
+                record.chunk_times.append(now)
+                record.chunk_tokens.append(1)
+            if choice.get("finish_reason") is not None:
+                record.finish_reason = choice["finish_reason"]
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+
+async def run_requests(client: AsyncClient | OpenAIBackend, specs: Sequence[RequestSpec], rate: float | None,
                        concurrency: int | None, seed: int, tag: str, warmup: bool = False) -> list[RequestRecord]:
     """Send ``specs`` at ``rate`` (at most ``concurrency`` in flight); wait for every one to end."""
     slots: Any = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
@@ -248,7 +332,10 @@ async def run_requests(client: AsyncClient, specs: Sequence[RequestSpec], rate: 
         async def one(spec: RequestSpec, record: RequestRecord) -> None:
             await asyncio.sleep(max(0.0, record.scheduled - (time.perf_counter() - start)))
             async with slots:
-                await stream_one(client, spec, record, start)
+                if isinstance(client, OpenAIBackend):
+                    await client.stream_one(spec, record, start)
+                else:
+                    await stream_one(client, spec, record, start)
             progress.update()
 
         await asyncio.gather(*(one(spec, record) for spec, record in zip(specs, records)))
@@ -266,8 +353,52 @@ def point_result(rate: float | None, config: BenchConfig, records: list[RequestR
         "concurrency": config.concurrency,
         "metrics": metrics(records),
         "by_kind": {k: metrics([r for r in records if r.kind == k]) for k in kinds} if len(kinds) > 1 else {},
+        **vllm_keys(rate, config, records),
         "records": [_record_json(r) for r in records],
     }
+
+
+VLLM_PERCENTILES = (50, 90, 99)
+
+
+def vllm_keys(rate: float | None, config: BenchConfig, records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """vLLM ``bench serve``'s flat result keys over the measured records (ms; a statistic of no
+    values is None). Its definitions are this module's: ITL one sample per token, which is
+    vLLM's one per chunk when chunks carry one token; std is the population's, as numpy's."""
+    measured = [r for r in records if not r.warmup]
+    done = [r for r in measured if r.ok]
+    wall = duration(measured)
+    input_tokens = sum(r.prompt_tokens or 0 for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    good = compute_metrics(measured, config.slo_ttft_ms, config.slo_tpot_ms)["goodput"]
+    out: dict[str, Any] = {
+        "request_rate": "inf" if rate is None else rate,
+        "max_concurrency": config.concurrency,
+        "num_prompts": len(measured),
+        "completed": len(done),
+        "failed": len(measured) - len(done),
+        "duration": wall,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / wall if wall > 0 else 0.0,
+        "request_goodput": good,
+        "output_throughput": output_tokens / wall if wall > 0 else 0.0,
+        "total_token_throughput": (input_tokens + output_tokens) / wall if wall > 0 else 0.0,
+    }
+    samples = {
+        "ttft": [ttft(r) for r in done],
+        "tpot": [t for t in map(tpot, done) if t is not None],
+        "itl": [gap for r in done for gap in itls(r)],
+        "e2el": [e2e(r) for r in done],
+    }
+    for name, values in samples.items():
+        ms = [v * 1e3 for v in values]
+        out[f"mean_{name}_ms"] = statistics.fmean(ms) if ms else None
+        out[f"median_{name}_ms"] = statistics.median(ms) if ms else None
+        out[f"std_{name}_ms"] = statistics.pstdev(ms) if ms else None
+        for q in VLLM_PERCENTILES:
+            out[f"p{q}_{name}_ms"] = percentile(ms, q) if ms else None
+    return out
 
 
 def _record_json(record: RequestRecord) -> dict[str, Any]:
@@ -282,11 +413,20 @@ def _record_json(record: RequestRecord) -> dict[str, Any]:
     return out
 
 
-async def run_benchmark(config: BenchConfig, endpoint: str) -> dict[str, Any]:
-    """Warm-up, then every rate in turn on the same requests; returns the results document."""
+async def run_benchmark(config: BenchConfig, endpoint: str, backend: str = "zmq", base_url: str | None = None,
+                        model_name: str | None = None) -> dict[str, Any]:
+    """Warm-up, then every rate in turn on the same requests; returns the results document.
+    ``backend`` "openai" sends them to ``base_url`` (``endpoint`` is then unused)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     specs = build_requests(config, config.warmup + config.num_requests)
     warmup, measured = specs[: config.warmup], specs[config.warmup :]
-    client = AsyncClient(endpoint, timeout=config.timeout)
+    client: AsyncClient | OpenAIBackend
+    if backend == "openai":
+        client = OpenAIBackend(base_url or DEFAULT_BASE_URL, model_name, config.timeout)
+        await client.model_name()
+    else:
+        client = AsyncClient(endpoint, timeout=config.timeout)
     try:
         warmup_records = await run_requests(client, warmup, None, config.concurrency, config.seed, "warmup",
                                             warmup=True)
@@ -296,14 +436,21 @@ async def run_benchmark(config: BenchConfig, endpoint: str) -> dict[str, Any]:
                                          f"rate {rate_label(rate, config.concurrency)}")
             points.append(point_result(rate, config, records))
     finally:
-        client.close()
+        if isinstance(client, OpenAIBackend):
+            await client.close()
+        else:
+            client.close()
+    flat = {k: v for k, v in points[0].items() if k not in ("rate", "concurrency", "metrics", "by_kind", "records")}
     return {
         "meta": {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "host": platform.node(),
             "command": shlex.join(sys.orig_argv),
-            "endpoint": endpoint,
+            "backend": backend,
+            "endpoint": (base_url or DEFAULT_BASE_URL) if backend == "openai" else endpoint,
+            "model_id": client.model if isinstance(client, OpenAIBackend) else None,
         },
+        **(flat if len(points) == 1 else {}),
         "config": dataclasses.asdict(config),
         "warmup": [dataclasses.asdict(r) for r in warmup_records],
         "points": points,
@@ -521,7 +668,12 @@ def config_from_options(rate: str | None, rates: str | None, long_len: str, **op
 
 
 @click.command(context_settings={"show_default": True})
+@click.option("--backend", type=click.Choice(BACKENDS), default="zmq",
+              help="zmq: the cluster's own protocol at --endpoint; openai: an OpenAI-compatible server at --base-url.")
 @click.option("--endpoint", default=DEFAULT_ENDPOINT, help="The cluster's client endpoint.")
+@click.option("--base-url", default=DEFAULT_BASE_URL, help="openai: the server's URL (without /v1).")
+@click.option("--model-name", default=None, help="openai: the 'model' of each request [default: the first of "
+              "/v1/models].")
 @load_options
 @click.option("--model-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="The served model's directory: its config.json gives the vocabulary size.")
@@ -531,11 +683,12 @@ def config_from_options(rate: str | None, rates: str | None, long_len: str, **op
               help="Write the results JSON (config, metrics, every request's record) here.")
 @click.option("--plot-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write PNG plots here (needs matplotlib).")
-def main(endpoint: str, model_dir: Path | None, vocab_size: int | None, out: Path | None, plot_dir: Path | None,
-         **options: Any) -> None:
-    """Stream a workload at a cluster at one or more request rates and report its latencies."""
+def main(backend: str, endpoint: str, base_url: str, model_name: str | None, model_dir: Path | None,
+         vocab_size: int | None, out: Path | None, plot_dir: Path | None, **options: Any) -> None:
+    """Stream a workload at a cluster (or an OpenAI-compatible server) at one or more request rates
+    and report its latencies."""
     config = config_from_options(vocab_size=vocab_size or vocab_size_of(model_dir), **options)
-    results = asyncio.run(run_benchmark(config, endpoint))
+    results = asyncio.run(run_benchmark(config, endpoint, backend, base_url, model_name))
     click.echo(f"{config.workload}, {config.num_requests} requests per rate, latencies in ms, "
                f"goodput in req/s, xfer = mean KV transfer (ms)")
     click.echo(results_table(results["points"]))

@@ -14,7 +14,7 @@ import pytest
 from pdserve.bench.common import to_json
 from pdserve.bench.compare import LaunchedCluster, required_model_len, system_args, write_report
 from pdserve.bench.metrics import RequestRecord, compute_metrics, e2e, itls, meets_slo, percentile, summarize, tpot, ttft
-from pdserve.bench.serve import BenchConfig, RequestSpec, arrival_times, build_requests, write_plots
+from pdserve.bench.serve import BenchConfig, RequestSpec, arrival_times, build_requests, vllm_keys, write_plots
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,6 +97,32 @@ def test_compute_metrics_throughput_and_goodput_counting() -> None:
     assert no_slo["goodput"] is None and no_slo["slo_attainment"] is None
     only_ttft = compute_metrics(records, slo_ttft_ms=300)
     assert only_ttft["goodput"] == pytest.approx(4 / 2.6)
+
+
+def test_vllm_flat_keys_on_known_timelines() -> None:
+    records = [
+        record(0.0, [(0.1, 1), (0.15, 1), (0.2, 1)], finished=0.2, prompt_tokens=10),  # TTFT 100, ITL 50 50
+        record(0.5, [(0.9, 1), (1.0, 2)], finished=1.0, prompt_tokens=20),  # TTFT 400, ITL 50 50
+        RequestRecord("failed", "random", 3, 1.0, 1.0, finished=1.25, error="invalid_request: too long"),
+        record(-5.0, [(-4.0, 1)], finished=9.0, warmup=True),  # ignored entirely
+    ]
+    keys = vllm_keys(4.0, BenchConfig(concurrency=8, slo_ttft_ms=200), records)
+    assert (keys["num_prompts"], keys["completed"], keys["failed"]) == (3, 2, 1)
+    assert (keys["request_rate"], keys["max_concurrency"]) == (4.0, 8)
+    assert keys["duration"] == pytest.approx(1.25)
+    assert (keys["total_input_tokens"], keys["total_output_tokens"]) == (30, 6)
+    assert keys["request_throughput"] == pytest.approx(2 / 1.25)
+    assert keys["output_throughput"] == pytest.approx(6 / 1.25)
+    assert keys["total_token_throughput"] == pytest.approx(36 / 1.25)
+    assert keys["request_goodput"] == pytest.approx(1 / 1.25)  # only the first meets TTFT <= 200 ms
+    assert keys["mean_ttft_ms"] == pytest.approx(250.0) and keys["median_ttft_ms"] == pytest.approx(250.0)
+    assert keys["std_ttft_ms"] == pytest.approx(150.0)  # population std, as numpy's
+    assert keys["p99_ttft_ms"] == pytest.approx(100 + 300 * 0.99)
+    assert keys["mean_itl_ms"] == pytest.approx(50.0) and keys["std_itl_ms"] == pytest.approx(0.0)
+    assert keys["mean_tpot_ms"] == pytest.approx(50.0)
+    assert keys["p90_e2el_ms"] == pytest.approx(200 + 300 * 0.9)
+    empty = vllm_keys(None, BenchConfig(), [records[2]])
+    assert empty["request_rate"] == "inf" and empty["mean_ttft_ms"] is None and empty["request_goodput"] is None
 
 
 def test_workloads_lengths_vocabulary_and_arrivals() -> None:

@@ -653,6 +653,36 @@ def test_without_a_cluster_health_and_requests_are_503(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_bench_serve_openai_backend_measures_the_front_end(served: Served, demo_model_dir: Path) -> None:
+    """bench.serve's load generator over HTTP: every request completes with the token counts the
+    ZMQ backend gets for the same requests, and the document carries vLLM's flat keys."""
+    from pdserve.bench.serve import BenchConfig, run_benchmark, vocab_size_of
+
+    vocab = vocab_size_of(demo_model_dir)
+    for workload in ("random", "text"):
+        config = BenchConfig(
+            workload=workload,
+            num_requests=3,
+            warmup=0,
+            input_len=8,
+            output_len=4,
+            concurrency=2,
+            vocab_size=vocab,
+            timeout=60,
+        )
+        over_http = asyncio.run(run_benchmark(config, "", backend="openai", base_url=served.base_url))
+        over_zmq = asyncio.run(run_benchmark(config, served.cluster.endpoint))
+        assert over_http["meta"]["backend"] == "openai" and over_http["meta"]["model_id"] == MODEL
+        for key in ("completed", "total_input_tokens", "total_output_tokens"):
+            assert over_http[key] == over_zmq[key], (workload, key)
+        assert over_http["completed"] == 3 and over_http["failed"] == 0
+        if workload == "random":  # ignore_eos: exactly output_len each
+            assert over_http["total_output_tokens"] == 12
+        for key in ("request_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_itl_ms", "std_e2el_ms"):
+            assert isinstance(over_http[key], float) and over_http[key] >= 0, key
+
+
+@pytest.mark.slow
 def test_a_draining_cluster_answers_503(served: Served) -> None:
     """Last in the module: SIGTERM to the cluster. Its running request finishes; health and new
     requests are 503 while it drains; it exits 0."""

@@ -135,8 +135,10 @@ class BenchConfig:
         if not 1 <= self.long_len[0] <= self.long_len[1]:
             raise ValueError(f"long_len must be LOW-HIGH with 1 <= LOW <= HIGH, got {self.long_len}")
         if self.max_model_len is not None and self.max_model_len <= self.max_output_len:
-            raise ValueError(f"max_model_len {self.max_model_len} leaves no room for a prompt "
-                             f"before {self.max_output_len} output tokens")
+            raise ValueError(
+                f"max_model_len {self.max_model_len} leaves no room for a prompt "
+                f"before {self.max_output_len} output tokens"
+            )
 
     @property
     def max_output_len(self) -> int:
@@ -233,8 +235,14 @@ async def stream_one(client: AsyncClient, spec: RequestSpec, record: RequestReco
     """Send one request and fill ``record`` with what arrives, timestamped on arrival."""
     record.sent = time.perf_counter() - start
     try:
-        async for message in client.stream(spec.prompt, token_ids=spec.token_ids, request_id=record.request_id,
-                                           max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=spec.ignore_eos):
+        async for message in client.stream(
+            spec.prompt,
+            token_ids=spec.token_ids,
+            request_id=record.request_id,
+            max_tokens=spec.max_tokens,
+            temperature=0.0,
+            ignore_eos=spec.ignore_eos,
+        ):
             now = time.perf_counter() - start
             if isinstance(message, Chunk):
                 record.chunk_times.append(now)
@@ -258,8 +266,11 @@ class OpenAIBackend:
 
         self.httpx = httpx
         # No connection limit: every request in flight holds its own stream.
-        self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout,
-                                      limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+        self.http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"),
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
         self.model = model
 
     async def model_name(self) -> str:
@@ -270,8 +281,13 @@ class OpenAIBackend:
         return self.model
 
     def request(self, spec: RequestSpec, model: str) -> tuple[str, dict[str, Any]]:
-        common = {"model": model, "max_tokens": spec.max_tokens, "temperature": 0.0, "stream": True,
-                  "stream_options": {"include_usage": True}}
+        common = {
+            "model": model,
+            "max_tokens": spec.max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if spec.token_ids is not None:
             return "/v1/completions", {**common, "prompt": spec.token_ids, "ignore_eos": spec.ignore_eos}
         return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": spec.prompt}]}
@@ -283,7 +299,9 @@ class OpenAIBackend:
         try:
             async with self.http.stream("POST", path, json=body) as response:
                 if response.status_code != 200:
-                    record.error = f"HTTP {response.status_code}: {(await response.aread())[:500].decode(errors='replace')}"
+                    record.error = (
+                        f"HTTP {response.status_code}: {(await response.aread())[:500].decode(errors='replace')}"
+                    )
                 async for line in response.aiter_lines():
                     if not line.startswith("data:") or record.error is not None:
                         continue
@@ -318,17 +336,32 @@ class OpenAIBackend:
         await self.http.aclose()
 
 
-async def run_requests(client: AsyncClient | OpenAIBackend, specs: Sequence[RequestSpec], rate: float | None,
-                       concurrency: int | None, seed: int, tag: str, warmup: bool = False) -> list[RequestRecord]:
+async def run_requests(
+    client: AsyncClient | OpenAIBackend,
+    specs: Sequence[RequestSpec],
+    rate: float | None,
+    concurrency: int | None,
+    seed: int,
+    tag: str,
+    warmup: bool = False,
+) -> list[RequestRecord]:
     """Send ``specs`` at ``rate`` (at most ``concurrency`` in flight); wait for every one to end."""
     slots: Any = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
     records = [
-        RequestRecord(f"{tag}/{i}", spec.kind, spec.max_tokens, scheduled=at, sent=at,
-                      prompt_len=len(spec.token_ids) if spec.token_ids is not None else None, warmup=warmup)
+        RequestRecord(
+            f"{tag}/{i}",
+            spec.kind,
+            spec.max_tokens,
+            scheduled=at,
+            sent=at,
+            prompt_len=len(spec.token_ids) if spec.token_ids is not None else None,
+            warmup=warmup,
+        )
         for i, (spec, at) in enumerate(zip(specs, arrival_times(len(specs), rate, seed)))
     ]
     start = time.perf_counter()
     with tqdm(total=len(specs), desc=tag, unit="req", file=sys.stderr, dynamic_ncols=True) as progress:
+
         async def one(spec: RequestSpec, record: RequestRecord) -> None:
             await asyncio.sleep(max(0.0, record.scheduled - (time.perf_counter() - start)))
             async with slots:
@@ -344,6 +377,7 @@ async def run_requests(client: AsyncClient | OpenAIBackend, specs: Sequence[Requ
 
 def point_result(rate: float | None, config: BenchConfig, records: list[RequestRecord]) -> dict[str, Any]:
     """One load point: its metrics (overall and per request kind) and every record."""
+
     def metrics(subset: list[RequestRecord]) -> dict[str, Any]:
         return compute_metrics(subset, config.slo_ttft_ms, config.slo_tpot_ms)
 
@@ -413,8 +447,9 @@ def _record_json(record: RequestRecord) -> dict[str, Any]:
     return out
 
 
-async def run_benchmark(config: BenchConfig, endpoint: str, backend: str = "zmq", base_url: str | None = None,
-                        model_name: str | None = None) -> dict[str, Any]:
+async def run_benchmark(
+    config: BenchConfig, endpoint: str, backend: str = "zmq", base_url: str | None = None, model_name: str | None = None
+) -> dict[str, Any]:
     """Warm-up, then every rate in turn on the same requests; returns the results document.
     ``backend`` "openai" sends them to ``base_url`` (``endpoint`` is then unused)."""
     if backend not in BACKENDS:
@@ -428,12 +463,14 @@ async def run_benchmark(config: BenchConfig, endpoint: str, backend: str = "zmq"
     else:
         client = AsyncClient(endpoint, timeout=config.timeout)
     try:
-        warmup_records = await run_requests(client, warmup, None, config.concurrency, config.seed, "warmup",
-                                            warmup=True)
+        warmup_records = await run_requests(
+            client, warmup, None, config.concurrency, config.seed, "warmup", warmup=True
+        )
         points = []
         for rate in config.rates:
-            records = await run_requests(client, measured, rate, config.concurrency, config.seed,
-                                         f"rate {rate_label(rate, config.concurrency)}")
+            records = await run_requests(
+                client, measured, rate, config.concurrency, config.seed, f"rate {rate_label(rate, config.concurrency)}"
+            )
             points.append(point_result(rate, config, records))
     finally:
         if isinstance(client, OpenAIBackend):
@@ -459,8 +496,21 @@ async def run_benchmark(config: BenchConfig, endpoint: str, backend: str = "zmq"
 
 # -- reporting ------------------------------------------------------------------------------
 
-TABLE_HEADERS = ("rate", "req/s", "tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50", "ITL p99",
-                 "E2E p50", "E2E p99", "goodput", "xfer mean")
+TABLE_HEADERS = (
+    "rate",
+    "req/s",
+    "tok/s",
+    "TTFT p50",
+    "TTFT p99",
+    "TPOT p50",
+    "TPOT p99",
+    "ITL p50",
+    "ITL p99",
+    "E2E p50",
+    "E2E p99",
+    "goodput",
+    "xfer mean",
+)
 
 
 def rate_label(rate: float | None, concurrency: int | None = None) -> str:
@@ -474,18 +524,23 @@ def _num(value: float | None, digits: int = 1) -> str:
 
 def metrics_row(metrics: dict[str, Any]) -> list[str]:
     """The table cells after the first column: throughputs, latency percentiles (ms), goodput."""
-    latencies = [_num(metrics[f"{name}_ms"][stat])
-                 for name in ("ttft", "tpot", "itl", "e2e") for stat in ("p50", "p99")]
-    return [_num(metrics["request_throughput"], 2), _num(metrics["output_throughput"]), *latencies,
-            _num(metrics["goodput"], 2), _num(metrics["transfer_ms"]["mean"], 2)]
+    latencies = [
+        _num(metrics[f"{name}_ms"][stat]) for name in ("ttft", "tpot", "itl", "e2e") for stat in ("p50", "p99")
+    ]
+    return [
+        _num(metrics["request_throughput"], 2),
+        _num(metrics["output_throughput"]),
+        *latencies,
+        _num(metrics["goodput"], 2),
+        _num(metrics["transfer_ms"]["mean"], 2),
+    ]
 
 
 def point_row(point: dict[str, Any]) -> list[str]:
     return [rate_label(point["rate"], point["concurrency"]), *metrics_row(point["metrics"])]
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool = False,
-                 labels: int = 1) -> str:
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool = False, labels: int = 1) -> str:
     """Plain text or Markdown; the first ``labels`` columns left-aligned, the numbers right-aligned."""
     if markdown:
         rule = ["---"] * labels + ["---:"] * (len(headers) - labels)
@@ -509,8 +564,10 @@ def failure_summary(points: Sequence[dict[str, Any]]) -> list[str]:
         failed = [r for r in point["records"] if not RequestRecord(**r).ok]
         if failed:
             example = failed[0]["error"] or failed[0]["finish_reason"]
-            lines.append(f"rate {rate_label(point['rate'], point['concurrency'])}: {len(failed)} of "
-                         f"{len(point['records'])} requests failed, e.g. {example}")
+            lines.append(
+                f"rate {rate_label(point['rate'], point['concurrency'])}: {len(failed)} of "
+                f"{len(point['records'])} requests failed, e.g. {example}"
+            )
     return lines
 
 
@@ -532,8 +589,10 @@ def write_plots(series: dict[str, Sequence[dict[str, Any]]], plot_dir: Path) -> 
     if plt is None:
         return []
     plot_dir.mkdir(parents=True, exist_ok=True)
-    written = [_plot_itl_cdf(plt, series, plot_dir / "itl_cdf.png"),
-               _plot_latency(plt, series, plot_dir / "latency_vs_rate.png")]
+    written = [
+        _plot_itl_cdf(plt, series, plot_dir / "itl_cdf.png"),
+        _plot_latency(plt, series, plot_dir / "latency_vs_rate.png"),
+    ]
     if any(p["metrics"]["goodput"] is not None for points in series.values() for p in points):
         written.append(_plot_goodput(plt, series, plot_dir / "goodput_vs_rate.png"))
     return written
@@ -546,8 +605,10 @@ def _plot_itl_cdf(plt: Any, series: dict[str, Sequence[dict[str, Any]]], path: P
     if len(names) == 1:
         panels = [(names[0], [(f"rate {rate_label(p['rate'], p['concurrency'])}", p) for p in first])]
     else:
-        panels = [(f"rate {rate_label(p['rate'], p['concurrency'])}", [(n, series[n][i]) for n in names])
-                  for i, p in enumerate(first)]
+        panels = [
+            (f"rate {rate_label(p['rate'], p['concurrency'])}", [(n, series[n][i]) for n in names])
+            for i, p in enumerate(first)
+        ]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False, sharey=True)
     for ax, (title, curves) in zip(axes[0], panels):
         for label, point in curves:
@@ -572,8 +633,13 @@ def _plot_latency(plt: Any, series: dict[str, Sequence[dict[str, Any]]], path: P
     fig, (ttft_ax, itl_ax) = plt.subplots(1, 2, figsize=(11, 4))
     for i, (name, points) in enumerate(series.items()):
         color = f"C{i}"
-        ttft_ax.plot(*_by_rate(points, lambda m: m["ttft_ms"]["p50"]), "o--", color=color, markerfacecolor="none",
-                     label=f"{name} p50")
+        ttft_ax.plot(
+            *_by_rate(points, lambda m: m["ttft_ms"]["p50"]),
+            "o--",
+            color=color,
+            markerfacecolor="none",
+            label=f"{name} p50",
+        )
         ttft_ax.plot(*_by_rate(points, lambda m: m["ttft_ms"]["p99"]), "o-", color=color, label=f"{name} p99")
         itl_ax.plot(*_by_rate(points, lambda m: m["itl_ms"]["p99"]), "o-", color=color, label=f"{name} p99")
     for ax, what in ((ttft_ax, "TTFT"), (itl_ax, "inter-token latency")):
@@ -591,8 +657,11 @@ def _plot_goodput(plt: Any, series: dict[str, Sequence[dict[str, Any]]], path: P
     for i, (name, points) in enumerate(series.items()):
         ax.plot(*_by_rate(points, lambda m: m["goodput"]), "o-", color=f"C{i}", label=name)
     metrics = next(iter(series.values()))[0]["metrics"]
-    slo = ", ".join(f"{k} <= {metrics[f'slo_{k.lower()}_ms']:g} ms" for k in ("TTFT", "TPOT")
-                    if metrics[f"slo_{k.lower()}_ms"] is not None)
+    slo = ", ".join(
+        f"{k} <= {metrics[f'slo_{k.lower()}_ms']:g} ms"
+        for k in ("TTFT", "TPOT")
+        if metrics[f"slo_{k.lower()}_ms"] is not None
+    )
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("goodput (req/s)")
     ax.set_ylim(bottom=0)
@@ -632,17 +701,29 @@ LOAD_OPTIONS = (
     click.option("--rate", default=None, help="Poisson arrivals of this many req/s ('inf': all at once)."),
     click.option("--rates", default=None, help="A sweep: comma-separated rates, run in turn (e.g. 1,2,4,8)."),
     click.option("--concurrency", type=int, default=None, help="Most requests in flight."),
-    click.option("--input-len", type=int, default=128, help="Prompt tokens (mean) of random/short requests; "
-                                                           "shared-prefix: the question after the prefix."),
+    click.option(
+        "--input-len",
+        type=int,
+        default=128,
+        help="Prompt tokens (mean) of random/short requests; shared-prefix: the question after the prefix.",
+    ),
     click.option("--output-len", type=int, default=128, help="Output tokens (mean; text: the most)."),
-    click.option("--len-dist", type=click.Choice(LEN_DISTS), default="fixed",
-                 help="Distribution of input and output lengths around their means."),
+    click.option(
+        "--len-dist",
+        type=click.Choice(LEN_DISTS),
+        default="fixed",
+        help="Distribution of input and output lengths around their means.",
+    ),
     click.option("--long-fraction", type=float, default=0.1, help="mixed: fraction of long-prompt requests."),
     click.option("--long-len", default="4096-8192", help="mixed: long prompt length range in tokens (LOW-HIGH)."),
     click.option("--num-prefixes", type=int, default=4, help="shared-prefix: number of system prompts."),
     click.option("--prefix-len", type=int, default=1024, help="shared-prefix: system prompt tokens."),
-    click.option("--prompts-file", type=click.Path(exists=True, dir_okay=False), default=str(PROMPTS_FILE),
-                 help="text: one prompt per line."),
+    click.option(
+        "--prompts-file",
+        type=click.Path(exists=True, dir_okay=False),
+        default=str(PROMPTS_FILE),
+        help="text: one prompt per line.",
+    ),
     click.option("--max-model-len", type=int, default=None, help="Cut prompts so that prompt + output fits."),
     click.option("--slo-ttft-ms", type=float, default=None, help="Goodput: TTFT objective."),
     click.option("--slo-tpot-ms", type=float, default=None, help="Goodput: TPOT objective."),
@@ -668,29 +749,61 @@ def config_from_options(rate: str | None, rates: str | None, long_len: str, **op
 
 
 @click.command(context_settings={"show_default": True})
-@click.option("--backend", type=click.Choice(BACKENDS), default="zmq",
-              help="zmq: the cluster's own protocol at --endpoint; openai: an OpenAI-compatible server at --base-url.")
+@click.option(
+    "--backend",
+    type=click.Choice(BACKENDS),
+    default="zmq",
+    help="zmq: the cluster's own protocol at --endpoint; openai: an OpenAI-compatible server at --base-url.",
+)
 @click.option("--endpoint", default=DEFAULT_ENDPOINT, help="The cluster's client endpoint.")
 @click.option("--base-url", default=DEFAULT_BASE_URL, help="openai: the server's URL (without /v1).")
-@click.option("--model-name", default=None, help="openai: the 'model' of each request [default: the first of "
-              "/v1/models].")
+@click.option(
+    "--model-name", default=None, help="openai: the 'model' of each request [default: the first of /v1/models]."
+)
 @load_options
-@click.option("--model-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="The served model's directory: its config.json gives the vocabulary size.")
-@click.option("--vocab-size", type=int, default=None,
-              help=f"Token ids are drawn below this [default: from --model-dir, else {DEFAULT_VOCAB_SIZE}].")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the results JSON (config, metrics, every request's record) here.")
-@click.option("--plot-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Write PNG plots here (needs matplotlib).")
-def main(backend: str, endpoint: str, base_url: str, model_name: str | None, model_dir: Path | None,
-         vocab_size: int | None, out: Path | None, plot_dir: Path | None, **options: Any) -> None:
+@click.option(
+    "--model-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="The served model's directory: its config.json gives the vocabulary size.",
+)
+@click.option(
+    "--vocab-size",
+    type=int,
+    default=None,
+    help=f"Token ids are drawn below this [default: from --model-dir, else {DEFAULT_VOCAB_SIZE}].",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the results JSON (config, metrics, every request's record) here.",
+)
+@click.option(
+    "--plot-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Write PNG plots here (needs matplotlib).",
+)
+def main(
+    backend: str,
+    endpoint: str,
+    base_url: str,
+    model_name: str | None,
+    model_dir: Path | None,
+    vocab_size: int | None,
+    out: Path | None,
+    plot_dir: Path | None,
+    **options: Any,
+) -> None:
     """Stream a workload at a cluster (or an OpenAI-compatible server) at one or more request rates
     and report its latencies."""
     config = config_from_options(vocab_size=vocab_size or vocab_size_of(model_dir), **options)
     results = asyncio.run(run_benchmark(config, endpoint, backend, base_url, model_name))
-    click.echo(f"{config.workload}, {config.num_requests} requests per rate, latencies in ms, "
-               f"goodput in req/s, xfer = mean KV transfer (ms)")
+    click.echo(
+        f"{config.workload}, {config.num_requests} requests per rate, latencies in ms, "
+        f"goodput in req/s, xfer = mean KV transfer (ms)"
+    )
     click.echo(results_table(results["points"]))
     for line in failure_summary(results["points"]):
         click.echo(f"warning: {line}", err=True)

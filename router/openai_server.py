@@ -418,7 +418,7 @@ def serve_openai(
     "(the same as the cluster's; its tokenizer and chat template are used here).",
 )
 @click.option(
-    "--served-model-name", default=None, help="The name clients give as 'model' [default: the model directory's name]."
+    "--served-model-name", default=None, help="The name clients give as 'model' [default: --model as given, as vLLM]."
 )
 @click.option("--host", default="127.0.0.1")
 @click.option("--port", type=int, default=8000)
@@ -439,7 +439,8 @@ def main(
     from pdserve.engine.presets import resolve_model
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    serve_openai(endpoint, str(resolve_model(model)), host, port, served_model_name, drain_timeout, timeout, log_level)
+    model_dir = str(resolve_model(model))
+    serve_openai(endpoint, model_dir, host, port, served_model_name or model, drain_timeout, timeout, log_level)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from pdserve.router.stop_strings import StopStringMatcher
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 512
-MODEL = "smollm2-135m-instruct"  # the demo model's directory name: the served name by default
+MODEL = "demo"  # the served name is --model as given
 QUESTION = "What is the capital of France?"
 TEXT_PROMPT = "The three primary colours are"
 

@@ -143,6 +143,8 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, **flags: Any
     except (ClusterError, ValueError, FileNotFoundError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"ready in {time.monotonic() - started:.1f} s: {cluster.summary()}", err=True)
+    if cluster.http_url is not None:
+        click.echo(f"http {cluster.http_url}/v1 (OpenAI-compatible)", err=True)
     click.echo(f"endpoint {cluster.endpoint}", err=True)
     finished = threading.Event()
     demo_failure: list[BaseException] = []

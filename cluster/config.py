@@ -57,7 +57,11 @@ class ClusterConfig:
         default_text="all visible GPUs; CPU when there are none",
     )
     host: str = setting("127.0.0.1", help="Address the client endpoint binds.", section="Serving")
-    port: int = setting(5555, help="TCP port of the client endpoint.", section="Serving")
+    port: int = setting(5555, help="TCP port of the client endpoint (ZMQ).", section="Serving")
+    http_port: int | None = setting(
+        None, help="Also serve the OpenAI-compatible HTTP API (and /health, /metrics) on this port, on --host.",
+        section="Serving", default_text="off",
+    )
     dispatch: str = setting(
         "round-robin", help="How the router picks a group for each request.", section="Serving",
         choices=DISPATCH_POLICIES,
@@ -82,8 +86,12 @@ class ClusterConfig:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} applies to --mode {'colocated' if self.mode == 'disagg' else 'disagg'}, "
                                  f"not --mode {self.mode}")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        for name in ("port", "http_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < 65536:
+                raise ValueError(f"{name} must be in 1..65535, got {value}")
+        if self.http_port == self.port:
+            raise ValueError(f"--http-port and --port must differ, both are {self.port}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.start_timeout <= 0:

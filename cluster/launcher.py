@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +40,8 @@ class Cluster:
         self.addresses = Addresses(self._tmp.name, f"tcp://{config.host}:{config.port}")
         self.processes: RankProcesses | None = None
         self.router: Router | None = None
+        self.http: subprocess.Popen[bytes] | None = None
+        self._stopping = False
 
     @property
     def endpoint(self) -> str:
@@ -57,7 +61,9 @@ class Cluster:
         """Check everything a user can get wrong, then spawn the ranks and wait until every group
         is ready. A mistake raises ``ValueError`` or ``ClusterError`` before any rank starts."""
         c = self.config
-        _check_port_free(c.host, c.port)
+        for port in (c.port, c.http_port):
+            if port is not None:
+                _check_port_free(c.host, port)
         self.model_dir = str(resolve_model(c.engine.model))
         model = ModelConfig.from_pretrained(self.model_dir)
         c.check_model(model)
@@ -67,7 +73,7 @@ class Cluster:
         self.transfer = c.resolved_transfer(on_gpu)
         engine = c.engine_config(self.model_dir, model)
         tokenizer = _load_tokenizer(self.model_dir)
-        if tokenizer is None and self.require_tokenizer:
+        if tokenizer is None and (self.require_tokenizer or c.http_port is not None):
             raise ClusterError(f"{c.engine.model} has no tokenizer (random-weight presets have none), so it cannot "
                                "answer text prompts; use --model demo or a Hugging Face directory with one")
         layout = GroupLayout.of(c)
@@ -94,6 +100,27 @@ class Cluster:
             if time.monotonic() > deadline:
                 self._abandon()
                 raise ClusterError(f"workers not ready after {c.start_timeout:.0f} s")
+        if c.http_port is not None:
+            self._start_http(c.http_port)
+
+    @property
+    def http_url(self) -> str | None:
+        return None if self.config.http_port is None else f"http://{self.config.host}:{self.config.http_port}"
+
+    def _start_http(self, port: int) -> None:
+        """The OpenAI-compatible front end in its own process (so that it does not share an
+        interpreter lock with the router loop), returning once it listens."""
+        c = self.config
+        command = [sys.executable, "-m", "pdserve.router.openai_server", "--endpoint", self.endpoint,
+                   "--model", c.engine.model, "--host", c.host, "--port", str(port),
+                   "--drain-timeout", str(c.drain_timeout), "--log-level", "warning"]
+        self.http = subprocess.Popen(command)
+        deadline = time.monotonic() + c.start_timeout
+        while not _listening(c.host, port):
+            self.router.poll(50)  # the front end asks the router for its stats while it starts
+            if self.http.poll() is not None or time.monotonic() > deadline:
+                self._abandon()
+                raise ClusterError(f"the HTTP front end did not start on port {port} (its error is above)")
 
     def request_stop(self, *_: object) -> None:
         self._stop_requested = True
@@ -114,6 +141,8 @@ class Cluster:
     def _check_workers(self) -> None:
         assert self.router is not None and self.processes is not None
         failure = self.processes.failure()
+        if failure is None and self.http is not None and self.http.poll() is not None and not (self._stopping or self._stop_requested):
+            failure = f"the HTTP front end exited with status {self.http.returncode}"
         if failure is not None:
             self.router.fail_all("worker_failed", f"a worker died: {failure}")
             self._abandon()
@@ -122,6 +151,9 @@ class Cluster:
     def shutdown(self) -> None:
         """Stop admitting, let in-flight requests finish (up to drain_timeout), stop the workers."""
         assert self.router is not None and self.processes is not None
+        self._stopping = True
+        if self.http is not None and self.http.poll() is None:
+            self.http.send_signal(signal.SIGTERM)  # it answers 503 from now on and drains its own requests
         self.router.stop_accepting()
         deadline = time.monotonic() + self.config.drain_timeout
         while self.router.requests and time.monotonic() < deadline:
@@ -133,17 +165,28 @@ class Cluster:
         self.router.shutdown_workers()
         try:
             self.processes.wait(timeout=60)
+            if self.http is not None:
+                self.http.wait(timeout=60)
         finally:
             self.router.poll(0)
             self.router.close()
             self._tmp.cleanup()
 
     def _abandon(self) -> None:
+        if self.http is not None and self.http.poll() is None:
+            self.http.kill()
+            self.http.wait()
         if self.processes is not None:
             self.processes.terminate()
         if self.router is not None:
             self.router.close()
         self._tmp.cleanup()
+
+
+def _listening(host: str, port: int) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex((host, port)) == 0
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -48,8 +48,9 @@ def busy_port() -> Iterator[int]:
         yield held.getsockname()[1]
 
 
-def test_port_in_use(busy_port: int, tiny_model_dirs: dict[str, Path]) -> None:
-    result = launch("--model", str(tiny_model_dirs["tiny-llama"]), "--port", str(busy_port))
+@pytest.mark.parametrize("flag", ["--port", "--http-port"])
+def test_port_in_use(flag: str, busy_port: int, demo_model_dir: Path) -> None:
+    result = launch("--model", str(demo_model_dir), flag, str(busy_port))
     assert_one_line_error(result, f"127.0.0.1:{busy_port}", "--port")
     assert len(result.stderr.splitlines()) <= 2, result.stderr
 
@@ -76,8 +77,9 @@ def test_max_model_len_defaults_to_the_models_own_limit(tiny_model_dirs: dict[st
     assert shorter.max_model_len == 64
 
 
-def test_demo_needs_a_tokenizer(tiny_model_dirs: dict[str, Path]) -> None:
-    result = launch("--model", str(tiny_model_dirs["tiny-llama"]), "--demo")
+@pytest.mark.parametrize("flag", [("--demo",), ("--http-port", "8123")])
+def test_text_serving_needs_a_tokenizer(flag: tuple[str, ...], tiny_model_dirs: dict[str, Path]) -> None:
+    result = launch("--model", str(tiny_model_dirs["tiny-llama"]), *flag)
     assert_one_line_error(result, "no tokenizer")
 
 
@@ -87,6 +89,7 @@ def test_demo_needs_a_tokenizer(tiny_model_dirs: dict[str, Path]) -> None:
         (("--mode", "colocated", "--prefill-tp", "2"), "--prefill-tp applies to --mode disagg"),
         (("--colocated-tp", "2"), "--colocated-tp applies to --mode colocated"),
         (("--port", "70000"), "port"),
+        (("--port", "6000", "--http-port", "6000"), "--http-port and --port must differ"),
         (("--max-model-len", "-3"), "max_model_len"),
         (("--transfer", "carrier-pigeon"), "carrier-pigeon"),
         (("--devices", "zero"), "comma-separated GPU ids"),

@@ -120,51 +120,32 @@ class FrontendProcess:
 @dataclass
 class Served:
     cluster: LaunchedCluster
-    frontend: FrontendProcess
+    base_url: str
     zmq: Client
     http: httpx.Client
     client: openai.OpenAI
 
-    @property
-    def base_url(self) -> str:
-        return self.frontend.base_url
-
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[Served]:
+    """A cluster started as a user would, ``launch.py ... --http-port PORT``."""
     logs = tmp_path_factory.mktemp("openai")
-    cluster = LaunchedCluster(
-        [
-            "--model",
-            "demo",
-            "--prefill-tp",
-            "1",
-            "--decode-tp",
-            "1",
-            "--transfer",
-            "gloo-async",
-            "--num-blocks",
-            "400",
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-        ],
-        logs / "launch.log",
-        start_timeout=300,
-    )
-    frontend = None
+    http_port = free_port()
+    args = ["--model", "demo", "--prefill-tp", "1", "--decode-tp", "1", "--transfer", "gloo-async",
+            "--num-blocks", "400", "--max-model-len", str(MAX_MODEL_LEN), "--http-port", str(http_port)]
+    cluster = LaunchedCluster(args, logs / "launch.log", start_timeout=300)
+    base_url = f"http://127.0.0.1:{http_port}"
     try:
-        frontend = FrontendProcess(cluster.endpoint, logs / "frontend.log", "--timeout", "60")
+        assert f"http {base_url}/v1" in cluster.output()
         with (
             Client(cluster.endpoint, timeout=120) as zmq_client,
-            httpx.Client(base_url=frontend.base_url, timeout=120) as http,
+            httpx.Client(base_url=base_url, timeout=120) as http,
         ):
             wait_for(lambda: http.get("/health").status_code == 200, 60, "the front end never became healthy")
-            client = openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0)
-            yield Served(cluster, frontend, zmq_client, http, client)
+            client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+            yield Served(cluster, base_url, zmq_client, http, client)
             client.close()
     finally:
-        if frontend is not None:
-            frontend.kill()
         cluster.kill()
 
 

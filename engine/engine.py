@@ -16,7 +16,8 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.parallel import TensorParallel
-from pdserve.engine.sampling import RequestError, Sampler, SamplingParams
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling import RequestError, SamplingParams, validate_request
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.step_plan import StepPlan, build_plan, pending_token
@@ -35,29 +36,6 @@ class RequestOutput:
     timings: dict[str, float] = field(default_factory=dict)
     # finish_reason "prefilled": the blocks holding the prompt's KV, kept until ``release_kv``.
     kv_block_ids: list[int] | None = None
-
-
-def validate_request(
-    token_ids: SequenceType[int], params: SamplingParams, vocab_size: int, max_model_len: int,
-    tokens_field: str = "prompt_token_ids",
-) -> None:
-    """Raise ``RequestError`` naming the field if a model of this vocabulary and length cannot
-    serve the request. The router calls it before dispatch, the engine again on arrival."""
-    if len(token_ids) == 0:
-        raise RequestError("prompt", "is empty")
-    for t in token_ids:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-            raise RequestError(tokens_field, f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
-    for t in params.stop_token_ids:
-        if t >= vocab_size:
-            raise RequestError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab_size})")
-    total = len(token_ids) + params.max_tokens
-    if total > max_model_len:
-        raise RequestError(
-            "max_tokens",
-            f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-            f"exceeds the maximum model length {max_model_len}",
-        )
 
 
 @dataclass

@@ -1,13 +1,13 @@
-"""Sampling parameters of a request and the batched sampler."""
+"""What a request may ask for: its sampling parameters, and the checks that refuse a request.
+
+Plain Python, no torch: the router runs the same checks before dispatch as the engine on arrival.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-
-import torch
-
-from pdserve.engine.step_plan import device_tensor
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 class RequestError(ValueError):
@@ -57,70 +57,27 @@ def _is_real(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Set to -inf every logit outside the row's top-k and outside its top-p nucleus.
-
-    logits ``[B, V]`` fp32; top_k ``[B]`` int (``>= V`` disables); top_p ``[B]`` fp32 (1 disables).
-    The nucleus keeps the smallest set of most likely tokens whose mass reaches ``top_p``
-    (the token that crosses the threshold is kept); at least one token always survives.
-    """
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1], device=logits.device)
-    drop = ranks[None, :] >= top_k[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop = drop | (mass_before >= top_p[:, None])
-    drop[:, 0] = False
-    masked = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, masked)
-
-
-@dataclass
-class Sampler:
-    """Samples one token per row. Rows with a seed draw from their own generator."""
-
-    generators: dict[str, torch.Generator] = field(default_factory=dict)
-
-    def generator_for(self, request_id: str, seed: int, device: torch.device) -> torch.Generator:
-        gen = self.generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(seed)
-            self.generators[request_id] = gen
-        return gen
-
-    def release(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
-
-    def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]
-    ) -> torch.Tensor:
-        """logits ``[B, V]`` fp32 -> one token id per row, ``[B]`` int64 on the logits' device.
-        No host sync: the engine reads the tokens back when it needs them."""
-        vocab = logits.shape[-1]
-        tokens = logits.argmax(dim=-1)
-        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled_rows:
-            device = logits.device
-            # From pinned memory (device_tensor): the engine queues a step before it reads the
-            # last one back, and a copy from pageable memory would wait for it.
-            rows = device_tensor(sampled_rows, torch.int64, device)
-            sub = logits[rows]
-            temps = device_tensor([params[i].temperature for i in sampled_rows], torch.float32, device)
-            top_k = device_tensor(  # -1 (off) and anything past the vocabulary keep every token
-                [min(params[i].top_k, vocab) if params[i].top_k > 0 else vocab for i in sampled_rows],
-                torch.int64, device,
-            )
-            top_p = device_tensor([params[i].top_p for i in sampled_rows], torch.float32, device)
-            probs = top_k_top_p_mask(sub / temps[:, None], top_k, top_p).softmax(dim=-1)
-            # Exponential race (Gumbel-max in disguise): argmax(p / E) with E ~ Exp(1) samples
-            # from p; each seeded row draws its noise from its own generator.
-            noise = torch.empty_like(probs).exponential_()
-            for j, i in enumerate(sampled_rows):
-                seed = params[i].seed
-                if seed is not None:
-                    gen = self.generator_for(request_ids[i], seed, logits.device)
-                    noise[j] = torch.empty(vocab, device=logits.device).exponential_(generator=gen)
-            tokens[rows] = (probs / noise).argmax(dim=-1)
-        return tokens
+def validate_request(
+    token_ids: Sequence[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    tokens_field: str = "prompt_token_ids",
+) -> None:
+    """Raise ``RequestError`` naming the field if a model of this vocabulary and length cannot
+    serve the request. The router calls it before dispatch, the engine again on arrival."""
+    if len(token_ids) == 0:
+        raise RequestError("prompt", "is empty")
+    for t in token_ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise RequestError(tokens_field, f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
+    for t in params.stop_token_ids:
+        if t >= vocab_size:
+            raise RequestError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab_size})")
+    total = len(token_ids) + params.max_tokens
+    if total > max_model_len:
+        raise RequestError(
+            "max_tokens",
+            f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+            f"exceeds the maximum model length {max_model_len}",
+        )

@@ -44,8 +44,7 @@ from pdserve.cluster.protocol import (
 )
 from pdserve.cluster.worker import sampling_params
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.engine import validate_request
-from pdserve.engine.sampling import RequestError
+from pdserve.engine.sampling import RequestError, validate_request
 from pdserve.engine.tokenization import encode_prompt
 from pdserve.router.policy import create_policy
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from pdserve.engine.sampling import RequestError, Sampler, SamplingParams, top_k_top_p_mask
+from pdserve.engine.sampler import Sampler, top_k_top_p_mask
+from pdserve.engine.sampling import RequestError, SamplingParams
 
 
 def test_top_k_keeps_exactly_the_k_largest() -> None:

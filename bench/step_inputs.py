@@ -30,7 +30,8 @@ from pdserve.bench.common import format_table, write_json
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence as Request
-from pdserve.engine.step_plan import StepPlan, build_plan, decode_message, encode_message, host_tensor, padded_block_tables
+from pdserve.engine.step_channel import decode_message, encode_message
+from pdserve.engine.step_plan import StepPlan, build_plan, host_tensor, padded_block_tables
 
 BLOCK_SIZE = 16
 

@@ -34,7 +34,7 @@ from the shared pattern and compares the received blocks' bit patterns to the se
   start" of ``prefill_worker`` / ``decode_worker``. The prefill leader stamps t0 and pushes a
   msgpack ``KVAnnounce`` (``cluster.protocol``, with the N prompt token ids) over ZMQ PUSH/PULL
   (ipc); the decode leader replies ``KVReply(accepted)``, broadcasts the recv ``KVCommand`` to
-  its TP peers over the step channel (``engine.step_plan.StepSender``) and posts its receive;
+  its TP peers over the step channel (``engine.step_channel.StepSender``) and posts its receive;
   the prefill leader, on the reply, broadcasts the send command and issues its send; every
   decode rank busy-polls ``agent.done(id)`` and stamps t1 when it turns true (the scatter into
   the pool is then queued on the compute stream, ahead of any decode step: decode may start).
@@ -90,7 +90,7 @@ from pdserve.cluster.protocol import decode as decode_message
 from pdserve.cluster.protocol import encode as encode_message
 from pdserve.engine.config import ModelConfig, parse_dtype
 from pdserve.engine.presets import load_preset
-from pdserve.engine.step_plan import KVCommand, StepReceiver, StepSender
+from pdserve.engine.step_channel import KVCommand, StepReceiver, StepSender
 from pdserve.kvtransfer.agent import KVTransferAgent
 from pdserve.kvtransfer.base import Transfer, TransferConfig, TransferStats, TransferTopology, create_backend
 

@@ -21,7 +21,7 @@ from pdserve.cluster.protocol import KVAnnounce, KVReply, Message, WorkerError
 from pdserve.cluster.worker import Leader, WorkerSpec, sampling_params
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling import RequestError
-from pdserve.engine.step_plan import KVCommand
+from pdserve.engine.step_channel import KVCommand
 from pdserve.kvtransfer.agent import KVTransferAgent
 from pdserve.kvtransfer.base import TransferStats
 

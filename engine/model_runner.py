@@ -7,7 +7,6 @@ import functools
 import gc
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,11 +15,9 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.context import AttentionContext, set_context
 from pdserve.engine.graph_runner import CudaGraphRunner, PrefillGraphRunner, batch_buckets, token_buckets
 from pdserve.engine.parallel import TensorParallel, head_shard
-from pdserve.engine.step_plan import KVCommand, StepPlan, StepReceiver, StepSender, device_tensor, write_pending_tokens
+from pdserve.engine.step_channel import KVCommand, PeerTransfers, StepReceiver, StepSender
+from pdserve.engine.step_plan import StepPlan, device_tensor, write_pending_tokens
 from pdserve.engine.weights import build_model
-
-if TYPE_CHECKING:
-    from pdserve.kvtransfer.agent import KVTransferAgent
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +265,7 @@ class ModelRunner:
         if self._sender is not None:
             self._sender.send(command)
 
-    def run_peer(self, kv_agent: KVTransferAgent | None = None) -> None:
+    def run_peer(self, kv_agent: PeerTransfers | None = None) -> None:
         """TP peer: follow the leader's steps and KV commands until it shuts the group down."""
         receiver = StepReceiver(self.config.parallel.step_address or "", self.tp.rank)
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pdserve.engine.step_plan import KVCommand
+from pdserve.engine.step_channel import KVCommand
 from pdserve.kvtransfer.base import Transfer, TransferBackend, TransferStats
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pdserve.cluster.protocol import KVAnnounce, KVReply, Message, WorkRequest
 from pdserve.cluster.worker import Leader, WorkerSpec
 from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.step_plan import KVCommand
+from pdserve.engine.step_channel import KVCommand
 from pdserve.kvtransfer.agent import KVTransferAgent
 from pdserve.kvtransfer.base import Transfer
 

@@ -22,7 +22,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.parallel import head_shard
 from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.step_plan import KVCommand
+from pdserve.engine.step_channel import KVCommand
 from pdserve.kvtransfer.agent import KVTransferAgent
 from pdserve.kvtransfer.base import TransferConfig, TransferTopology, create_backend
 

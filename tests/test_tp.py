@@ -15,7 +15,8 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.parallel import check_tp_size, head_shard, split_range
 from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.step_plan import KVCommand, StepPlan, decode_message, encode_message, host_tensor
+from pdserve.engine.step_channel import KVCommand, decode_message, encode_message
+from pdserve.engine.step_plan import StepPlan, host_tensor
 
 
 def test_peer_messages_round_trip() -> None:

@@ -20,6 +20,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from pdserve.engine.sampling import SamplingParams
+
 PROTOCOL_VERSION = 1
 
 
@@ -220,7 +222,7 @@ def decode(data: bytes) -> Message:
 
 @dataclass
 class Sampling(Message):
-    """Sampling parameters (see ``engine.sampling.SamplingParams`` for the ranges)."""
+    """Sampling parameters (``to_params`` checks their ranges)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -229,6 +231,13 @@ class Sampling(Message):
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+
+    def to_params(self) -> SamplingParams:
+        """The engine's parameters; raises ``RequestError`` naming a field out of range."""
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            seed=self.seed, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
+        )
 
 
 @dataclass

@@ -28,7 +28,6 @@ from pdserve.cluster.protocol import (
     Message,
     ProtocolError,
     Ready,
-    Sampling,
     Shutdown,
     TokenOutput,
     TokenOutputs,
@@ -42,7 +41,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.parallel import TensorParallel
-from pdserve.engine.sampling import RequestError, SamplingParams
+from pdserve.engine.sampling import RequestError
 from pdserve.kvtransfer.agent import KVTransferAgent
 from pdserve.kvtransfer.base import TransferConfig, TransferTopology, create_backend
 
@@ -59,15 +58,6 @@ class WorkerSpec:
     addresses: Addresses
     layout: GroupLayout
     transfer: TransferConfig
-
-
-def sampling_params(sampling: Sampling) -> SamplingParams:
-    """Protocol sampling fields -> engine parameters (raises RequestError naming a bad field)."""
-    return SamplingParams(
-        max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-        top_k=sampling.top_k, seed=sampling.seed, stop_token_ids=tuple(sampling.stop_token_ids),
-        ignore_eos=sampling.ignore_eos,
-    )
 
 
 class Leader:
@@ -161,7 +151,7 @@ class Leader:
     def add(self, request: WorkRequest, prefill_only: bool = False) -> bool:
         """Queue a request in the engine; a refused one gets a terminal error at the router."""
         try:
-            self.engine.add_request(request.request_id, request.token_ids, sampling_params(request.sampling),
+            self.engine.add_request(request.request_id, request.token_ids, request.sampling.to_params(),
                                     prefill_only=prefill_only)
         except RequestError as e:
             self.send_router(WorkerError(request.request_id, "invalid_request", str(e)))

@@ -18,7 +18,7 @@ so an abort during a transfer frees the blocks only after it.
 from __future__ import annotations
 
 from pdserve.cluster.protocol import KVAnnounce, KVReply, Message, WorkerError
-from pdserve.cluster.worker import Leader, WorkerSpec, sampling_params
+from pdserve.cluster.worker import Leader, WorkerSpec
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling import RequestError
 from pdserve.engine.step_channel import KVCommand
@@ -55,7 +55,7 @@ class DecodeLeader(Leader):
             return
         try:
             blocks = self.engine.reserve(request_id, announce.token_ids, announce.first_token,
-                                         sampling_params(announce.sampling))
+                                         announce.sampling.to_params())
         except RequestError as e:
             self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
             self.send_router(WorkerError(request_id, "invalid_request", str(e)))

@@ -42,7 +42,6 @@ from pdserve.cluster.protocol import (
     decode,
     encode,
 )
-from pdserve.cluster.worker import sampling_params
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.sampling import RequestError, validate_request
 from pdserve.engine.tokenization import encode_prompt
@@ -198,7 +197,7 @@ class Router:
             return
         try:
             token_ids = self._prompt_tokens(request)
-            params = sampling_params(request.sampling)
+            params = request.sampling.to_params()
             # Text prompts were tokenized here: their ids are the model's own.
             validate_request(token_ids, params, self.vocab_size, self.max_model_len, tokens_field="token_ids")
         except RequestError as e:

@@ -32,6 +32,7 @@ from pdserve.cluster.protocol import (
     decode,
     encode,
 )
+from pdserve.engine.sampling import RequestError, SamplingParams
 
 
 def pack(body: Any) -> bytes:
@@ -135,6 +136,15 @@ def test_nulls_are_accepted_for_optional_fields() -> None:
     message = decode(generate(request_id=None, prompt=None, token_ids=[4], sampling={"seed": None}))
     assert message.request_id is None and message.prompt is None and message.sampling.seed is None
 
+
+
+def test_sampling_becomes_the_engine_parameters_and_names_a_bad_field() -> None:
+    assert SAMPLING.to_params() == SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=123,
+                                                  stop_token_ids=(2, 3), ignore_eos=True)
+    assert Sampling().to_params() == SamplingParams()
+    with pytest.raises(RequestError) as info:
+        Sampling(top_p=1.5).to_params()
+    assert info.value.field == "top_p"
 
 # -- numbers -----------------------------------------------------------------------------------
 

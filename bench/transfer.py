@@ -33,9 +33,9 @@ from the shared pattern and compares the received blocks' bit patterns to the se
 * ``handoff N`` (``--handoff-tokens``, async backend): the path "prefill done -> decode may
   start" of ``prefill_worker`` / ``decode_worker``. The prefill leader stamps t0 and pushes a
   msgpack ``KVAnnounce`` (``cluster.protocol``, with the N prompt token ids) over ZMQ PUSH/PULL
-  (ipc); the decode leader replies ``KVReply(accepted)``, broadcasts the recv ``KVCommand`` to
-  its TP peers over the step channel (``engine.step_channel.StepSender``) and posts its receive;
-  the prefill leader, on the reply, broadcasts the send command and issues its send; every
+  (ipc); the decode leader replies ``KVReply(accepted)`` and calls ``agent.recv``, which sends
+  the recv ``KVCommand`` to its TP peers over the step channel (``engine.step_channel.StepSender``)
+  and posts its receive; the prefill leader, on the reply, calls ``agent.send`` likewise; every
   decode rank busy-polls ``agent.done(id)`` and stamps t1 when it turns true (the scatter into
   the pool is then queued on the compute stream, ahead of any decode step: decode may start).
   The prefill leader announces ``--settle-ms`` after the barrier, so the decode leader is
@@ -220,9 +220,9 @@ class _Rank:
         self.shard = tp.src_shard(self.tp_rank) if self.is_prefill else tp.dst_shard(self.tp_rank)
         self.pool = self._pool(self.shard.num_kv_heads, pattern_seed(setup.seed, rank))
         self.sync_agent, self.async_agent = (
-            KVTransferAgent({0: create_backend(TransferConfig(setup.backend_name(is_async), layer_groups=setup.layer_groups),
-                                               tp, self.pool)})
-            for is_async in (False, True)
+            KVTransferAgent({0: create_backend(config, tp, self.pool)}, config.max_staging_bytes)
+            for config in (TransferConfig(setup.backend_name(is_async), layer_groups=setup.layer_groups)
+                           for is_async in (False, True))
         )
         # This rank's pieces of the plan: (peer global rank, heads, local head slice, peer's head slice).
         self.pieces = []
@@ -464,6 +464,11 @@ class _Rank:
                 steps = StepSender(f"ipc://{s.run_dir}/{role}-steps", tp)
         else:
             step_rx = StepReceiver(f"ipc://{s.run_dir}/{role}-steps", self.tp_rank)
+        # The leader issues each transfer on its whole group, as the workers do: through an agent
+        # over the async backend that sends the command to its peers on the step channel.
+        agent = self.async_agent
+        if self.is_leader:
+            agent = KVTransferAgent(agent.backends, agent.max_staging_bytes, steps)
         raw = self.raw_buffers(case.blocks)
         out: dict[str, Any] = {"raw_ms": [], "bytes": 0, "raw_bytes": _nbytes(raw), "verified_bytes": 0}
         try:
@@ -481,10 +486,10 @@ class _Rank:
                 self.barrier()
                 t_start = time.perf_counter()
                 if self.is_prefill:
-                    stamps, num_bytes = self._handoff_prefill(transfer_id, tokens, src[0], inbox, out_sock, steps,
+                    stamps, num_bytes = self._handoff_prefill(agent, transfer_id, tokens, src[0], inbox, out_sock,
                                                               step_rx)
                 else:
-                    stamps, num_bytes = self._handoff_decode(transfer_id, dst[0], inbox, out_sock, steps, step_rx)
+                    stamps, num_bytes = self._handoff_decode(agent, transfer_id, dst[0], inbox, out_sock, step_rx)
                 if i == 0:
                     out["verified_bytes"] = self.verify(case, src, dst)
                 raw_ms = self.raw(raw)
@@ -521,10 +526,9 @@ class _Rank:
                 out_sock.send(msgpack.packb({"t1": t1, "t2": time.perf_counter()}))
         return {"zmq_rtt_us": rtts, "clock_offset_us": offsets} if self.is_prefill else {}
 
-    def _handoff_prefill(self, transfer_id: str, tokens: list[int], blocks: list[int], inbox: zmq.Socket | None,
-                         out_sock: zmq.Socket | None, steps: StepSender | None,
+    def _handoff_prefill(self, agent: KVTransferAgent, transfer_id: str, tokens: list[int], blocks: list[int],
+                         inbox: zmq.Socket | None, out_sock: zmq.Socket | None,
                          step_rx: StepReceiver | None) -> tuple[dict[str, float], int]:
-        agent = self.async_agent
         if not self.is_leader:  # a peer: the leader's command arrives on the step channel
             assert step_rx is not None
             command = step_rx.receive()
@@ -541,10 +545,7 @@ class _Rank:
         reply = decode_message(inbox.recv())
         if not (isinstance(reply, KVReply) and reply.accepted and reply.request_id == transfer_id):
             raise RuntimeError(f"unexpected reply to {transfer_id}: {reply}")
-        command = KVCommand("send", transfer_id, blocks)
-        if steps is not None:
-            steps.send(command)
-        transfer = agent.execute(command)
+        transfer = agent.send(transfer_id, blocks, peer_group=0)
         landed = msgpack.unpackb(inbox.recv())
         t_landed = time.perf_counter()
         if landed.get("landed") != transfer_id:
@@ -553,10 +554,9 @@ class _Rank:
         self.sync()
         return {"t_announce": t_announce, "t_landed": t_landed}, num_bytes
 
-    def _handoff_decode(self, transfer_id: str, blocks: list[int], inbox: zmq.Socket | None,
-                        out_sock: zmq.Socket | None, steps: StepSender | None,
+    def _handoff_decode(self, agent: KVTransferAgent, transfer_id: str, blocks: list[int],
+                        inbox: zmq.Socket | None, out_sock: zmq.Socket | None,
                         step_rx: StepReceiver | None) -> tuple[dict[str, float], int]:
-        agent = self.async_agent
         if self.is_leader:
             assert inbox is not None and out_sock is not None
             announce = decode_message(inbox.recv())
@@ -564,16 +564,13 @@ class _Rank:
             if not (isinstance(announce, KVAnnounce) and announce.request_id == transfer_id):
                 raise RuntimeError(f"unexpected message instead of the announce of {transfer_id}: {announce}")
             out_sock.send(encode_message(KVReply(transfer_id, accepted=True)))
-            command = KVCommand("recv", transfer_id, blocks)
-            if steps is not None:
-                steps.send(command)
+            agent.recv(transfer_id, blocks, peer_group=0)
         else:
             assert step_rx is not None
             received = step_rx.receive()
             t_received = time.perf_counter()
             assert isinstance(received, KVCommand)
-            command = received
-        agent.execute(command)
+            agent.execute(received)
         while not agent.done(transfer_id):
             if self.device.type == "cpu":
                 time.sleep(0)  # let gloo's helper thread have the GIL

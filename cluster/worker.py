@@ -42,8 +42,8 @@ from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.parallel import TensorParallel
 from pdserve.engine.sampling import RequestError
-from pdserve.kvtransfer.agent import KVTransferAgent
-from pdserve.kvtransfer.base import TransferConfig, TransferTopology, create_backend
+from pdserve.kvtransfer.agent import CommandChannel, KVTransferAgent, connect_groups
+from pdserve.kvtransfer.base import TransferConfig
 
 logger = logging.getLogger(__name__)
 
@@ -200,20 +200,15 @@ class Leader:
             sock.close()
 
 
-def _agent(spec: WorkerSpec, kv_cache: torch.Tensor, model: ModelConfig) -> KVTransferAgent | None:
+def _agent(spec: WorkerSpec, kv_cache: torch.Tensor, model: ModelConfig,
+           channel: CommandChannel | None = None) -> KVTransferAgent | None:
     """Backends to every group of the other role (prefill -> each decode group, and back)."""
     if spec.role == "colocated":
         return None
     other = "decode" if spec.role == "prefill" else "prefill"
-    mine = spec.layout.ranks[spec.role][spec.group]
-    backends = {}
-    for index, ranks in enumerate(spec.layout.ranks[other]):
-        prefill, decode_ = (mine, ranks) if spec.role == "prefill" else (ranks, mine)
-        topology = TransferTopology(model.num_heads, model.num_kv_heads, prefill, decode_, spec.rank.global_rank)
-        backends[index] = create_backend(spec.transfer, topology, kv_cache)
-    agent = KVTransferAgent(backends)
-    agent.warm_up()
-    return agent
+    return connect_groups(spec.transfer, kv_cache, model.num_heads, model.num_kv_heads,
+                          spec.layout.ranks[spec.role][spec.group], spec.layout.ranks[other],
+                          spec.role == "prefill", spec.rank.global_rank, channel)
 
 
 def _die_with_launcher() -> None:
@@ -238,7 +233,7 @@ def worker_main(spec: WorkerSpec) -> None:
         config = spec.rank.engine
         if config.parallel.is_leader:
             engine = LLMEngine(config, tp)
-            agent = _agent(spec, engine.runner.kv_cache, engine.model_config)
+            agent = _agent(spec, engine.kv_cache, engine.model_config, engine.step_channel)
             leader_cls = {"prefill": PrefillLeader, "decode": DecodeLeader, "colocated": Leader}[spec.role]
             leader_cls(spec, engine, agent).run()
         else:

@@ -21,7 +21,6 @@ from pdserve.cluster.protocol import KVAnnounce, KVReply, Message, WorkerError
 from pdserve.cluster.worker import Leader, WorkerSpec
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling import RequestError
-from pdserve.engine.step_channel import KVCommand
 from pdserve.kvtransfer.agent import KVTransferAgent
 from pdserve.kvtransfer.base import TransferStats
 
@@ -50,7 +49,7 @@ class DecodeLeader(Leader):
         request_id = announce.request_id
         assert self.agent is not None
         num_blocks = self.engine.block_manager.blocks_for(len(announce.token_ids))
-        if not self.agent.has_staging_room(announce.prefill_group, num_blocks, self.spec.transfer.max_staging_bytes):
+        if not self.agent.has_staging_room(announce.prefill_group, num_blocks):
             self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
             return
         try:
@@ -64,9 +63,7 @@ class DecodeLeader(Leader):
             self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
             return
         self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=True))
-        command = KVCommand("recv", request_id, blocks, peer_group=announce.prefill_group)
-        self.engine.runner.broadcast(command)
-        self.agent.execute(command)
+        self.agent.recv(request_id, blocks, announce.prefill_group)
         self.receiving[request_id] = announce
         self.next_index[request_id] = 1
 

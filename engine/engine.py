@@ -20,6 +20,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling import RequestError, SamplingParams, validate_request
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.step_channel import StepSender
 from pdserve.engine.step_plan import StepPlan, build_plan, pending_token
 
 
@@ -98,6 +99,17 @@ class LLMEngine:
         self._admitted: list[str] = []  # since the last step: their KV must be in place first
         self.overlap = config.overlap_scheduling
         self._in_flight: _InFlight | None = None  # the launched step not yet read back
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """This rank's KV pool (``ModelRunner``'s layout), for the transfer backends."""
+        return self.runner.kv_cache
+
+    @property
+    def step_channel(self) -> StepSender | None:
+        """The channel to this leader's TP peers (None without peers): a KV transfer's command
+        goes on it so that every rank issues its part in step order."""
+        return self.runner.step_channel
 
     # -- requests ------------------------------------------------------------------------
 

@@ -260,10 +260,11 @@ class ModelRunner:
         assert logits is not None
         return logits
 
-    def broadcast(self, command: KVCommand) -> None:
-        """Leader: have every peer issue its part of a KV transfer, in step order."""
-        if self._sender is not None:
-            self._sender.send(command)
+    @property
+    def step_channel(self) -> StepSender | None:
+        """Leader of a group with peers: the channel its steps go to them on, for other commands
+        that every rank must see in step order (KV transfers); None otherwise."""
+        return self._sender
 
     def run_peer(self, kv_agent: PeerTransfers | None = None) -> None:
         """TP peer: follow the leader's steps and KV commands until it shuts the group down."""

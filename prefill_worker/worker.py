@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pdserve.cluster.protocol import KVAnnounce, KVReply, Message, WorkRequest
 from pdserve.cluster.worker import Leader, WorkerSpec
 from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.step_channel import KVCommand
 from pdserve.kvtransfer.agent import KVTransferAgent
 from pdserve.kvtransfer.base import Transfer
 
@@ -105,8 +104,7 @@ class PrefillLeader(Leader):
     def _staging_room(self, handoff: _Handoff) -> bool:
         """Bound the packed KV held for sends in flight (the first one always goes)."""
         assert self.agent is not None
-        return self.agent.has_staging_room(handoff.decode_group, len(handoff.block_ids),
-                                           self.spec.transfer.max_staging_bytes)
+        return self.agent.has_staging_room(handoff.decode_group, len(handoff.block_ids))
 
     def on_reply(self, reply: KVReply) -> None:
         handoff = self.announced.pop(reply.request_id, None)
@@ -122,9 +120,7 @@ class PrefillLeader(Leader):
             self.to_announce.append(handoff)
             return
         assert self.agent is not None
-        command = KVCommand("send", reply.request_id, handoff.block_ids, peer_group=handoff.decode_group)
-        self.engine.runner.broadcast(command)
-        self.sending[reply.request_id] = self.agent.execute(command)
+        self.sending[reply.request_id] = self.agent.send(reply.request_id, handoff.block_ids, handoff.decode_group)
 
     def _release(self, request_id: str) -> None:
         self.sending.pop(request_id, None)

@@ -43,7 +43,7 @@ def _exchange(rank: int, p: int, d: int, backend: tuple[str, int], meta: dict, r
                        device=device)
     reference = {k: v.to(device) for k, v in reference.items()}
     config = TransferConfig(backend[0], layer_groups=backend[1])
-    agent = KVTransferAgent({0: create_backend(config, topology, cache)})
+    agent = KVTransferAgent({0: create_backend(config, topology, cache)}, config.max_staging_bytes)
     side = "src" if topology.is_prefill else "dst"
     heads = slice(shard.kv_start, shard.kv_end)
     posted = 0  # receive buffers: each decode rank gets each of its heads once
@@ -132,13 +132,13 @@ class _Backend:
 
 
 def test_staging_room_counts_every_peer_group_and_lets_a_lone_transfer_through() -> None:
-    idle = KVTransferAgent({0: _Backend(100, 0), 1: _Backend(300, 0)})  # type: ignore[dict-item]
-    assert idle.has_staging_room(1, 50, limit=1000)  # 15000 bytes > limit, but nothing is in flight
-    busy = KVTransferAgent({0: _Backend(100, 400), 1: _Backend(300, 200)})  # type: ignore[dict-item]
+    idle = KVTransferAgent({0: _Backend(100, 0), 1: _Backend(300, 0)}, max_staging_bytes=1000)  # type: ignore[dict-item]
+    assert idle.has_staging_room(1, 50)  # 15000 bytes > the bound, but nothing is in flight
+    busy = KVTransferAgent({0: _Backend(100, 400), 1: _Backend(300, 200)}, max_staging_bytes=1000)  # type: ignore[dict-item]
     assert busy.staging_bytes() == 600
-    assert busy.has_staging_room(0, 4, limit=1000)  # 600 + 400
-    assert not busy.has_staging_room(0, 5, limit=1000)  # 600 + 500
-    assert not busy.has_staging_room(1, 2, limit=1000)  # 600 + 600: the peer group's block size counts
+    assert busy.has_staging_room(0, 4)  # 600 + 400
+    assert not busy.has_staging_room(0, 5)  # 600 + 500
+    assert not busy.has_staging_room(1, 2)  # 600 + 600: the peer group's block size counts
 
 
 def test_head_shards_used_by_the_backend_cover_the_model() -> None:

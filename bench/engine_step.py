@@ -59,7 +59,7 @@ def measure(engine: LLMEngine, batch: int, context: int, warmup: int, iters: int
         wall.append((time.perf_counter() - start) * 1e3)
     # The forward of the same batch at the contexts the timed steps reached (their mean), in
     # fresh blocks of the pool (the requests still hold theirs).
-    assert len(engine.scheduler.running) == batch, "a request ended before the timed steps did"
+    assert engine.stats().running == batch, "a request ended before the timed steps did"
     reached = round(statistics.mean(seq.num_tokens for seq in engine.requests.values()))
     for request_id in ids:
         engine.abort(request_id)

@@ -97,7 +97,7 @@ class Leader:
     # -- loop ----------------------------------------------------------------------------
 
     def run(self) -> None:
-        self.send_router(Ready(self.role, self.spec.group, self.engine.runner.num_blocks))
+        self.send_router(Ready(self.role, self.spec.group, self.engine.stats().num_blocks))
         next_stats = 0.0
         try:
             while not self.stopping or self.transfers_pending():
@@ -115,10 +115,9 @@ class Leader:
             self.close()
 
     def stats(self) -> WorkerStats:
-        engine = self.engine
-        return WorkerStats(self.role, self.spec.group, engine.block_manager.num_blocks,
-                           engine.block_manager.num_free_blocks, len(engine.scheduler.running),
-                           len(engine.scheduler.waiting), len(engine.held) + len(engine.reserved), self.kv_refused)
+        s = self.engine.stats()
+        return WorkerStats(self.role, self.spec.group, s.num_blocks, s.free_blocks, s.running, s.waiting, s.kv_held,
+                           self.kv_refused)
 
     def busy(self) -> bool:
         return self.engine.has_unfinished() or self.transfers_pending()
@@ -191,8 +190,7 @@ class Leader:
             self._outputs = []
 
     def close(self) -> None:
-        for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
+        self.engine.abort_all()
         if self.agent is not None:
             self.agent.close()
         self.engine.close()  # releases the TP peers and the CUDA graphs before the group goes

@@ -48,7 +48,7 @@ class DecodeLeader(Leader):
     def on_announce(self, announce: KVAnnounce) -> None:
         request_id = announce.request_id
         assert self.agent is not None
-        num_blocks = self.engine.block_manager.blocks_for(len(announce.token_ids))
+        num_blocks = self.engine.blocks_for(len(announce.token_ids))
         if not self.agent.has_staging_room(announce.prefill_group, num_blocks):
             self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
             return

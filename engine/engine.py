@@ -35,8 +35,19 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
-    # finish_reason "prefilled": the blocks holding the prompt's KV, kept until ``release_kv``.
+    # finish_reason "prefilled": the blocks holding the prompt's KV, kept until ``release``.
     kv_block_ids: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's KV pool and queues at one moment."""
+
+    num_blocks: int
+    free_blocks: int
+    running: int
+    waiting: int
+    kv_held: int  # prefilled requests keeping their KV, and blocks reserved for KV still arriving
 
 
 @dataclass
@@ -132,9 +143,16 @@ class LLMEngine:
         if request_id in self.requests or request_id in self.held or request_id in self.reserved:
             raise RequestError("request_id", f"{request_id!r} is already running")
 
-    def release_kv(self, request_id: str) -> None:
-        """Prefill role: the KV of a prefilled request has moved; free its blocks."""
-        self.block_manager.free(self.held.pop(request_id))
+    def release(self, request_id: str) -> None:
+        """Prefill role: the KV of a prefilled request has moved; free its blocks (nothing to do
+        if an abort freed them already)."""
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self.block_manager.free(seq)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """KV blocks that ``num_tokens`` tokens take."""
+        return self.block_manager.blocks_for(num_tokens)
 
     def reserve(
         self, request_id: str, prompt_token_ids: SequenceType[int], first_token: int, params: SamplingParams
@@ -180,6 +198,17 @@ class LLMEngine:
             return None
         self.scheduler.finish(seq, "abort")
         return self._finish(seq)
+
+    def abort_all(self) -> None:
+        """Abort every request this engine knows, wherever it is."""
+        for request_id in [*self.requests, *self.held, *self.reserved]:
+            self.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            self.block_manager.num_blocks, self.block_manager.num_free_blocks, len(self.scheduler.running),
+            len(self.scheduler.waiting), len(self.held) + len(self.reserved),
+        )
 
     def has_unfinished(self) -> bool:
         """Requests to step, or a launched step whose tokens are still to be read back."""

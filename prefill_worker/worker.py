@@ -124,5 +124,4 @@ class PrefillLeader(Leader):
 
     def _release(self, request_id: str) -> None:
         self.sending.pop(request_id, None)
-        if request_id in self.engine.held:
-            self.engine.release_kv(request_id)
+        self.engine.release(request_id)

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from pdserve.engine import ops
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine import EngineStats, LLMEngine, RequestOutput
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.step_plan import build_plan, pending_token, write_pending_tokens
@@ -313,6 +313,37 @@ def test_prefill_only_requests_run_no_extra_step(tiny_model_dirs: dict[str, Path
         assert out.kv_block_ids is not None and len(out.kv_block_ids) == -(-len(prompt) // block_size)
         assert engine.held[out.request_id].num_computed_tokens == len(prompt)
 
+
+
+def test_hand_off_api_counts_and_frees_every_block(tiny_model_dirs: dict[str, Path]) -> None:
+    """What the roles call: a prefilled request holds its blocks until ``release`` (a second
+    release is a no-op), a reservation holds ``blocks_for`` the prompt until admitted, and
+    ``abort_all`` frees everything; ``stats`` counts all of it."""
+    engine = make_engine(tiny_model_dirs["tiny-qwen2"], num_blocks=32)
+    block_size = engine.config.cache.block_size
+    prompt = make_prompts(engine.model_config.vocab_size, [2 * block_size + 1], seed=11)[0]
+    assert engine.blocks_for(len(prompt)) == 3
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("p", prompt, params, prefill_only=True)
+    assert engine.stats().waiting == 1
+    [out] = [out for step in engine.drain() for out in step]
+    assert out.finish_reason == "prefilled"
+    assert engine.stats() == EngineStats(num_blocks=32, free_blocks=29, running=0, waiting=0, kv_held=1)
+    engine.release("p")
+    engine.release("p")
+    assert engine.stats() == EngineStats(num_blocks=32, free_blocks=32, running=0, waiting=0, kv_held=0)
+    blocks = engine.reserve("d", prompt, out.new_token_ids[0], params)
+    assert blocks is not None and len(blocks) == 3
+    assert engine.stats() == EngineStats(num_blocks=32, free_blocks=29, running=0, waiting=0, kv_held=1)
+    engine.admit("d")
+    engine.add_request("q", prompt, params)
+    assert engine.stats() == EngineStats(num_blocks=32, free_blocks=29, running=1, waiting=1, kv_held=0)
+    engine.abort_all()
+    engine.reserve("e", prompt, out.new_token_ids[0], params)
+    engine.abort_all()
+    while engine.has_unfinished():  # the overlapped engine may still hold a launched step
+        engine.step()
+    assert engine.stats() == EngineStats(num_blocks=32, free_blocks=32, running=0, waiting=0, kv_held=0)
 
 def test_length_limit_at_max_model_len(tiny_model_dirs: dict[str, Path]) -> None:
     """A request that fills the model length ends there, as without overlap."""

@@ -16,7 +16,7 @@ import zmq
 
 from pdserve.cluster.config import Addresses, ClusterConfig, GroupLayout
 from pdserve.cluster.group import RankProcesses, free_port, group_specs
-from pdserve.cluster.worker import WorkerSpec, worker_main
+from pdserve.cluster.rank import WorkerSpec, worker_main
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.presets import resolve_model
 from pdserve.router.router import Router

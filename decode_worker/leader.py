@@ -17,19 +17,23 @@ so an abort during a transfer frees the blocks only after it.
 
 from __future__ import annotations
 
+import dataclasses
+
+from pdserve.cluster.config import Addresses
+from pdserve.cluster.leader import GroupLeader
 from pdserve.cluster.protocol import KVAnnounce, KVReply, Message, WorkerError
-from pdserve.cluster.worker import Leader, WorkerSpec
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling import RequestError
 from pdserve.kvtransfer.agent import KVTransferAgent
 from pdserve.kvtransfer.base import TransferStats
 
 
-class DecodeLeader(Leader):
+class DecodeLeader(GroupLeader):
     role = "decode"
 
-    def __init__(self, spec: WorkerSpec, engine: LLMEngine, agent: KVTransferAgent | None) -> None:
-        super().__init__(spec, engine, agent)
+    def __init__(self, group: int, addresses: Addresses, engine: LLMEngine, transfers: KVTransferAgent) -> None:
+        super().__init__(group, addresses, engine)
+        self.transfers = transfers  # from every prefill group
         self.receiving: dict[str, KVAnnounce] = {}
         self.aborted_in_flight: set[str] = set()
         # Prefill's timings and the transfer's stats, read when the request finishes (on CUDA the
@@ -47,14 +51,14 @@ class DecodeLeader(Leader):
 
     def on_announce(self, announce: KVAnnounce) -> None:
         request_id = announce.request_id
-        assert self.agent is not None
         num_blocks = self.engine.blocks_for(len(announce.token_ids))
-        if not self.agent.has_staging_room(announce.prefill_group, num_blocks):
+        if not self.transfers.has_staging_room(announce.prefill_group, num_blocks):
             self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
             return
         try:
-            blocks = self.engine.reserve(request_id, announce.token_ids, announce.first_token,
-                                         announce.sampling.to_params())
+            blocks = self.engine.reserve(
+                request_id, announce.token_ids, announce.first_token, announce.sampling.to_params()
+            )
         except RequestError as e:
             self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
             self.send_router(WorkerError(request_id, "invalid_request", str(e)))
@@ -63,15 +67,14 @@ class DecodeLeader(Leader):
             self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
             return
         self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=True))
-        self.agent.recv(request_id, blocks, announce.prefill_group)
+        self.transfers.recv(request_id, blocks, announce.prefill_group)
         self.receiving[request_id] = announce
         self.next_index[request_id] = 1
 
     def background(self) -> None:
-        assert self.agent is not None
-        for request_id in [r for r in self.receiving if self.agent.done(r)]:
+        for request_id in [r for r in self.receiving if self.transfers.done(r)]:
             announce = self.receiving.pop(request_id)
-            stats = self.agent.wait(request_id)
+            stats = self.transfers.wait(request_id)
             if request_id in self.aborted_in_flight:
                 self.aborted_in_flight.discard(request_id)
                 self.engine.abort(request_id)
@@ -87,13 +90,17 @@ class DecodeLeader(Leader):
         super().abort(request_id)
 
     def on_output(self, out: RequestOutput) -> None:
-        timings: dict[str, float] = {}
         if out.finished:
             # Queue and prefill times come from the prefill group; this group adds the rest.
             prefill_timings, stats = self.handoffs.pop(out.request_id, ({}, None))
-            timings.update(prefill_timings)
+            timings: dict[str, float] = dict(prefill_timings)
             if stats is not None:
                 timings.update(transfer=stats.seconds, transfer_bytes=float(stats.num_bytes))
             if "decode" in out.timings:
                 timings["decode"] = out.timings["decode"]
-        self.emit(out, timings)
+            out = dataclasses.replace(out, timings=timings)
+        self.emit(out)
+
+    def close(self) -> None:
+        self.transfers.close()
+        super().close()

@@ -19,8 +19,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from pdserve.cluster.config import Addresses
+from pdserve.cluster.leader import GroupLeader
 from pdserve.cluster.protocol import KVAnnounce, KVReply, Message, WorkRequest
-from pdserve.cluster.worker import Leader, WorkerSpec
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.kvtransfer.agent import KVTransferAgent
 from pdserve.kvtransfer.base import Transfer
@@ -39,11 +40,12 @@ class _Handoff:
     aborted: bool = False
 
 
-class PrefillLeader(Leader):
+class PrefillLeader(GroupLeader):
     role = "prefill"
 
-    def __init__(self, spec: WorkerSpec, engine: LLMEngine, agent: KVTransferAgent | None) -> None:
-        super().__init__(spec, engine, agent)
+    def __init__(self, group: int, addresses: Addresses, engine: LLMEngine, transfers: KVTransferAgent) -> None:
+        super().__init__(group, addresses, engine)
+        self.transfers = transfers  # to every decode group
         self.work: dict[str, WorkRequest] = {}  # until prefilled: where the KV goes, how to sample
         self.to_announce: deque[_Handoff] = deque()  # waiting for staging room or a retry
         self.announced: dict[str, _Handoff] = {}  # waiting for the decode group's reply
@@ -80,16 +82,16 @@ class PrefillLeader(Leader):
     def on_output(self, out: RequestOutput) -> None:
         work = self.work.pop(out.request_id)
         if out.finish_reason != "prefilled":  # the first token already ended it
-            self.emit(out, out.timings)
+            self.emit(out)
             return
         # For the router the request goes on: decoding continues in the decode group.
-        self.emit(RequestOutput(out.request_id, out.new_token_ids), {})
-        announce = KVAnnounce(out.request_id, self.spec.group, work.token_ids, out.new_token_ids[0],
-                              work.sampling, out.timings)
+        self.emit(RequestOutput(out.request_id, out.new_token_ids))
+        announce = KVAnnounce(
+            out.request_id, self.group, work.token_ids, out.new_token_ids[0], work.sampling, out.timings
+        )
         self.to_announce.append(_Handoff(announce, work.decode_group, out.kv_block_ids or []))
 
     def background(self) -> None:
-        assert self.agent is not None
         for request_id in [r for r, transfer in self.sending.items() if transfer.done()]:
             self._release(request_id)
         now = time.monotonic()
@@ -103,8 +105,7 @@ class PrefillLeader(Leader):
 
     def _staging_room(self, handoff: _Handoff) -> bool:
         """Bound the packed KV held for sends in flight (the first one always goes)."""
-        assert self.agent is not None
-        return self.agent.has_staging_room(handoff.decode_group, len(handoff.block_ids))
+        return self.transfers.has_staging_room(handoff.decode_group, len(handoff.block_ids))
 
     def on_reply(self, reply: KVReply) -> None:
         handoff = self.announced.pop(reply.request_id, None)
@@ -119,9 +120,12 @@ class PrefillLeader(Leader):
             handoff.backoff = min(handoff.backoff * 2, _RETRY_MAX_S)
             self.to_announce.append(handoff)
             return
-        assert self.agent is not None
-        self.sending[reply.request_id] = self.agent.send(reply.request_id, handoff.block_ids, handoff.decode_group)
+        self.sending[reply.request_id] = self.transfers.send(reply.request_id, handoff.block_ids, handoff.decode_group)
 
     def _release(self, request_id: str) -> None:
         self.sending.pop(request_id, None)
         self.engine.release(request_id)
+
+    def close(self) -> None:
+        self.transfers.close()
+        super().close()

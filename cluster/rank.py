@@ -1,0 +1,98 @@
+"""The entry point of a worker rank process: join the world, build the engine, serve.
+
+A group's leader (TP rank 0) runs its role's ``GroupLeader`` over an ``LLMEngine``; the other
+ranks follow its steps and KV commands (``ModelRunner.run_peer``). Ranks of the prefill and
+decode roles also connect their KV transfers to every group of the other role.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pdserve.cluster.colocated import ColocatedLeader
+from pdserve.cluster.config import Addresses, GroupLayout
+from pdserve.cluster.group import RankSpec, init_distributed
+from pdserve.decode_worker.leader import DecodeLeader
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.parallel import TensorParallel
+from pdserve.kvtransfer.agent import CommandChannel, KVTransferAgent, connect_groups
+from pdserve.kvtransfer.base import TransferConfig
+from pdserve.prefill_worker.leader import PrefillLeader
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker rank process needs: its rank, its group and role, where to talk."""
+
+    rank: RankSpec
+    role: str  # prefill | decode | colocated
+    group: int
+    addresses: Addresses
+    layout: GroupLayout
+    transfer: TransferConfig
+
+
+def _transfers(
+    spec: WorkerSpec, kv_cache: torch.Tensor, model: ModelConfig, channel: CommandChannel | None = None
+) -> KVTransferAgent:
+    """This rank's backends to every group of the other role (prefill -> each decode group, and back)."""
+    other = "decode" if spec.role == "prefill" else "prefill"
+    return connect_groups(
+        spec.transfer,
+        kv_cache,
+        model.num_heads,
+        model.num_kv_heads,
+        spec.layout.ranks[spec.role][spec.group],
+        spec.layout.ranks[other],
+        spec.role == "prefill",
+        spec.rank.global_rank,
+        channel,
+    )
+
+
+def _lead(spec: WorkerSpec, engine: LLMEngine) -> None:
+    """Serve as the group's leader until the router shuts the cluster down."""
+    if spec.role == "colocated":
+        ColocatedLeader(spec.group, spec.addresses, engine).run()
+        return
+    transfers = _transfers(spec, engine.kv_cache, engine.model_config, engine.step_channel)
+    role = PrefillLeader if spec.role == "prefill" else DecodeLeader
+    role(spec.group, spec.addresses, engine, transfers).run()
+
+
+def _die_with_launcher() -> None:
+    """Linux: have the kernel SIGKILL this rank if the launcher dies, so no rank is orphaned."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """Entry point of a rank process: join the world, build the engine, serve until shutdown."""
+    _die_with_launcher()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher drives shutdown, not Ctrl-C
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {spec.role}{spec.group}.{spec.rank.engine.parallel.tp_rank} %(levelname)s %(message)s",
+    )
+    tp: TensorParallel = init_distributed(spec.rank)
+    try:
+        config = spec.rank.engine
+        if config.parallel.is_leader:
+            _lead(spec, LLMEngine(config, tp))
+        else:
+            model = ModelConfig.from_pretrained(config.model)
+            runner = ModelRunner(config, model, tp)
+            runner.run_peer(None if spec.role == "colocated" else _transfers(spec, runner.kv_cache, model))
+    finally:
+        dist.destroy_process_group()

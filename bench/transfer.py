@@ -541,7 +541,7 @@ class _Rank:
         # that barrier exit skew does not count as handoff time.
         time.sleep(self.setup.settle_ms / 1e3)
         t_announce = time.perf_counter()
-        out_sock.send(encode_message(KVAnnounce(transfer_id, 0, tokens, 7, Sampling(max_tokens=16), {})))
+        out_sock.send(encode_message(KVAnnounce(transfer_id, 0, tokens, 7, Sampling(max_tokens=16))))
         reply = decode_message(inbox.recv())
         if not (isinstance(reply, KVReply) and reply.accepted and reply.request_id == transfer_id):
             raise RuntimeError(f"unexpected reply to {transfer_id}: {reply}")

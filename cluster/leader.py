@@ -33,10 +33,12 @@ from pdserve.cluster.protocol import (
 )
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling import RequestError
+from pdserve.engine.timings import RequestTimings
 
 logger = logging.getLogger(__name__)
 
 _STATS_INTERVAL_S = 0.2
+_NO_TIMINGS = RequestTimings()
 
 
 class GroupLeader:
@@ -157,7 +159,7 @@ class GroupLeader:
                 out.new_token_ids,
                 out.finished,
                 out.finish_reason,
-                out.timings if out.finished else {},
+                out.timings if out.finished else _NO_TIMINGS,
             )
         )
         if out.finished:

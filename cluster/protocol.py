@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.timings import RequestTimings
 
 PROTOCOL_VERSION = 1
 
@@ -58,7 +59,7 @@ class _Spec:
     fields: tuple[tuple[str, Checker, bool], ...]  # (name, checker, required) in field order
     names: tuple[str, ...]
     name_set: frozenset[str]
-    nested: tuple[str, ...]  # fields whose type may hold messages (alone or in a list)
+    nested: tuple[str, ...]  # fields whose type may hold messages (alone or in a list) or timings
 
 
 @functools.cache
@@ -70,23 +71,27 @@ def _spec(cls: type[Message]) -> _Spec:
         for f in dataclasses.fields(cls)
     )
     names = tuple(name for name, _, _ in fields)
-    return _Spec(fields, names, frozenset(names), tuple(n for n in names if _holds_messages(hints[n])))
+    return _Spec(fields, names, frozenset(names), tuple(n for n in names if _nested(hints[n])))
 
 
-def _holds_messages(hint: Any) -> bool:
+def _nested(hint: Any) -> bool:
+    """Whether a field of this type may hold a value the codec turns into a map."""
     if isinstance(hint, type):
-        return issubclass(hint, Message)
-    return any(_holds_messages(arg) for arg in typing.get_args(hint))
+        return issubclass(hint, (Message, RequestTimings))
+    return any(_nested(arg) for arg in typing.get_args(hint))
 
 
 def _plain(message: Message) -> dict[str, Any]:
-    """Fields as a shallow dict; nested messages (alone or in a list) become dicts too."""
+    """Fields as a shallow dict; nested messages (alone or in a list) become dicts too, and
+    timings the map of the values that apply."""
     spec = _spec(type(message))
     out = {name: getattr(message, name) for name in spec.names}
     for name in spec.nested:
         value = out[name]
         if isinstance(value, Message):
             out[name] = _plain(value)
+        elif isinstance(value, RequestTimings):
+            out[name] = value.as_dict()
         elif isinstance(value, list):
             out[name] = [_plain(v) if isinstance(v, Message) else v for v in value]
     return out
@@ -172,7 +177,24 @@ def _checker(hint: Any) -> Checker:
         return check_plain
     if isinstance(hint, type) and issubclass(hint, Message):
         return lambda value, name: _from_fields(hint, value, name)
+    if hint is RequestTimings:
+        return _check_timings
     return lambda value, name: value
+
+
+_TIMING_NAMES = frozenset(f.name for f in dataclasses.fields(RequestTimings))
+
+
+def _check_timings(value: Any, name: str) -> RequestTimings:
+    """Timings travel as the map of the values that apply (``RequestTimings.as_dict``)."""
+    if not isinstance(value, dict):
+        raise _invalid(f"field {name!r} must be a map")
+    if not value.keys() <= _TIMING_NAMES:
+        unknown = sorted(str(key) for key in value.keys() - _TIMING_NAMES)
+        raise _invalid(f"unknown key {unknown[0]!r} in field {name!r}")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
+        raise _invalid(f"field {name!r} must map to numbers")
+    return RequestTimings(**{key: float(v) for key, v in value.items()})
 
 
 def _from_fields(cls: type[Message], body: Any, where: str) -> Message:
@@ -291,7 +313,7 @@ class Final(Message):
     token_ids: list[int]  # every generated token
     text: str
     usage: dict[str, int]  # prompt_tokens, completion_tokens
-    timings: dict[str, float]  # seconds: queue, prefill, transfer, first_token, decode, total
+    timings: dict[str, float]  # RequestTimings.as_dict(): queue, prefill, transfer, ..., total
 
 
 @dataclass
@@ -348,7 +370,7 @@ class TokenOutput(Message):
     token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: RequestTimings = field(default_factory=RequestTimings)  # on the wire: the values that apply
 
 
 @dataclass
@@ -379,7 +401,7 @@ class KVAnnounce(Message):
     token_ids: list[int]  # the prompt
     first_token: int
     sampling: Sampling
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: RequestTimings = field(default_factory=RequestTimings)  # measured by the prefill group's engine
 
 
 @dataclass

@@ -24,6 +24,7 @@ from pdserve.cluster.leader import GroupLeader
 from pdserve.cluster.protocol import KVAnnounce, KVReply, Message, WorkerError
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling import RequestError
+from pdserve.engine.timings import RequestTimings
 from pdserve.kvtransfer.agent import KVTransferAgent
 from pdserve.kvtransfer.base import TransferStats
 
@@ -38,7 +39,7 @@ class DecodeLeader(GroupLeader):
         self.aborted_in_flight: set[str] = set()
         # Prefill's timings and the transfer's stats, read when the request finishes (on CUDA the
         # transfer time comes from events: reading it earlier would stall the loop).
-        self.handoffs: dict[str, tuple[dict[str, float], TransferStats]] = {}
+        self.handoffs: dict[str, tuple[RequestTimings, TransferStats]] = {}
 
     def transfers_pending(self) -> bool:
         return bool(self.receiving)
@@ -92,12 +93,10 @@ class DecodeLeader(GroupLeader):
     def on_output(self, out: RequestOutput) -> None:
         if out.finished:
             # Queue and prefill times come from the prefill group; this group adds the rest.
-            prefill_timings, stats = self.handoffs.pop(out.request_id, ({}, None))
-            timings: dict[str, float] = dict(prefill_timings)
+            prefill_timings, stats = self.handoffs.pop(out.request_id, (RequestTimings(), None))
+            timings = dataclasses.replace(prefill_timings, decode=out.timings.decode)
             if stats is not None:
-                timings.update(transfer=stats.seconds, transfer_bytes=float(stats.num_bytes))
-            if "decode" in out.timings:
-                timings["decode"] = out.timings["decode"]
+                timings = dataclasses.replace(timings, transfer=stats.seconds, transfer_bytes=float(stats.num_bytes))
             out = dataclasses.replace(out, timings=timings)
         self.emit(out)
 

@@ -22,6 +22,7 @@ from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.step_channel import StepSender
 from pdserve.engine.step_plan import StepPlan, build_plan, pending_token
+from pdserve.engine.timings import RequestTimings
 
 
 @dataclass
@@ -34,7 +35,7 @@ class RequestOutput:
     finish_reason: str | None = None  # stop | length | abort | prefilled
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: RequestTimings = field(default_factory=RequestTimings)
     # finish_reason "prefilled": the blocks holding the prompt's KV, kept until ``release``.
     kv_block_ids: list[int] | None = None
 
@@ -180,7 +181,7 @@ class LLMEngine:
         seq = self.reserved.pop(request_id)
         self.requests[request_id] = seq
         self._admitted.append(request_id)
-        seq.timings.first_scheduled = seq.timings.first_token = time.monotonic()
+        seq.milestones.first_scheduled = seq.milestones.first_token = time.monotonic()
         self.scheduler.admit_running(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -286,8 +287,8 @@ class LLMEngine:
             if seq.status is SequenceStatus.FINISHED:  # aborted, or stopped by the step before
                 continue
             seq.token_ids[index] = token
-            if seq.timings.first_token is None:
-                seq.timings.first_token = now
+            if seq.milestones.first_token is None:
+                seq.milestones.first_token = now
             reason = self._stop_reason(seq, token, index + 1)
             if reason is None and seq.prefill_only:
                 self.scheduler.finish(seq, "prefilled", free_blocks=False)
@@ -325,7 +326,7 @@ class LLMEngine:
         return RequestOutput(
             seq.request_id, new_tokens or [], finished=True, finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-            timings=seq.timings.durations(),
+            timings=seq.milestones.durations(),
         )
 
     def drain(self) -> Iterator[list[RequestOutput]]:

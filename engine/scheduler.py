@@ -74,8 +74,8 @@ class Scheduler:
             return None
         now = time.monotonic()
         for seq in seqs:
-            if seq.timings.first_scheduled is None:
-                seq.timings.first_scheduled = now
+            if seq.milestones.first_scheduled is None:
+                seq.milestones.first_scheduled = now
         return ScheduledBatch(seqs, counts)
 
     def _prefill_possible(self) -> bool:
@@ -168,4 +168,4 @@ class Scheduler:
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        seq.timings.finished = time.monotonic()
+        seq.milestones.finished = time.monotonic()

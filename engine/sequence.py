@@ -3,39 +3,18 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.timings import Milestones
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class RequestTimings:
-    """Monotonic timestamps (``time.monotonic``) of a request's milestones in this engine."""
-
-    arrival: float = field(default_factory=time.monotonic)
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    finished: float | None = None
-
-    def durations(self) -> dict[str, float]:
-        """Seconds spent queued, in prefill (to the first token) and decoding (after it)."""
-        out: dict[str, float] = {}
-        if self.first_scheduled is not None:
-            out["queue"] = self.first_scheduled - self.arrival
-            if self.first_token is not None:
-                out["prefill"] = self.first_token - self.first_scheduled
-                if self.finished is not None:
-                    out["decode"] = self.finished - self.first_token
-        return out
 
 
 @dataclass(eq=False)  # a request is itself: identity, not field-wise (an array field has no ==)
@@ -61,7 +40,7 @@ class Sequence:
     # int32 block ids, an array so that a step's block tables are built by row copies
     block_table: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
     finish_reason: str | None = None
-    timings: RequestTimings = field(default_factory=RequestTimings)
+    milestones: Milestones = field(default_factory=Milestones)
     # Prefill role: stop after the first token and keep the KV blocks for the transfer.
     prefill_only: bool = False
     finishing: bool = False

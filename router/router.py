@@ -44,6 +44,7 @@ from pdserve.cluster.protocol import (
 )
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.sampling import RequestError, validate_request
+from pdserve.engine.timings import RequestTimings
 from pdserve.engine.tokenization import encode_prompt
 from pdserve.router.policy import create_policy
 
@@ -138,7 +139,7 @@ class Router:
             self._terminal_error(request_id, code, message)
 
     def shutdown_workers(self) -> None:
-        for key, sock in self.leaders.items():
+        for sock in self.leaders.values():
             sock.send(encode(Shutdown()))
 
     def close(self) -> None:
@@ -290,16 +291,16 @@ class Router:
             self.decode_load[state.decode_group] -= state.outstanding_tokens
         return state
 
-    def _final(self, request_id: str, reason: str, worker_timings: dict[str, float] | None = None) -> None:
+    def _final(self, request_id: str, reason: str, worker_timings: RequestTimings | None = None) -> None:
         state = self._release(request_id)
         now = time.monotonic()
-        timings = {k: v for k, v in (worker_timings or {}).items()}
-        timings["total"] = now - state.arrival
-        if state.first_token is not None:
-            timings["first_token"] = state.first_token - state.arrival
+        timings = dataclasses.replace(
+            worker_timings or RequestTimings(), total=now - state.arrival,
+            first_token=None if state.first_token is None else state.first_token - state.arrival,
+        )
         self._reply(state.client, Final(
             state.client_request_id, reason, state.token_ids, "".join(state.text),
-            {"prompt_tokens": state.num_prompt_tokens, "completion_tokens": len(state.token_ids)}, timings,
+            {"prompt_tokens": state.num_prompt_tokens, "completion_tokens": len(state.token_ids)}, timings.as_dict(),
         ))
 
     def _terminal_error(self, request_id: str, code: str, message: str) -> None:

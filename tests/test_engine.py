@@ -185,7 +185,7 @@ def test_stop_conditions(tiny_model_dirs: dict[str, Path], overlap: bool) -> Non
     engine.add_request("r", prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     outs = [o for step in engine.drain() for o in step]
     assert outs[-1].finished and outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 3
-    assert {"queue", "prefill", "decode"} <= set(outs[-1].timings)
+    assert {"queue", "prefill", "decode"} <= set(outs[-1].timings.as_dict())
 
 
 def test_seeded_sampling_is_reproducible(tiny_model_dirs: dict[str, Path]) -> None:

@@ -33,6 +33,7 @@ from pdserve.cluster.protocol import (
     encode,
 )
 from pdserve.engine.sampling import RequestError, SamplingParams
+from pdserve.engine.timings import RequestTimings
 
 
 def pack(body: Any) -> bytes:
@@ -72,10 +73,10 @@ MESSAGES: list[Message] = [
     WorkRequest("7", [1, 2, 3], SAMPLING, decode_group=1),
     WorkRequest("8", [1], Sampling(), decode_group=-1),
     TokenOutput("7", 0, [9]),
-    TokenOutput("7", 1, [10, 11], finished=True, finish_reason="stop", timings={"decode": 0.01}),
+    TokenOutput("7", 1, [10, 11], finished=True, finish_reason="stop", timings=RequestTimings(decode=0.01)),
     TokenOutputs([TokenOutput("7", 0, [9]), TokenOutput("8", 3, [1], finished=True, finish_reason="length")]),
     WorkerError("7", "invalid_request", "prompt_token_ids: token id 9999 is outside the vocabulary"),
-    KVAnnounce("7", 0, [1, 2, 3], 9, SAMPLING, {"queue": 0.0, "prefill": 0.01}),
+    KVAnnounce("7", 0, [1, 2, 3], 9, SAMPLING, RequestTimings(queue=0.0, prefill=0.01)),
     KVAnnounce("8", 1, [1], 4, Sampling()),
     KVReply("7", accepted=True),
     KVReply("7", accepted=False),
@@ -121,6 +122,22 @@ def test_wire_form_is_a_plain_map_with_type_and_version() -> None:
     }
     assert PROTOCOL_VERSION == 1
 
+
+
+def test_timings_travel_as_the_map_of_the_values_that_apply() -> None:
+    output = TokenOutput("7", 1, [10], finished=True, timings=RequestTimings(queue=0.5, transfer_bytes=4096.0))
+    body = msgpack.unpackb(encode(output), raw=False)
+    assert body["timings"] == {"queue": 0.5, "transfer_bytes": 4096.0}
+    assert msgpack.unpackb(encode(TokenOutput("7", 0, [9])), raw=False)["timings"] == {}
+    decoded = decode(pack({**body, "timings": {"prefill": 1}}))
+    assert decoded.timings == RequestTimings(prefill=1.0) and isinstance(decoded.timings.prefill, float)
+
+
+@pytest.mark.parametrize("timings", [{"latency": 0.1}, {"queue": "fast"}, {"queue": True}, [0.1]])
+def test_bad_timings_are_invalid(timings: Any) -> None:
+    body = {"type": "tokens", "version": 1, "request_id": "7", "index": 0, "token_ids": [1], "timings": timings}
+    error = decode_error(pack(body))
+    assert error.code == "invalid_field" and "timings" in error.message and error.request_id == "7"
 
 def test_defaults_fill_absent_fields() -> None:
     message = decode(pack({"type": "generate", "version": 1, "prompt": "hi"}))

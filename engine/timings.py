@@ -1,0 +1,49 @@
+"""A request's clock in one engine, and the durations a request reports when it ends.
+
+Plain Python, no torch: the durations travel between processes (``cluster.protocol``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """Seconds a request spent in each phase, and the KV bytes it moved; None where a value does
+    not apply. An engine measures ``queue``, ``prefill`` and ``decode``; a decode group's leader
+    adds ``transfer`` and ``transfer_bytes``; the router ``first_token`` and ``total``."""
+
+    queue: float | None = None
+    prefill: float | None = None
+    transfer: float | None = None
+    transfer_bytes: float | None = None  # a count, kept a float as the wire carries it
+    decode: float | None = None
+    first_token: float | None = None
+    total: float | None = None
+
+    def as_dict(self) -> dict[str, float]:
+        """The values that apply, by name: the wire form (``timings`` in docs/protocol.md)."""
+        return {name: value for name, value in vars(self).items() if value is not None}
+
+
+@dataclass
+class Milestones:
+    """Monotonic timestamps (``time.monotonic``) of a request's milestones in this engine."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    def durations(self) -> RequestTimings:
+        """Seconds spent queued, in prefill (to the first token) and decoding (after it)."""
+        if self.first_scheduled is None:
+            return RequestTimings()
+        queue = self.first_scheduled - self.arrival
+        if self.first_token is None:
+            return RequestTimings(queue=queue)
+        prefill = self.first_token - self.first_scheduled
+        decode = None if self.finished is None else self.finished - self.first_token
+        return RequestTimings(queue=queue, prefill=prefill, decode=decode)

@@ -1,8 +1,7 @@
 """Helpers shared by the engine benchmarks and the GPU tests.
 
 Step plans built straight on a ``ModelRunner``'s block pool (no scheduler), per-step timing,
-run metadata, and a tensor-parallel group harness whose leader runs a task on its runner
-while the peers follow its steps.
+run metadata, JSON and plots. A tensor-parallel group to run them in is ``bench.harness``.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import json
 import platform
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -22,11 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import transformers
 
-from pdserve.cluster.group import RankProcesses, RankSpec, free_port, group_specs, init_distributed
-from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.presets import ensure_preset_model
 from pdserve.engine.step_plan import StepPlan, padded_block_tables
@@ -377,44 +372,3 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def fmt(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
-
-
-# -- tensor-parallel groups ------------------------------------------------------------------
-
-LeaderTask = Callable[[ModelRunner, Any], Any]
-
-
-def _tp_rank_main(spec: RankSpec, task: LeaderTask, payload: Any, random_kv: bool, result_path: str) -> None:
-    tp = init_distributed(spec)
-    try:
-        runner = ModelRunner(spec.engine, ModelConfig.from_pretrained(spec.engine.model), tp)
-        if random_kv:
-            fill_kv_random(runner, seed=spec.engine.parallel.tp_rank)
-        if spec.engine.parallel.is_leader:
-            try:
-                result = task(runner, payload)
-            finally:
-                runner.close()  # releases the peers from their step loop, then the graphs
-            torch.save(result, result_path)
-        else:
-            runner.run_peer()
-    finally:
-        dist.destroy_process_group()
-
-
-def run_tp_group(engine: EngineConfig, tp_size: int, devices: Sequence[int] | None, task: LeaderTask,
-                 payload: Any, random_kv: bool = False, timeout: float = 600.0) -> Any:
-    """Spawn a TP group of ``tp_size`` ranks; return what ``task(leader_runner, payload)`` returned.
-
-    ``task`` must be a module-level function (it is pickled by name into the spawned ranks) and
-    must send every step to the peers, e.g. through ``ModelRunner.step``; its result travels
-    back through ``torch.save`` (tensors, numbers, strings, lists and dicts of them).
-    """
-    with tempfile.TemporaryDirectory(prefix="pdserve-bench-tp-") as run_dir:
-        specs = group_specs(
-            engine, tp_size, first_rank=0, world_size=tp_size, init_method=f"tcp://127.0.0.1:{free_port()}",
-            tp_groups=(tuple(range(tp_size)),), devices=devices, step_address=f"ipc://{run_dir}/steps",
-        )
-        result = Path(run_dir) / "result.pt"
-        RankProcesses(_tp_rank_main, [(spec, task, payload, random_kv, str(result)) for spec in specs]).wait(timeout)
-        return torch.load(result, weights_only=True)

@@ -38,13 +38,13 @@ from pdserve.bench.common import (
     parse_ints,
     parse_step_timing_args,
     resolve_device,
-    run_tp_group,
     summary,
     time_steps,
     uniform_decode_plan,
     weight_bytes,
     write_json,
 )
+from pdserve.bench.harness import run_tp_group
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.model_runner import ModelRunner
 

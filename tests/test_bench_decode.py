@@ -12,8 +12,9 @@ import torch
 
 from pdserve.bench import batch_divergence, decode, tp_decode
 from pdserve.bench.common import (
-    block_tables, compare_greedy, decode_plan, divergences, fill_kv_random, run_tp_group, teacher_forced_logits,
+    block_tables, compare_greedy, decode_plan, divergences, fill_kv_random, teacher_forced_logits,
 )
+from pdserve.bench.harness import run_tp_group
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.bench.common import compare_greedy, run_tp_group, teacher_forced_logits
-from pdserve.cluster.offline import generate_tp
+from pdserve.bench.common import compare_greedy, teacher_forced_logits
+from pdserve.bench.harness import generate_tp, run_tp_group
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.cluster.offline import generate_tp
+from pdserve.bench.harness import generate_tp
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.parallel import check_tp_size, head_shard, split_range

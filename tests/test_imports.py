@@ -1,5 +1,6 @@
-"""The import graph of the pdserve modules, read from the source with ast: no cycles, and
-nothing outside the engine imports its internal modules.
+"""The import graph of the pdserve modules, read from the source with ast: no cycles, the kernels,
+the engine and kvtransfer import nothing above them, and no other part of the product imports the
+engine's internal modules.
 
 An import counts when it runs with its module: at the top level, under ``if TYPE_CHECKING``
 or ``try``, in a class body; an import inside a function runs only when the function does.
@@ -114,6 +115,17 @@ def test_find_cycle_finds_one() -> None:
 def test_no_module_imports_itself_back() -> None:
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize(
+    ("folder", "reaches"),
+    [("kernels", {"kernels"}), ("engine", {"engine", "kernels"}), ("kvtransfer", {"engine", "kvtransfer"})],
+)
+def test_the_lower_layers_import_nothing_above_them(folder: str, reaches: set[str]) -> None:
+    for module, imported in import_graph().items():
+        if module.startswith(f"{PACKAGE}.{folder}."):
+            above = {m for m in imported if m.split(".")[1] not in reaches}
+            assert not above, f"{module} imports {sorted(above)}"
 
 
 @pytest.mark.parametrize("folder", PRODUCT)

@@ -74,8 +74,10 @@ def to_json(value: Any, indent: int = 0) -> str:
     pad = " " * (indent + 2)
     if isinstance(value, dict) and value:
         # json.dumps of a non-str key gives the key JSON would write ("1", "true", "null")
-        items = (f"{pad}{json.dumps(key if isinstance(key, str) else json.dumps(key))}: {to_json(item, indent + 2)}"
-                 for key, item in value.items())
+        items = (
+            f"{pad}{json.dumps(key if isinstance(key, str) else json.dumps(key))}: {to_json(item, indent + 2)}"
+            for key, item in value.items()
+        )
         return "{\n" + ",\n".join(items) + "\n" + " " * indent + "}"
     if isinstance(value, (list, tuple)) and any(isinstance(item, (dict, list, tuple)) for item in value):
         return "[\n" + ",\n".join(pad + to_json(item, indent + 2) for item in value) + "\n" + " " * indent + "]"
@@ -136,8 +138,9 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def block_tables(lengths: Sequence[int], block_size: int, num_blocks: int,
-                 generator: torch.Generator) -> list[list[int]]:
+def block_tables(
+    lengths: Sequence[int], block_size: int, num_blocks: int, generator: torch.Generator
+) -> list[list[int]]:
     """Distinct pool blocks for sequences of ``lengths`` tokens, in shuffled order (as a busy pool has)."""
     needed = [blocks_for(n, block_size) for n in lengths]
     if sum(needed) > num_blocks:
@@ -145,34 +148,42 @@ def block_tables(lengths: Sequence[int], block_size: int, num_blocks: int,
     perm = torch.randperm(num_blocks, generator=generator).tolist()
     tables, start = [], 0
     for n in needed:
-        tables.append(perm[start:start + n])
+        tables.append(perm[start : start + n])
         start += n
     return tables
 
 
-def decode_plan(tables: list[list[int]], context_lens: Sequence[int], block_size: int,
-                token_ids: Sequence[int]) -> StepPlan:
+def decode_plan(
+    tables: list[list[int]], context_lens: Sequence[int], block_size: int, token_ids: Sequence[int]
+) -> StepPlan:
     """One decode step: sequence ``b`` adds its token at position ``context_lens[b] - 1``."""
     positions = [c - 1 for c in context_lens]
     slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)]
     batch = len(tables)
     return StepPlan(
-        input_ids=list(token_ids), positions=positions, slot_mapping=slots, block_tables=padded_block_tables(tables),
-        context_lens=list(context_lens), cu_seqlens_q=list(range(batch + 1)), sample_rows=list(range(batch)),
+        input_ids=list(token_ids),
+        positions=positions,
+        slot_mapping=slots,
+        block_tables=padded_block_tables(tables),
+        context_lens=list(context_lens),
+        cu_seqlens_q=list(range(batch + 1)),
+        sample_rows=list(range(batch)),
         is_decode=True,
     )
 
 
-def uniform_decode_plan(runner: ModelRunner, token_ids: Sequence[int], context: int,
-                        generator: torch.Generator) -> StepPlan:
+def uniform_decode_plan(
+    runner: ModelRunner, token_ids: Sequence[int], context: int, generator: torch.Generator
+) -> StepPlan:
     """A decode step of ``len(token_ids)`` sequences of context ``context`` each, in distinct
     shuffled blocks of ``runner``'s pool."""
     tables = block_tables([context] * len(token_ids), runner.block_size, runner.num_blocks, generator)
     return decode_plan(tables, [context] * len(token_ids), runner.block_size, token_ids)
 
 
-def prefill_plan(tables: list[list[int]], prompts: Sequence[Sequence[int]], block_size: int,
-                 all_rows: bool = False) -> StepPlan:
+def prefill_plan(
+    tables: list[list[int]], prompts: Sequence[Sequence[int]], block_size: int, all_rows: bool = False
+) -> StepPlan:
     """Whole prompts in one step; samples each prompt's last token, or every token if ``all_rows``."""
     input_ids: list[int] = []
     positions: list[int] = []
@@ -185,8 +196,14 @@ def prefill_plan(tables: list[list[int]], prompts: Sequence[Sequence[int]], bloc
         cu_seqlens.append(cu_seqlens[-1] + len(prompt))
     rows = list(range(cu_seqlens[-1])) if all_rows else [end - 1 for end in cu_seqlens[1:]]
     return StepPlan(
-        input_ids=input_ids, positions=positions, slot_mapping=slots, block_tables=padded_block_tables(tables),
-        context_lens=[len(p) for p in prompts], cu_seqlens_q=cu_seqlens, sample_rows=rows, is_decode=False,
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slots,
+        block_tables=padded_block_tables(tables),
+        context_lens=[len(p) for p in prompts],
+        cu_seqlens_q=cu_seqlens,
+        sample_rows=rows,
+        is_decode=False,
     )
 
 
@@ -250,12 +267,15 @@ class Divergence:
 
     def describe(self) -> str:
         top = ", ".join(f"{t}: {v:.3f}" for t, v in zip(self.top_ids, self.top_logits))
-        return (f"request {self.request}: token {self.got} at step {self.step} (logit {self.got_logit:.3f}, "
-                f"{self.gap:.3f} below the best), reference top-3 {{{top}}}")
+        return (
+            f"request {self.request}: token {self.got} at step {self.step} (logit {self.got_logit:.3f}, "
+            f"{self.gap:.3f} below the best), reference top-3 {{{top}}}"
+        )
 
 
-def divergences(runner: ModelRunner, prompts: Sequence[Sequence[int]], got: Sequence[Sequence[int]],
-                want: Sequence[Sequence[int]]) -> list[Divergence]:
+def divergences(
+    runner: ModelRunner, prompts: Sequence[Sequence[int]], got: Sequence[Sequence[int]], want: Sequence[Sequence[int]]
+) -> list[Divergence]:
     """The first divergence of every output of ``got`` that differs from ``want`` in a token
     (outputs that only differ in length are left to the caller)."""
     found = []
@@ -269,21 +289,26 @@ def divergences(runner: ModelRunner, prompts: Sequence[Sequence[int]], got: Sequ
     return found
 
 
-def compare_greedy(runner: ModelRunner, prompts: Sequence[Sequence[int]], got: Sequence[Sequence[int]],
-                   want: Sequence[Sequence[int]]) -> tuple[int, list[str]]:
+def compare_greedy(
+    runner: ModelRunner, prompts: Sequence[Sequence[int]], got: Sequence[Sequence[int]], want: Sequence[Sequence[int]]
+) -> tuple[int, list[str]]:
     """Greedy outputs ``got`` against the reference ``want`` that ``runner``'s engine produced:
     :func:`greedy_report` of their :func:`divergences`."""
     return greedy_report(got, want, divergences(runner, prompts, got, want))
 
 
-def greedy_report(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]],
-                  found: Sequence[Divergence]) -> tuple[int, list[str]]:
+def greedy_report(
+    got: Sequence[Sequence[int]], want: Sequence[Sequence[int]], found: Sequence[Divergence]
+) -> tuple[int, list[str]]:
     """The number of identical outputs, and a line for every output that differs in length or
     first diverges to a token the reference does not rank first or second (not a near-tie,
     see :class:`Divergence`); ``found`` are the divergences of ``got`` from ``want``."""
     identical = sum(list(a) == list(b) for a, b in zip(got, want))
-    bad = [f"request {i}: {len(a)} tokens against {len(b)}" for i, (a, b) in enumerate(zip(got, want))
-           if len(a) != len(b) and list(a[: len(b)]) == list(b[: len(a)])]
+    bad = [
+        f"request {i}: {len(a)} tokens against {len(b)}"
+        for i, (a, b) in enumerate(zip(got, want))
+        if len(a) != len(b) and list(a[: len(b)]) == list(b[: len(a)])
+    ]
     bad += [d.describe() for d in found if not d.near_tie]
     return identical, bad
 

@@ -24,14 +24,26 @@ import statistics
 import time
 from collections.abc import Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from pdserve.bench.common import (
-    ON_OFF_BOTH, add_step_timing_args, blocks_for, command_line, fmt, format_table, metadata, model_dir, parse_ints,
-    parse_step_timing_args, resolve_device, summary, time_steps, uniform_decode_plan, write_json,
+    ON_OFF_BOTH,
+    add_step_timing_args,
+    blocks_for,
+    command_line,
+    fmt,
+    format_table,
+    metadata,
+    model_dir,
+    parse_ints,
+    parse_step_timing_args,
+    resolve_device,
+    summary,
+    time_steps,
+    uniform_decode_plan,
+    write_json,
 )
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
@@ -69,15 +81,32 @@ def measure(engine: LLMEngine, batch: int, context: int, warmup: int, iters: int
     plan = uniform_decode_plan(runner, torch.randint(0, vocab, (batch,), generator=gen).tolist(), reached, gen)
     forward = time_steps(partial(runner.run, plan), runner.device, warmup, iters)
     step_ms, forward_ms = statistics.median(wall), statistics.median(forward)
-    return {"batch": batch, "context": context, "overlap": engine.overlap, "step": summary(wall),
-            "forward": summary(forward), "host_ms": step_ms - forward_ms, "forward_share": forward_ms / step_ms}
+    return {
+        "batch": batch,
+        "context": context,
+        "overlap": engine.overlap,
+        "step": summary(wall),
+        "forward": summary(forward),
+        "host_ms": step_ms - forward_ms,
+        "forward_share": forward_ms / step_ms,
+    }
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     return format_table(
         ["batch", "context", "overlap", "step ms", "forward ms", "host ms", "forward share"],
-        [[str(r["batch"]), str(r["context"]), "on" if r["overlap"] else "off", fmt(r["step"]["median_ms"]),
-          fmt(r["forward"]["median_ms"]), fmt(r["host_ms"]), f"{100 * r['forward_share']:.0f}%"] for r in rows],
+        [
+            [
+                str(r["batch"]),
+                str(r["context"]),
+                "on" if r["overlap"] else "off",
+                fmt(r["step"]["median_ms"]),
+                fmt(r["forward"]["median_ms"]),
+                fmt(r["host_ms"]),
+                f"{100 * r['forward_share']:.0f}%",
+            ]
+            for r in rows
+        ],
     )
 
 
@@ -88,8 +117,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--batch-sizes", default="1,8,32,64,128", type=parse_ints)
     parser.add_argument("--context", default=128, type=int, help="prompt tokens of every request")
-    parser.add_argument("--overlap", default="both", choices=sorted(ON_OFF_BOTH),
-                        help="overlapped steps (EngineConfig.overlap_scheduling), or both in turn")
+    parser.add_argument(
+        "--overlap",
+        default="both",
+        choices=sorted(ON_OFF_BOTH),
+        help="overlapped steps (EngineConfig.overlap_scheduling), or both in turn",
+    )
     add_step_timing_args(parser)
     args = parse_step_timing_args(parser, argv)
     device = resolve_device(args.device)
@@ -103,11 +136,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     num_blocks = 2 * max_batch * blocks_for(max_model_len, args.block_size)
     rows = []
     for overlap in ON_OFF_BOTH[args.overlap]:
-        engine = LLMEngine(EngineConfig(
-            model=str(path), device=str(device), max_model_len=max_model_len, cuda_graph_max_batch=max_batch,
-            overlap_scheduling=overlap, cache=CacheConfig(block_size=args.block_size, num_blocks=num_blocks),
-            scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=step_tokens),
-        ))
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(path),
+                device=str(device),
+                max_model_len=max_model_len,
+                cuda_graph_max_batch=max_batch,
+                overlap_scheduling=overlap,
+                cache=CacheConfig(block_size=args.block_size, num_blocks=num_blocks),
+                scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=step_tokens),
+            )
+        )
         try:
             rows += [measure(engine, b, args.context, args.warmup, args.iters, args.seed) for b in args.batch_sizes]
         finally:
@@ -115,9 +154,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         del engine  # its weights and KV pool go before the next engine sizes itself
     rows.sort(key=lambda r: (r["batch"], r["overlap"]))
     print(table(rows))
-    result = {"metadata": metadata(device, command_line("pdserve.bench.engine_step", argv), model_dir=str(path),
-                                   iters=args.iters, warmup=args.warmup, block_size=args.block_size),
-              "rows": rows}
+    result = {
+        "metadata": metadata(
+            device,
+            command_line("pdserve.bench.engine_step", argv),
+            model_dir=str(path),
+            iters=args.iters,
+            warmup=args.warmup,
+            block_size=args.block_size,
+        ),
+        "rows": rows,
+    }
     write_json(result, args.out)
     return result
 

@@ -85,8 +85,16 @@ def build_plan_lists(batch: ScheduledBatch, tables: list[list[int]]) -> StepPlan
             sample_rows.append(cu_seqlens[-1] - 1)
     width = max(len(t) for t in tables)
     padded = [t + [0] * (width - len(t)) for t in tables]
-    return StepPlan(input_ids, positions, slots, padded, context_lens, cu_seqlens, sample_rows,  # type: ignore[arg-type]
-                    batch.is_decode)
+    return StepPlan(
+        input_ids,
+        positions,
+        slots,
+        padded,
+        context_lens,
+        cu_seqlens,
+        sample_rows,  # type: ignore[arg-type]
+        batch.is_decode,
+    )
 
 
 def encode_lists(plan: StepPlan, tables: list[list[int]]) -> bytes:
@@ -111,13 +119,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         padded_lists = plan.block_tables.tolist()
         data, data_lists = encode_message(plan), encode_lists(plan, padded_lists)
         pieces: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
-            "step": (lambda: host_tensor(build_plan(batch, BLOCK_SIZE).block_tables, torch.int32, pin=False),
-                     lambda: host_tensor(build_plan_lists(batch, table_lists).block_tables, torch.int32, pin=False)),
+            "step": (
+                lambda: host_tensor(build_plan(batch, BLOCK_SIZE).block_tables, torch.int32, pin=False),
+                lambda: host_tensor(build_plan_lists(batch, table_lists).block_tables, torch.int32, pin=False),
+            ),
             "build_plan": (lambda: build_plan(batch, BLOCK_SIZE), lambda: build_plan_lists(batch, table_lists)),
-            "pad_tables": (lambda: padded_block_tables([s.block_table for s in batch.seqs]),
-                           lambda: [t + [0] * (len(padded_lists[0]) - len(t)) for t in table_lists]),
-            "host_tensor": (lambda: host_tensor(plan.block_tables, torch.int32, pin=False),
-                            lambda: host_tensor(padded_lists, torch.int32, pin=False)),
+            "pad_tables": (
+                lambda: padded_block_tables([s.block_table for s in batch.seqs]),
+                lambda: [t + [0] * (len(padded_lists[0]) - len(t)) for t in table_lists],
+            ),
+            "host_tensor": (
+                lambda: host_tensor(plan.block_tables, torch.int32, pin=False),
+                lambda: host_tensor(padded_lists, torch.int32, pin=False),
+            ),
             "encode": (lambda: encode_message(plan), lambda: encode_lists(plan, padded_lists)),
             "decode": (lambda: decode_message(data), lambda: msgpack.unpackb(data_lists)),
         }
@@ -125,15 +139,32 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for key, (new, old) in pieces.items():
             row[f"{key}_us"], row[f"{key}_lists_us"] = paired_us(new, old, args.iters)
         rows.append(row)
-    print(f"decode step inputs, contexts of {args.context} tokens (us, median of {args.iters}; "
-          "block tables as arrays / as lists)")
-    print(format_table(
-        ["batch", "table entries", "plan + tables tensor", "build_plan", "pad tables", "host_tensor", "encode",
-         "decode"],
-        [[str(r["batch"]), str(r["table_entries"])]
-         + [f"{r[key + '_us']:.0f} / {r[key + '_lists_us']:.0f}"
-            for key in ("step", "build_plan", "pad_tables", "host_tensor", "encode", "decode")]
-         for r in rows]))
+    print(
+        f"decode step inputs, contexts of {args.context} tokens (us, median of {args.iters}; "
+        "block tables as arrays / as lists)"
+    )
+    print(
+        format_table(
+            [
+                "batch",
+                "table entries",
+                "plan + tables tensor",
+                "build_plan",
+                "pad tables",
+                "host_tensor",
+                "encode",
+                "decode",
+            ],
+            [
+                [str(r["batch"]), str(r["table_entries"])]
+                + [
+                    f"{r[key + '_us']:.0f} / {r[key + '_lists_us']:.0f}"
+                    for key in ("step", "build_plan", "pad_tables", "host_tensor", "encode", "decode")
+                ]
+                for r in rows
+            ],
+        )
+    )
     result = {"context": args.context, "rows": rows}
     write_json(result, args.out)
     return result

@@ -60,19 +60,34 @@ def time_decode_task(runner: ModelRunner, payload: dict[str, Any]) -> dict[str, 
         times = time_steps(partial(runner.step, plan), runner.device, payload["warmup"], payload["iters"])
         stats = summary(times)
         floor_ms = (w_bytes + batch * context * kv_token) / H200_BANDWIDTH * 1e3
-        cases.append({"batch": batch, "context": context, **stats, "tokens_per_s": batch / stats["median_ms"] * 1e3,
-                      "floor_ms": floor_ms, "floor_fraction": floor_ms / stats["median_ms"]})
-    return {"graphs": runner.graph_runner is not None, "rank0_weight_bytes": w_bytes,
-            "rank0_kv_bytes_per_token": kv_token, "cases": cases}
+        cases.append(
+            {
+                "batch": batch,
+                "context": context,
+                **stats,
+                "tokens_per_s": batch / stats["median_ms"] * 1e3,
+                "floor_ms": floor_ms,
+                "floor_fraction": floor_ms / stats["median_ms"],
+            }
+        )
+    return {
+        "graphs": runner.graph_runner is not None,
+        "rank0_weight_bytes": w_bytes,
+        "rank0_kv_bytes_per_token": kv_token,
+        "cases": cases,
+    }
 
 
-def engine_config(path: Path, dtype: str, device: torch.device, batches: Sequence[int], contexts: Sequence[int],
-                  block_size: int) -> EngineConfig:
+def engine_config(
+    path: Path, dtype: str, device: torch.device, batches: Sequence[int], contexts: Sequence[int], block_size: int
+) -> EngineConfig:
     """Pool and graphs sized for the largest case (the device is set per rank by the group)."""
     model_config = ModelConfig.from_pretrained(path)
     max_batch, longest = max(batches), max(contexts)
     return EngineConfig(
-        model=str(path), dtype=dtype, device=device.type,
+        model=str(path),
+        dtype=dtype,
+        device=device.type,
         max_model_len=min(longest + block_size, model_config.max_position_embeddings),
         cuda_graph_max_batch=max_batch,
         cache=CacheConfig(block_size=block_size, num_blocks=max_batch * blocks_for(longest, block_size)),
@@ -84,8 +99,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m pdserve.bench.tp_decode", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="qwen2.5-1.5b", help="model-shape preset with random weights")
     parser.add_argument("--model", help="a Hugging Face model directory (instead of --preset)")
-    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
-                        help="cuda: TP rank r on GPU r (NCCL); cpu: gloo, no graphs")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cuda", "cpu"],
+        help="cuda: TP rank r on GPU r (NCCL); cpu: gloo, no graphs",
+    )
     parser.add_argument("--dtype", help="compute dtype (default bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--tp", default="1,2", type=parse_ints, help="TP degrees to time")
     parser.add_argument("--batch-sizes", default="1,32", type=parse_ints)
@@ -103,13 +122,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     path = model_dir(args.preset, args.model, "bfloat16", device)
     config = engine_config(path, dtype, device, args.batch_sizes, args.contexts, args.block_size)
-    payload = {"cases": [(b, c) for c in args.contexts for b in args.batch_sizes], "seed": args.seed,
-               "warmup": args.warmup, "iters": args.iters}
+    payload = {
+        "cases": [(b, c) for c in args.contexts for b in args.batch_sizes],
+        "seed": args.seed,
+        "warmup": args.warmup,
+        "iters": args.iters,
+    }
     groups: dict[int, dict[str, Any]] = {}
     for tp in tqdm(args.tp, unit="group", desc="pdserve.bench.tp_decode"):
         devices = list(range(tp)) if device.type == "cuda" else None
-        groups[tp] = run_tp_group(config, tp, devices, time_decode_task, payload, random_kv=True,
-                                  timeout=args.timeout)
+        groups[tp] = run_tp_group(config, tp, devices, time_decode_task, payload, random_kv=True, timeout=args.timeout)
 
     headers = ["case"] + [f"tp{tp} {col}" for tp in args.tp for col in ("ms", "tok/s", "% floor")]
     headers += [f"tp{args.tp[0]}/tp{tp}" for tp in args.tp[1:]]
@@ -125,10 +147,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(format_table(headers, rows))
 
     result = {
-        "metadata": metadata(device, command_line("pdserve.bench.tp_decode", argv),
-                             preset=None if args.model else args.preset, model_dir=str(path), dtype=dtype,
-                             iters=args.iters, warmup=args.warmup, block_size=args.block_size,
-                             max_model_len=config.max_model_len, bandwidth_bytes_per_s=H200_BANDWIDTH),
+        "metadata": metadata(
+            device,
+            command_line("pdserve.bench.tp_decode", argv),
+            preset=None if args.model else args.preset,
+            model_dir=str(path),
+            dtype=dtype,
+            iters=args.iters,
+            warmup=args.warmup,
+            block_size=args.block_size,
+            max_model_len=config.max_model_len,
+            bandwidth_bytes_per_s=H200_BANDWIDTH,
+        ),
         "groups": {str(tp): groups[tp] for tp in args.tp},
     }
     write_json(result, args.out)

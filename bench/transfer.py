@@ -199,7 +199,7 @@ def block_ids(seed: int, case: Case, side: str, num_blocks: int) -> list[list[in
     gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{case.name}/{side}".encode()))
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     n = case.blocks
-    return [perm[i * n:(i + 1) * n] for i in range(case.requests)]
+    return [perm[i * n : (i + 1) * n] for i in range(case.requests)]
 
 
 # -- one rank -----------------------------------------------------------------------------------
@@ -211,8 +211,9 @@ class _Rank:
         self.rank = rank
         self.device = torch.device(f"cuda:{rank}" if setup.device == "cuda" else "cpu")
         self.dtype = parse_dtype(setup.dtype)
-        self.topology = TransferTopology(setup.num_heads, setup.num_kv_heads, setup.prefill_ranks,
-                                         setup.decode_ranks, rank)
+        self.topology = TransferTopology(
+            setup.num_heads, setup.num_kv_heads, setup.prefill_ranks, setup.decode_ranks, rank
+        )
         self.is_prefill = self.topology.is_prefill
         self.tp_rank = self.topology.tp_rank
         self.is_leader = self.tp_rank == 0
@@ -221,26 +222,41 @@ class _Rank:
         self.pool = self._pool(self.shard.num_kv_heads, pattern_seed(setup.seed, rank))
         self.sync_agent, self.async_agent = (
             KVTransferAgent({0: create_backend(config, tp, self.pool)}, config.max_staging_bytes)
-            for config in (TransferConfig(setup.backend_name(is_async), layer_groups=setup.layer_groups)
-                           for is_async in (False, True))
+            for config in (
+                TransferConfig(setup.backend_name(is_async), layer_groups=setup.layer_groups)
+                for is_async in (False, True)
+            )
         )
         # This rank's pieces of the plan: (peer global rank, heads, local head slice, peer's head slice).
         self.pieces = []
         for p in tp.plan():
             if self.is_prefill and p.src_rank == self.tp_rank:
-                self.pieces.append((tp.decode_ranks[p.dst_rank], p.num_heads, p.src_slice(self.shard),
-                                    p.dst_slice(tp.dst_shard(p.dst_rank))))
+                self.pieces.append(
+                    (
+                        tp.decode_ranks[p.dst_rank],
+                        p.num_heads,
+                        p.src_slice(self.shard),
+                        p.dst_slice(tp.dst_shard(p.dst_rank)),
+                    )
+                )
             elif not self.is_prefill and p.dst_rank == self.tp_rank:
-                self.pieces.append((tp.prefill_ranks[p.src_rank], p.num_heads, p.dst_slice(self.shard),
-                                    p.src_slice(tp.src_shard(p.src_rank))))
+                self.pieces.append(
+                    (
+                        tp.prefill_ranks[p.src_rank],
+                        p.num_heads,
+                        p.dst_slice(self.shard),
+                        p.src_slice(tp.src_shard(p.src_rank)),
+                    )
+                )
         self._references: dict[int, torch.Tensor] = {}
         self._token = torch.zeros(1, device=self.device)
         self.results: dict[str, dict[str, Any]] = {}
 
     def _pool(self, kv_heads: int, seed: int) -> torch.Tensor:
         s = self.setup
-        pool = torch.empty(s.layers, 2, s.num_blocks + 1, BLOCK_SIZE, kv_heads, s.head_dim, dtype=self.dtype,
-                           device=self.device)
+        pool = torch.empty(
+            s.layers, 2, s.num_blocks + 1, BLOCK_SIZE, kv_heads, s.head_dim, dtype=self.dtype, device=self.device
+        )
         return fill_pattern(pool, seed)
 
     # -- timing helpers ---------------------------------------------------------------------
@@ -263,8 +279,9 @@ class _Rank:
         s = self.setup
         buffers = []
         for peer, heads, _, _ in self.pieces:
-            t = torch.empty(s.layers, 2, num_blocks, BLOCK_SIZE, heads, s.head_dim, dtype=self.dtype,
-                            device=self.device)
+            t = torch.empty(
+                s.layers, 2, num_blocks, BLOCK_SIZE, heads, s.head_dim, dtype=self.dtype, device=self.device
+            )
             buffers.append((peer, fill_pattern(t, 12345) if self.is_prefill else t))
         return buffers
 
@@ -311,8 +328,10 @@ class _Rank:
                 got = self.pool[:, :, dst_ids][:, :, :, :, mine]
                 if not torch.equal(_bits(got), _bits(want)):
                     bad = (_bits(got) != _bits(want)).sum().item()
-                    raise AssertionError(f"{case.name}: request {request} from rank {peer} differs on decode rank "
-                                         f"{self.rank} ({bad} of {got.numel()} elements)")
+                    raise AssertionError(
+                        f"{case.name}: request {request} from rank {peer} differs on decode rank "
+                        f"{self.rank} ({bad} of {got.numel()} elements)"
+                    )
                 compared += got.numel() * got.element_size()
         return compared
 
@@ -384,6 +403,7 @@ class _Rank:
         for _ in range(self.setup.warmup + self.setup.iters):
             total = alt = 0.0
             for _, num_heads, heads, _ in self.pieces:
+
                 def index() -> torch.Tensor:
                     return torch.tensor(blocks, dtype=torch.int64).to(self.device, non_blocking=True)
 
@@ -403,7 +423,7 @@ class _Rank:
                         alt += self._time_op(lambda: pool.index_copy_(2, index(), buffer))
             main.append(total)
             alternative.append(alt)
-        main, alternative = main[self.setup.warmup:], alternative[self.setup.warmup:]
+        main, alternative = main[self.setup.warmup :], alternative[self.setup.warmup :]
         key = "pack" if self.is_prefill else "unpack"
         alt_key = "pack_index_select" if self.is_prefill else "unpack_index_copy"
         out = {f"{key}_ms": statistics.median(main) if self.pieces else 0.0}
@@ -415,8 +435,14 @@ class _Rank:
         op, blocks = ("send", src) if self.is_prefill else ("recv", dst)
         raw = self.raw_buffers(case.blocks * case.requests)
         agent = self.async_agent
-        out: dict[str, Any] = {"ms": [], "done_ms": [], "raw_ms": [], "bytes": 0, "raw_bytes": _nbytes(raw),
-                               "verified_bytes": 0}
+        out: dict[str, Any] = {
+            "ms": [],
+            "done_ms": [],
+            "raw_ms": [],
+            "bytes": 0,
+            "raw_bytes": _nbytes(raw),
+            "verified_bytes": 0,
+        }
         for i in range(self.setup.warmup + self.setup.iters):
             if i == 0:
                 self.poison(dst)
@@ -486,8 +512,9 @@ class _Rank:
                 self.barrier()
                 t_start = time.perf_counter()
                 if self.is_prefill:
-                    stamps, num_bytes = self._handoff_prefill(agent, transfer_id, tokens, src[0], inbox, out_sock,
-                                                              step_rx)
+                    stamps, num_bytes = self._handoff_prefill(
+                        agent, transfer_id, tokens, src[0], inbox, out_sock, step_rx
+                    )
                 else:
                     stamps, num_bytes = self._handoff_decode(agent, transfer_id, dst[0], inbox, out_sock, step_rx)
                 if i == 0:
@@ -526,9 +553,16 @@ class _Rank:
                 out_sock.send(msgpack.packb({"t1": t1, "t2": time.perf_counter()}))
         return {"zmq_rtt_us": rtts, "clock_offset_us": offsets} if self.is_prefill else {}
 
-    def _handoff_prefill(self, agent: KVTransferAgent, transfer_id: str, tokens: list[int], blocks: list[int],
-                         inbox: zmq.Socket | None, out_sock: zmq.Socket | None,
-                         step_rx: StepReceiver | None) -> tuple[dict[str, float], int]:
+    def _handoff_prefill(
+        self,
+        agent: KVTransferAgent,
+        transfer_id: str,
+        tokens: list[int],
+        blocks: list[int],
+        inbox: zmq.Socket | None,
+        out_sock: zmq.Socket | None,
+        step_rx: StepReceiver | None,
+    ) -> tuple[dict[str, float], int]:
         if not self.is_leader:  # a peer: the leader's command arrives on the step channel
             assert step_rx is not None
             command = step_rx.receive()
@@ -554,9 +588,15 @@ class _Rank:
         self.sync()
         return {"t_announce": t_announce, "t_landed": t_landed}, num_bytes
 
-    def _handoff_decode(self, agent: KVTransferAgent, transfer_id: str, blocks: list[int],
-                        inbox: zmq.Socket | None, out_sock: zmq.Socket | None,
-                        step_rx: StepReceiver | None) -> tuple[dict[str, float], int]:
+    def _handoff_decode(
+        self,
+        agent: KVTransferAgent,
+        transfer_id: str,
+        blocks: list[int],
+        inbox: zmq.Socket | None,
+        out_sock: zmq.Socket | None,
+        step_rx: StepReceiver | None,
+    ) -> tuple[dict[str, float], int]:
         if self.is_leader:
             assert inbox is not None and out_sock is not None
             announce = decode_message(inbox.recv())
@@ -598,9 +638,12 @@ def _rank_main(setup: Setup, rank: int) -> None:
         bench = _Rank(setup, rank)
         bench.run()
         info = {
-            "rank": rank, "role": "prefill" if bench.is_prefill else "decode", "tp_rank": bench.tp_rank,
-            "device_name": torch.cuda.get_device_name(bench.device) if setup.device == "cuda" else
-            (platform.processor() or "cpu"),
+            "rank": rank,
+            "role": "prefill" if bench.is_prefill else "decode",
+            "tp_rank": bench.tp_rank,
+            "device_name": torch.cuda.get_device_name(bench.device)
+            if setup.device == "cuda"
+            else (platform.processor() or "cpu"),
             "nccl": str(torch.cuda.nccl.version()) if setup.device == "cuda" else None,
             "pool_shape": list(bench.pool.shape),
             "cases": bench.results,
@@ -635,8 +678,12 @@ def aggregate(setup: Setup, ranks: list[dict], shared_clock: bool) -> list[dict[
     for case in setup.cases:
         name = case.name
         entry: dict[str, Any] = {
-            "case": name, "kind": case.kind, "backend": setup.backend_name(case.kind != "sync"),
-            "tokens": case.tokens, "requests": case.requests, "blocks_per_request": case.blocks,
+            "case": name,
+            "kind": case.kind,
+            "backend": setup.backend_name(case.kind != "sync"),
+            "tokens": case.tokens,
+            "requests": case.requests,
+            "blocks_per_request": case.blocks,
             "bytes": sum(r["cases"][name]["bytes"] for r in decode),
             "raw_bytes": sum(r["cases"][name]["raw_bytes"] for r in decode),
             "verified_bytes": sum(r["cases"][name]["verified_bytes"] for r in decode),
@@ -656,10 +703,12 @@ def aggregate(setup: Setup, ranks: list[dict], shared_clock: bool) -> list[dict[
             entry["times_ms"] = times
             entry["synced_ms"] = statistics.median((d - correction - a) * 1e3 for d, a in zip(synced, t0))
             entry["announce_ms"] = statistics.median((d - correction - a) * 1e3 for d, a in zip(received, t0))
-            entry["rtt_based_ms"] = statistics.median((l - a) * 1e3 - rtt_us / 2e3
-                                                      for l, a in zip(leader["t_landed"], t0))
+            entry["rtt_based_ms"] = statistics.median(
+                (landed - a) * 1e3 - rtt_us / 2e3 for landed, a in zip(leader["t_landed"], t0)
+            )
             entry["barrier_skew_ms"] = statistics.median(
-                (d - correction - a) * 1e3 for d, a in zip(decode_leader["cases"][name]["t_start"], leader["t_start"]))
+                (d - correction - a) * 1e3 for d, a in zip(decode_leader["cases"][name]["t_start"], leader["t_start"])
+            )
             entry["zmq_rtt_us"] = rtt_us
             entry["clock_offset_us"] = offset_us
             entry["clock_corrected"] = not shared_clock
@@ -670,8 +719,12 @@ def aggregate(setup: Setup, ranks: list[dict], shared_clock: bool) -> list[dict[
             send = _per_iter_max(prefill, name, "ms")
             entry["send_median_ms"] = statistics.median(send)
             if case.kind == "sync":
-                for side, key in ((prefill, "pack_ms"), (prefill, "pack_index_select_ms"), (decode, "unpack_ms"),
-                                  (decode, "unpack_index_copy_ms")):
+                for side, key in (
+                    (prefill, "pack_ms"),
+                    (prefill, "pack_index_select_ms"),
+                    (decode, "unpack_ms"),
+                    (decode, "unpack_index_copy_ms"),
+                ):
                     values = [r["cases"][name][key] for r in side if key in r["cases"][name]]
                     if values:
                         entry[key] = max(values)
@@ -713,15 +766,32 @@ def evaluate_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for case, key, op, bound in TARGETS:
         if case in by_name:
             value = by_name[case][key]
-            out.append({"case": case, "metric": key, "op": op, "target": bound, "value": value,
-                        "met": value >= bound if op == ">=" else value <= bound})
+            out.append(
+                {
+                    "case": case,
+                    "metric": key,
+                    "op": op,
+                    "target": bound,
+                    "value": value,
+                    "met": value >= bound if op == ">=" else value <= bound,
+                }
+            )
     return out
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     headers = ["case", "bytes", "ms", "GB/s", "raw GB/s", "% of raw"]
-    cells = [[r["case"], str(r["bytes"]), f"{r['median_ms']:.3f}", f"{r['gbps']:.2f}", f"{r['raw']['gbps']:.2f}",
-              f"{r['pct_of_raw']:.1f}"] for r in rows]
+    cells = [
+        [
+            r["case"],
+            str(r["bytes"]),
+            f"{r['median_ms']:.3f}",
+            f"{r['gbps']:.2f}",
+            f"{r['raw']['gbps']:.2f}",
+            f"{r['pct_of_raw']:.1f}",
+        ]
+        for r in rows
+    ]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
 
     def line(items: Sequence[str]) -> str:
@@ -767,13 +837,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-concurrent", action="store_true")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds per case (the first is verified)")
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="pool blocks per rank (default: the largest case's need plus 25%%)")
+    p.add_argument(
+        "--num-blocks", type=int, default=None, help="pool blocks per rank (default: the largest case's need plus 25%%)"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layer-groups", type=int, default=1,
-                   help="messages per request per destination, each a range of layers (overlaps copies and wire)")
-    p.add_argument("--settle-ms", type=float, default=2.0,
-                   help="handoff: pause after the barrier before the announce (the decode leader waits idle)")
+    p.add_argument(
+        "--layer-groups",
+        type=int,
+        default=1,
+        help="messages per request per destination, each a range of layers (overlaps copies and wire)",
+    )
+    p.add_argument(
+        "--settle-ms",
+        type=float,
+        default=2.0,
+        help="handoff: pause after the barrier before the announce (the decode leader waits idle)",
+    )
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds before the ranks are stopped")
     p.add_argument("--out", type=Path, default=None, help="JSON results file")
     args = p.parse_args(argv)
@@ -808,11 +887,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-transfer-") as run_dir:
         setup = Setup(
-            device=args.device, dtype=dtype_name, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
-            layers=model.num_layers, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim, num_blocks=num_blocks, cases=tuple(cases), iters=args.iters,
-            warmup=args.warmup, seed=args.seed, settle_ms=args.settle_ms,
-            init_method=f"tcp://127.0.0.1:{free_port()}", run_dir=run_dir, layer_groups=args.layer_groups,
+            device=args.device,
+            dtype=dtype_name,
+            prefill_tp=args.prefill_tp,
+            decode_tp=args.decode_tp,
+            layers=model.num_layers,
+            num_heads=model.num_heads,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            num_blocks=num_blocks,
+            cases=tuple(cases),
+            iters=args.iters,
+            warmup=args.warmup,
+            seed=args.seed,
+            settle_ms=args.settle_ms,
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+            run_dir=run_dir,
+            layer_groups=args.layer_groups,
         )
         started = time.perf_counter()
         RankProcesses(_rank_main, [(setup, r) for r in range(world)]).wait(args.timeout)
@@ -842,15 +933,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "prefill_tp": args.prefill_tp,
         "decode_tp": args.decode_tp,
         "layer_groups": args.layer_groups,
-        "layers": model.num_layers, "num_heads": model.num_heads, "num_kv_heads": model.num_kv_heads,
+        "layers": model.num_layers,
+        "num_heads": model.num_heads,
+        "num_kv_heads": model.num_kv_heads,
         "head_dim": model.head_dim,
         "block_size": BLOCK_SIZE,
         "kv_bytes_per_token": model.kv_bytes_per_token(dtype),
         "num_blocks": num_blocks,
         "pool_shapes": [r["pool_shape"] for r in ranks],
         "backends": {"sync": setup.backend_name(False), "async": setup.backend_name(True)},
-        "iters": args.iters, "warmup": args.warmup, "seed": args.seed,
-        "clock": clock.implementation, "shared_clock": shared_clock,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "seed": args.seed,
+        "clock": clock.implementation,
+        "shared_clock": shared_clock,
         "env": {k: os.environ.get(k) for k in (*_GPU_ENV, "OMP_NUM_THREADS")},
         "wall_s": wall_s,
     }
@@ -858,23 +954,31 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(format_table(rows))
     sync_rows = [r for r in rows if r["kind"] == "sync"]
     if sync_rows:
-        print("\nbackend copies alone (slowest rank; ms): sender gather, its index_select equivalent, receiver "
-              "scatter, its index_copy_ equivalent, send time on the sender")
+        print(
+            "\nbackend copies alone (slowest rank; ms): sender gather, its index_select equivalent, receiver "
+            "scatter, its index_copy_ equivalent, send time on the sender"
+        )
         for r in sync_rows:
-            print(f"  {r['case']:<12} pack {_fmt(r.get('pack_ms'))}  index_select {_fmt(r.get('pack_index_select_ms'))}"
-                  f"  unpack {_fmt(r.get('unpack_ms'))}  index_copy_ {_fmt(r.get('unpack_index_copy_ms'))}"
-                  f"  send {_fmt(r.get('send_median_ms'))}")
+            print(
+                f"  {r['case']:<12} pack {_fmt(r.get('pack_ms'))}  index_select {_fmt(r.get('pack_index_select_ms'))}"
+                f"  unpack {_fmt(r.get('unpack_ms'))}  index_copy_ {_fmt(r.get('unpack_index_copy_ms'))}"
+                f"  send {_fmt(r.get('send_median_ms'))}"
+            )
     for row in rows:
         if row["kind"] == "handoff":
-            print(f"{row['case']}: {row['median_ms']:.3f} ms announce -> decode may start (synced "
-                  f"{row['synced_ms']:.3f} ms, announce arrives {row['announce_ms']:.3f} ms, round-trip based "
-                  f"{row['rtt_based_ms']:.3f} ms, ZMQ RTT {row['zmq_rtt_us']:.0f} us; announce encode "
-                  f"{row['announce_encode_us']:.0f} us + decode {row['announce_decode_us']:.0f} us)")
+            print(
+                f"{row['case']}: {row['median_ms']:.3f} ms announce -> decode may start (synced "
+                f"{row['synced_ms']:.3f} ms, announce arrives {row['announce_ms']:.3f} ms, round-trip based "
+                f"{row['rtt_based_ms']:.3f} ms, ZMQ RTT {row['zmq_rtt_us']:.0f} us; announce encode "
+                f"{row['announce_encode_us']:.0f} us + decode {row['announce_decode_us']:.0f} us)"
+            )
         if row["kind"] == "concurrent":
             print(f"{row['case']}: {row['ratio_to_raw']:.2f}x the raw time of one {row['raw_bytes']}-byte message")
     for t in targets:
-        print(f"target {t['case']} {t['metric']} {t['op']} {t['target']}: {t['value']:.3f} "
-              f"{'met' if t['met'] else 'NOT met'}")
+        print(
+            f"target {t['case']} {t['metric']} {t['op']} {t['target']}: {t['value']:.3f} "
+            f"{'met' if t['met'] else 'NOT met'}"
+        )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

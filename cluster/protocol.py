@@ -66,8 +66,7 @@ class _Spec:
 def _spec(cls: type[Message]) -> _Spec:
     hints = typing.get_type_hints(cls)
     fields = tuple(
-        (f.name, _checker(hints[f.name]),
-         f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        (f.name, _checker(hints[f.name]), f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
         for f in dataclasses.fields(cls)
     )
     names = tuple(name for name, _, _ in fields)
@@ -148,6 +147,7 @@ def _checker(hint: Any) -> Checker:
 
         return check_list
     if origin is dict:
+
         def check_map(value: Any, name: str) -> Any:
             if not isinstance(value, dict):
                 raise _invalid(f"field {name!r} must be a map")
@@ -155,6 +155,7 @@ def _checker(hint: Any) -> Checker:
 
         return check_map
     if hint is float:
+
         def check_number(value: Any, name: str) -> Any:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise _invalid(f"field {name!r} must be a number")
@@ -162,6 +163,7 @@ def _checker(hint: Any) -> Checker:
 
         return check_number
     if hint is int:
+
         def check_int(value: Any, name: str) -> Any:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise _invalid(f"field {name!r} must be an integer")
@@ -169,6 +171,7 @@ def _checker(hint: Any) -> Checker:
 
         return check_int
     if hint in (str, bool, bytes):
+
         def check_plain(value: Any, name: str) -> Any:
             if not isinstance(value, hint):
                 raise _invalid(f"field {name!r} must be {hint.__name__}")
@@ -229,7 +232,8 @@ def decode(data: bytes) -> Message:
         raise ProtocolError("unknown_type", f"unknown message type {kind!r}", request_id)
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(
-            "unsupported_version", f"protocol version {version!r} is not supported (this is {PROTOCOL_VERSION})",
+            "unsupported_version",
+            f"protocol version {version!r} is not supported (this is {PROTOCOL_VERSION})",
             request_id,
         )
     try:
@@ -257,8 +261,13 @@ class Sampling(Message):
     def to_params(self) -> SamplingParams:
         """The engine's parameters; raises ``RequestError`` naming a field out of range."""
         return SamplingParams(
-            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            seed=self.seed, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
         )
 
 

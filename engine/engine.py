@@ -6,7 +6,8 @@ This is the API the workers build on and the oracle every cluster topology is co
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence as SequenceType
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as SequenceType
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_runner import SINGLE_RANK, ModelRunner
 from pdserve.engine.parallel import TensorParallel
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling import RequestError, SamplingParams, validate_request
@@ -83,7 +84,7 @@ class _InFlight:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tp: TensorParallel = TensorParallel()) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel = SINGLE_RANK) -> None:
         self.config = config
         self.model_config = ModelConfig.from_pretrained(Path(config.model))
         self.runner = ModelRunner(config, self.model_config, tp)
@@ -164,8 +165,7 @@ class LLMEngine:
         """
         self._check_new_id(request_id)
         self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id, [*prompt_token_ids, first_token], params,
-                       num_prompt_tokens=len(prompt_token_ids))
+        seq = Sequence(request_id, [*prompt_token_ids, first_token], params, num_prompt_tokens=len(prompt_token_ids))
         # Keep one free block per running or arriving sequence for its next tokens: admitting work
         # that would force a preemption right away is worse than asking the prefill side to wait.
         headroom = len(self.scheduler.running) + len(self.reserved)
@@ -207,8 +207,11 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            self.block_manager.num_blocks, self.block_manager.num_free_blocks, len(self.scheduler.running),
-            len(self.scheduler.waiting), len(self.held) + len(self.reserved),
+            self.block_manager.num_blocks,
+            self.block_manager.num_free_blocks,
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            len(self.held) + len(self.reserved),
         )
 
     def has_unfinished(self) -> bool:
@@ -297,8 +300,14 @@ class LLMEngine:
                 output.kv_block_ids = seq.block_table.tolist()
                 outputs.append(output)
             elif reason is None:
-                outputs.append(RequestOutput(seq.request_id, [token], num_prompt_tokens=seq.num_prompt_tokens,
-                                             num_output_tokens=index + 1 - seq.num_prompt_tokens))
+                outputs.append(
+                    RequestOutput(
+                        seq.request_id,
+                        [token],
+                        num_prompt_tokens=seq.num_prompt_tokens,
+                        num_output_tokens=index + 1 - seq.num_prompt_tokens,
+                    )
+                )
             else:
                 self.scheduler.finish(seq, reason)
                 outputs.append(self._finish(seq, [token]))
@@ -324,8 +333,12 @@ class LLMEngine:
         del self.requests[seq.request_id]
         self.sampler.release(seq.request_id)
         return RequestOutput(
-            seq.request_id, new_tokens or [], finished=True, finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+            seq.request_id,
+            new_tokens or [],
+            finished=True,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
             timings=seq.milestones.durations(),
         )
 

@@ -21,6 +21,8 @@ from pdserve.engine.weights import build_model
 
 logger = logging.getLogger(__name__)
 
+SINGLE_RANK = TensorParallel()  # no tensor parallelism (frozen: one shared default)
+
 
 class ModelRunner:
     """Owns this rank's model and KV pool.
@@ -29,9 +31,7 @@ class ModelRunner:
     block ``num_blocks`` is the dummy block that padding tokens write to.
     """
 
-    def __init__(
-        self, config: EngineConfig, model_config: ModelConfig, tp: TensorParallel = TensorParallel()
-    ) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, tp: TensorParallel = SINGLE_RANK) -> None:
         if tp.size != config.parallel.tp_size or tp.rank != config.parallel.tp_rank:
             raise ValueError(f"process group (rank {tp.rank} of {tp.size}) disagrees with {config.parallel}")
         self.config = config
@@ -44,9 +44,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         ops.use_kernels(config.resolved_kernels())
-        self.model = build_model(
-            model_config, Path(config.model), tp, self.dtype, self.device, self.max_model_len
-        )
+        self.model = build_model(model_config, Path(config.model), tp, self.dtype, self.device, self.max_model_len)
         shard = head_shard(model_config.num_heads, model_config.num_kv_heads, tp.size, tp.rank)
         self.num_kv_heads = shard.num_kv_heads
         self.num_blocks = config.cache.num_blocks or self._num_blocks_from_memory()
@@ -56,8 +54,14 @@ class ModelRunner:
             self.num_blocks = int(agreed.item())
         # Zeroed so that the dummy block, read by graph padding rows, never holds NaN.
         self.kv_cache = torch.zeros(
-            model_config.num_layers, 2, self.num_blocks + 1, self.block_size, self.num_kv_heads,
-            model_config.head_dim, dtype=self.dtype, device=self.device,
+            model_config.num_layers,
+            2,
+            self.num_blocks + 1,
+            self.block_size,
+            self.num_kv_heads,
+            model_config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
         )
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
@@ -67,24 +71,36 @@ class ModelRunner:
         self.prefill_graph_runner: PrefillGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             rows = self._graph_logits_rows()
-            logits = (torch.empty(rows, model_config.vocab_size, dtype=torch.float32, device=self.device)
-                      if rows else None)
+            logits = (
+                torch.empty(rows, model_config.vocab_size, dtype=torch.float32, device=self.device) if rows else None
+            )
             self.graph_runner = CudaGraphRunner(
-                self.model, self._graph_max_batch(), self.max_model_len, self.block_size,
-                dummy_block=self.num_blocks, logits=logits,
+                self.model,
+                self._graph_max_batch(),
+                self.max_model_len,
+                self.block_size,
+                dummy_block=self.num_blocks,
+                logits=logits,
             )
             max_tokens, max_seqs = self._prefill_graph_limits()
             if max_tokens:
                 self.prefill_graph_runner = PrefillGraphRunner(
-                    self.model, max_tokens, max_seqs, self.max_model_len, self.block_size,
-                    dummy_block=self.num_blocks, logits=logits,
+                    self.model,
+                    max_tokens,
+                    max_seqs,
+                    self.max_model_len,
+                    self.block_size,
+                    dummy_block=self.num_blocks,
+                    logits=logits,
                 )
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of K and V over all layers on this rank."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.model_config.num_layers * self.block_size * self.num_kv_heads * self.model_config.head_dim * elem
+        return (
+            2 * self.model_config.num_layers * self.block_size * self.num_kv_heads * self.model_config.head_dim * elem
+        )
 
     def _prefill_graph_limits(self) -> tuple[int, int]:
         """(tokens, sequences) of the largest captured prefill step (its token bucket); (0, 0)
@@ -146,8 +162,16 @@ class ModelRunner:
         weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
         gc.collect()
         torch.cuda.synchronize()
-        scratch = torch.empty(self.model_config.num_layers, 2, 1, self.block_size, self.num_kv_heads,
-                              self.model_config.head_dim, dtype=self.dtype, device=self.device)
+        scratch = torch.empty(
+            self.model_config.num_layers,
+            2,
+            1,
+            self.block_size,
+            self.num_kv_heads,
+            self.model_config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = scratch[i, 0], scratch[i, 1]
         resident = torch.cuda.memory_allocated()
@@ -188,9 +212,14 @@ class ModelRunner:
         logger.info(
             "KV pool: %d blocks of %d tokens (%.1f GiB), bounded by %s; weights + activations %.1f GiB, "
             "graphs %.1f GiB, outside this process's allocator %.1f GiB, free on the device %.1f GiB",
-            num_blocks, self.block_size, num_blocks * self.block_bytes / gib,
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_bytes / gib,
             "gpu_memory_utilization" if share <= room else "the free device memory",
-            peak / gib, graph_pool / gib, others / gib, available / gib,
+            peak / gib,
+            graph_pool / gib,
+            others / gib,
+            available / gib,
         )
         return int(num_blocks)
 
@@ -214,7 +243,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, context: AttentionContext,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: AttentionContext,
         sample_rows: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """Run the model; fp32 logits ``[len(sample_rows), vocab]``, or None without rows to sample."""
@@ -227,8 +259,14 @@ class ModelRunner:
 
     def _graphs_for(self, plan: StepPlan) -> CudaGraphRunner | PrefillGraphRunner | None:
         """The captured graphs that hold this plan, if any."""
-        return next((graphs for graphs in (self.graph_runner, self.prefill_graph_runner)
-                     if graphs is not None and graphs.can_run(plan)), None)
+        return next(
+            (
+                graphs
+                for graphs in (self.graph_runner, self.prefill_graph_runner)
+                if graphs is not None and graphs.can_run(plan)
+            ),
+            None,
+        )
 
     def replays(self, plan: StepPlan) -> bool:
         """Whether ``run`` replays a captured graph for this plan (else the host launches every

@@ -123,9 +123,8 @@ class Scheduler:
                     break
                 # Take what the free blocks hold; the rest waits for blocks to come back.
                 free_tokens = (
-                    (len(seq.block_table) + self.block_manager.num_free_blocks) * self.block_manager.block_size
-                    - seq.num_computed_tokens
-                )
+                    len(seq.block_table) + self.block_manager.num_free_blocks
+                ) * self.block_manager.block_size - seq.num_computed_tokens
                 chunk = min(chunk, free_tokens)
                 if chunk <= 0:
                     break

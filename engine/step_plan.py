@@ -61,8 +61,16 @@ def build_plan(batch: ScheduledBatch, block_size: int) -> StepPlan:
         context_lens.append(end)
         if end == seq.num_tokens:
             sample_rows.append(cu_seqlens[-1] - 1)
-    return StepPlan(input_ids, positions, slots, padded_block_tables([seq.block_table for seq in batch.seqs]),
-                    context_lens, cu_seqlens, sample_rows, batch.is_decode)
+    return StepPlan(
+        input_ids,
+        positions,
+        slots,
+        padded_block_tables([seq.block_table for seq in batch.seqs]),
+        context_lens,
+        cu_seqlens,
+        sample_rows,
+        batch.is_decode,
+    )
 
 
 def padded_block_tables(tables: Sequence[Sequence[int] | np.ndarray]) -> np.ndarray:

@@ -72,8 +72,9 @@ class RequestState:
 
 
 class Router:
-    def __init__(self, config: ClusterConfig, addresses: Addresses, tokenizer: Any, vocab_size: int,
-                 max_model_len: int) -> None:
+    def __init__(
+        self, config: ClusterConfig, addresses: Addresses, tokenizer: Any, vocab_size: int, max_model_len: int
+    ) -> None:
         self.config = config
         self.addresses = addresses
         self.tokenizer = tokenizer
@@ -176,17 +177,33 @@ class Router:
         elif isinstance(message, Abort):
             request_id = self.by_client.get((client, message.request_id))
             if request_id is None:
-                self._reply(client, Error(message.request_id, "unknown_request",
-                                          f"no request {message.request_id!r} is running for this client"))
+                self._reply(
+                    client,
+                    Error(
+                        message.request_id,
+                        "unknown_request",
+                        f"no request {message.request_id!r} is running for this client",
+                    ),
+                )
                 return
             self._abort_workers(request_id)
             self._final(request_id, "abort")
         elif isinstance(message, StatsRequest):
-            self._reply(client, Stats(len(self.requests), dict(self.worker_stats), self.all_ready(), self.accepting,
-                                      self.max_model_len))
+            self._reply(
+                client,
+                Stats(
+                    len(self.requests), dict(self.worker_stats), self.all_ready(), self.accepting, self.max_model_len
+                ),
+            )
         else:
-            self._reply(client, Error(getattr(message, "request_id", None), "unexpected_type",
-                                      f"clients may send generate, abort or stats_request, not {message.type}"))
+            self._reply(
+                client,
+                Error(
+                    getattr(message, "request_id", None),
+                    "unexpected_type",
+                    f"clients may send generate, abort or stats_request, not {message.type}",
+                ),
+            )
 
     def _on_generate(self, client: bytes, request: Generate) -> None:
         client_id = request.request_id or f"req-{next(self._ids)}"
@@ -194,7 +211,9 @@ class Router:
             self._reply(client, Error(client_id, "shutting_down", "the cluster is shutting down"))
             return
         if (client, client_id) in self.by_client:
-            self._reply(client, Error(client_id, "duplicate_request_id", f"request_id {client_id!r} is already running"))
+            self._reply(
+                client, Error(client_id, "duplicate_request_id", f"request_id {client_id!r} is already running")
+            )
             return
         try:
             token_ids = self._prompt_tokens(request)
@@ -211,8 +230,16 @@ class Router:
         self.entry_load[entry] += outstanding
         if decode_group is not None:
             self.decode_load[decode_group] += outstanding
-        state = RequestState(client, client_id, request.stream, len(token_ids), (self.entry_role, entry),
-                             decode_group, outstanding, request.batch_chunks)
+        state = RequestState(
+            client,
+            client_id,
+            request.stream,
+            len(token_ids),
+            (self.entry_role, entry),
+            decode_group,
+            outstanding,
+            request.batch_chunks,
+        )
         if self.tokenizer is not None:
             state.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.requests[request_id] = state
@@ -295,13 +322,21 @@ class Router:
         state = self._release(request_id)
         now = time.monotonic()
         timings = dataclasses.replace(
-            worker_timings or RequestTimings(), total=now - state.arrival,
+            worker_timings or RequestTimings(),
+            total=now - state.arrival,
             first_token=None if state.first_token is None else state.first_token - state.arrival,
         )
-        self._reply(state.client, Final(
-            state.client_request_id, reason, state.token_ids, "".join(state.text),
-            {"prompt_tokens": state.num_prompt_tokens, "completion_tokens": len(state.token_ids)}, timings.as_dict(),
-        ))
+        self._reply(
+            state.client,
+            Final(
+                state.client_request_id,
+                reason,
+                state.token_ids,
+                "".join(state.text),
+                {"prompt_tokens": state.num_prompt_tokens, "completion_tokens": len(state.token_ids)},
+                timings.as_dict(),
+            ),
+        )
 
     def _terminal_error(self, request_id: str, code: str, message: str) -> None:
         state = self._release(request_id)

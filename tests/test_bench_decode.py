@@ -12,15 +12,36 @@ import torch
 
 from pdserve.bench import batch_divergence, decode, tp_decode
 from pdserve.bench.common import (
-    block_tables, compare_greedy, decode_plan, divergences, fill_kv_random, teacher_forced_logits,
+    block_tables,
+    compare_greedy,
+    decode_plan,
+    divergences,
+    fill_kv_random,
+    teacher_forced_logits,
 )
 from pdserve.bench.harness import run_tp_group
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 
 # The documented smoke run, with a small batched prefill and one warm-up call to keep CI fast.
-SMOKE = ["--preset", "tiny-llama", "--device", "cpu", "--batch-sizes", "1,2", "--contexts", "16,32",
-         "--prefill-lens", "32", "--iters", "2", "--prefill-batches", "4x16", "--warmup", "1"]
+SMOKE = [
+    "--preset",
+    "tiny-llama",
+    "--device",
+    "cpu",
+    "--batch-sizes",
+    "1,2",
+    "--contexts",
+    "16,32",
+    "--prefill-lens",
+    "32",
+    "--iters",
+    "2",
+    "--prefill-batches",
+    "4x16",
+    "--warmup",
+    "1",
+]
 
 
 @pytest.fixture
@@ -42,8 +63,19 @@ def test_decode_bench_cpu_smoke(preset_cache: Path, capsys: pytest.CaptureFixtur
     assert plot.read_bytes().startswith(b"\x89PNG")
 
     meta = result["metadata"]
-    for key in ("date", "device", "torch", "triton", "transformers", "command", "preset", "dtype", "hf_mode",
-                "weight_bytes", "kv_bytes_per_token"):
+    for key in (
+        "date",
+        "device",
+        "torch",
+        "triton",
+        "transformers",
+        "command",
+        "preset",
+        "dtype",
+        "hf_mode",
+        "weight_bytes",
+        "kv_bytes_per_token",
+    ):
         assert key in meta, key
     assert meta["preset"] == "tiny-llama" and meta["dtype"] == "float32" and meta["hf_mode"] == "eager"
     assert "--contexts 16,32" in meta["command"]
@@ -78,8 +110,26 @@ def test_decode_bench_cpu_smoke(preset_cache: Path, capsys: pytest.CaptureFixtur
 @pytest.mark.slow
 def test_tp_decode_bench_cpu_smoke(preset_cache: Path) -> None:
     out = preset_cache / "tp.json"
-    tp_decode.main(["--preset", "tiny-llama", "--device", "cpu", "--tp", "1,2", "--batch-sizes", "1,2",
-                    "--contexts", "16", "--iters", "2", "--warmup", "1", "--out", str(out)])
+    tp_decode.main(
+        [
+            "--preset",
+            "tiny-llama",
+            "--device",
+            "cpu",
+            "--tp",
+            "1,2",
+            "--batch-sizes",
+            "1,2",
+            "--contexts",
+            "16",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
     assert set(result["groups"]) == {"1", "2"}
     for group in result["groups"].values():
@@ -132,8 +182,14 @@ def test_decode_plan_addresses_the_last_position() -> None:
 @pytest.fixture(scope="module")
 def tiny_runner(tiny_model_dirs: dict[str, Path]) -> ModelRunner:
     path = tiny_model_dirs["tiny-qwen2"]
-    config = EngineConfig(model=str(path), dtype="float32", device="cpu", max_model_len=128, enforce_eager=True,
-                          cache=CacheConfig(num_blocks=16))
+    config = EngineConfig(
+        model=str(path),
+        dtype="float32",
+        device="cpu",
+        max_model_len=128,
+        enforce_eager=True,
+        cache=CacheConfig(num_blocks=16),
+    )
     return ModelRunner(config, ModelConfig.from_pretrained(path))
 
 
@@ -169,8 +225,24 @@ def test_compare_greedy_flags_divergence_away_from_a_near_tie(tiny_runner: Model
 def test_batch_divergence_cpu_smoke(preset_cache: Path) -> None:
     """fp32 on the CPU: two batch limits give the same greedy tokens, and the JSON says so."""
     out = preset_cache / "divergence.json"
-    batch_divergence.main(["--model", "tiny-llama", "--device", "cpu", "--num-requests", "6", "--max-tokens", "6",
-                           "--max-model-len", "256", "--max-num-seqs", "6,2", "--out", str(out)],
-                          standalone_mode=False)
+    batch_divergence.main(
+        [
+            "--model",
+            "tiny-llama",
+            "--device",
+            "cpu",
+            "--num-requests",
+            "6",
+            "--max-tokens",
+            "6",
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "6,2",
+            "--out",
+            str(out),
+        ],
+        standalone_mode=False,
+    )
     result = json.loads(out.read_text())
     assert result["max_num_seqs"] == [6, 2] and result["identical"] == 6 and result["divergences"] == []

@@ -34,19 +34,35 @@ def hf_model(model_dir: Path) -> torch.nn.Module:
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-            do_sample=False, pad_token_id=0,
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
-def make_engine(model_dir: Path, num_blocks: int = 256, max_model_len: int = 256, overlap: bool = True,
-                kernels: str = "auto", **sched: object) -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        model=str(model_dir), dtype="float32", device="cpu", max_model_len=max_model_len, kernels=kernels,
-        overlap_scheduling=overlap, cache=CacheConfig(num_blocks=num_blocks),
-        scheduler=SchedulerConfig(**sched),  # type: ignore[arg-type]
-    ))
+def make_engine(
+    model_dir: Path,
+    num_blocks: int = 256,
+    max_model_len: int = 256,
+    overlap: bool = True,
+    kernels: str = "auto",
+    **sched: object,
+) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            device="cpu",
+            max_model_len=max_model_len,
+            kernels=kernels,
+            overlap_scheduling=overlap,
+            cache=CacheConfig(num_blocks=num_blocks),
+            scheduler=SchedulerConfig(**sched),  # type: ignore[arg-type]
+        )
+    )
 
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -116,8 +132,9 @@ def triton_kernels(interpreter: None) -> Iterator[None]:
 
 
 @pytest.mark.parametrize("name", PARITY_MODELS)
-def test_greedy_on_triton_kernels_matches_transformers(triton_kernels: None, tiny_model_dirs: dict[str, Path],
-                                                       name: str) -> None:
+def test_greedy_on_triton_kernels_matches_transformers(
+    triton_kernels: None, tiny_model_dirs: dict[str, Path], name: str
+) -> None:
     """The model wired to the Triton kernels, as on a GPU (embedding, the norms, SiLU-mul, RoPE
     with the K/V store, prefill and decode attention; linears stay F.linear off the GPU), decodes
     as transformers does: a varlen prefill and continuous batching over two requests."""
@@ -146,7 +163,11 @@ def test_preemption_keeps_greedy_output_and_frees_every_block(tiny_model_dirs: d
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_block_accounting_after_finish_abort_and_preemption(tiny_model_dirs: dict[str, Path], overlap: bool) -> None:
     engine = make_engine(
-        tiny_model_dirs["tiny-qwen2"], num_blocks=12, max_model_len=128, overlap=overlap, max_num_batched_tokens=32,
+        tiny_model_dirs["tiny-qwen2"],
+        num_blocks=12,
+        max_model_len=128,
+        overlap=overlap,
+        max_num_batched_tokens=32,
         max_num_seqs=8,
     )
     prompts = make_prompts(engine.model_config.vocab_size, [10, 20, 30, 40, 15, 25], seed=3)
@@ -262,8 +283,12 @@ def test_stop_tokens_end_requests_as_without_overlap(tiny_model_dirs: dict[str, 
     free_run = sync.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     requests = {
         # stop at the 3rd, 1st and 7th generated token; the last request runs to its length
-        str(i): (prompt, SamplingParams(max_tokens=12, temperature=0.0,
-                                        stop_token_ids=(free_run[i][pick],) if pick is not None else ()))
+        str(i): (
+            prompt,
+            SamplingParams(
+                max_tokens=12, temperature=0.0, stop_token_ids=(free_run[i][pick],) if pick is not None else ()
+            ),
+        )
         for i, (prompt, pick) in enumerate(zip(prompts, [2, 0, 6, None]))
     }
     expected = {r: summary(o) for r, o in run_all(sync, requests).items()}
@@ -303,8 +328,9 @@ def test_prefill_only_requests_run_no_extra_step(tiny_model_dirs: dict[str, Path
     block_size = engine.block_manager.block_size
     prompts = make_prompts(engine.model_config.vocab_size, [block_size, 2 * block_size + 3], seed=9)
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-                           prefill_only=True)
+        engine.add_request(
+            str(i), prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), prefill_only=True
+        )
     outputs = [out for step in engine.drain() for out in step]
     assert sorted(o.request_id for o in outputs) == ["0", "1"]
     for out in outputs:
@@ -312,7 +338,6 @@ def test_prefill_only_requests_run_no_extra_step(tiny_model_dirs: dict[str, Path
         assert out.finish_reason == "prefilled" and len(out.new_token_ids) == 1
         assert out.kv_block_ids is not None and len(out.kv_block_ids) == -(-len(prompt) // block_size)
         assert engine.held[out.request_id].num_computed_tokens == len(prompt)
-
 
 
 def test_hand_off_api_counts_and_frees_every_block(tiny_model_dirs: dict[str, Path]) -> None:
@@ -344,6 +369,7 @@ def test_hand_off_api_counts_and_frees_every_block(tiny_model_dirs: dict[str, Pa
     while engine.has_unfinished():  # the overlapped engine may still hold a launched step
         engine.step()
     assert engine.stats() == EngineStats(num_blocks=32, free_blocks=32, running=0, waiting=0, kv_held=0)
+
 
 def test_length_limit_at_max_model_len(tiny_model_dirs: dict[str, Path]) -> None:
     """A request that fills the model length ends there, as without overlap."""

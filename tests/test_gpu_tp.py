@@ -62,8 +62,14 @@ def tp1_logits(config: EngineConfig, prompt: list[int]) -> torch.Tensor:
 def test_tp2_teacher_forced_matches_tp1(name: str) -> None:
     """Logits at all 256 positions of one prefill: the leader samples every row."""
     path = preset(name)
-    config = EngineConfig(model=str(path), dtype="bfloat16", device="cuda:0", max_model_len=POSITIONS + 16,
-                          enforce_eager=True, cache=CacheConfig(num_blocks=POSITIONS // 16))
+    config = EngineConfig(
+        model=str(path),
+        dtype="bfloat16",
+        device="cuda:0",
+        max_model_len=POSITIONS + 16,
+        enforce_eager=True,
+        cache=CacheConfig(num_blocks=POSITIONS // 16),
+    )
     vocab = ModelConfig.from_pretrained(path).vocab_size
     prompt = torch.randint(0, vocab, (POSITIONS,), generator=torch.Generator().manual_seed(0)).tolist()
     oracle = tp1_logits(dataclasses.replace(config, dtype="float32"), prompt)
@@ -71,8 +77,10 @@ def test_tp2_teacher_forced_matches_tp1(name: str) -> None:
     tp2 = run_tp_group(config, 2, DEVICES, teacher_forced_logits, prompt, timeout=300)
 
     err1, err2 = (tp1 - oracle).abs(), (tp2 - oracle).abs()
-    report = (f"{name}: |tp2-fp32| mean {err2.mean():.4f} max {err2.max():.4f}; "
-              f"|tp1-fp32| mean {err1.mean():.4f} max {err1.max():.4f}")
+    report = (
+        f"{name}: |tp2-fp32| mean {err2.mean():.4f} max {err2.max():.4f}; "
+        f"|tp1-fp32| mean {err1.mean():.4f} max {err1.max():.4f}"
+    )
     assert err2.mean() <= ERROR_RATIO * err1.mean() and err2.max() <= ERROR_RATIO * err1.max(), report
     top = oracle.topk(2, dim=-1).values
     decided = top[:, 0] - top[:, 1] > DECIDED_MARGIN * err1.mean()
@@ -91,8 +99,15 @@ def test_generate_tp_greedy_matches_tp1(dtype: str, min_identical: float) -> Non
     Staggered lengths make the decode batch shrink through buckets 24, 16, 8, 4, 2, 1.
     """
     path = preset("qwen2.5-1.5b")
-    config = EngineConfig(model=str(path), dtype=dtype, device="cuda:0", max_model_len=256, cuda_graph_max_batch=24,
-                          cache=CacheConfig(num_blocks=256), scheduler=SchedulerConfig(max_num_seqs=24))
+    config = EngineConfig(
+        model=str(path),
+        dtype=dtype,
+        device="cuda:0",
+        max_model_len=256,
+        cuda_graph_max_batch=24,
+        cache=CacheConfig(num_blocks=256),
+        scheduler=SchedulerConfig(max_num_seqs=24),
+    )
     vocab = ModelConfig.from_pretrained(path).vocab_size
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in range(5, 105, 5)]

@@ -32,15 +32,29 @@ PAIRS = [(p, d) for p in (1, 2, 3) for d in (1, 2, 4)]
 BACKENDS = [("gloo", 1), ("gloo-async", 1), ("gloo-async", 3)]  # (backend, layer groups per message)
 
 
-def _exchange(rank: int, p: int, d: int, backend: tuple[str, int], meta: dict, reference: dict[str, torch.Tensor],
-              first_decode_rank: int = MAX_P, device: str = "cpu") -> None:
+def _exchange(
+    rank: int,
+    p: int,
+    d: int,
+    backend: tuple[str, int],
+    meta: dict,
+    reference: dict[str, torch.Tensor],
+    first_decode_rank: int = MAX_P,
+    device: str = "cpu",
+) -> None:
     """This rank's part of moving every request's KV from a group of ``p`` to one of ``d``."""
-    topology = TransferTopology(meta["num_heads"], meta["num_kv_heads"], tuple(range(p)),
-                                tuple(range(first_decode_rank, first_decode_rank + d)), rank)
+    topology = TransferTopology(
+        meta["num_heads"],
+        meta["num_kv_heads"],
+        tuple(range(p)),
+        tuple(range(first_decode_rank, first_decode_rank + d)),
+        rank,
+    )
     shard = topology.src_shard(rank) if topology.is_prefill else topology.dst_shard(rank - first_decode_rank)
     layers, _, _, block_size, _, head_dim = reference[meta["requests"][0]].shape
-    cache = torch.full((layers, 2, NUM_BLOCKS + 1, block_size, shard.num_kv_heads, head_dim), float("nan"),
-                       device=device)
+    cache = torch.full(
+        (layers, 2, NUM_BLOCKS + 1, block_size, shard.num_kv_heads, head_dim), float("nan"), device=device
+    )
     reference = {k: v.to(device) for k, v in reference.items()}
     config = TransferConfig(backend[0], layer_groups=backend[1])
     agent = KVTransferAgent({0: create_backend(config, topology, cache)}, config.max_staging_bytes)
@@ -60,8 +74,9 @@ def _exchange(rank: int, p: int, d: int, backend: tuple[str, int], meta: dict, r
             assert agent.wait(request_id).num_bytes > 0
             got = cache[:, :, meta[side][request_id]]
             if not torch.equal(got, reference[request_id][:, :, :, :, heads]):
-                raise AssertionError(f"{backend} p={p} d={d}: KV of {request_id} differs on decode rank "
-                                     f"{rank - first_decode_rank}")
+                raise AssertionError(
+                    f"{backend} p={p} d={d}: KV of {request_id} differs on decode rank {rank - first_decode_rank}"
+                )
     agent.close()
     assert agent.staging_bytes() == 0, f"{backend} p={p} d={d}: buffers still counted after close"
 
@@ -84,8 +99,14 @@ def _rank_main(rank: int, init: str, work_dir: str) -> None:
 @pytest.fixture(scope="module")
 def reference_kv(tiny_model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """KV of 16 prompts of mixed lengths from the single-process engine (8 query / 2 KV heads)."""
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dirs["tiny-llama"]), device="cpu", max_model_len=256,
-                                    cache=CacheConfig(num_blocks=NUM_BLOCKS)))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dirs["tiny-llama"]),
+            device="cpu",
+            max_model_len=256,
+            cache=CacheConfig(num_blocks=NUM_BLOCKS),
+        )
+    )
     rng = random.Random(0)
     prompts = {f"r{i}": [rng.randrange(512) for _ in range(rng.randrange(3, 70))] for i in range(16)}
     for request_id, prompt in prompts.items():
@@ -105,10 +126,17 @@ def reference_kv(tiny_model_dirs: dict[str, Path], tmp_path_factory: pytest.Temp
     work_dir = tmp_path_factory.mktemp("kv")
     save_file(tensors, str(work_dir / "kv.safetensors"))
     config = engine.model_config
-    (work_dir / "meta.json").write_text(json.dumps({
-        "requests": list(prompts), "src": src_blocks, "dst": dst_blocks,
-        "num_heads": config.num_heads, "num_kv_heads": config.num_kv_heads,
-    }))
+    (work_dir / "meta.json").write_text(
+        json.dumps(
+            {
+                "requests": list(prompts),
+                "src": src_blocks,
+                "dst": dst_blocks,
+                "num_heads": config.num_heads,
+                "num_kv_heads": config.num_kv_heads,
+            }
+        )
+    )
     return work_dir
 
 

@@ -52,8 +52,9 @@ def generate(**fields: Any) -> bytes:
 
 # -- round trips -------------------------------------------------------------------------------
 
-SAMPLING = Sampling(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=123, stop_token_ids=[2, 3],
-                    ignore_eos=True)
+SAMPLING = Sampling(
+    max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=123, stop_token_ids=[2, 3], ignore_eos=True
+)
 
 MESSAGES: list[Message] = [
     Generate(),
@@ -64,9 +65,22 @@ MESSAGES: list[Message] = [
     Chunk("r1", [5, 6], "ab"),
     Chunk("r1", [], ""),
     Chunks([Chunk("r1", [5], "a"), Chunk("r2", [7, 8], "")]),
-    Final("r1", "length", [5, 6, 7], "abc", {"prompt_tokens": 3, "completion_tokens": 3},
-          {"queue": 0.001, "prefill": 0.02, "transfer": 0.003, "transfer_bytes": 4096.0, "decode": 0.1,
-           "first_token": 0.025, "total": 0.13}),
+    Final(
+        "r1",
+        "length",
+        [5, 6, 7],
+        "abc",
+        {"prompt_tokens": 3, "completion_tokens": 3},
+        {
+            "queue": 0.001,
+            "prefill": 0.02,
+            "transfer": 0.003,
+            "transfer_bytes": 4096.0,
+            "decode": 0.1,
+            "first_token": 0.025,
+            "total": 0.13,
+        },
+    ),
     Final("r1", "abort", [], "", {"prompt_tokens": 3, "completion_tokens": 0}, {"total": 0.5}),
     Error("r1", "invalid_request", "max_tokens: must be an integer >= 1, got 0"),
     Error(None, "malformed", "not a msgpack message: ExtraData"),
@@ -89,8 +103,19 @@ MESSAGES: list[Message] = [
 if hasattr(protocol, "StatsRequest"):
     MESSAGES += [
         protocol.StatsRequest(),
-        protocol.Stats(2, {"prefill0": {"num_blocks": 64, "free_blocks": 60, "running": 1, "waiting": 0,
-                                        "kv_held": 1, "kv_refused": 0}}),
+        protocol.Stats(
+            2,
+            {
+                "prefill0": {
+                    "num_blocks": 64,
+                    "free_blocks": 60,
+                    "running": 1,
+                    "waiting": 0,
+                    "kv_held": 1,
+                    "kv_refused": 0,
+                }
+            },
+        ),
         protocol.Stats(0, {}),
         protocol.Stats(1, {}, ready=True, accepting=False, max_model_len=512),
         protocol.WorkerStats("decode", 0, 64, 10, 3, 1, 2, 0),
@@ -108,20 +133,44 @@ def test_every_message_round_trips(message: Message) -> None:
 
 def test_every_registered_type_is_covered() -> None:
     assert {m.type for m in MESSAGES} == set(protocol._TYPES)
-    assert {"generate", "abort", "chunk", "final", "error", "work", "tokens", "worker_error", "kv_announce",
-            "kv_reply", "ready", "shutdown"} <= set(protocol._TYPES)
+    assert {
+        "generate",
+        "abort",
+        "chunk",
+        "final",
+        "error",
+        "work",
+        "tokens",
+        "worker_error",
+        "kv_announce",
+        "kv_reply",
+        "ready",
+        "shutdown",
+    } <= set(protocol._TYPES)
 
 
 def test_wire_form_is_a_plain_map_with_type_and_version() -> None:
     body = msgpack.unpackb(encode(Generate(request_id="r1", token_ids=[1], sampling=SAMPLING)), raw=False)
     assert body == {
-        "type": "generate", "version": 1, "request_id": "r1", "prompt": None, "token_ids": [1],
-        "sampling": {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "seed": 123,
-                     "stop_token_ids": [2, 3], "ignore_eos": True},
-        "stream": True, "chat": True, "batch_chunks": False,
+        "type": "generate",
+        "version": 1,
+        "request_id": "r1",
+        "prompt": None,
+        "token_ids": [1],
+        "sampling": {
+            "max_tokens": 7,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": 40,
+            "seed": 123,
+            "stop_token_ids": [2, 3],
+            "ignore_eos": True,
+        },
+        "stream": True,
+        "chat": True,
+        "batch_chunks": False,
     }
     assert PROTOCOL_VERSION == 1
-
 
 
 def test_timings_travel_as_the_map_of_the_values_that_apply() -> None:
@@ -139,12 +188,15 @@ def test_bad_timings_are_invalid(timings: Any) -> None:
     error = decode_error(pack(body))
     assert error.code == "invalid_field" and "timings" in error.message and error.request_id == "7"
 
+
 def test_defaults_fill_absent_fields() -> None:
     message = decode(pack({"type": "generate", "version": 1, "prompt": "hi"}))
-    assert message == Generate(request_id=None, prompt="hi", token_ids=None, sampling=Sampling(), stream=True,
-                               chat=True)
-    assert Sampling() == Sampling(max_tokens=16, temperature=1.0, top_p=1.0, top_k=-1, seed=None,
-                                  stop_token_ids=[], ignore_eos=False)
+    assert message == Generate(
+        request_id=None, prompt="hi", token_ids=None, sampling=Sampling(), stream=True, chat=True
+    )
+    assert Sampling() == Sampling(
+        max_tokens=16, temperature=1.0, top_p=1.0, top_k=-1, seed=None, stop_token_ids=[], ignore_eos=False
+    )
     partial = decode(generate(sampling={"temperature": 0.0}))
     assert partial.sampling == Sampling(temperature=0.0)
 
@@ -154,14 +206,15 @@ def test_nulls_are_accepted_for_optional_fields() -> None:
     assert message.request_id is None and message.prompt is None and message.sampling.seed is None
 
 
-
 def test_sampling_becomes_the_engine_parameters_and_names_a_bad_field() -> None:
-    assert SAMPLING.to_params() == SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=123,
-                                                  stop_token_ids=(2, 3), ignore_eos=True)
+    assert SAMPLING.to_params() == SamplingParams(
+        max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=123, stop_token_ids=(2, 3), ignore_eos=True
+    )
     assert Sampling().to_params() == SamplingParams()
     with pytest.raises(RequestError) as info:
         Sampling(top_p=1.5).to_params()
     assert info.value.field == "top_p"
+
 
 # -- numbers -----------------------------------------------------------------------------------
 
@@ -271,13 +324,16 @@ def test_an_unknown_field_on_a_server_message_is_refused() -> None:
     assert error.code == "unknown_field" and "'extra'" in error.message
 
 
-@pytest.mark.parametrize(("body", "name"), [
-    ({"type": "abort", "version": 1}, "request_id"),
-    ({"type": "chunk", "version": 1, "request_id": "r1", "token_ids": [1]}, "text"),
-    ({"type": "error", "version": 1, "request_id": None, "code": "malformed"}, "message"),
-    ({"type": "kv_reply", "version": 1, "request_id": "r1"}, "accepted"),
-    ({"type": "ready", "version": 1, "role": "decode", "group": 0}, "num_blocks"),
-])
+@pytest.mark.parametrize(
+    ("body", "name"),
+    [
+        ({"type": "abort", "version": 1}, "request_id"),
+        ({"type": "chunk", "version": 1, "request_id": "r1", "token_ids": [1]}, "text"),
+        ({"type": "error", "version": 1, "request_id": None, "code": "malformed"}, "message"),
+        ({"type": "kv_reply", "version": 1, "request_id": "r1"}, "accepted"),
+        ({"type": "ready", "version": 1, "role": "decode", "group": 0}, "num_blocks"),
+    ],
+)
 def test_a_missing_required_field_is_named(body: dict, name: str) -> None:
     error = decode_error(pack(body))
     assert error.code == "missing_field"
@@ -285,35 +341,39 @@ def test_a_missing_required_field_is_named(body: dict, name: str) -> None:
 
 
 def test_error_request_id_is_required_but_may_be_null() -> None:
-    assert decode(pack({"type": "error", "version": 1, "request_id": None, "code": "c", "message": "m"})) == \
-        Error(None, "c", "m")
+    assert decode(pack({"type": "error", "version": 1, "request_id": None, "code": "c", "message": "m"})) == Error(
+        None, "c", "m"
+    )
     assert decode_error(pack({"type": "error", "version": 1, "code": "c", "message": "m"})).code == "missing_field"
 
 
-@pytest.mark.parametrize(("fields", "name"), [
-    ({"sampling": {"max_tokens": "16"}}, "max_tokens"),  # string where int
-    ({"sampling": {"top_k": True}}, "top_k"),  # bool where int
-    ({"sampling": {"seed": False}}, "seed"),  # bool where int-or-null
-    ({"sampling": {"temperature": "0.5"}}, "temperature"),  # string where float
-    ({"sampling": {"temperature": True}}, "temperature"),  # bool where float
-    ({"sampling": {"stop_token_ids": ["2"]}}, "stop_token_ids"),  # list of str where list of int
-    ({"sampling": {"stop_token_ids": 2}}, "stop_token_ids"),  # int where list
-    ({"sampling": {"ignore_eos": 1}}, "ignore_eos"),  # int where bool
-    ({"sampling": [16, 1.0]}, "sampling"),  # nested sampling not a map
-    ({"sampling": "greedy"}, "sampling"),
-    ({"sampling": None}, "sampling"),
-    ({"token_ids": ["1", "2"]}, "token_ids"),  # list of str where list of int
-    ({"token_ids": [1, True]}, "token_ids"),  # bool inside a list of int
-    ({"token_ids": [1.0, 2.0]}, "token_ids"),
-    ({"token_ids": "1 2 3"}, "token_ids"),
-    ({"token_ids": {"0": 1}}, "token_ids"),
-    ({"prompt": 42}, "prompt"),
-    ({"prompt": b"raw bytes"}, "prompt"),  # msgpack bin is not a string
-    ({"prompt": ["a", "b"]}, "prompt"),
-    ({"stream": "yes"}, "stream"),
-    ({"stream": None}, "stream"),
-    ({"chat": 0}, "chat"),
-])
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"sampling": {"max_tokens": "16"}}, "max_tokens"),  # string where int
+        ({"sampling": {"top_k": True}}, "top_k"),  # bool where int
+        ({"sampling": {"seed": False}}, "seed"),  # bool where int-or-null
+        ({"sampling": {"temperature": "0.5"}}, "temperature"),  # string where float
+        ({"sampling": {"temperature": True}}, "temperature"),  # bool where float
+        ({"sampling": {"stop_token_ids": ["2"]}}, "stop_token_ids"),  # list of str where list of int
+        ({"sampling": {"stop_token_ids": 2}}, "stop_token_ids"),  # int where list
+        ({"sampling": {"ignore_eos": 1}}, "ignore_eos"),  # int where bool
+        ({"sampling": [16, 1.0]}, "sampling"),  # nested sampling not a map
+        ({"sampling": "greedy"}, "sampling"),
+        ({"sampling": None}, "sampling"),
+        ({"token_ids": ["1", "2"]}, "token_ids"),  # list of str where list of int
+        ({"token_ids": [1, True]}, "token_ids"),  # bool inside a list of int
+        ({"token_ids": [1.0, 2.0]}, "token_ids"),
+        ({"token_ids": "1 2 3"}, "token_ids"),
+        ({"token_ids": {"0": 1}}, "token_ids"),
+        ({"prompt": 42}, "prompt"),
+        ({"prompt": b"raw bytes"}, "prompt"),  # msgpack bin is not a string
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream": None}, "stream"),
+        ({"chat": 0}, "chat"),
+    ],
+)
 def test_a_field_of_the_wrong_type_is_invalid(fields: dict, name: str) -> None:
     error = decode_error(generate(**fields))
     assert error.code == "invalid_field"
@@ -337,17 +397,20 @@ def test_null_request_id_is_refused_where_required() -> None:
 # -- request_id on errors ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("body", "code"), [
-    ({"type": "nope", "version": 1}, "unknown_type"),
-    ({"version": 1}, "unknown_type"),
-    ({"type": "generate", "version": 9}, "unsupported_version"),
-    ({"type": "generate", "version": 1, "bogus": 1}, "unknown_field"),
-    ({"type": "generate", "version": 1, "sampling": {"bogus": 1}}, "unknown_field"),
-    ({"type": "generate", "version": 1, "stream": "no"}, "invalid_field"),
-    ({"type": "generate", "version": 1, "sampling": {"top_k": "5"}}, "invalid_field"),
-    ({"type": "generate", "version": 1, "sampling": 5}, "invalid_field"),
-    ({"type": "chunk", "version": 1, "token_ids": []}, "missing_field"),
-])
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ({"type": "nope", "version": 1}, "unknown_type"),
+        ({"version": 1}, "unknown_type"),
+        ({"type": "generate", "version": 9}, "unsupported_version"),
+        ({"type": "generate", "version": 1, "bogus": 1}, "unknown_field"),
+        ({"type": "generate", "version": 1, "sampling": {"bogus": 1}}, "unknown_field"),
+        ({"type": "generate", "version": 1, "stream": "no"}, "invalid_field"),
+        ({"type": "generate", "version": 1, "sampling": {"top_k": "5"}}, "invalid_field"),
+        ({"type": "generate", "version": 1, "sampling": 5}, "invalid_field"),
+        ({"type": "chunk", "version": 1, "token_ids": []}, "missing_field"),
+    ],
+)
 def test_the_request_id_of_a_bad_message_is_carried_on_the_error(body: dict, code: str) -> None:
     error = decode_error(pack({**body, "request_id": "abc-1"}))
     assert error.code == code
@@ -384,8 +447,9 @@ def _random_inputs(rng: random.Random) -> list[bytes]:
                 data[rng.randrange(len(data))] = rng.getrandbits(8)
             inputs.append(bytes(data))
         else:  # a map header followed by noise
-            inputs.append(bytes([0x80 | rng.randrange(1, 16)])
-                          + bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 48))))
+            inputs.append(
+                bytes([0x80 | rng.randrange(1, 16)]) + bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 48)))
+            )
     return inputs
 
 

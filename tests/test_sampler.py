@@ -61,10 +61,12 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows() -> None:
 
 def test_seed_repeats_and_differs() -> None:
     logits = torch.zeros(1, 1000)
+
     def draw(seed: int) -> list[int]:
         sampler = Sampler()
         p = [SamplingParams(temperature=1.0, seed=seed)]
         return [int(sampler(logits, p, ["r"])[0]) for _ in range(10)]
+
     assert draw(7) == draw(7)
     assert draw(7) != draw(8)
 

@@ -22,14 +22,32 @@ from pdserve.engine.step_plan import StepPlan, host_tensor
 def test_peer_messages_round_trip() -> None:
     """What the leader sends its peers comes back equal, the block-table array included."""
     tables = np.array([[4, 1], [2, 0], [2**31 - 1, 7]], dtype=np.int32)
-    plan = StepPlan(input_ids=[5, 6, 7], positions=[3, 0, 1], slot_mapping=[19, 32, 113], block_tables=tables,
-                    context_lens=[4, 1, 2], cu_seqlens_q=[0, 1, 2, 3], sample_rows=[0, 1, 2], is_decode=True,
-                    kv_ready=["t7"], num_pending=3)
+    plan = StepPlan(
+        input_ids=[5, 6, 7],
+        positions=[3, 0, 1],
+        slot_mapping=[19, 32, 113],
+        block_tables=tables,
+        context_lens=[4, 1, 2],
+        cu_seqlens_q=[0, 1, 2, 3],
+        sample_rows=[0, 1, 2],
+        is_decode=True,
+        kv_ready=["t7"],
+        num_pending=3,
+    )
     command = KVCommand(op="recv", transfer_id="t7", block_ids=[2, 9], peer_group=1)
     got = decode_message(encode_message(plan))
     assert isinstance(got, StepPlan)
-    for name in ("input_ids", "positions", "slot_mapping", "context_lens", "cu_seqlens_q", "sample_rows",
-                 "is_decode", "kv_ready", "num_pending"):
+    for name in (
+        "input_ids",
+        "positions",
+        "slot_mapping",
+        "context_lens",
+        "cu_seqlens_q",
+        "sample_rows",
+        "is_decode",
+        "kv_ready",
+        "num_pending",
+    ):
         assert getattr(got, name) == getattr(plan, name)
     assert got.block_tables.dtype == np.int32 and np.array_equal(got.block_tables, tables)
     empty = dataclasses.replace(plan, block_tables=np.zeros((0, 0), dtype=np.int32))
@@ -41,16 +59,24 @@ def test_peer_messages_carry_only_integer_arrays() -> None:
     plan = StepPlan([1], [0], [0], np.zeros((1, 1), dtype=np.float32), [1], [0, 1], [0], True)
     with pytest.raises(TypeError, match="cannot encode ndarray"):
         encode_message(plan)
-    forged = msgpack.packb({"kind": "step", "block_tables": msgpack.ExtType(
-        1, msgpack.packb(["<f4", [1], np.zeros(1, np.float32).tobytes()]))})
+    forged = msgpack.packb(
+        {
+            "kind": "step",
+            "block_tables": msgpack.ExtType(1, msgpack.packb(["<f4", [1], np.zeros(1, np.float32).tobytes()])),
+        }
+    )
     with pytest.raises(ValueError, match="only integer arrays"):
         decode_message(forged)
 
 
 def test_host_tensor_matches_torch_tensor() -> None:
     """The numpy route gives torch.tensor's values, shapes and dtypes (block tables, slots, empty lists)."""
-    for values, dtype in (([[4, 1, 0], [2, 9, 7]], torch.int32), ([2**40, 3], torch.int64), ([], torch.int64),
-                          (np.array([[4, 1], [2, 9]], dtype=np.int32), torch.int32)):
+    for values, dtype in (
+        ([[4, 1, 0], [2, 9, 7]], torch.int32),
+        ([2**40, 3], torch.int64),
+        ([], torch.int64),
+        (np.array([[4, 1], [2, 9]], dtype=np.int32), torch.int32),
+    ):
         got = host_tensor(values, dtype, pin=False)
         assert got.dtype == dtype and torch.equal(got, torch.tensor(values, dtype=dtype))
 
@@ -86,8 +112,9 @@ def test_partition_rule_places_every_head(num_kv_heads: int, group: int) -> None
 
 
 def _engine_config(model_dir: Path) -> EngineConfig:
-    return EngineConfig(model=str(model_dir), dtype="float32", device="cpu", max_model_len=256,
-                        cache=CacheConfig(num_blocks=160))
+    return EngineConfig(
+        model=str(model_dir), dtype="float32", device="cpu", max_model_len=256, cache=CacheConfig(num_blocks=160)
+    )
 
 
 def _mixed_prompts(vocab: int) -> list[list[int]]:
@@ -132,8 +159,10 @@ def test_tp_peers_follow_overlapped_steps(tiny_model_dirs: dict[str, Path], over
     beside greedy requests, mixed lengths and a pool small enough to preempt."""
     base = dataclasses.replace(_engine_config(tiny_model_dirs["tiny-qwen2"]), cache=CacheConfig(num_blocks=20))
     prompts = _mixed_prompts(512)
-    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_tokens=8 + 3 * i, temperature=0.8 if i % 2 else 0.0, seed=i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     expected = LLMEngine(dataclasses.replace(base, overlap_scheduling=False)).generate(prompts, params)
     assert generate_tp(dataclasses.replace(base, overlap_scheduling=overlap), 2, prompts, params) == expected
 

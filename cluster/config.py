@@ -131,13 +131,20 @@ class ClusterConfig:
 
     def check_model(self, model: ModelConfig) -> None:
         """Refuse, before any rank starts, what the model cannot run: a TP degree its heads do
-        not allow, or a max_model_len beyond its positions."""
+        not allow, a max_model_len beyond its positions, or a fixed KV pool too small for one
+        sequence of max_model_len tokens."""
         for role, tp in sorted({(role, tp) for role, _, tp in self.groups()}):
             try:
                 check_tp_size(model.num_heads, model.num_kv_heads, tp)
             except ValueError as e:
                 raise ValueError(f"--{role}-tp {tp}: {e}") from None
-        self.engine.resolved_max_model_len(model)
+        max_model_len = self.engine.resolved_max_model_len(model)
+        cache = self.engine.cache
+        if cache.num_blocks is not None and cache.num_blocks * cache.block_size < max_model_len:
+            raise ValueError(
+                f"--num-blocks {cache.num_blocks} holds {cache.num_blocks * cache.block_size} tokens, fewer than "
+                f"max_model_len {max_model_len}: raise --num-blocks or lower --max-model-len"
+            )
 
     def engine_config(self, model_dir: str, model: ModelConfig) -> EngineConfig:
         """The engine config every rank starts from: the resolved model directory and length,

@@ -12,11 +12,14 @@ leaving its peers hanging in a collective.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import signal
 import socket
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,6 +29,15 @@ import torch.distributed as dist
 
 from pdserve.engine.config import EngineConfig, ParallelConfig
 from pdserve.engine.parallel import TensorParallel
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when its parent (the launcher) dies, so that
+    no rank or front end is orphaned."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def free_port() -> int:

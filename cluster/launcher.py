@@ -15,7 +15,7 @@ import torch
 import zmq
 
 from pdserve.cluster.config import Addresses, ClusterConfig, GroupLayout
-from pdserve.cluster.group import RankProcesses, free_port, group_specs
+from pdserve.cluster.group import RankProcesses, die_with_parent, free_port, group_specs
 from pdserve.cluster.rank import WorkerSpec, worker_main
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.presets import resolve_model
@@ -114,7 +114,7 @@ class Cluster:
         command = [sys.executable, "-m", "pdserve.router.openai_server", "--endpoint", self.endpoint,
                    "--model", c.engine.model, "--host", c.host, "--port", str(port),
                    "--drain-timeout", str(c.drain_timeout), "--log-level", "warning"]
-        self.http = subprocess.Popen(command)
+        self.http = subprocess.Popen(command, preexec_fn=die_with_parent)
         deadline = time.monotonic() + c.start_timeout
         while not _listening(c.host, port):
             self.router.poll(50)  # the front end asks the router for its stats while it starts

@@ -7,10 +7,8 @@ decode roles also connect their KV transfers to every group of the other role.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import signal
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +16,7 @@ import torch.distributed as dist
 
 from pdserve.cluster.colocated import ColocatedLeader
 from pdserve.cluster.config import Addresses, GroupLayout
-from pdserve.cluster.group import RankSpec, init_distributed
+from pdserve.cluster.group import RankSpec, die_with_parent, init_distributed
 from pdserve.decode_worker.leader import DecodeLeader
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.engine import LLMEngine
@@ -27,8 +25,6 @@ from pdserve.engine.parallel import TensorParallel
 from pdserve.kvtransfer.agent import CommandChannel, KVTransferAgent, connect_groups
 from pdserve.kvtransfer.base import TransferConfig
 from pdserve.prefill_worker.leader import PrefillLeader
-
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -71,15 +67,9 @@ def _lead(spec: WorkerSpec, engine: LLMEngine) -> None:
     role(spec.group, spec.addresses, engine, transfers).run()
 
 
-def _die_with_launcher() -> None:
-    """Linux: have the kernel SIGKILL this rank if the launcher dies, so no rank is orphaned."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def worker_main(spec: WorkerSpec) -> None:
     """Entry point of a rank process: join the world, build the engine, serve until shutdown."""
-    _die_with_launcher()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher drives shutdown, not Ctrl-C
     logging.basicConfig(
         level=logging.INFO,

@@ -69,6 +69,11 @@ def test_max_model_len_beyond_the_model(tiny_model_dirs: dict[str, Path]) -> Non
     assert_one_line_error(result, str(limit + 1), str(limit))
 
 
+def test_a_pool_too_small_for_one_sequence(tiny_model_dirs: dict[str, Path]) -> None:
+    result = launch("--model", str(tiny_model_dirs["tiny-llama"]), "--num-blocks", "3", "--max-model-len", "64")
+    assert_one_line_error(result, "--num-blocks 3 holds 48 tokens", "max_model_len 64")
+
+
 def test_max_model_len_defaults_to_the_models_own_limit(tiny_model_dirs: dict[str, Path]) -> None:
     model_dir = tiny_model_dirs["tiny-llama"]
     model = ModelConfig.from_pretrained(model_dir)

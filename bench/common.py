@@ -211,11 +211,9 @@ def fill_kv_random(runner: ModelRunner, seed: int = 0) -> None:
     """Standard-normal K/V in every pool block but the dummy one (which stays zero, as graph
     padding expects): attention then reads real-looking data, never a zero fast path.
 
-    On CUDA the fill is one replay of a captured graph. An eager PyTorch kernel over gigabytes
-    of the pool, run after the runner captured its graphs, makes every later replay of those
-    graphs launch its kernels later (0.35 µs a kernel without PDL, 0.012 ms a batch-1 step with
-    it) for the rest of the process; the same fill replayed from a graph does not, nor do the
-    engine's own steps, which are all a server runs (docs/benchmarks.md, twenty-sixth run)."""
+    On CUDA the fill is one replay of a captured graph: an eager PyTorch kernel over gigabytes of
+    the pool, run after the runner captured its graphs, slows every later launch of those graphs
+    for the rest of the process, a state no server is in (docs/decisions.md, "CUDA graphs")."""
     pool = runner.kv_cache[:, :, : runner.num_blocks]
     if runner.device.type != "cuda":
         pool.normal_(generator=torch.Generator(device=runner.device).manual_seed(seed))

@@ -16,7 +16,7 @@ from pdserve.bench.compare import LaunchedCluster, required_model_len, system_ar
 from pdserve.bench.metrics import RequestRecord, compute_metrics, e2e, itls, meets_slo, percentile, summarize, tpot, ttft
 from pdserve.bench.serve import BenchConfig, RequestSpec, arrival_times, build_requests, vllm_keys, write_plots
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def record(sent: float, chunks: list[tuple[float, int]], finished: float, **kwargs: object) -> RequestRecord:

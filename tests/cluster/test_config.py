@@ -12,7 +12,7 @@ from pdserve.cluster.config import ClusterConfig, cluster_settings
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, flatten_config
 from pdserve.kvtransfer.base import TransferConfig
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 MODEL = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, max_position_embeddings=4096)

@@ -31,7 +31,7 @@ from pdserve.cluster.client import Client, Final
 from pdserve.cluster.group import free_port
 from pdserve.router.stop_strings import StopStringMatcher
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 512
 MODEL = "demo"  # the served name is --model as given
 QUESTION = "What is the capital of France?"

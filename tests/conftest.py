@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def interpreter() -> None:
     """Require the Triton kernels to run under Triton's interpreter: TRITON_INTERPRET=1 from the
-    top of this file, before triton's first import (tests/test_kernels.py's docstring says why)."""
+    top of this file, before triton's first import (tests/kernels/conftest.py's docstring says why)."""
     import numpy
     import triton
     from triton.runtime.interpreter import InterpretedFunction

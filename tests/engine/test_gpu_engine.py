@@ -39,6 +39,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.presets import ensure_preset_model, load_preset, write_random_checkpoint
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.step_plan import StepPlan, padded_block_tables
+from pdserve.tests.engine.helpers import free_cuda
 
 pytestmark = pytest.mark.gpu
 
@@ -66,11 +67,6 @@ def engine_config(path: Path, **overrides: object) -> EngineConfig:
                         # Room for the largest decode bucket (256) at random contexts up to MAX_MODEL_LEN.
                         cache=CacheConfig(block_size=BLOCK, num_blocks=256 * MAX_MODEL_LEN // BLOCK))
     return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
-
-
-def free_cuda() -> None:
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 # -- CUDA graphs ------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.presets import ensure_preset_model
 from pdserve.engine.sampling import SamplingParams
+from pdserve.tests.engine.helpers import free_cuda
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -43,11 +44,6 @@ DECIDED_MARGIN = 6.0
 def preset(name: str) -> Path:
     # Drawn on the GPU: the 7B takes ~30 s there, minutes on the CPU.
     return ensure_preset_model(name, dtype="bfloat16", device="cuda")
-
-
-def free_cuda() -> None:
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 def tp1_logits(config: EngineConfig, prompt: list[int]) -> torch.Tensor:

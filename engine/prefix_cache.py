@@ -119,6 +119,11 @@ class PrefixCache:
         self._clock = itertools.count(1)  # LRU order: ticks, not wall time, so ties cannot reorder
         self._owner: dict[int, CacheNode] = {}  # block id -> the node holding it
         self._evictable_leaves: set[CacheNode] = set()
+        # The evictable leaves by last access, for eviction in O(log n) a block. An entry goes
+        # stale when its node is touched again, locked, given a child or evicted; stale entries
+        # are skipped when popped, and dropped when they outnumber the live ones.
+        self._lru: list[tuple[int, int, int, CacheNode]] = []  # (last access, node id, entry number, node)
+        self._entries = itertools.count()  # so that equal entries never compare their nodes
         self._num_pinned = 0
         self._hit_tokens = 0
         self._miss_tokens = 0
@@ -167,6 +172,7 @@ class PrefixCache:
             child.last_access = tick
             block_ids.append(child.block_id)
             node = child
+        self._queue_if_evictable(node)
         hit = len(block_ids) * self.block_size
         self._hit_tokens += hit
         self._miss_tokens += len(token_ids) - hit
@@ -200,6 +206,7 @@ class PrefixCache:
             child.last_access = tick
             cached.append(child.block_id)
             node = child
+        self._queue_if_evictable(node)
         return InsertResult(cached, duplicates, node)
 
     def lock(self, handle: CacheNode) -> None:
@@ -222,19 +229,17 @@ class PrefixCache:
                 self._num_pinned -= 1
                 if node.is_leaf:
                     self._evictable_leaves.add(node)
+                    self._queue_if_evictable(node)
 
     def evict(self, num_blocks: int) -> list[int]:
         """Free up to ``num_blocks`` blocks, evicting unlocked leaves least recently used first
         (a parent left childless joins the candidates). Returns the freed block ids."""
-        heap = [(node.last_access, node.node_id, node) for node in self._evictable_leaves]
-        heapq.heapify(heap)
         freed: list[int] = []
-        while heap and len(freed) < num_blocks:
-            _, _, node = heapq.heappop(heap)
-            parent = self._remove_leaf(node)
-            freed.append(node.block_id)
-            if parent in self._evictable_leaves:
-                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+        while self._lru and len(freed) < num_blocks:
+            last_access, _, _, node = heapq.heappop(self._lru)
+            if node in self._evictable_leaves and last_access == node.last_access:
+                self._remove_leaf(node)
+                freed.append(node.block_id)
         return freed
 
     # -- internals -----------------------------------------------------------------------------
@@ -265,7 +270,7 @@ class PrefixCache:
         self._emit(CacheEvent("insert", child.node_id, parent.node_id, key))
         return child
 
-    def _remove_leaf(self, node: CacheNode) -> CacheNode:
+    def _remove_leaf(self, node: CacheNode) -> None:
         parent = node.parent
         assert parent is not None and node.is_leaf and node.lock_count == 0
         del parent.children[node.key]
@@ -274,9 +279,18 @@ class PrefixCache:
         node.parent = None
         if not parent.is_root and parent.is_leaf and parent.lock_count == 0:
             self._evictable_leaves.add(parent)
+            self._queue_if_evictable(parent)
         self._evicted += 1
         self._emit(CacheEvent("evict", node.node_id, parent.node_id, node.key))
-        return parent
+
+    def _queue_if_evictable(self, node: CacheNode) -> None:
+        """Queue ``node`` for eviction at its current last access, if it is an evictable leaf."""
+        if node not in self._evictable_leaves:
+            return
+        heapq.heappush(self._lru, (node.last_access, node.node_id, next(self._entries), node))
+        if len(self._lru) > 2 * len(self._evictable_leaves) + 64:
+            self._lru = [(n.last_access, n.node_id, next(self._entries), n) for n in self._evictable_leaves]
+            heapq.heapify(self._lru)
 
     def _check_attached(self, handle: CacheNode) -> None:
         if handle.parent is None and not handle.is_root:

@@ -85,8 +85,18 @@ def settings_of(cls: type, prefix: str = "", path: tuple[str, ...] = ()) -> list
         elif "help" in f.metadata:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             key = f.metadata["key"] or prefix + f.name
-            specs.append(SettingSpec(key, (*path, f.name), hints[f.name], default, f.metadata["help"],
-                                     f.metadata["section"], f.metadata["choices"], f.metadata["default_text"]))
+            specs.append(
+                SettingSpec(
+                    key,
+                    (*path, f.name),
+                    hints[f.name],
+                    default,
+                    f.metadata["help"],
+                    f.metadata["section"],
+                    f.metadata["choices"],
+                    f.metadata["default_text"],
+                )
+            )
         elif not f.metadata.get("internal"):
             raise TypeError(f"{cls.__name__}.{f.name} is neither a setting, a subtree nor internal")
     keys = [s.key for s in specs]
@@ -173,8 +183,7 @@ class RopeConfig:
     def __post_init__(self) -> None:
         if self.rope_type not in ("default", "linear", "llama3"):
             raise ValueError(
-                f"rope_scaling type {self.rope_type!r} is not supported "
-                "(supported: default, linear, llama3)"
+                f"rope_scaling type {self.rope_type!r} is not supported (supported: default, linear, llama3)"
             )
         if self.theta <= 0 or self.factor <= 0:
             raise ValueError("rope theta and factor must be positive")
@@ -242,14 +251,20 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES.values():
             raise ValueError(f"unsupported architecture {self.architecture!r}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"model config {name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
@@ -394,7 +409,9 @@ class EngineConfig:
         section="Model",
     )
     dtype: str = setting(
-        "auto", help="Weights and activations: float32, float16 or bfloat16.", section="Model",
+        "auto",
+        help="Weights and activations: float32, float16 or bfloat16.",
+        section="Model",
         default_text="auto: bfloat16 on GPUs, float32 on CPU",
     )
     max_model_len: int | None = setting(
@@ -403,7 +420,9 @@ class EngineConfig:
     device: str = internal("auto")  # auto: cuda if available else cpu; the launcher places ranks
     seed: int = internal(0)
     kernels: str = setting(
-        "auto", help="Kernel implementation: triton or torch (the references).", choices=("auto", "triton", "torch"),
+        "auto",
+        help="Kernel implementation: triton or torch (the references).",
+        choices=("auto", "triton", "torch"),
         default_text="auto: triton on GPUs, torch on CPU",
     )
     enforce_eager: bool = setting(False, help="Run every step eagerly: no CUDA graphs.", section="GPU")

@@ -341,6 +341,11 @@ class CacheConfig:
         0.90, help="Fraction of each GPU's memory a rank may use for weights and KV cache.", section="GPU"
     )
     cpu_kv_cache_bytes: int = setting(1 << 30, help="Bytes of KV pool per rank on CPU when num_blocks is unset.")
+    enable_prefix_caching: bool = setting(
+        True,
+        key="prefix_cache",
+        help="Keep computed KV blocks after their requests end and reuse them for prompts that start alike.",
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

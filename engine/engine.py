@@ -5,6 +5,7 @@ This is the API the workers build on and the oracle every cluster topology is co
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceType
@@ -17,6 +18,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.model_runner import SINGLE_RANK, ModelRunner
 from pdserve.engine.parallel import TensorParallel
+from pdserve.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling import RequestError, SamplingParams, validate_request
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -46,10 +48,11 @@ class EngineStats:
     """The engine's KV pool and queues at one moment."""
 
     num_blocks: int
-    free_blocks: int
+    free_blocks: int  # free, or cached with no request using them (evicted when needed)
     running: int
     waiting: int
     kv_held: int  # prefilled requests keeping their KV, and blocks reserved for KV still arriving
+    prefix_cache: PrefixCacheStats | None = None  # None with prefix caching off
 
 
 @dataclass
@@ -101,7 +104,8 @@ class LLMEngine:
                 f"without chunked prefill max_num_batched_tokens ({sched.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})"
             )
-        self.block_manager = BlockManager(self.runner.num_blocks, block_size)
+        prefix_cache = PrefixCache(block_size) if config.cache.enable_prefix_caching else None
+        self.block_manager = BlockManager(self.runner.num_blocks, block_size, prefix_cache)
         self.scheduler = Scheduler(sched, self.block_manager)
         self.sampler = Sampler()
         self.requests: dict[str, Sequence] = {}
@@ -165,7 +169,13 @@ class LLMEngine:
         """
         self._check_new_id(request_id)
         self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id, [*prompt_token_ids, first_token], params, num_prompt_tokens=len(prompt_token_ids))
+        seq = Sequence(
+            request_id,
+            [*prompt_token_ids, first_token],
+            params,
+            num_prompt_tokens=len(prompt_token_ids),
+            cacheable=False,
+        )
         # Keep one free block per running or arriving sequence for its next tokens: admitting work
         # that would force a preemption right away is worse than asking the prefill side to wait.
         headroom = len(self.scheduler.running) + len(self.reserved)
@@ -212,6 +222,7 @@ class LLMEngine:
             len(self.scheduler.running),
             len(self.scheduler.waiting),
             len(self.held) + len(self.reserved),
+            self.block_manager.cache_stats(),
         )
 
     def has_unfinished(self) -> bool:
@@ -271,6 +282,10 @@ class LLMEngine:
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == seq.num_tokens:
                 sampled_seqs.append(seq)
+                if seq.num_output_tokens == 0:
+                    # Its prompt is done: requests scheduled from now on share its full blocks
+                    # (their steps queue behind this one, which writes them).
+                    self.block_manager.cache_blocks(seq)
         if not sampled_seqs:
             return None
         tokens = self.sampler(logits, [s.params for s in sampled_seqs], [s.request_id for s in sampled_seqs])
@@ -339,8 +354,14 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
-            timings=seq.milestones.durations(),
+            timings=self._timings(seq),
         )
+
+    def _timings(self, seq: Sequence) -> RequestTimings:
+        timings = seq.milestones.durations()
+        if self.block_manager.prefix_cache is None or not seq.cacheable:
+            return timings
+        return dataclasses.replace(timings, cached_tokens=float(seq.num_cached_tokens))
 
     def drain(self) -> Iterator[list[RequestOutput]]:
         """Step until every request has finished, yielding each step's outputs."""

@@ -11,6 +11,11 @@ Two policies, chosen by ``SchedulerConfig.enable_chunked_prefill``:
 When a running sequence needs a block and none is free, the most recently admitted running
 sequence is preempted: its blocks are freed and it goes back to waiting to be recomputed
 later. Memory pressure therefore slows requests down; it never crashes the engine.
+
+With prefix caching, a waiting sequence starts after its longest cached prefix when it first
+gets to the head of the queue (``BlockManager.match_prefix``): its prompt work, chunked or not,
+covers only the rest. A preempted sequence's computed blocks stay cached until evicted, so it
+usually resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -114,6 +119,8 @@ class Scheduler:
         scheduled: list[tuple[Sequence, int]] = []
         while self.waiting and budget > 0 and free_seq_slots > 0:
             seq = self.waiting[0]
+            if seq.cache_node is None:  # not matched since it last held blocks
+                self.block_manager.match_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
             chunk = min(remaining, budget) if chunked else remaining
             if chunk > budget:

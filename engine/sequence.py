@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdserve.engine.prefix_cache import CacheNode
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.timings import Milestones
 
@@ -44,6 +45,14 @@ class Sequence:
     # Prefill role: stop after the first token and keep the KV blocks for the transfer.
     prefill_only: bool = False
     finishing: bool = False
+    # Prefix caching: the first ``num_shared_blocks`` blocks of ``block_table`` belong to the
+    # prefix cache, locked for this sequence through ``cache_node`` (the node of the last one).
+    num_shared_blocks: int = 0
+    cache_node: CacheNode | None = None
+    num_cached_tokens: int = 0  # prompt tokens the cache held when the sequence was first scheduled
+    # Decode role: KV received from another group is not offered to the cache (it may not have
+    # arrived when the request ends).
+    cacheable: bool = True
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)

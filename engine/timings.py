@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class RequestTimings:
-    """Seconds a request spent in each phase, and the KV bytes it moved; None where a value does
-    not apply. An engine measures ``queue``, ``prefill`` and ``decode``; a decode group's leader
-    adds ``transfer`` and ``transfer_bytes``; the router ``first_token`` and ``total``."""
+    """Seconds a request spent in each phase, the KV bytes it moved and the prompt tokens the
+    prefix cache served; None where a value does not apply. An engine measures ``queue``,
+    ``prefill``, ``decode`` and ``cached_tokens``; a decode group's leader adds ``transfer`` and
+    ``transfer_bytes``; the router ``first_token`` and ``total``."""
 
     queue: float | None = None
     prefill: float | None = None
@@ -22,6 +23,7 @@ class RequestTimings:
     decode: float | None = None
     first_token: float | None = None
     total: float | None = None
+    cached_tokens: float | None = None  # a count, as transfer_bytes; None with prefix caching off
 
     def as_dict(self) -> dict[str, float]:
         """The values that apply, by name: the wire form (``timings`` in docs/protocol.md)."""

@@ -1,0 +1,205 @@
+"""Prefix caching in the engine (fp32, CPU): greedy output is token-identical with the cache on
+and off, cached prompt tokens are skipped (and counted), and a request whose cached prefix is
+evicted while it waits recomputes it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.cluster.config import ClusterConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.sampling import SamplingParams
+
+BLOCK = 16
+PREFIX_LENGTHS = [0, 5, BLOCK, BLOCK + 1, 2 * BLOCK, 3 * BLOCK - 1, 4 * BLOCK, 5 * BLOCK + 3]
+
+
+def make_engine(
+    model_dir: Path, prefix_cache: bool, num_blocks: int = 128, overlap: bool = True, **sched: object
+) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            device="cpu",
+            max_model_len=128,
+            overlap_scheduling=overlap,
+            cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, enable_prefix_caching=prefix_cache),
+            scheduler=SchedulerConfig(**sched),  # type: ignore[arg-type]
+        )
+    )
+
+
+def random_tokens(n: int, seed: int, vocab: int = 500) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def shared_prefix_prompts() -> list[list[int]]:
+    """Prompts over one 83-token base: each of its prefixes (block-aligned and not) with its own
+    suffix, the base itself, a repeat of the base (cached whole), and a block-aligned prompt that
+    is entirely a prefix of the others."""
+    base = random_tokens(5 * BLOCK + 3, seed=1)
+    prompts = [base[:n] + random_tokens(7 + n % 5, seed=100 + n) for n in PREFIX_LENGTHS]
+    return prompts + [base, list(base), base[: 2 * BLOCK]]
+
+
+def run(engine: LLMEngine, waves: list[list[list[int]]], params: SamplingParams) -> list[RequestOutput]:
+    """Each wave's prompts added together, the next wave after the last one has finished; the
+    final output of every request, in order."""
+    finals: list[RequestOutput] = []
+    tokens: dict[str, list[int]] = {}
+    for w, wave in enumerate(waves):
+        ids = [f"w{w}-{i}" for i in range(len(wave))]
+        for request_id, prompt in zip(ids, wave):
+            engine.add_request(request_id, prompt, params)
+            tokens[request_id] = []
+        done: dict[str, RequestOutput] = {}
+        for outputs in engine.drain():
+            for out in outputs:
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    out.new_token_ids = tokens[out.request_id]
+                    done[out.request_id] = out
+        finals += [done[i] for i in ids]
+    return finals
+
+
+@pytest.mark.parametrize(
+    ("name", "overlap", "num_blocks", "sched"),
+    [
+        ("tiny-qwen2", True, 128, {}),
+        ("tiny-llama-odd", False, 128, {}),
+        ("tiny-qwen2", True, 128, {"max_num_batched_tokens": 24, "max_num_seqs": 4}),
+        ("tiny-qwen2", False, 128, {"enable_chunked_prefill": False, "max_num_batched_tokens": 128, "max_num_seqs": 8}),
+        ("tiny-llama-odd", True, 12, {}),  # a tight pool: evictions and preemptions
+    ],
+    ids=["default", "sync-odd", "small-chunks", "unchunked", "tight-pool"],
+)
+def test_greedy_output_is_identical_with_the_cache_on_and_off(
+    tiny_model_dirs: dict[str, Path], name: str, overlap: bool, num_blocks: int, sched: dict
+) -> None:
+    prompts = shared_prefix_prompts()
+    # The first wave caches the base; the second, all at once, shares its prefixes (and, where
+    # steps are small, the prompts of its own that finish their prefill first).
+    waves = [prompts[-3:-2], prompts]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    off = run(make_engine(tiny_model_dirs[name], False, num_blocks, overlap, **sched), waves, params)
+    engine = make_engine(tiny_model_dirs[name], True, num_blocks, overlap, **sched)
+    on = run(engine, waves, params)
+    assert [o.new_token_ids for o in on] == [o.new_token_ids for o in off]
+    assert [o.finish_reason for o in on] == ["length"] * (len(prompts) + 1)
+    assert all(o.timings.cached_tokens is None for o in off)
+    cached = [int(o.timings.cached_tokens or 0) for o in on]
+    assert all(c % BLOCK == 0 and c < len(p) for c, p in zip(cached, prompts[-3:-2] + prompts))
+    stats = engine.stats()
+    assert stats.prefix_cache is not None and stats.prefix_cache.hit_tokens >= sum(cached) > 0
+    assert stats.prefix_cache.pinned_blocks == 0
+    assert stats.free_blocks == num_blocks  # cached blocks that no request uses count as free
+    if num_blocks == 12:
+        assert stats.prefix_cache.evicted_blocks > 0 and engine.scheduler.num_preemptions > 0
+
+
+def test_cached_tokens_are_the_longest_cached_prefix(tiny_model_dirs: dict[str, Path]) -> None:
+    """Requests one after another: each is served the longest block-aligned prefix it shares
+    with the tokens an earlier request computed (its prompt and all its output but the last),
+    always leaving its last prompt token to compute."""
+    engine = make_engine(tiny_model_dirs["tiny-qwen2"], True)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    computed: list[list[int]] = []
+    answers: list[list[int]] = []
+    prompts = shared_prefix_prompts()
+    for prompt in [*prompts, None]:
+        if prompt is None:  # a second turn: the last conversation, answer included, and more
+            prompt = prompts[-1] + answers[-1] + random_tokens(4, seed=9)
+        [final] = run(engine, [[prompt]], params)
+        shared = max((_common_prefix(prompt, c) for c in computed), default=0)
+        assert final.timings.cached_tokens == min(shared, len(prompt) - 1) // BLOCK * BLOCK
+        computed.append(prompt + final.new_token_ids[:-1])
+        answers.append(final.new_token_ids)
+    stats = engine.stats().prefix_cache
+    assert stats is not None and 0 < stats.hit_rate < 1
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize(
+    ("other_tokens", "expected_cached"),
+    [(60, 3 * BLOCK), (100, 0)],
+    ids=["last-block-evicted", "all-evicted"],
+)
+def test_a_request_whose_prefix_is_evicted_while_it_waits_completes(
+    tiny_model_dirs: dict[str, Path], other_tokens: int, expected_cached: int
+) -> None:
+    """A 64-token prefix is cached; a request sharing it waits (one sequence at a time) behind
+    another whose growth evicts the prefix's last block, or all of it, from an 8-block pool. It
+    runs from what is left of the prefix and decodes as without the cache."""
+    model_dir = tiny_model_dirs["tiny-llama"]
+    prefix = random_tokens(4 * BLOCK, seed=3)
+    first, other, waiting = prefix + [7], random_tokens(20, seed=4), prefix + random_tokens(5, seed=5)
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=other_tokens, temperature=0.0, ignore_eos=True)
+    results = {}
+    for prefix_cache in (False, True):
+        engine = make_engine(model_dir, prefix_cache, num_blocks=8, max_num_seqs=1)
+        run(engine, [[first]], short)
+        if prefix_cache:
+            assert engine.stats().prefix_cache.cached_blocks == 4  # type: ignore[union-attr]
+        engine.add_request("other", other, long)
+        engine.add_request("waiting", waiting, short)
+        outputs = {r: [] for r in ("other", "waiting")}
+        finals = {}
+        for step in engine.drain():
+            for out in step:
+                outputs[out.request_id] += out.new_token_ids
+                if out.finished:
+                    finals[out.request_id] = out
+        assert [finals[r].finish_reason for r in ("other", "waiting")] == ["length", "length"]
+        results[prefix_cache] = outputs
+        if prefix_cache:
+            stats = engine.stats().prefix_cache
+            assert stats is not None and stats.evicted_blocks >= 4 - expected_cached // BLOCK
+            assert finals["waiting"].timings.cached_tokens == expected_cached
+    assert results[True] == results[False]
+
+
+def test_prefilled_requests_hand_over_cached_blocks(tiny_model_dirs: dict[str, Path]) -> None:
+    """Prefill role: a prefilled request's KV blocks start with the cached ones it shares, which
+    stay locked (never evicted) until ``release``; released, they stay cached for the next."""
+    engine = make_engine(tiny_model_dirs["tiny-qwen2"], True, num_blocks=16)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = random_tokens(3 * BLOCK + 2, seed=6)
+    engine.add_request("a", prompt, params, prefill_only=True)
+    [a] = [o for step in engine.drain() for o in step]
+    engine.add_request("b", prompt[:-1] + [1, 2], params, prefill_only=True)
+    [b] = [o for step in engine.drain() for o in step]
+    assert a.kv_block_ids is not None and b.kv_block_ids is not None
+    assert b.kv_block_ids[:3] == a.kv_block_ids[:3] and b.timings.cached_tokens == 3 * BLOCK
+    assert set(b.kv_block_ids[3:]).isdisjoint(a.kv_block_ids)
+    # Both hold the three shared blocks and one of their own.
+    assert engine.stats().free_blocks == 16 - 5
+    engine.release("a")
+    engine.release("b")
+    assert engine.stats().free_blocks == 16
+    engine.add_request("c", prompt, params, prefill_only=True)
+    [c] = [o for step in engine.drain() for o in step]
+    assert c.kv_block_ids is not None and c.kv_block_ids[:3] == a.kv_block_ids[:3]
+    assert c.new_token_ids == a.new_token_ids
+
+
+def test_the_cache_is_a_setting_on_by_default() -> None:
+    from pdserve.launch import main
+
+    model = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, max_position_embeddings=4096)
+    assert ClusterConfig().engine_config("m", model).cache.enable_prefix_caching
+    off = ClusterConfig.from_settings({"prefix_cache": False}).engine_config("m", model)
+    assert not off.cache.enable_prefix_caching
+    assert any("--no-prefix-cache" in p.secondary_opts for p in main.params)

@@ -41,8 +41,9 @@ def cluster_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
 
 
 def oracle(model_dir: Path, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", max_model_len=MAX_MODEL_LEN,
-                                    cache=CacheConfig(num_blocks=256)))
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), device="cpu", max_model_len=MAX_MODEL_LEN, cache=CacheConfig(num_blocks=256))
+    )
     return engine.generate(prompts, params)
 
 
@@ -55,8 +56,10 @@ def mixed_requests(vocab: int, n: int, seed: int) -> tuple[list[list[int]], list
 
 def run_concurrently(client: Client, prompts: list[list[int]], params: list[SamplingParams]) -> list[Final]:
     """Submit every request at once (streaming), then check each stream and return its Final."""
-    ids = [client.submit(token_ids=p, stream=True, max_tokens=sp.max_tokens, temperature=0.0,
-                         ignore_eos=sp.ignore_eos) for p, sp in zip(prompts, params)]
+    ids = [
+        client.submit(token_ids=p, stream=True, max_tokens=sp.max_tokens, temperature=0.0, ignore_eos=sp.ignore_eos)
+        for p, sp in zip(prompts, params)
+    ]
     finals = []
     for request_id in ids:
         chunks: list[Chunk] = []
@@ -76,8 +79,10 @@ def wait_until_idle(client: Client, timeout: float = 60.0) -> dict[str, dict[str
     while True:
         stats = client.stats()
         groups = stats.groups
-        if stats.requests_in_flight == 0 and groups and all(
-            g["free_blocks"] == g["num_blocks"] and g["kv_held"] == 0 for g in groups.values()
+        if (
+            stats.requests_in_flight == 0
+            and groups
+            and all(g["free_blocks"] == g["num_blocks"] and g["kv_held"] == 0 for g in groups.values())
         ):
             return groups
         assert time.monotonic() < deadline, f"cluster not idle: {stats}"
@@ -90,8 +95,18 @@ def test_2p1d_matches_single_process_then_survives_bad_input_and_aborts(
     cluster_factory, tiny_model_dirs: dict[str, Path], transfer: str
 ) -> None:
     model_dir = tiny_model_dirs["tiny-llama-odd"]  # 9 query / 3 KV heads: tp 2 splits them unevenly
-    cluster = cluster_factory("--model", str(model_dir), "--prefill-tp", "2", "--decode-tp", "1",
-                              "--transfer", transfer, "--num-blocks", "200")
+    cluster = cluster_factory(
+        "--model",
+        str(model_dir),
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "1",
+        "--transfer",
+        transfer,
+        "--num-blocks",
+        "200",
+    )
     prompts, params = mixed_requests(500, 16, seed=1)
     expected = oracle(model_dir, prompts, params)
     with Client(cluster.endpoint, timeout=120) as client:
@@ -99,7 +114,9 @@ def test_2p1d_matches_single_process_then_survives_bad_input_and_aborts(
         assert [f.token_ids for f in finals] == expected
         assert all(f.finish_reason == "length" for f in finals)
         decoded = next(f for f in finals if len(f.token_ids) > 1)  # went through both groups
-        assert {"queue", "prefill", "transfer", "transfer_bytes", "decode", "first_token", "total"} <= set(decoded.timings)
+        assert {"queue", "prefill", "transfer", "transfer_bytes", "decode", "first_token", "total"} <= set(
+            decoded.timings
+        )
 
         # Abort mid-stream: the client gets an "abort" final; every block on both sides comes back.
         request_id = client.submit(token_ids=prompts[5], stream=True, max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -141,8 +158,10 @@ def test_2p1d_matches_single_process_then_survives_bad_input_and_aborts(
             with pytest.raises(ClusterError) as info:
                 client.generate(**kwargs)
             assert info.value.code == "invalid_request" and field in str(info.value)
-        assert client.result(good).token_ids == oracle(model_dir, [prompts[3]], [SamplingParams(
-            max_tokens=8, temperature=0.0, ignore_eos=True)])[0]
+        assert (
+            client.result(good).token_ids
+            == oracle(model_dir, [prompts[3]], [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)])[0]
+        )
         wait_until_idle(client)
     assert cluster.stop() == 0, cluster.output()[-4000:]
 
@@ -154,9 +173,22 @@ def test_decode_back_pressure_makes_prefill_wait(cluster_factory, tiny_model_dir
     moves one request's KV at a time while two prefill groups announce to one decode group: the
     decode side refuses, the prefill side keeps the KV and retries, and every request completes."""
     model_dir = tiny_model_dirs["tiny-qwen2"]
-    cluster = cluster_factory("--model", str(model_dir), "--prefill-tp", "1", "--prefill-groups", "2",
-                              "--decode-tp", "2", "--transfer", "gloo-async", "--num-blocks", "32",
-                              "--transfer-staging-mib", "0.015625")
+    cluster = cluster_factory(
+        "--model",
+        str(model_dir),
+        "--prefill-tp",
+        "1",
+        "--prefill-groups",
+        "2",
+        "--decode-tp",
+        "2",
+        "--transfer",
+        "gloo-async",
+        "--num-blocks",
+        "32",
+        "--transfer-staging-mib",
+        "0.015625",
+    )
     prompts, params = mixed_requests(512, 16, seed=2)
     params = [SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)] * 16
     expected = oracle(model_dir, prompts, params)
@@ -182,8 +214,10 @@ def test_demo_model_text_prompts_and_colocated_mode_agree(cluster_factory, demo_
     prompts = [encode_prompt(tokenizer, q) for q in questions]
     params = [SamplingParams(max_tokens=12, temperature=0.0)] * len(prompts)
     expected = oracle(demo_model_dir, prompts, params)
-    for mode_args in (["--prefill-tp", "2", "--decode-tp", "1", "--transfer", "gloo-async"],
-                      ["--mode", "colocated", "--colocated-groups", "1", "--max-num-seqs", "8"]):
+    for mode_args in (
+        ["--prefill-tp", "2", "--decode-tp", "1", "--transfer", "gloo-async"],
+        ["--mode", "colocated", "--colocated-groups", "1", "--max-num-seqs", "8"],
+    ):
         cluster = cluster_factory("--model", "demo", "--num-blocks", "400", *mode_args)
         with Client(cluster.endpoint, timeout=120) as client:
             ids = [client.submit(q, stream=True, max_tokens=12, temperature=0.0) for q in questions]
@@ -195,9 +229,21 @@ def test_demo_model_text_prompts_and_colocated_mode_agree(cluster_factory, demo_
 
 
 @pytest.mark.slow
-def test_sigterm_under_load_ends_every_request_and_exits_zero(cluster_factory, tiny_model_dirs: dict[str, Path]) -> None:
-    cluster = cluster_factory("--model", str(tiny_model_dirs["tiny-llama"]), "--prefill-tp", "1", "--decode-tp", "1",
-                              "--drain-timeout", "3", "--num-blocks", "200")
+def test_sigterm_under_load_ends_every_request_and_exits_zero(
+    cluster_factory, tiny_model_dirs: dict[str, Path]
+) -> None:
+    cluster = cluster_factory(
+        "--model",
+        str(tiny_model_dirs["tiny-llama"]),
+        "--prefill-tp",
+        "1",
+        "--decode-tp",
+        "1",
+        "--drain-timeout",
+        "3",
+        "--num-blocks",
+        "200",
+    )
     client = Client(cluster.endpoint, timeout=60)
     short = [client.submit(token_ids=[1, 2, 3], max_tokens=5, temperature=0.0, ignore_eos=True) for _ in range(4)]
     endless = [client.submit(token_ids=[4, 5, 6], max_tokens=450, temperature=0.0, ignore_eos=True) for _ in range(4)]
@@ -220,9 +266,11 @@ def test_sigterm_under_load_ends_every_request_and_exits_zero(cluster_factory, t
 def test_client_reports_a_missing_cluster_clearly() -> None:
     from pdserve.cluster.client import ClusterUnavailable
 
-    with Client(f"tcp://127.0.0.1:{free_port()}", timeout=0.5) as client:
-        with pytest.raises(ClusterUnavailable, match="is it running"):
-            client.generate(token_ids=[1, 2, 3], max_tokens=2)
+    with (
+        Client(f"tcp://127.0.0.1:{free_port()}", timeout=0.5) as client,
+        pytest.raises(ClusterUnavailable, match="is it running"),
+    ):
+        client.generate(token_ids=[1, 2, 3], max_tokens=2)
 
 
 def test_async_client_skips_an_undecodable_frame_and_gets_its_final() -> None:

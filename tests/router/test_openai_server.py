@@ -131,8 +131,22 @@ def served(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> It
     """A cluster started as a user would, ``launch.py ... --http-port PORT``."""
     logs = tmp_path_factory.mktemp("openai")
     http_port = free_port()
-    args = ["--model", "demo", "--prefill-tp", "1", "--decode-tp", "1", "--transfer", "gloo-async",
-            "--num-blocks", "400", "--max-model-len", str(MAX_MODEL_LEN), "--http-port", str(http_port)]
+    args = [
+        "--model",
+        "demo",
+        "--prefill-tp",
+        "1",
+        "--decode-tp",
+        "1",
+        "--transfer",
+        "gloo-async",
+        "--num-blocks",
+        "400",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--http-port",
+        str(http_port),
+    ]
     cluster = LaunchedCluster(args, logs / "launch.log", start_timeout=300)
     base_url = f"http://127.0.0.1:{http_port}"
     try:

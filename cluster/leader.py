@@ -97,8 +97,19 @@ class GroupLeader:
 
     def stats(self) -> WorkerStats:
         s = self.engine.stats()
+        cache = s.prefix_cache
         return WorkerStats(
-            self.role, self.group, s.num_blocks, s.free_blocks, s.running, s.waiting, s.kv_held, self.kv_refused
+            self.role,
+            self.group,
+            s.num_blocks,
+            s.free_blocks,
+            s.running,
+            s.waiting,
+            s.kv_held,
+            self.kv_refused,
+            prefix_queried_tokens=0 if cache is None else cache.hit_tokens + cache.miss_tokens,
+            prefix_hit_tokens=0 if cache is None else cache.hit_tokens,
+            prefix_evicted_blocks=0 if cache is None else cache.evicted_blocks,
         )
 
     def busy(self) -> bool:

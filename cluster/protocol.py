@@ -435,6 +435,11 @@ class WorkerStats(Message):
     waiting: int
     kv_held: int  # prefill: prefilled requests keeping their KV; decode: receives in flight
     kv_refused: int  # prefill: announcements the decode side refused (back-pressure), cumulative
+    # The prefix cache, cumulative (0 without one): prompt tokens looked up, those it held, and
+    # blocks it evicted.
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_evicted_blocks: int = 0
 
 
 @dataclass

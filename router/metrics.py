@@ -3,9 +3,10 @@
 
 Latencies are measured where the front end sees them (request arrival, each chunk, the end);
 the phases of a request (queue, prefill, KV transfer, decode) come from the ``timings`` of its
-``final`` message; running/waiting requests, KV usage and refused transfers per worker group
-come from the cluster's ``stats`` reply, read at each scrape. One registry per server, never the
-process-wide default, so that several servers (tests) never share counters.
+``final`` message; running/waiting requests, KV usage, refused transfers and the prefix cache's
+counters per worker group come from the cluster's ``stats`` reply, read at each scrape. One
+registry per server, never the process-wide default, so that several servers (tests) never
+share counters.
 """
 
 from __future__ import annotations
@@ -121,8 +122,8 @@ class FrontendMetrics:
 
 
 class ClusterCollector(Collector):
-    """Gauges (and the refused-transfer counter) from the latest ``stats`` reply, read at scrape
-    time; nothing per group while the cluster has not answered."""
+    """Gauges (and the refused-transfer and prefix-cache counters) from the latest ``stats``
+    reply, read at scrape time; nothing per group while the cluster has not answered."""
 
     def __init__(self) -> None:
         self.stats: Stats | None = None
@@ -164,6 +165,19 @@ class ClusterCollector(Collector):
             "KV announcements the decode side refused for lack of blocks or buffer room (the prefill side retries).",
             labels=["group"],
         )
+        counters = {
+            "prefix_queried_tokens": CounterMetricFamily(
+                f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in a group's prefix cache.", labels=["group"]
+            ),
+            "prefix_hit_tokens": CounterMetricFamily(
+                f"{PREFIX}prefix_cache_hits", "Prompt tokens a group's prefix cache held.", labels=["group"]
+            ),
+            "prefix_evicted_blocks": CounterMetricFamily(
+                f"{PREFIX}prefix_cache_evicted_blocks",
+                "KV blocks a group's prefix cache evicted to make room.",
+                labels=["group"],
+            ),
+        }
         for group, g in sorted(stats.groups.items()):
             families["running"].add_metric([group], g.get("running", 0))
             families["waiting"].add_metric([group], g.get("waiting", 0))
@@ -171,5 +185,8 @@ class ClusterCollector(Collector):
             families["usage"].add_metric([group], 1.0 - g.get("free_blocks", 0) / total if total else 0.0)
             families["kv_held"].add_metric([group], g.get("kv_held", 0))
             refused.add_metric([group], g.get("kv_refused", 0))
+            for key, counter in counters.items():
+                counter.add_metric([group], g.get(key, 0))
         yield from families.values()
         yield refused
+        yield from counters.values()

@@ -114,9 +114,8 @@ def test_2p1d_matches_single_process_then_survives_bad_input_and_aborts(
         assert [f.token_ids for f in finals] == expected
         assert all(f.finish_reason == "length" for f in finals)
         decoded = next(f for f in finals if len(f.token_ids) > 1)  # went through both groups
-        assert {"queue", "prefill", "transfer", "transfer_bytes", "decode", "first_token", "total"} <= set(
-            decoded.timings
-        )
+        keys = {"queue", "prefill", "transfer", "transfer_bytes", "decode", "first_token", "total", "cached_tokens"}
+        assert keys <= set(decoded.timings)
 
         # Abort mid-stream: the client gets an "abort" final; every block on both sides comes back.
         request_id = client.submit(token_ids=prompts[5], stream=True, max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -128,6 +127,9 @@ def test_2p1d_matches_single_process_then_survives_bad_input_and_aborts(
         assert isinstance(tail[-1], Final) and tail[-1].finish_reason == "abort"
         groups = wait_until_idle(client)
         assert set(groups) == {"prefill0", "decode0"}
+        # Its prompt ran before: the prefill group's prefix cache held its full blocks (16 tokens)
+        # but for the last token.
+        assert groups["prefill0"]["prefix_hit_tokens"] >= (len(prompts[5]) - 1) // 16 * 16 > 0
 
         # Bad input at the socket: each gets an error naming the problem; a request beside them completes.
         good = client.submit(token_ids=prompts[3], stream=False, max_tokens=8, temperature=0.0, ignore_eos=True)

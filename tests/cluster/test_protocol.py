@@ -119,6 +119,7 @@ if hasattr(protocol, "StatsRequest"):
         protocol.Stats(0, {}),
         protocol.Stats(1, {}, ready=True, accepting=False, max_model_len=512),
         protocol.WorkerStats("decode", 0, 64, 10, 3, 1, 2, 0),
+        protocol.WorkerStats("prefill", 1, 64, 10, 3, 1, 2, 0, 500, 320, 12),
     ]
 
 

@@ -539,6 +539,33 @@ def test_metrics_parse_and_move_with_a_request(served: Served) -> None:
         assert sample(idle_samples, "pdserve:kv_transfer_refused_total", group=group) == 0
 
 
+def test_metrics_carry_each_groups_prefix_cache_counters() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pdserve.cluster.protocol import Stats
+    from pdserve.router.metrics import ClusterCollector
+
+    collector = ClusterCollector()
+    collector.stats = Stats(
+        1,
+        {
+            "prefill0": {"prefix_queried_tokens": 300, "prefix_hit_tokens": 240, "prefix_evicted_blocks": 7},
+            "decode0": {"num_blocks": 64, "free_blocks": 64},
+        },
+    )
+    registry = CollectorRegistry()
+    registry.register(collector)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+    }
+    assert sample(samples, "pdserve:prefix_cache_queries_total", group="prefill0") == 300
+    assert sample(samples, "pdserve:prefix_cache_hits_total", group="prefill0") == 240
+    assert sample(samples, "pdserve:prefix_cache_evicted_blocks_total", group="prefill0") == 7
+    assert ("pdserve:prefix_cache_hits_total", (("group", "decode0"),)) in samples
+
+
 @pytest.mark.slow
 def test_a_client_that_goes_away_aborts_its_request_and_frees_the_kv(served: Served) -> None:
     before = metric_samples(served)

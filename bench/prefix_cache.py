@@ -1,0 +1,122 @@
+"""Prefill time of a prompt whose leading tokens are in the prefix cache, against the same prompt
+uncached, in one run.
+
+    python -m pdserve.bench.prefix_cache --preset qwen2.5-1.5b --prompt-len 2048 --cached-len 1920 \\
+        --out prefix_cache.json
+
+Each repetition draws a fresh shared prefix of ``--cached-len`` random tokens and two suffixes.
+The first request (prefix + suffix A) runs uncached and leaves its full blocks in the cache; the
+second (prefix + suffix B) finds them there. Each request is timed on the wall clock from
+``add_request`` to its first token (``max_tokens=1``): scheduling, the prefill forward and
+sampling, everything a request's time to first token pays inside the engine. The cached
+request's first token is checked against an engine with the cache off (same weights), so the
+speed-up is of the same answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.bench.common import command_line, fmt, format_table, metadata, model_dir, resolve_device, write_json
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling import SamplingParams
+
+_FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def time_to_first_token(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple[float, int]:
+    """Milliseconds from submission to the first token, and that token."""
+    device = engine.runner.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, _FIRST_TOKEN)
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3, tokens[0]
+
+
+def run(config: EngineConfig, prompt_len: int, cached_len: int, reps: int, warmup: int, seed: int) -> dict[str, Any]:
+    cached = LLMEngine(config)
+    uncached = LLMEngine(replace(config, cache=replace(config.cache, enable_prefix_caching=False)))
+    gen = torch.Generator().manual_seed(seed)
+    vocab = cached.model_config.vocab_size
+
+    def draw(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+    rows = []
+    for rep in range(warmup + reps):
+        prefix = draw(cached_len)
+        first, second = prefix + draw(prompt_len - cached_len), prefix + draw(prompt_len - cached_len)
+        cold_ms, _ = time_to_first_token(cached, f"cold-{rep}", first)
+        hits_before = cached.stats().prefix_cache.hit_tokens
+        warm_ms, warm_token = time_to_first_token(cached, f"warm-{rep}", second)
+        hit = cached.stats().prefix_cache.hit_tokens - hits_before
+        _, reference_token = time_to_first_token(uncached, f"ref-{rep}", second)
+        if rep >= warmup:
+            rows.append({"uncached_ms": cold_ms, "cached_ms": warm_ms, "cached_tokens": hit,
+                         "same_first_token": warm_token == reference_token})
+    uncached_ms = statistics.median(r["uncached_ms"] for r in rows)
+    cached_ms = statistics.median(r["cached_ms"] for r in rows)
+    for engine in (cached, uncached):
+        engine.close()
+    return {
+        "prompt_len": prompt_len,
+        "cached_len": cached_len,
+        "uncached_ms": uncached_ms,
+        "cached_ms": cached_ms,
+        "speedup": uncached_ms / cached_ms,
+        "cached_tokens": statistics.median(r["cached_tokens"] for r in rows),
+        "same_first_token": sum(r["same_first_token"] for r in rows),
+        "reps": rows,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.prefix_cache", description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="qwen2.5-1.5b", help="model-shape preset with random weights")
+    parser.add_argument("--model", help="a Hugging Face model directory (instead of --preset)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument("--cached-len", type=int, default=1920, help="leading tokens shared with the first request")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if not 0 < args.cached_len < args.prompt_len:
+        parser.error("--cached-len must be between 0 and --prompt-len")
+    device = resolve_device(args.device)
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    path = model_dir(args.preset, args.model, dtype, device)
+    config = EngineConfig(model=str(path), dtype=dtype, device=str(device), max_model_len=args.prompt_len + 16,
+                          cache=CacheConfig(num_blocks=4 * (args.prompt_len // 16 + 2) * (args.reps + args.warmup)))
+    result = run(config, args.prompt_len, args.cached_len, args.reps, args.warmup, args.seed)
+    print(format_table(
+        ["prompt", "cached", "uncached ms", "cached ms", "speed-up", "hit tokens", "same first token"],
+        [[str(result["prompt_len"]), str(result["cached_len"]), fmt(result["uncached_ms"]), fmt(result["cached_ms"]),
+          f"{result['speedup']:.2f}x", f"{result['cached_tokens']:.0f}",
+          f"{result['same_first_token']}/{len(result['reps'])}"]],
+    ))
+    document = {"metadata": metadata(device, command_line("pdserve.bench.prefix_cache", argv)), "result": result}
+    write_json(document, args.out)
+    return document
+
+
+if __name__ == "__main__":
+    main()

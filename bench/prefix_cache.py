@@ -97,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overlap", choices=("on", "off"), default="on", help="overlapped engine steps")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     if not 0 < args.cached_len < args.prompt_len:
@@ -105,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     path = model_dir(args.preset, args.model, dtype, device)
     config = EngineConfig(model=str(path), dtype=dtype, device=str(device), max_model_len=args.prompt_len + 16,
+                          overlap_scheduling=args.overlap == "on",
                           cache=CacheConfig(num_blocks=4 * (args.prompt_len // 16 + 2) * (args.reps + args.warmup)))
     result = run(config, args.prompt_len, args.cached_len, args.reps, args.warmup, args.seed)
     print(format_table(

@@ -12,12 +12,17 @@ Lifecycle of a request here:
    prefill); the final one carries the transfer time and size.
 
 Invariant: a posted receive always completes (the prefill side always sends once accepted),
-so an abort during a transfer frees the blocks only after it.
+so an abort during a transfer frees the blocks only after it. An abort may arrive before the
+request's announcement (the router tells both groups at once; the prefill side announces when
+its prefill ends): its id is remembered for ``_ABORTED_TTL_S`` and its announcement refused, so
+the prefill side frees the KV and nothing is decoded.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections import OrderedDict
 
 from pdserve.cluster.config import Addresses
 from pdserve.cluster.leader import GroupLeader
@@ -28,6 +33,10 @@ from pdserve.engine.timings import RequestTimings
 from pdserve.kvtransfer.agent import KVTransferAgent
 from pdserve.kvtransfer.base import TransferStats
 
+# Long enough for any announcement still on its way, short and bounded so the memory stays small.
+_ABORTED_TTL_S = 120.0
+_ABORTED_MAX = 100_000
+
 
 class DecodeLeader(GroupLeader):
     role = "decode"
@@ -37,6 +46,7 @@ class DecodeLeader(GroupLeader):
         self.transfers = transfers  # from every prefill group
         self.receiving: dict[str, KVAnnounce] = {}
         self.aborted_in_flight: set[str] = set()
+        self.aborted: OrderedDict[str, float] = OrderedDict()  # request -> when its abort came, oldest first
         # Prefill's timings and the transfer's stats, read when the request finishes (on CUDA the
         # transfer time comes from events: reading it earlier would stall the loop).
         self.handoffs: dict[str, tuple[RequestTimings, TransferStats]] = {}
@@ -52,6 +62,9 @@ class DecodeLeader(GroupLeader):
 
     def on_announce(self, announce: KVAnnounce) -> None:
         request_id = announce.request_id
+        if request_id in self.aborted:  # aborted before its KV was announced: never decode it
+            self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
+            return
         num_blocks = self.engine.blocks_for(len(announce.token_ids))
         if not self.transfers.has_staging_room(announce.prefill_group, num_blocks):
             self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
@@ -73,6 +86,9 @@ class DecodeLeader(GroupLeader):
         self.next_index[request_id] = 1
 
     def background(self) -> None:
+        expired = time.monotonic() - _ABORTED_TTL_S
+        while self.aborted and (len(self.aborted) > _ABORTED_MAX or next(iter(self.aborted.values())) < expired):
+            self.aborted.popitem(last=False)
         for request_id in [r for r in self.receiving if self.transfers.done(r)]:
             announce = self.receiving.pop(request_id)
             stats = self.transfers.wait(request_id)
@@ -84,6 +100,7 @@ class DecodeLeader(GroupLeader):
             self.engine.admit(request_id)
 
     def abort(self, request_id: str) -> None:
+        self.aborted[request_id] = time.monotonic()
         if request_id in self.receiving:
             self.aborted_in_flight.add(request_id)  # free after the receive lands
             return

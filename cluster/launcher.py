@@ -52,8 +52,10 @@ class Cluster:
         if c.mode == "colocated":
             groups = f"{c.colocated_groups} colocated group(s) x tp{c.colocated_tp}"
         else:
-            groups = (f"{c.prefill_groups} prefill x tp{c.prefill_tp} -> {c.decode_groups} decode x tp{c.decode_tp}"
-                      f", transfer {self.transfer.backend}")
+            groups = (
+                f"{c.prefill_groups} prefill x tp{c.prefill_tp} -> {c.decode_groups} decode x tp{c.decode_tp}"
+                f", transfer {self.transfer.backend}"
+            )
         where = "GPUs " + ",".join(str(d) for p in self.placement for d in (p or ())) if self.placement[0] else "CPU"
         return f"{Path(self.model_dir).name}: {groups} on {where}, dispatch {c.dispatch}"
 
@@ -74,15 +76,25 @@ class Cluster:
         engine = c.engine_config(self.model_dir, model)
         tokenizer = _load_tokenizer(self.model_dir)
         if tokenizer is None and (self.require_tokenizer or c.http_port is not None):
-            raise ClusterError(f"{c.engine.model} has no tokenizer (random-weight presets have none), so it cannot "
-                               "answer text prompts; use --model demo or a Hugging Face directory with one")
+            raise ClusterError(
+                f"{c.engine.model} has no tokenizer (random-weight presets have none), so it cannot "
+                "answer text prompts; use --model demo or a Hugging Face directory with one"
+            )
         layout = GroupLayout.of(c)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         specs: list[WorkerSpec] = []
         for (role, group, tp), devices in zip(c.groups(), self.placement):
             ranks = layout.ranks[role][group]
-            for rank_spec in group_specs(engine, tp, ranks[0], c.world_size, init_method, layout.all_groups(),
-                                         devices, self.addresses.steps(role, group)):
+            for rank_spec in group_specs(
+                engine,
+                tp,
+                ranks[0],
+                c.world_size,
+                init_method,
+                layout.all_groups(),
+                devices,
+                self.addresses.steps(role, group),
+            ):
                 specs.append(WorkerSpec(rank_spec, role, group, self.addresses, layout, self.transfer))
         try:
             self.router = Router(c, self.addresses, tokenizer, model.vocab_size, engine.max_model_len)
@@ -111,9 +123,23 @@ class Cluster:
         """The OpenAI-compatible front end in its own process (so that it does not share an
         interpreter lock with the router loop), returning once it listens."""
         c = self.config
-        command = [sys.executable, "-m", "pdserve.router.openai_server", "--endpoint", self.endpoint,
-                   "--model", c.engine.model, "--host", c.host, "--port", str(port),
-                   "--drain-timeout", str(c.drain_timeout), "--log-level", "warning"]
+        command = [
+            sys.executable,
+            "-m",
+            "pdserve.router.openai_server",
+            "--endpoint",
+            self.endpoint,
+            "--model",
+            c.engine.model,
+            "--host",
+            c.host,
+            "--port",
+            str(port),
+            "--drain-timeout",
+            str(c.drain_timeout),
+            "--log-level",
+            "warning",
+        ]
         self.http = subprocess.Popen(command, preexec_fn=die_with_parent)
         deadline = time.monotonic() + c.start_timeout
         while not _listening(c.host, port):
@@ -123,25 +149,34 @@ class Cluster:
                 raise ClusterError(f"the HTTP front end did not start on port {port} (its error is above)")
 
     def request_stop(self, *_: object) -> None:
+        if self._stopping:
+            logger.warning("already draining: in-flight requests end within the drain timeout")
         self._stop_requested = True
 
     def serve(self, until: object = None) -> None:
-        """Route requests until a stop is requested (signal, or ``until()`` returning True)."""
+        """Route requests until a stop is requested (signal, or ``until()`` returning True), then
+        drain. The handlers stay installed through the drain: a repeated signal must not kill the
+        process while requests are still finishing."""
         assert self.router is not None and self.processes is not None
         previous = {sig: signal.signal(sig, self.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             while not self._stop_requested and not (callable(until) and until()):
                 self.router.poll(50)
                 self._check_workers()
+            self.shutdown()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        self.shutdown()
 
     def _check_workers(self) -> None:
         assert self.router is not None and self.processes is not None
         failure = self.processes.failure()
-        if failure is None and self.http is not None and self.http.poll() is not None and not (self._stopping or self._stop_requested):
+        if (
+            failure is None
+            and self.http is not None
+            and self.http.poll() is not None
+            and not (self._stopping or self._stop_requested)
+        ):
             failure = f"the HTTP front end exited with status {self.http.returncode}"
         if failure is not None:
             self.router.fail_all("worker_failed", f"a worker died: {failure}")
@@ -151,6 +186,8 @@ class Cluster:
     def shutdown(self) -> None:
         """Stop admitting, let in-flight requests finish (up to drain_timeout), stop the workers."""
         assert self.router is not None and self.processes is not None
+        if self._stopping:  # idempotent: one drain, whoever asks again
+            return
         self._stopping = True
         if self.http is not None and self.http.poll() is None:
             self.http.send_signal(signal.SIGTERM)  # it answers 503 from now on and drains its own requests
@@ -160,8 +197,10 @@ class Cluster:
             self.router.poll(50)
             self._check_workers()
         if self.router.requests:
-            self.router.fail_all("shutdown", f"the cluster shut down before this request finished "
-                                             f"(drain timeout {self.config.drain_timeout:.0f} s)")
+            self.router.fail_all(
+                "shutdown",
+                f"the cluster shut down before this request finished (drain timeout {self.config.drain_timeout:.0f} s)",
+            )
         self.router.shutdown_workers()
         try:
             self.processes.wait(timeout=60)
@@ -196,8 +235,9 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             probe.bind((host, port))
         except OSError as e:
-            raise ClusterError(f"cannot listen on {host}:{port}: {e.strerror} (another pdserve running? "
-                               "choose another --port)") from None
+            raise ClusterError(
+                f"cannot listen on {host}:{port}: {e.strerror} (another pdserve running? choose another --port)"
+            ) from None
 
 
 def _load_tokenizer(model_dir: str) -> object | None:

@@ -3,6 +3,9 @@ any order of messages, repeated signals, oversized input, exposure and wrong res
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,3 +89,60 @@ def test_aborts_right_after_submit_free_every_block_and_decode_nothing(
         assert most_running <= len(busy), f"aborted requests were decoded ({most_running} running at once)"
         assert [len(client.result(r).token_ids) for r in busy] == [100] * len(busy)
     assert cluster.stop() == 0
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_during_the_drain_loses_nothing(cluster_factory, tiny_model_dirs: dict[str, Path]) -> None:
+    """SIGTERM, then SIGTERM again (and SIGINT) while requests drain: each request still ends with
+    exactly one terminal message, launch.py exits 0 and leaves no run directory behind."""
+    cluster = cluster_factory(
+        "--model",
+        str(tiny_model_dirs["tiny-llama"]),
+        "--prefill-tp",
+        "1",
+        "--decode-tp",
+        "1",
+        "--drain-timeout",
+        "4",
+        "--num-blocks",
+        "200",
+    )
+    run_dir = _run_dir(cluster.proc.pid)
+    with Client(cluster.endpoint, timeout=60) as client:
+        requests = [
+            client.submit(token_ids=[1 + i, 2, 3], max_tokens=5 if i < 10 else 450, temperature=0.0, ignore_eos=True)
+            for i in range(30)
+        ]
+        time.sleep(1.0)
+        cluster.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        cluster.proc.send_signal(signal.SIGTERM)
+        cluster.proc.send_signal(signal.SIGINT)
+        terminal: dict[str, list[str]] = {}
+        while sum(len(v) for v in terminal.values()) < len(requests):
+            message = client.receive()
+            if message.type in ("final", "error"):
+                outcome = message.finish_reason if message.type == "final" else message.code
+                terminal.setdefault(message.request_id, []).append(outcome)
+        assert cluster.proc.wait(timeout=120) == 0, cluster.output()[-4000:]
+        while client._socket.poll(500):  # nothing more, for any request
+            message = client.receive()
+            assert message.type not in ("final", "error"), message
+    assert sorted(terminal) == sorted(requests) and all(len(v) == 1 for v in terminal.values()), terminal
+    assert {terminal[r][0] for r in requests[:10]} == {"length"}
+    assert {terminal[r][0] for r in requests[10:]} <= {"length", "shutdown"}
+    assert "already draining" in cluster.output()
+    assert run_dir.is_dir() is False, f"{run_dir} left behind"
+
+
+def _run_dir(pid: int) -> Path:
+    """The run directory of a launch.py process: where its ipc sockets are bound."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            inodes.add(os.readlink(fd).removeprefix("socket:[").removesuffix("]"))
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[6] in inodes and "/pdserve-" in fields[7]:
+            return Path(fields[7]).parent
+    raise AssertionError(f"no ipc socket of process {pid} found")

@@ -43,8 +43,10 @@ class ClusterConfig:
     engine every rank runs and how KV moves between groups."""
 
     mode: str = setting(
-        "disagg", help="disagg: separate prefill and decode groups; colocated: groups that serve whole requests.",
-        section="Topology", choices=MODES,
+        "disagg",
+        help="disagg: separate prefill and decode groups; colocated: groups that serve whole requests.",
+        section="Topology",
+        choices=MODES,
     )
     prefill_tp: int = _topology(1, "Tensor-parallel degree of each prefill group (disagg).")
     decode_tp: int = _topology(1, "Tensor-parallel degree of each decode group (disagg).")
@@ -53,18 +55,42 @@ class ClusterConfig:
     colocated_tp: int = _topology(1, "Tensor-parallel degree of each colocated group (colocated).")
     colocated_groups: int = _topology(1, "Number of colocated groups (colocated).")
     devices: tuple[int, ...] | None = setting(
-        None, help="Comma-separated GPU ids, one per rank in group order.", section="GPU",
+        None,
+        help="Comma-separated GPU ids, one per rank in group order.",
+        section="GPU",
         default_text="all visible GPUs; CPU when there are none",
     )
     host: str = setting("127.0.0.1", help="Address the client endpoint binds.", section="Serving")
     port: int = setting(5555, help="TCP port of the client endpoint (ZMQ).", section="Serving")
     http_port: int | None = setting(
-        None, help="Also serve the OpenAI-compatible HTTP API (and /health, /metrics) on this port, on --host.",
-        section="Serving", default_text="off",
+        None,
+        help="Also serve the OpenAI-compatible HTTP API (and /health, /metrics) on this port, on --host.",
+        section="Serving",
+        default_text="off",
     )
     dispatch: str = setting(
-        "round-robin", help="How the router picks a group for each request.", section="Serving",
+        "round-robin",
+        help="How the router picks a group for each request.",
+        section="Serving",
         choices=DISPATCH_POLICIES,
+    )
+    max_message_mib: float = setting(
+        16.0,
+        help="Largest message a client may send, in MiB: a bigger one drops its connection unread.",
+        section="Serving",
+    )
+    max_prompt_chars: int = setting(
+        1_000_000,
+        help="Longest text prompt, in characters (tokenizing it holds up every other client).",
+        section="Serving",
+    )
+    max_requests_per_client: int = setting(
+        4096,
+        help="Requests one client connection may have in flight; more get the error overloaded.",
+        section="Serving",
+    )
+    max_requests: int = setting(
+        16384, help="Requests in flight over all clients; more get the error overloaded.", section="Serving"
     )
     drain_timeout: float = setting(30.0, help="Seconds to finish in-flight requests on shutdown.", section="Serving")
     start_timeout: float = setting(600.0, help="Seconds the groups may take to become ready.", section="Serving")
@@ -84,14 +110,19 @@ class ClusterConfig:
         for name in unused:
             if getattr(self, name) != 1:
                 flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} applies to --mode {'colocated' if self.mode == 'disagg' else 'disagg'}, "
-                                 f"not --mode {self.mode}")
+                raise ValueError(
+                    f"{flag} applies to --mode {'colocated' if self.mode == 'disagg' else 'disagg'}, "
+                    f"not --mode {self.mode}"
+                )
         for name in ("port", "http_port"):
             value = getattr(self, name)
             if value is not None and not 0 < value < 65536:
                 raise ValueError(f"{name} must be in 1..65535, got {value}")
         if self.http_port == self.port:
             raise ValueError(f"--http-port and --port must differ, both are {self.port}")
+        for name in ("max_message_mib", "max_prompt_chars", "max_requests_per_client", "max_requests"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.start_timeout <= 0:

@@ -24,6 +24,7 @@ from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.timings import RequestTimings
 
 PROTOCOL_VERSION = 1
+MAX_REQUEST_ID_CHARS = 256  # an id is echoed on every reply: a longer one is refused, not echoed
 
 
 class ProtocolError(ValueError):
@@ -226,6 +227,8 @@ def decode(data: bytes) -> Message:
     if not isinstance(body, dict):
         raise ProtocolError("malformed", "a message must be a msgpack map")
     request_id = body.get("request_id") if isinstance(body.get("request_id"), str) else None
+    if request_id is not None and len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ProtocolError("invalid_field", f"request_id: longer than {MAX_REQUEST_ID_CHARS} characters")
     kind = body.pop("type", None)
     version = body.pop("version", None)
     if not isinstance(kind, str) or kind not in _TYPES:

@@ -6,7 +6,13 @@ prefill group and a decode group (or a colocated group), and turns the workers' 
 into ordered chunks with incremental text and one final message.
 
 Invariant: every accepted request ends with exactly one terminal message to its client
-(``Final`` or ``Error``); bad input gets an ``Error`` reply and never stops the loop.
+(``Final`` or ``Error``); bad input gets an ``Error`` reply and never stops the loop. The one
+exception is a client the router can no longer reach (disconnected, or so far behind in reading
+that its send queue is full): its requests are aborted on the workers and dropped.
+
+Limits keep one client from holding up the others: a message over ``max_message_mib`` is never
+read (ZMQ drops the connection), a text prompt over ``max_prompt_chars`` is refused before it is
+tokenized, and requests beyond ``max_requests_per_client`` or ``max_requests`` get ``overloaded``.
 """
 
 from __future__ import annotations
@@ -50,6 +56,10 @@ from pdserve.router.policy import create_policy
 
 logger = logging.getLogger(__name__)
 
+# Messages queued for one client before it counts as gone: far beyond what a reading client
+# lets pile up, small enough that one that never reads cannot grow the router without bound.
+_CLIENT_SEND_HWM = 100_000
+
 
 @dataclass
 class RequestState:
@@ -82,11 +92,11 @@ class Router:
         self.max_model_len = max_model_len
         self.ctx = zmq.Context.instance()
         self.frontend = self.ctx.socket(zmq.ROUTER)
-        self.frontend.setsockopt(zmq.ROUTER_MANDATORY, 0)  # a gone client's replies are dropped
-        # A ROUTER socket also drops replies to a connected client whose queue is full (1000
-        # messages by default): a client reading slower than the cluster streams would lose
-        # chunks, or its final and so its request. No limit: they wait in memory instead.
-        self.frontend.setsockopt(zmq.SNDHWM, 0)
+        # Mandatory routing: a send to a gone client, or to one whose queue is full, raises
+        # instead of being dropped silently, so its requests can be ended (``_drop_client``).
+        self.frontend.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.frontend.setsockopt(zmq.SNDHWM, _CLIENT_SEND_HWM)
+        self.frontend.setsockopt(zmq.MAXMSGSIZE, int(config.max_message_mib * 2**20))
         self.frontend.bind(addresses.client)
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(addresses.router)
@@ -107,6 +117,7 @@ class Router:
         self.decode_policy = create_policy(config.dispatch)
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
+        self.client_load: dict[bytes, int] = {}  # requests in flight by client
         self.ready: set[tuple[str, int]] = set()
         self.worker_stats: dict[str, dict[str, int]] = {}
         self.accepting = True
@@ -136,8 +147,9 @@ class Router:
     def fail_all(self, code: str, message: str) -> None:
         """End every in-flight request with an error (drain timeout, dead worker)."""
         for request_id in list(self.requests):
-            self._abort_workers(request_id)
-            self._terminal_error(request_id, code, message)
+            if request_id in self.requests:  # not dropped with its client by a send before
+                self._abort_workers(request_id)
+                self._terminal_error(request_id, code, message)
 
     def shutdown_workers(self) -> None:
         for sock in self.leaders.values():
@@ -151,12 +163,32 @@ class Router:
 
     def _reply(self, client: bytes, message: Message) -> None:
         self._flush_chunks(client)  # a request's chunks go before anything sent after them
-        self.frontend.send_multipart([client, encode(message)])
+        self._send(client, encode(message))
 
     def _flush_chunks(self, client: bytes) -> None:
         chunks = self._chunks.pop(client, None)
         if chunks:
-            self.frontend.send_multipart([client, encode(Chunks(chunks))])
+            self._send(client, encode(Chunks(chunks)))
+
+    def _send(self, client: bytes, data: bytes) -> None:
+        try:
+            self.frontend.send_multipart([client, data], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._drop_client(client, "stopped reading (its send queue is full)")
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self._drop_client(client, "disconnected")
+
+    def _drop_client(self, client: bytes, why: str) -> None:
+        """A client that cannot be reached: abort its requests, which it can no longer hear of."""
+        self._chunks.pop(client, None)
+        dropped = [rid for (c, _), rid in self.by_client.items() if c == client]
+        for request_id in dropped:
+            self._abort_workers(request_id)
+            self._release(request_id)
+        if dropped:
+            logger.warning("router: a client %s; aborted its %d request(s)", why, len(dropped))
 
     def _on_client(self, client: bytes, data: bytes) -> None:
         try:
@@ -210,6 +242,13 @@ class Router:
         if not self.accepting:
             self._reply(client, Error(client_id, "shutting_down", "the cluster is shutting down"))
             return
+        if self.client_load.get(client, 0) >= self.config.max_requests_per_client:
+            limit = self.config.max_requests_per_client
+            self._reply(client, Error(client_id, "overloaded", f"this client has {limit} requests in flight already"))
+            return
+        if len(self.requests) >= self.config.max_requests:
+            self._reply(client, Error(client_id, "overloaded", "the cluster has too many requests in flight"))
+            return
         if (client, client_id) in self.by_client:
             self._reply(
                 client, Error(client_id, "duplicate_request_id", f"request_id {client_id!r} is already running")
@@ -244,6 +283,7 @@ class Router:
             state.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.requests[request_id] = state
         self.by_client[(client, client_id)] = request_id
+        self.client_load[client] = self.client_load.get(client, 0) + 1
         work = WorkRequest(request_id, token_ids, request.sampling, decode_group if decode_group is not None else -1)
         self.leaders[state.entry_group].send(encode(work))
 
@@ -253,6 +293,10 @@ class Router:
         if request.prompt is not None:
             if not request.prompt:
                 raise RequestError("prompt", "is empty")
+            if len(request.prompt) > self.config.max_prompt_chars:
+                raise RequestError(
+                    "prompt", f"has {len(request.prompt)} characters, more than {self.config.max_prompt_chars}"
+                )
             if self.tokenizer is None:
                 raise RequestError("prompt", "this model has no tokenizer: send token_ids")
             return encode_prompt(self.tokenizer, request.prompt, chat=request.chat)
@@ -304,6 +348,8 @@ class Router:
                     self._chunks.setdefault(state.client, []).append(chunk)
                 else:
                     self._reply(state.client, chunk)
+                    if output.request_id not in self.requests:  # its client was dropped
+                        return
             if current.finished:
                 self._final(output.request_id, current.finish_reason or "stop", current.timings)
                 return
@@ -313,6 +359,10 @@ class Router:
     def _release(self, request_id: str) -> RequestState:
         state = self.requests.pop(request_id)
         self.by_client.pop((state.client, state.client_request_id), None)
+        if self.client_load[state.client] > 1:
+            self.client_load[state.client] -= 1
+        else:
+            del self.client_load[state.client]
         self.entry_load[state.entry_group[1]] -= state.outstanding_tokens
         if state.decode_group is not None:
             self.decode_load[state.decode_group] -= state.outstanding_tokens

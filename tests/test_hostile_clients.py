@@ -10,10 +10,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from pdserve.bench.compare import LaunchedCluster
-from pdserve.cluster.client import Client
+from pdserve.cluster.client import Client, ClusterError
+from pdserve.cluster.protocol import Generate, decode, encode
 
 MAX_MODEL_LEN = 512
 
@@ -146,3 +148,77 @@ def _run_dir(pid: int) -> Path:
         if len(fields) >= 8 and fields[6] in inodes and "/pdserve-" in fields[7]:
             return Path(fields[7]).parent
     raise AssertionError(f"no ipc socket of process {pid} found")
+
+
+def _peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.slow
+def test_size_limits_and_admission(cluster_factory, tiny_model_dirs: dict[str, Path]) -> None:
+    """A 200 MiB frame is dropped unread while another client's request completes within a
+    second; an over-long request id is refused, not echoed; a text prompt over the limit and
+    requests over the per-client limit get clear errors."""
+    cluster = cluster_factory(
+        "--model",
+        str(tiny_model_dirs["tiny-llama"]),
+        "--prefill-tp",
+        "1",
+        "--decode-tp",
+        "1",
+        "--num-blocks",
+        "200",
+        "--max-requests-per-client",
+        "4",
+        "--max-prompt-chars",
+        "1000",
+    )
+    with Client(cluster.endpoint, timeout=30) as client, Client(cluster.endpoint, timeout=30) as hostile:
+        assert len(client.generate(token_ids=[1, 2, 3], max_tokens=2, temperature=0.0).token_ids) == 2
+        rss_before = _peak_rss_mib(cluster.proc.pid)
+        big = encode(Generate(request_id="big", token_ids=None, prompt="x" * (200 << 20)))
+        hostile._socket.send(big, copy=False)
+        time.sleep(0.05)
+        started = time.monotonic()
+        final = client.generate(token_ids=[4, 5, 6], max_tokens=4, temperature=0.0, ignore_eos=True)
+        elapsed = time.monotonic() - started
+        assert len(final.token_ids) == 4 and elapsed < 1.0, elapsed
+        time.sleep(1.0)
+        assert _peak_rss_mib(cluster.proc.pid) - rss_before < 50, (rss_before, _peak_rss_mib(cluster.proc.pid))
+        assert not hostile._socket.poll(200), "the oversized frame got a reply: it was read"
+
+        hostile.send_raw(msgpack.packb({"type": "abort", "version": 1, "request_id": "y" * 1_000_000}))
+        assert hostile._socket.poll(10_000)
+        raw = hostile._socket.recv()
+        reply = decode(raw)
+        assert reply.type == "error" and reply.code == "invalid_field" and reply.request_id is None, reply
+        assert "request_id" in reply.message and len(raw) < 1000
+
+        with pytest.raises(ClusterError) as info:
+            client.generate("z" * 1001)
+        assert info.value.code == "invalid_request" and "1001 characters" in str(info.value)
+
+        ids = [client.submit(token_ids=[7, 8], max_tokens=400, temperature=0.0, ignore_eos=True) for _ in range(6)]
+        outcomes = []
+        for request_id in ids:
+            try:
+                outcomes.append(client.result(request_id).finish_reason)
+            except ClusterError as e:
+                outcomes.append(e.code)
+        assert outcomes == ["length"] * 4 + ["overloaded"] * 2
+        assert len(client.generate(token_ids=[9], max_tokens=2).token_ids) == 2  # the slots came back
+
+        # A client that disconnects mid-stream: the router notices at its next chunk and frees everything.
+        for _ in range(3):
+            hostile.submit(token_ids=[3, 4], stream=True, max_tokens=450, temperature=0.0, ignore_eos=True)
+        hostile.receive()
+        hostile.close()
+        deadline = time.monotonic() + 10
+        while (stats := client.stats()).requests_in_flight or not idle(stats.groups):
+            assert time.monotonic() < deadline, f"a gone client's requests still run: {stats}"
+            time.sleep(0.2)
+        assert "a client disconnected; aborted its 3 request(s)" in cluster.output()
+    assert cluster.stop() == 0

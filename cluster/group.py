@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import datetime
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -23,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -92,8 +94,7 @@ def init_distributed(spec: RankSpec) -> TensorParallel:
     torch.set_num_threads(spec.threads)
     if spec.backend == "nccl":
         torch.cuda.set_device(torch.device(spec.engine.device))
-    dist.init_process_group(spec.backend, init_method=spec.init_method, world_size=spec.world_size,
-                            rank=spec.global_rank)
+    dist.init_process_group(spec.backend, store=_store(spec), world_size=spec.world_size, rank=spec.global_rank)
     mine = None
     for ranks in spec.tp_groups:
         group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
@@ -101,6 +102,23 @@ def init_distributed(spec: RankSpec) -> TensorParallel:
             mine = group
     tp = spec.engine.parallel
     return TensorParallel(rank=tp.tp_rank, size=tp.tp_size, group=mine)
+
+
+def _store(spec: RankSpec) -> dist.TCPStore:
+    """The world's rendezvous store, served by global rank 0 on the init address only: a
+    TCPStore that opens its own socket listens on every interface."""
+    url = urlparse(spec.init_method)
+    host, port = url.hostname or "127.0.0.1", url.port or 0
+    timeout = datetime.timedelta(minutes=30)  # torch.distributed's own default for gloo
+    if spec.global_rank != 0:
+        return dist.TCPStore(host, port, spec.world_size, is_master=False, timeout=timeout)
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(spec.world_size)
+    return dist.TCPStore(
+        host, port, spec.world_size, is_master=True, timeout=timeout, master_listen_fd=listener.detach()
+    )
 
 
 class RankProcesses:
@@ -135,8 +153,11 @@ class RankProcesses:
 
     def failure(self) -> str | None:
         """The ranks that exited non-zero so far, if any (non-blocking)."""
-        failed = [f"rank {i} exited with code {p.exitcode}" for i, p in enumerate(self.processes)
-                  if p.exitcode not in (None, 0)]
+        failed = [
+            f"rank {i} exited with code {p.exitcode}"
+            for i, p in enumerate(self.processes)
+            if p.exitcode not in (None, 0)
+        ]
         return "; ".join(failed) + " (its traceback is in the cluster's log)" if failed else None
 
     def alive(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import signal
 import socket
@@ -63,6 +64,9 @@ class Cluster:
         """Check everything a user can get wrong, then spawn the ranks and wait until every group
         is ready. A mistake raises ``ValueError`` or ``ClusterError`` before any rank starts."""
         c = self.config
+        warning = exposure_warning(c.host)
+        if warning is not None:
+            logger.warning(warning)
         for port in (c.port, c.http_port):
             if port is not None:
                 _check_port_free(c.host, port)
@@ -220,6 +224,21 @@ class Cluster:
         if self.router is not None:
             self.router.close()
         self._tmp.cleanup()
+
+
+def exposure_warning(host: str) -> str | None:
+    """What to tell an operator who binds the client endpoints beyond this machine; None for a
+    loopback address."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback:
+        return None
+    return (
+        f"--host {host}: the client endpoint (and the HTTP API, if on) can be reached from other machines, "
+        "and clients are not authenticated: anyone who reaches it can use and stop requests"
+    )
 
 
 def _listening(host: str, port: int) -> bool:

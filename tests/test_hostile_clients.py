@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 
 from pdserve.bench.compare import LaunchedCluster
 from pdserve.cluster.client import Client, ClusterError
+from pdserve.cluster.launcher import exposure_warning
 from pdserve.cluster.protocol import Generate, decode, encode
 
 MAX_MODEL_LEN = 512
@@ -222,3 +224,21 @@ def test_size_limits_and_admission(cluster_factory, tiny_model_dirs: dict[str, P
             time.sleep(0.2)
         assert "a client disconnected; aborted its 3 request(s)" in cluster.output()
     assert cluster.stop() == 0
+
+
+@pytest.mark.slow
+def test_every_listener_binds_loopback(cluster_factory, tiny_model_dirs: dict[str, Path]) -> None:
+    """Nothing of a running cluster (router, ranks, the torch.distributed store, gloo) listens
+    beyond 127.0.0.1; binding --host elsewhere is warned about."""
+    cluster = cluster_factory("--model", str(tiny_model_dirs["tiny-llama"]), "--prefill-tp", "2", "--decode-tp", "1")
+    children = subprocess.run(["pgrep", "-P", str(cluster.proc.pid)], capture_output=True, text=True).stdout.split()
+    pids = {cluster.proc.pid, *map(int, children)}
+    listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout.splitlines()
+    ours = [line.split()[3] for line in listening if any(f"pid={pid}," in line for pid in pids)]
+    assert len(ours) >= 4, listening  # the client port, the store, gloo's pairs
+    assert all(address.startswith("127.0.0.1:") for address in ours), ours
+    assert cluster.stop() == 0
+    assert exposure_warning("127.0.0.1") is None and exposure_warning("localhost") is None
+    assert exposure_warning("::1") is None
+    for host in ("0.0.0.0", "10.1.2.3", "::", "example.org"):
+        assert "not authenticated" in (exposure_warning(host) or ""), host

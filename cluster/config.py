@@ -92,6 +92,11 @@ class ClusterConfig:
     max_requests: int = setting(
         16384, help="Requests in flight over all clients; more get the error overloaded.", section="Serving"
     )
+    parse_special_tokens: bool = setting(
+        False,
+        help="Read special-token text in prompts (e.g. <|im_start|>) as control tokens; off: as plain text.",
+        section="Serving",
+    )
     drain_timeout: float = setting(30.0, help="Seconds to finish in-flight requests on shutdown.", section="Serving")
     start_timeout: float = setting(600.0, help="Seconds the groups may take to become ready.", section="Serving")
     engine: EngineConfig = subtree(EngineConfig)

@@ -19,9 +19,15 @@ class RequestError(ValueError):
         self.message = message
 
 
+# Below this temperature sampling is greedy, which is what such a temperature asks for: the
+# sampler's float32 logits divided by it would overflow (or the temperature rounds to 0).
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. ``temperature == 0`` is greedy; ``top_k == -1`` disables top-k."""
+    """How to pick tokens. ``temperature < GREEDY_BELOW`` (0 among them) is greedy; ``top_k == -1``
+    disables top-k."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -50,7 +56,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def _is_real(x: object) -> bool:

@@ -14,7 +14,8 @@ class RequestTimings:
     """Seconds a request spent in each phase, the KV bytes it moved and the prompt tokens the
     prefix cache served; None where a value does not apply. An engine measures ``queue``,
     ``prefill``, ``decode`` and ``cached_tokens``; a decode group's leader adds ``transfer`` and
-    ``transfer_bytes``; the router ``first_token`` and ``total``."""
+    ``transfer_bytes``; the router ``first_token`` and ``total``, and widens ``queue`` to the
+    whole wait before prefill."""
 
     queue: float | None = None
     prefill: float | None = None

@@ -299,7 +299,9 @@ class Router:
                 )
             if self.tokenizer is None:
                 raise RequestError("prompt", "this model has no tokenizer: send token_ids")
-            return encode_prompt(self.tokenizer, request.prompt, chat=request.chat)
+            return encode_prompt(
+                self.tokenizer, request.prompt, chat=request.chat, parse_special_tokens=self.config.parse_special_tokens
+            )
         if not request.token_ids:
             raise RequestError("token_ids", "is empty")
         return request.token_ids
@@ -371,11 +373,13 @@ class Router:
     def _final(self, request_id: str, reason: str, worker_timings: RequestTimings | None = None) -> None:
         state = self._release(request_id)
         now = time.monotonic()
-        timings = dataclasses.replace(
-            worker_timings or RequestTimings(),
-            total=now - state.arrival,
-            first_token=None if state.first_token is None else state.first_token - state.arrival,
-        )
+        timings = worker_timings or RequestTimings()
+        first_token = None if state.first_token is None else state.first_token - state.arrival
+        if first_token is not None and timings.prefill is not None:
+            # The whole wait before prefill began, as the router saw it: the engine's own queue
+            # misses the time the request sat unread in a worker's inbox behind a long step.
+            timings = dataclasses.replace(timings, queue=max(0.0, first_token - timings.prefill))
+        timings = dataclasses.replace(timings, total=now - state.arrival, first_token=first_token)
         self._reply(
             state.client,
             Final(

@@ -19,6 +19,7 @@ import click
 import zmq
 import zmq.asyncio
 
+from pdserve.cluster.auth import secure_client
 from pdserve.cluster.protocol import (
     Abort,
     Chunk,
@@ -49,8 +50,10 @@ class ClusterError(RuntimeError):
 
 class ClusterUnavailable(TimeoutError):
     def __init__(self, endpoint: str, timeout: float) -> None:
-        super().__init__(f"no answer from a cluster at {endpoint} within {timeout:.0f} s "
-                         "(is it running? start one with: python launch.py)")
+        super().__init__(
+            f"no answer from a cluster at {endpoint} within {timeout:.0f} s "
+            "(is it running? start one with: python launch.py)"
+        )
 
 
 _ids = itertools.count()
@@ -68,21 +71,37 @@ def normalize_endpoint(endpoint: str) -> str:
     raise ValueError(f"endpoint {endpoint!r}: expected tcp://HOST:PORT, HOST:PORT or PORT")
 
 
-def _request(prompt: str | None, token_ids: list[int] | None, stream: bool, chat: bool,
-             request_id: str | None, sampling: dict[str, Any], batch_chunks: bool = False) -> Generate:
+def _request(
+    prompt: str | None,
+    token_ids: list[int] | None,
+    stream: bool,
+    chat: bool,
+    request_id: str | None,
+    sampling: dict[str, Any],
+    batch_chunks: bool = False,
+) -> Generate:
     request_id = request_id or f"{os.getpid()}-{next(_ids)}"
-    return Generate(request_id=request_id, prompt=prompt, token_ids=token_ids, sampling=Sampling(**sampling),
-                    stream=stream, chat=chat, batch_chunks=batch_chunks)
+    return Generate(
+        request_id=request_id,
+        prompt=prompt,
+        token_ids=token_ids,
+        sampling=Sampling(**sampling),
+        stream=stream,
+        chat=chat,
+        batch_chunks=batch_chunks,
+    )
 
 
 class Client:
     """Blocking client. ``timeout`` bounds the wait for each reply message."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 60.0) -> None:
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 60.0, auth_keys: str | None = None) -> None:
         self.endpoint = endpoint = normalize_endpoint(endpoint)
         self.timeout = timeout
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if auth_keys is not None:
+            secure_client(self._socket, auth_keys)
         self._socket.connect(endpoint)
         self._buffered: dict[str, list[Message]] = {}
 
@@ -116,8 +135,16 @@ class Client:
                 return message
             self._buffered.setdefault(rid or "", []).append(message)
 
-    def submit(self, prompt: str | None = None, *, token_ids: list[int] | None = None, stream: bool = False,
-               chat: bool = True, request_id: str | None = None, **sampling: Any) -> str:
+    def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: list[int] | None = None,
+        stream: bool = False,
+        chat: bool = True,
+        request_id: str | None = None,
+        **sampling: Any,
+    ) -> str:
         """Send a request without waiting; returns its request_id (see ``result``/``chunks``)."""
         request = _request(prompt, token_ids, stream, chat, request_id, sampling)
         self._socket.send(encode(request))
@@ -164,13 +191,21 @@ class AsyncClient:
     chunks (``Generate.batch_chunks``, unless ``batch_chunks=False``): one message a worker step
     for all of them."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 60.0, batch_chunks: bool = True) -> None:
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout: float = 60.0,
+        batch_chunks: bool = True,
+        auth_keys: str | None = None,
+    ) -> None:
         self.endpoint = endpoint = normalize_endpoint(endpoint)
         self.timeout = timeout
         self.batch_chunks = batch_chunks
         self._ctx = zmq.asyncio.Context.instance()
         self._socket = self._ctx.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if auth_keys is not None:
+            secure_client(self._socket, auth_keys)
         self._socket.connect(endpoint)
         self._queues: dict[str, asyncio.Queue[Message | BaseException]] = {}
         self._stats_waiters: collections.deque[asyncio.Future[Stats]] = collections.deque()  # in send order
@@ -206,8 +241,15 @@ class AsyncClient:
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read())
 
-    async def stream(self, prompt: str | None = None, *, token_ids: list[int] | None = None, chat: bool = True,
-                     request_id: str | None = None, **sampling: Any) -> AsyncIterator[Chunk | Final]:
+    async def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        token_ids: list[int] | None = None,
+        chat: bool = True,
+        request_id: str | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[Chunk | Final]:
         """Chunks in order, then the Final; raises ClusterError on an error reply."""
         self._start_reader()
         request = _request(prompt, token_ids, True, chat, request_id, sampling, batch_chunks=self.batch_chunks)
@@ -271,8 +313,13 @@ def _endpoint_option(ctx: click.Context, param: click.Parameter, value: str) -> 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("prompt")
-@click.option("--endpoint", default=DEFAULT_ENDPOINT, show_default=True, callback=_endpoint_option,
-              help="The cluster's client endpoint: tcp://HOST:PORT, HOST:PORT or PORT.")
+@click.option(
+    "--endpoint",
+    default=DEFAULT_ENDPOINT,
+    show_default=True,
+    callback=_endpoint_option,
+    help="The cluster's client endpoint: tcp://HOST:PORT, HOST:PORT or PORT.",
+)
 @click.option("--max-tokens", default=64, show_default=True, type=int, help="Most tokens to generate.")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 for greedy decoding.")
 @click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass.")
@@ -281,12 +328,28 @@ def _endpoint_option(ctx: click.Context, param: click.Parameter, value: str) -> 
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print tokens as they arrive.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--timeout", default=60.0, show_default=True, type=float, help="Seconds to wait for each reply.")
-def main(prompt: str, endpoint: str, max_tokens: int, temperature: float, top_p: float, top_k: int,
-         seed: int | None, stream: bool, raw: bool, timeout: float) -> None:
+@click.option("--auth-keys", type=click.Path(file_okay=False), help="The cluster's key directory (--auth-keys there).")
+def main(
+    prompt: str,
+    endpoint: str,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    stream: bool,
+    raw: bool,
+    timeout: float,
+    auth_keys: str | None,
+) -> None:
     """Send PROMPT to a running cluster and print the answer (timings on stderr)."""
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
     mid_line = False  # an error after partial output starts on a line of its own
-    with Client(endpoint, timeout) as client:
+    try:
+        client = Client(endpoint, timeout, auth_keys)
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    with client:
         try:
             request_id = client.submit(prompt, stream=stream, chat=not raw, **sampling)
             for message in client.chunks(request_id):
@@ -297,8 +360,11 @@ def main(prompt: str, endpoint: str, max_tokens: int, temperature: float, top_p:
                     mid_line = not text.endswith("\n")
                 if isinstance(message, Final):
                     t = message.timings
-                    click.echo(f"\n[{message.finish_reason}, {message.usage}] TTFT {t.get('first_token', 0) * 1e3:.1f} "
-                               f"ms, total {t.get('total', 0) * 1e3:.1f} ms", err=True)
+                    click.echo(
+                        f"\n[{message.finish_reason}, {message.usage}] TTFT {t.get('first_token', 0) * 1e3:.1f} "
+                        f"ms, total {t.get('total', 0) * 1e3:.1f} ms",
+                        err=True,
+                    )
         except (ClusterError, ClusterUnavailable) as e:
             if mid_line:
                 click.echo(err=True)

@@ -92,6 +92,12 @@ class ClusterConfig:
     max_requests: int = setting(
         16384, help="Requests in flight over all clients; more get the error overloaded.", section="Serving"
     )
+    auth_keys: str | None = setting(
+        None,
+        help="Key directory (python -m pdserve.cluster.auth DIR): clients must hold one of its client keys.",
+        section="Serving",
+        default_text="off: no authentication",
+    )
     parse_special_tokens: bool = setting(
         False,
         help="Read special-token text in prompts (e.g. <|im_start|>) as control tokens; off: as plain text.",

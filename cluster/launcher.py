@@ -64,7 +64,7 @@ class Cluster:
         """Check everything a user can get wrong, then spawn the ranks and wait until every group
         is ready. A mistake raises ``ValueError`` or ``ClusterError`` before any rank starts."""
         c = self.config
-        warning = exposure_warning(c.host)
+        warning = None if c.auth_keys is not None else exposure_warning(c.host)
         if warning is not None:
             logger.warning(warning)
         for port in (c.port, c.http_port):
@@ -143,6 +143,7 @@ class Cluster:
             str(c.drain_timeout),
             "--log-level",
             "warning",
+            *(["--auth-keys", c.auth_keys] if c.auth_keys is not None else []),
         ]
         self.http = subprocess.Popen(command, preexec_fn=die_with_parent)
         deadline = time.monotonic() + c.start_timeout

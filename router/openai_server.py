@@ -61,8 +61,10 @@ class Frontend:
         served_model_name: str | None = None,
         timeout: float = 600.0,
         drain_timeout: float = 30.0,
+        auth_keys: str | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.auth_keys = auth_keys
         self.model_dir = str(model_dir)
         self.model_name = served_model_name or Path(model_dir).name
         self.timeout = timeout
@@ -81,7 +83,7 @@ class Frontend:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
-        self.client = AsyncClient(self.endpoint, timeout=self.timeout)
+        self.client = AsyncClient(self.endpoint, timeout=self.timeout, auth_keys=self.auth_keys)
         with contextlib.suppress(APIError):  # the cluster may come up after us: /health says when
             await self._model_len()
         try:
@@ -399,10 +401,13 @@ def serve_openai(
     drain_timeout: float = 30.0,
     timeout: float = 600.0,
     log_level: str = "info",
+    auth_keys: str | None = None,
 ) -> None:
     """Serve the OpenAI API for the cluster at ``endpoint`` until SIGTERM/SIGINT (blocking; run it
     in its own process: the router's loop and this one should not share an interpreter lock)."""
-    frontend = Frontend(endpoint, model_dir, served_model_name, timeout=timeout, drain_timeout=drain_timeout)
+    frontend = Frontend(
+        endpoint, model_dir, served_model_name, timeout=timeout, drain_timeout=drain_timeout, auth_keys=auth_keys
+    )
     config = uvicorn.Config(
         frontend.app(), host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
     )
@@ -425,6 +430,7 @@ def serve_openai(
 @click.option("--drain-timeout", type=float, default=30.0, help="Seconds to finish running requests on SIGTERM.")
 @click.option("--timeout", type=float, default=600.0, help="Seconds to wait for any one message of a request.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
+@click.option("--auth-keys", default=None, help="The cluster's key directory, when it runs with --auth-keys.")
 def main(
     endpoint: str,
     model: str,
@@ -434,13 +440,16 @@ def main(
     drain_timeout: float,
     timeout: float,
     log_level: str,
+    auth_keys: str | None,
 ) -> None:
     """An OpenAI-compatible HTTP server in front of a running cluster."""
     from pdserve.engine.presets import resolve_model
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model_dir = str(resolve_model(model))
-    serve_openai(endpoint, model_dir, host, port, served_model_name or model, drain_timeout, timeout, log_level)
+    serve_openai(
+        endpoint, model_dir, host, port, served_model_name or model, drain_timeout, timeout, log_level, auth_keys
+    )
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from pdserve.cluster.auth import secure_server
 from pdserve.cluster.config import Addresses, ClusterConfig
 from pdserve.cluster.protocol import (
     Abort,
@@ -97,6 +98,7 @@ class Router:
         self.frontend.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.frontend.setsockopt(zmq.SNDHWM, _CLIENT_SEND_HWM)
         self.frontend.setsockopt(zmq.MAXMSGSIZE, int(config.max_message_mib * 2**20))
+        self._authenticator = None if config.auth_keys is None else secure_server(self.frontend, config.auth_keys)
         self.frontend.bind(addresses.client)
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(addresses.router)
@@ -158,6 +160,8 @@ class Router:
     def close(self) -> None:
         for sock in (self.frontend, self.inbox, *self.leaders.values()):
             sock.close()
+        if self._authenticator is not None:
+            self._authenticator.stop()
 
     # -- clients -------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ import msgpack
 import pytest
 
 from pdserve.bench.compare import LaunchedCluster
-from pdserve.cluster.client import Client, ClusterError
+from pdserve.cluster.client import Client, ClusterError, ClusterUnavailable
 from pdserve.cluster.launcher import exposure_warning
 from pdserve.cluster.protocol import Generate, decode, encode
 from pdserve.engine.sampling import SamplingParams
@@ -317,3 +318,31 @@ def test_demo_cluster_tiny_temperatures_special_tokens_and_queue_time(cluster_fa
         assert short["queue"] > 0.5 * (long["prefill"] - 0.3), (short, long)
         assert short["queue"] + short["prefill"] <= short["first_token"] + 1e-3
     assert cluster.stop() == 0
+
+
+@pytest.mark.slow
+def test_curve_authentication_refuses_keyless_and_unknown_clients(
+    cluster_factory, tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """--auth-keys: a client holding a key from the directory is served (library and CLI); one
+    without keys, or with a key the router never saw, gets no answer at all."""
+    keys, stranger = tmp_path / "keys", tmp_path / "stranger"
+    for directory in (keys, stranger):
+        made = subprocess.run(
+            [sys.executable, "-m", "pdserve.cluster.auth", str(directory)], capture_output=True, text=True
+        )
+        assert made.returncode == 0, made.stderr
+    (stranger / "server.key").write_bytes((keys / "server.key").read_bytes())  # knows the router, is not known
+    cluster = cluster_factory("--model", str(tiny_model_dirs["tiny-llama"]), "--auth-keys", str(keys))
+    with Client(cluster.endpoint, timeout=30, auth_keys=str(keys)) as client:
+        assert len(client.generate(token_ids=[1, 2, 3], max_tokens=3).token_ids) == 3
+    for refused in (Client(cluster.endpoint, timeout=3), Client(cluster.endpoint, timeout=3, auth_keys=str(stranger))):
+        with refused, pytest.raises(ClusterUnavailable):
+            refused.stats()
+    cli = [sys.executable, "-m", "pdserve.cluster.client", "hello", "--endpoint", cluster.endpoint, "--timeout", "3"]
+    served = subprocess.run([*cli, "--auth-keys", str(keys)], capture_output=True, text=True)
+    assert "no tokenizer" in served.stderr, served.stderr  # the router's answer: it got through
+    keyless = subprocess.run(cli, capture_output=True, text=True)
+    assert "no answer from a cluster" in keyless.stderr, keyless.stderr
+    assert cluster.stop() == 0
+    assert "not authenticated" not in cluster.output()

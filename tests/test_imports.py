@@ -138,8 +138,9 @@ def test_only_the_engine_imports_its_internals(folder: str) -> None:
 
 
 def test_the_router_imports_no_role_and_no_engine_beyond_requests_and_text() -> None:
-    """The router package may use the contract, the cluster spec and the client library (its HTTP
-    front end is a client of the router), never a role, kvtransfer or the launcher."""
+    """The router package may use the contract, the cluster spec, the client library (its HTTP
+    front end is a client of the router) and the CURVE keys both ends share, never a role,
+    kvtransfer or the launcher."""
     allowed_engine = {f"{PACKAGE}.engine.{name}" for name in ("sampling", "timings", "tokenization", "detokenizer")}
     for module, imported in import_graph().items():
         if module.startswith(f"{PACKAGE}.router."):
@@ -149,6 +150,7 @@ def test_the_router_imports_no_role_and_no_engine_beyond_requests_and_text() -> 
             roles |= {
                 m
                 for m in imported
-                if m.startswith(f"{PACKAGE}.cluster.") and m.split(".")[2] not in ("protocol", "config", "client")
+                if m.startswith(f"{PACKAGE}.cluster.")
+                and m.split(".")[2] not in ("protocol", "config", "client", "auth")
             }
             assert not roles, f"{module} imports {sorted(roles)}"

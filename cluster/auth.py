@@ -1,0 +1,79 @@
+"""ZMQ CURVE keys of a cluster: make a key directory, and put its keys on a socket.
+
+A key directory holds the router's key pair (``server.key``, ``server.key_secret``) and, in
+``clients/``, one pair per client (``NAME.key``, ``NAME.key_secret``). With ``--auth-keys DIR``
+the router encrypts its client socket and accepts only clients whose public key is in
+``clients/``; a client needs its secret key and the router's public key (``--auth-keys DIR``
+there too, or a copy of those two files laid out the same way).
+
+    python -m pdserve.cluster.auth DIR [--client NAME]   # the router's pair (once) and a client's
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+SERVER = "server"
+CLIENTS = "clients"
+
+
+def generate_keys(directory: str | Path, client: str = "client") -> Path:
+    """The router's key pair (unless the directory has one) and a new pair for ``client``."""
+    root = Path(directory)
+    (root / CLIENTS).mkdir(parents=True, exist_ok=True)
+    if not (root / f"{SERVER}.key_secret").exists():
+        zmq.auth.create_certificates(root, SERVER)
+    if (root / CLIENTS / f"{client}.key_secret").exists():
+        raise FileExistsError(f"{root / CLIENTS / client}.key_secret exists already")
+    zmq.auth.create_certificates(root / CLIENTS, client)
+    return root
+
+
+def secure_server(socket: zmq.Socket, directory: str | Path) -> ThreadAuthenticator:
+    """Make ``socket`` (before it binds) a CURVE server that admits the directory's clients only;
+    the returned authenticator must be stopped when the socket closes."""
+    root = Path(directory)
+    public, secret = zmq.auth.load_certificate(_existing(root / f"{SERVER}.key_secret"))
+    clients = _existing(root / CLIENTS)
+    authenticator = ThreadAuthenticator(socket.context)
+    authenticator.start()
+    authenticator.configure_curve(domain="*", location=str(clients))
+    socket.curve_publickey, socket.curve_secretkey = public, secret
+    socket.curve_server = True
+    return authenticator
+
+
+def secure_client(socket: zmq.Socket, directory: str | Path, client: str = "client") -> None:
+    """Give ``socket`` (before it connects) a client's keys and the router's public key."""
+    root = Path(directory)
+    server_public, _ = zmq.auth.load_certificate(_existing(root / f"{SERVER}.key"))
+    public, secret = zmq.auth.load_certificate(_existing(root / CLIENTS / f"{client}.key_secret"))
+    socket.curve_serverkey = server_public
+    socket.curve_publickey, socket.curve_secretkey = public, secret
+
+
+def _existing(path: Path) -> Path:
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found (make a key directory with: python -m pdserve.cluster.auth DIR)")
+    return path
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--client", default="client", show_default=True, help="Name of the client key pair to add.")
+def main(directory: str, client: str) -> None:
+    """Create DIRECTORY's router keys (once) and a client key pair for --auth-keys."""
+    try:
+        root = generate_keys(directory, client)
+    except FileExistsError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"keys in {root}: router {SERVER}.key(_secret), client {CLIENTS}/{client}.key(_secret)")
+
+
+if __name__ == "__main__":
+    main(prog_name="python -m pdserve.cluster.auth")

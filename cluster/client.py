@@ -100,6 +100,9 @@ class Client:
         self.timeout = timeout
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # A send waits while no connection is up (none yet, or refused, e.g. without the right
+        # keys): bounded like the wait for a reply.
+        self._socket.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
         if auth_keys is not None:
             secure_client(self._socket, auth_keys)
         self._socket.connect(endpoint)
@@ -116,7 +119,13 @@ class Client:
 
     def send_raw(self, data: bytes) -> None:
         """Send bytes as they are (for testing the cluster's handling of bad input)."""
-        self._socket.send(data)
+        self._send(data)
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self._socket.send(data)
+        except zmq.Again:
+            raise ClusterUnavailable(self.endpoint, self.timeout) from None
 
     def receive(self) -> Message:
         """The next reply, whatever request it belongs to."""
@@ -147,7 +156,7 @@ class Client:
     ) -> str:
         """Send a request without waiting; returns its request_id (see ``result``/``chunks``)."""
         request = _request(prompt, token_ids, stream, chat, request_id, sampling)
-        self._socket.send(encode(request))
+        self._send(encode(request))
         return request.request_id or ""
 
     def chunks(self, request_id: str) -> Iterator[Chunk | Final]:
@@ -174,11 +183,11 @@ class Client:
         return self.chunks(self.submit(prompt, stream=True, **kwargs))
 
     def abort(self, request_id: str) -> None:
-        self._socket.send(encode(Abort(request_id)))
+        self._send(encode(Abort(request_id)))
 
     def stats(self) -> Stats:
         """The cluster's state: requests in flight and each group's KV pool and queues."""
-        self._socket.send(encode(StatsRequest()))
+        self._send(encode(StatsRequest()))
         while True:
             message = self.receive()
             if isinstance(message, Stats):

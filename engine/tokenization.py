@@ -2,43 +2,55 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pdserve.engine.sampling import RequestError
 
-# Stands for the user's text while the chat template renders: the template's own special tokens
-# are then encoded around it, and the user's text on its own.
-_SLOT = "\ue000pdserve-user-text\ue000"
+# Stand for the messages' contents while the chat template renders: the template's own special
+# tokens are then encoded around them, and each content on its own.
+_SLOT = "\ue000pdserve-content-{}\ue000"
+_SLOTS = re.compile("\ue000pdserve-content-(\\d+)\ue000")
 
 
 def encode_prompt(tokenizer: Any, text: str, chat: bool = True, parse_special_tokens: bool = False) -> list[int]:
     """Token ids of ``text``; as one user turn of the chat template when the tokenizer has one.
 
-    The template is rendered to text and then encoded without extra special tokens, which gives
-    the same ids on transformers 4 and 5 (their ``tokenize=True`` return types differ). Special
-    tokens written in ``text`` (``<|im_start|>``) are plain text unless ``parse_special_tokens``:
-    otherwise user content could forge the template's turns.
+    Special tokens written in ``text`` (``<|im_start|>``) are plain text unless
+    ``parse_special_tokens``: otherwise user content could forge the template's turns.
     """
+    if chat and getattr(tokenizer, "chat_template", None):
+        return encode_chat(tokenizer, [{"role": "user", "content": text}], parse_special_tokens)
     literal = not parse_special_tokens and _has_special_text(tokenizer, text)
-    if not (chat and getattr(tokenizer, "chat_template", None)):
-        return list(tokenizer.encode(text, split_special_tokens=literal))
-    if not literal:
-        rendered = _render(tokenizer, text)
+    return list(tokenizer.encode(text, split_special_tokens=literal))
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]], parse_special_tokens: bool = False) -> list[int]:
+    """Token ids of ``messages`` rendered by the chat template, with the generation prompt.
+
+    The template is rendered to text and then encoded without extra special tokens, which gives
+    the same ids on transformers 4 and 5 (their ``tokenize=True`` return types differ). A content
+    that spells special tokens is encoded as plain text unless ``parse_special_tokens``.
+    """
+    contents = [message["content"] for message in messages]
+    if parse_special_tokens or not any(_has_special_text(tokenizer, c) for c in contents):
+        rendered = _render(tokenizer, messages)
         return list(tokenizer.encode(rendered, add_special_tokens=False))
-    before, slot, after = _render(tokenizer, _SLOT).partition(_SLOT)
-    if not slot:
-        raise RequestError("prompt", "holds special-token text and this model's chat template alters its user turn")
-    return [
-        *tokenizer.encode(before, add_special_tokens=False),
-        *tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True),
-        *tokenizer.encode(after, add_special_tokens=False),
-    ]
+    slotted = [{**message, "content": _SLOT.format(i)} for i, message in enumerate(messages)]
+    parts = _SLOTS.split(_render(tokenizer, slotted))  # template text, slot index, template text, ...
+    if sorted(int(i) for i in parts[1::2]) != list(range(len(messages))):
+        raise RequestError("prompt", "holds special-token text and this model's chat template alters its contents")
+    ids: list[int] = []
+    for n, part in enumerate(parts):
+        if n % 2:
+            ids += tokenizer.encode(contents[int(part)], add_special_tokens=False, split_special_tokens=True)
+        elif part:
+            ids += tokenizer.encode(part, add_special_tokens=False)
+    return ids
 
 
-def _render(tokenizer: Any, text: str) -> str:
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-    )
+def _render(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 def _has_special_text(tokenizer: Any, text: str) -> bool:

@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pdserve.engine.tokenization import encode_prompt
+from pdserve.engine.sampling import RequestError
+from pdserve.engine.tokenization import encode_chat, encode_prompt
 
 MAX_INT32 = 2**31 - 1
 MAX_INT64 = 2**63 - 1
@@ -292,11 +293,12 @@ def _chat_prompt(request: ChatRequest, tokenizer: Any) -> list[int]:
             entry["name"] = message.name
         messages.append(entry)
     try:
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # As engine.tokenization.encode_prompt does for one user turn: the same ids as the ZMQ client's.
+        return encode_chat(tokenizer, messages)
+    except RequestError as e:
+        raise bad_request(str(e), "messages") from None
     except Exception as e:  # noqa: BLE001 (a template's own checks, e.g. alternating roles, raise anything)
         raise bad_request(f"the model's chat template refused these messages: {e}", "messages") from None
-    # As engine.tokenization.encode_prompt does for one user turn: the same ids as the ZMQ client's.
-    return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
 def _validation_error(error: ValidationError) -> APIError:

@@ -35,8 +35,16 @@ from pdserve.engine.sampling import SamplingParams
 @click.option("--max-num-seqs", default="64,8", show_default=True, help="the two batch limits, reference first")
 @click.option("--gpu-memory-utilization", default=0.3, show_default=True, help="each engine's share")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path))
-def main(model: str, device: str, num_requests: int, max_tokens: int, max_model_len: int, max_num_seqs: str,
-         gpu_memory_utilization: float, out: Path | None) -> None:
+def main(
+    model: str,
+    device: str,
+    num_requests: int,
+    max_tokens: int,
+    max_model_len: int,
+    max_num_seqs: str,
+    gpu_memory_utilization: float,
+    out: Path | None,
+) -> None:
     limits = [int(n) for n in max_num_seqs.split(",")]
     if len(limits) != 2:
         raise click.BadParameter("give two batch limits, e.g. 64,8", param_hint="--max-num-seqs")
@@ -48,11 +56,15 @@ def main(model: str, device: str, num_requests: int, max_tokens: int, max_model_
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engines, outputs = [], []
     for limit in limits:
-        engine = LLMEngine(EngineConfig(
-            model=path, device=device, max_model_len=max_model_len,
-            cache=CacheConfig(gpu_memory_utilization=gpu_memory_utilization),
-            scheduler=SchedulerConfig(max_num_seqs=limit, max_num_batched_tokens=max(8192, limit)),
-        ))
+        engine = LLMEngine(
+            EngineConfig(
+                model=path,
+                device=device,
+                max_model_len=max_model_len,
+                cache=CacheConfig(gpu_memory_utilization=gpu_memory_utilization),
+                scheduler=SchedulerConfig(max_num_seqs=limit, max_num_batched_tokens=max(8192, limit)),
+            )
+        )
         outputs.append(engine.generate(prompts, params))
         engines.append(engine)
     reference, other = outputs
@@ -61,18 +73,31 @@ def main(model: str, device: str, num_requests: int, max_tokens: int, max_model_
         engine.close()
 
     identical = sum(a == b for a, b in zip(other, reference))
-    print(f"{num_requests} greedy requests, max_num_seqs {limits[0]} against {limits[1]}: {identical} identical, "
-          f"{len(found)} diverge, {sum(not d.near_tie for d in found)} to a token outside the reference's top 2")
+    print(
+        f"{num_requests} greedy requests, max_num_seqs {limits[0]} against {limits[1]}: {identical} identical, "
+        f"{len(found)} diverge, {sum(not d.near_tie for d in found)} to a token outside the reference's top 2"
+    )
     if found:
         gaps = [d.gap for d in found]
-        print(f"gap below the reference's best token: median {statistics.median(gaps):.4f}, max {max(gaps):.4f}; "
-              f"top-1 minus top-2 there: median {statistics.median(d.top_logits[0] - d.top_logits[1] for d in found):.4f}")
+        print(
+            f"gap below the reference's best token: median {statistics.median(gaps):.4f}, max {max(gaps):.4f}; "
+            f"top-1 minus top-2 there: median {statistics.median(d.top_logits[0] - d.top_logits[1] for d in found):.4f}"
+        )
         for d in found:
             if not d.near_tie:
                 print("  " + d.describe())
-    write_json({"model": model, "device": device, "max_num_seqs": limits, "num_requests": num_requests,
-                "max_tokens": max_tokens, "identical": identical,
-                "divergences": [d.as_dict() for d in found]}, out)
+    write_json(
+        {
+            "model": model,
+            "device": device,
+            "max_num_seqs": limits,
+            "num_requests": num_requests,
+            "max_tokens": max_tokens,
+            "identical": identical,
+            "divergences": [d.as_dict() for d in found],
+        },
+        out,
+    )
 
 
 if __name__ == "__main__":

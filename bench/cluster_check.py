@@ -30,10 +30,10 @@ from pathlib import Path
 
 import click
 
-from pdserve.cluster.client import Chunk, Client
 from pdserve.bench.common import divergences, greedy_report
 from pdserve.bench.compare import LaunchedCluster
 from pdserve.bench.metrics import percentile
+from pdserve.cluster.client import Chunk, Client
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.presets import resolve_model
@@ -44,8 +44,10 @@ def serve(endpoint: str, prompts: list[list[int]], max_tokens: int) -> list[dict
     """Submit every prompt at once; per request: tokens, TTFT and inter-token gaps (seconds)."""
     with Client(endpoint, timeout=600) as client:
         sent = time.monotonic()
-        ids = [client.submit(token_ids=p, stream=True, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-               for p in prompts]
+        ids = [
+            client.submit(token_ids=p, stream=True, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            for p in prompts
+        ]
         records: dict[str, dict] = {i: {"arrivals": []} for i in ids}
         pending = set(ids)
         while pending:
@@ -61,12 +63,14 @@ def serve(endpoint: str, prompts: list[list[int]], max_tokens: int) -> list[dict
     out = []
     for request_id in ids:
         arrivals = records[request_id]["arrivals"]
-        out.append({
-            "tokens": records[request_id]["tokens"],
-            "ttft": arrivals[0] - sent,
-            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])],
-            "transfer": records[request_id]["timings"].get("transfer"),
-        })
+        out.append(
+            {
+                "tokens": records[request_id]["tokens"],
+                "ttft": arrivals[0] - sent,
+                "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])],
+                "transfer": records[request_id]["timings"].get("transfer"),
+            }
+        )
     return out
 
 
@@ -75,8 +79,10 @@ def agreement(reference: list[list[int]], got: list[list[int]]) -> dict[str, flo
     for ref, out in zip(reference, got):
         same = next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
         prefixes.append(same / max(1, len(ref)))
-    return {"exact": sum(r == g for r, g in zip(reference, got)) / len(reference),
-            "mean_prefix": statistics.mean(prefixes)}
+    return {
+        "exact": sum(r == g for r, g in zip(reference, got)) / len(reference),
+        "mean_prefix": statistics.mean(prefixes),
+    }
 
 
 @click.command()
@@ -89,8 +95,17 @@ def agreement(reference: list[list[int]], got: list[list[int]]) -> dict[str, flo
 @click.option("--decode-tp", default=1, show_default=True)
 @click.option("--topologies", help="comma-separated subset of the topologies (default: all for the devices)")
 @click.option("--out", type=click.Path(dir_okay=False), default="cluster_check.json")
-def main(model: str, devices: str, num_requests: int, max_tokens: int, max_model_len: int, prefill_tp: int,
-         decode_tp: int, topologies: str | None, out: str) -> None:
+def main(
+    model: str,
+    devices: str,
+    num_requests: int,
+    max_tokens: int,
+    max_model_len: int,
+    prefill_tp: int,
+    decode_tp: int,
+    topologies: str | None,
+    out: str,
+) -> None:
     model_dir = str(resolve_model(model))
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
@@ -98,18 +113,25 @@ def main(model: str, devices: str, num_requests: int, max_tokens: int, max_model
     prompts = [[rng.randrange(vocab) for _ in range(rng.choice(lengths))] for _ in range(num_requests)]
     first_device = devices.split(",")[0] if devices else None
     # The reference stays resident (for the near-tie check), so it and the clusters share GPU 0.
-    engine = LLMEngine(EngineConfig(model=model_dir, max_model_len=max_model_len,
-                                    device=f"cuda:{first_device}" if first_device else "cpu",
-                                    cache=CacheConfig(gpu_memory_utilization=0.3)))
+    engine = LLMEngine(
+        EngineConfig(
+            model=model_dir,
+            max_model_len=max_model_len,
+            device=f"cuda:{first_device}" if first_device else "cpu",
+            cache=CacheConfig(gpu_memory_utilization=0.3),
+        )
+    )
     reference = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     device_args = ["--devices", devices, "--gpu-memory-utilization", "0.55"] if devices else []
     disagg = ["--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp)]
     num_devices = len(devices.split(",")) if devices else prefill_tp + decode_tp
     colocated = ["--mode", "colocated", "--colocated-groups", str(num_devices), *device_args]
     if devices:
-        available = {"disagg-nccl": [*disagg, "--transfer", "nccl", *device_args],
-                     "disagg-nccl-async": [*disagg, "--transfer", "nccl-async", *device_args],
-                     "colocated": colocated}
+        available = {
+            "disagg-nccl": [*disagg, "--transfer", "nccl", *device_args],
+            "disagg-nccl-async": [*disagg, "--transfer", "nccl-async", *device_args],
+            "colocated": colocated,
+        }
     else:
         available = {"disagg-gloo": [*disagg, "--transfer", "gloo"], "colocated": colocated}
     chosen = topologies.split(",") if topologies else list(available)
@@ -139,21 +161,38 @@ def main(model: str, devices: str, num_requests: int, max_tokens: int, max_model
                 "transfer_ms_mean": statistics.mean(transfers) * 1e3 if transfers else None,
             }
     print(f"{num_requests} concurrent requests, prompts of {lengths} tokens, {max_tokens} output tokens each")
-    print(f"{'topology':20} {'exit':>4} {'exact':>6} {'prefix':>7} {'bad':>4} {'TTFT p50':>9} {'p99':>8} "
-          f"{'ITL p50':>8} {'p90':>7} {'p99':>7} {'xfer ms':>8}")
+    print(
+        f"{'topology':20} {'exit':>4} {'exact':>6} {'prefix':>7} {'bad':>4} {'TTFT p50':>9} {'p99':>8} "
+        f"{'ITL p50':>8} {'p90':>7} {'p99':>7} {'xfer ms':>8}"
+    )
     for name, r in results.items():
         xfer = f"{r['transfer_ms_mean']:.2f}" if r["transfer_ms_mean"] is not None else "-"
-        print(f"{name:20} {r['exit_code']:>4} {r['exact']:>6.2f} {r['mean_prefix']:>7.3f} "
-              f"{len(r['divergences_not_near_ties']):>4} {r['ttft_ms'][50]:>9.1f} "
-              f"{r['ttft_ms'][99]:>8.1f} {r['itl_ms'][50]:>8.2f} {r['itl_ms'][90]:>7.2f} {r['itl_ms'][99]:>7.2f} {xfer:>8}")
+        print(
+            f"{name:20} {r['exit_code']:>4} {r['exact']:>6.2f} {r['mean_prefix']:>7.3f} "
+            f"{len(r['divergences_not_near_ties']):>4} {r['ttft_ms'][50]:>9.1f} "
+            f"{r['ttft_ms'][99]:>8.1f} {r['itl_ms'][50]:>8.2f} {r['itl_ms'][90]:>7.2f} {r['itl_ms'][99]:>7.2f} "
+            f"{xfer:>8}"
+        )
     for name, r in results.items():
         gaps = sorted(d["gap"] for d in r["divergences"])
         if gaps:
-            print(f"{name}: {len(gaps)} divergences; the cluster's token scored below the reference's best by "
-                  f"median {statistics.median(gaps):.3f}, max {gaps[-1]:.3f} logits (top-1 minus top-2 there: "
-                  f"median {statistics.median(d['top_logits'][0] - d['top_logits'][1] for d in r['divergences']):.3f})")
-    Path(out).write_text(json.dumps({"model": model, "devices": devices, "num_requests": num_requests,
-                                     "max_tokens": max_tokens, "results": results}, indent=2))
+            print(
+                f"{name}: {len(gaps)} divergences; the cluster's token scored below the reference's best by "
+                f"median {statistics.median(gaps):.3f}, max {gaps[-1]:.3f} logits (top-1 minus top-2 there: "
+                f"median {statistics.median(d['top_logits'][0] - d['top_logits'][1] for d in r['divergences']):.3f})"
+            )
+    Path(out).write_text(
+        json.dumps(
+            {
+                "model": model,
+                "devices": devices,
+                "num_requests": num_requests,
+                "max_tokens": max_tokens,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,8 @@ from typing import Any
 
 import click
 
-from pdserve.bench.metrics import tpot
 from pdserve.bench.common import write_json
+from pdserve.bench.metrics import tpot
 from pdserve.bench.serve import (
     TABLE_HEADERS,
     BenchConfig,
@@ -83,8 +83,9 @@ class LaunchedCluster:
     Started on construction (returns once the ``endpoint`` line is logged); ``stop()`` sends
     SIGTERM and returns the exit code; leaving the ``with`` block kills it if still running."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 start_timeout: float = 900.0) -> None:
+    def __init__(
+        self, args: list[str], log_path: Path, env: dict[str, str] | None = None, start_timeout: float = 900.0
+    ) -> None:
         self.port = free_port()
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -121,11 +122,25 @@ def system_args(on_gpu: bool, prefill_tp: int = 1, decode_tp: int = 1) -> dict[s
     """launch.py arguments of each compared system: disaggregated with a prefill group of
     ``prefill_tp`` ranks and a decode group of ``decode_tp``, and colocated with one tp-1 group per
     device those two groups use, so both get the same GPUs."""
-    colocated = ["--config", "configs/colocated.yaml", "--mode", "colocated",
-                 "--colocated-groups", str(prefill_tp + decode_tp), "--colocated-tp", "1"]
+    colocated = [
+        "--config",
+        "configs/colocated.yaml",
+        "--mode",
+        "colocated",
+        "--colocated-groups",
+        str(prefill_tp + decode_tp),
+        "--colocated-tp",
+        "1",
+    ]
     return {
-        "disagg": ["--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp),
-                   "--transfer", "nccl-async" if on_gpu else "gloo-async"],
+        "disagg": [
+            "--prefill-tp",
+            str(prefill_tp),
+            "--decode-tp",
+            str(decode_tp),
+            "--transfer",
+            "nccl-async" if on_gpu else "gloo-async",
+        ],
         "colocated-chunked": colocated,
         "colocated-no-chunk": [*colocated, "--no-enable-chunked-prefill"],
     }
@@ -134,8 +149,9 @@ def system_args(on_gpu: bool, prefill_tp: int = 1, decode_tp: int = 1) -> dict[s
 def isolated_spec(config: BenchConfig) -> RequestSpec:
     """The isolated-decode request: ``input_len`` random tokens, ``output_len`` tokens out."""
     rng = random.Random(config.seed)
-    return RequestSpec("isolated", config.output_len,
-                       token_ids=[rng.randrange(config.vocab_size) for _ in range(config.input_len)])
+    return RequestSpec(
+        "isolated", config.output_len, token_ids=[rng.randrange(config.vocab_size) for _ in range(config.input_len)]
+    )
 
 
 def required_model_len(specs: list[RequestSpec], model_limit: int) -> int:
@@ -143,8 +159,10 @@ def required_model_len(specs: list[RequestSpec], model_limit: int) -> int:
 
     Text prompts are bounded by their characters (a token is at least one character of this
     ASCII prompt file) plus the chat template."""
-    longest = max((len(s.token_ids) if s.token_ids is not None else len(s.prompt or "") + CHAT_TEMPLATE_TOKENS)
-                  + s.max_tokens for s in specs)
+    longest = max(
+        (len(s.token_ids) if s.token_ids is not None else len(s.prompt or "") + CHAT_TEMPLATE_TOKENS) + s.max_tokens
+        for s in specs
+    )
     return min(-(-longest // 256) * 256, model_limit)
 
 
@@ -152,8 +170,9 @@ async def measure_isolated_tpot(endpoint: str, config: BenchConfig) -> list[floa
     """TPOT (s) of each measured isolated request, sent one at a time after one warm-up."""
     client = AsyncClient(endpoint, timeout=config.timeout)
     try:
-        records = await run_requests(client, [isolated_spec(config)] * (1 + ISOLATED_RUNS), None, 1, config.seed,
-                                     "isolated decode")
+        records = await run_requests(
+            client, [isolated_spec(config)] * (1 + ISOLATED_RUNS), None, 1, config.seed, "isolated decode"
+        )
     finally:
         client.close()
     failed = [r.error or r.finish_reason for r in records if not r.ok]
@@ -167,7 +186,7 @@ def describe_workload(config: BenchConfig) -> str:
     detail = {
         "random": lengths,
         "mixed": f"short {lengths}; {config.long_fraction:.0%} long prompts of {config.long_len[0]}-"
-                 f"{config.long_len[1]} tokens",
+        f"{config.long_len[1]} tokens",
         "shared-prefix": f"{config.num_prefixes} prefixes of {config.prefix_len} tokens + questions of {lengths}",
         "text": f"prompts of {Path(config.prompts_file).name}, at most {config.output_len} tokens out",
     }[config.workload]
@@ -189,12 +208,14 @@ def comparison_table(results: dict[str, dict[str, Any]], kind: str | None = None
     return format_table((TABLE_HEADERS[0], "system", *TABLE_HEADERS[1:]), rows, markdown=True, labels=2)
 
 
-def write_report(out_dir: Path, results: dict[str, dict[str, Any]], setup: dict[str, Any],
-                 plots: list[Path]) -> Path:
+def write_report(out_dir: Path, results: dict[str, dict[str, Any]], setup: dict[str, Any], plots: list[Path]) -> Path:
     """``report.md``: setup, the comparison tables, the plots, the files."""
     config = next(iter(results.values()))["config"]
-    slos = [f"{name} <= {config[f'slo_{name.lower()}_ms']:.1f} ms" for name in ("TTFT", "TPOT")
-            if config[f"slo_{name.lower()}_ms"] is not None]
+    slos = [
+        f"{name} <= {config[f'slo_{name.lower()}_ms']:.1f} ms"
+        for name in ("TTFT", "TPOT")
+        if config[f"slo_{name.lower()}_ms"] is not None
+    ]
     lines = [
         "# Disaggregated prefill/decode against colocated serving",
         "",
@@ -206,14 +227,21 @@ def write_report(out_dir: Path, results: dict[str, dict[str, Any]], setup: dict[
     ]
     if setup.get("isolated_tpot_ms") is not None:
         samples = ", ".join(f"{t:.2f}" for t in setup["isolated_tpot_samples_ms"])
-        lines.append(f"- isolated batch-1 decode TPOT (on {next(iter(results))}): {setup['isolated_tpot_ms']:.2f} ms "
-                     f"(median of {samples}); the TPOT SLO is {TPOT_SLO_FACTOR:g}x that")
+        lines.append(
+            f"- isolated batch-1 decode TPOT (on {next(iter(results))}): {setup['isolated_tpot_ms']:.2f} ms "
+            f"(median of {samples}); the TPOT SLO is {TPOT_SLO_FACTOR:g}x that"
+        )
     lines += ["", "Systems (`launch.py` arguments besides the model, devices, port and lengths):", ""]
     lines += [f"- `{name}`: `{' '.join(args)}`" for name, args in setup["systems"].items()]
-    lines += ["", "## All requests", "",
-              "Latencies in ms (client-side), throughput and goodput in req/s, tok/s = output tokens/s, "
-              "xfer mean = mean KV transfer (ms). Definitions: `bench/metrics.py`.", "",
-              comparison_table(results)]
+    lines += [
+        "",
+        "## All requests",
+        "",
+        "Latencies in ms (client-side), throughput and goodput in req/s, tok/s = output tokens/s, "
+        "xfer mean = mean KV transfer (ms). Definitions: `bench/metrics.py`.",
+        "",
+        comparison_table(results),
+    ]
     warnings = [f"- {name}, {line}" for name, r in results.items() for line in failure_summary(r["points"])]
     if warnings:
         lines += ["", "Failed requests:", "", *warnings]
@@ -235,15 +263,31 @@ def write_report(out_dir: Path, results: dict[str, dict[str, Any]], setup: dict[
 @click.option("--decode-tp", type=int, default=1, help="Ranks of the disaggregated decode group.")
 @load_options
 @click.option("--num-blocks", type=int, default=None, help="Fixed KV blocks per rank [default: sized from memory].")
-@click.option("--isolated-decode", is_flag=True,
-              help=f"Measure the isolated batch-1 decode TPOT first; the TPOT SLO becomes {TPOT_SLO_FACTOR:g}x it.")
+@click.option(
+    "--isolated-decode",
+    is_flag=True,
+    help=f"Measure the isolated batch-1 decode TPOT first; the TPOT SLO becomes {TPOT_SLO_FACTOR:g}x it.",
+)
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("compare-results"))
 @click.option("--start-timeout", type=float, default=900.0, help="Seconds to wait for each cluster to start.")
-@click.option("--replot", is_flag=True,
-              help="Run nothing: rebuild report.md and the plots from OUT_DIR's JSON files (e.g. on a machine "
-                   "with matplotlib, after a run on one without).")
-def main(model: str, devices: str, prefill_tp: int, decode_tp: int, num_blocks: int | None, isolated_decode: bool,
-         out_dir: Path, start_timeout: float, replot: bool, **options: Any) -> None:
+@click.option(
+    "--replot",
+    is_flag=True,
+    help="Run nothing: rebuild report.md and the plots from OUT_DIR's JSON files (e.g. on a machine "
+    "with matplotlib, after a run on one without).",
+)
+def main(
+    model: str,
+    devices: str,
+    prefill_tp: int,
+    decode_tp: int,
+    num_blocks: int | None,
+    isolated_decode: bool,
+    out_dir: Path,
+    start_timeout: float,
+    replot: bool,
+    **options: Any,
+) -> None:
     """Run one workload against a disaggregated and two colocated clusters; write a report."""
     if replot:
         paths = [out_dir / f"{name}.json" for name in system_args(on_gpu=False)]
@@ -256,8 +300,10 @@ def main(model: str, devices: str, prefill_tp: int, decode_tp: int, num_blocks: 
     if prefill_tp < 1 or decode_tp < 1:
         raise click.UsageError("--prefill-tp and --decode-tp must be >= 1")
     if device_ids and len(device_ids) != prefill_tp + decode_tp:
-        raise click.UsageError(f"--devices: both systems use prefill-tp + decode-tp = {prefill_tp + decode_tp} GPUs, "
-                               f"{len(device_ids)} given (or none: CPU)")
+        raise click.UsageError(
+            f"--devices: both systems use prefill-tp + decode-tp = {prefill_tp + decode_tp} GPUs, "
+            f"{len(device_ids)} given (or none: CPU)"
+        )
     model_dir = resolve_model(model)
     hf_config = json.loads((model_dir / "config.json").read_text())
     config = config_from_options(vocab_size=int(hf_config["vocab_size"]), **options)
@@ -300,8 +346,9 @@ def main(model: str, devices: str, prefill_tp: int, decode_tp: int, num_blocks: 
                     setup["isolated_tpot_ms"] = isolated * 1e3
                     setup["isolated_tpot_samples_ms"] = [t * 1e3 for t in samples]
                     config = dataclasses.replace(config, slo_tpot_ms=TPOT_SLO_FACTOR * isolated * 1e3)
-                    click.echo(f"isolated decode TPOT {isolated * 1e3:.2f} ms: TPOT SLO {config.slo_tpot_ms:.2f} ms",
-                               err=True)
+                    click.echo(
+                        f"isolated decode TPOT {isolated * 1e3:.2f} ms: TPOT SLO {config.slo_tpot_ms:.2f} ms", err=True
+                    )
                 results[name] = asyncio.run(run_benchmark(config, cluster.endpoint))
                 code = cluster.stop()
         except LaunchError as e:

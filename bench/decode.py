@@ -136,8 +136,9 @@ def parse_prefill_batches(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def build_runner(path: Path, device: torch.device, dtype: str, cases: Sequence[Case], block_size: int,
-                 max_model_len: int | None) -> ModelRunner:
+def build_runner(
+    path: Path, device: torch.device, dtype: str, cases: Sequence[Case], block_size: int, max_model_len: int | None
+) -> ModelRunner:
     """A runner whose pool holds the largest case and whose graphs cover the largest decode batch.
 
     ``max_model_len`` defaults to the longest case plus one block. The graphs size their
@@ -157,7 +158,10 @@ def build_runner(path: Path, device: torch.device, dtype: str, cases: Sequence[C
     num_blocks = max(c.batch * blocks_for(c.context, block_size) for c in cases)
     max_tokens = max(c.batch * (1 if c.kind == "decode" else c.context) for c in cases)
     config = EngineConfig(
-        model=str(path), dtype=dtype, device=str(device), max_model_len=max_model_len,
+        model=str(path),
+        dtype=dtype,
+        device=str(device),
+        max_model_len=max_model_len,
         cuda_graph_max_batch=max_batch,
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=max(max_tokens, max_batch)),
@@ -165,8 +169,7 @@ def build_runner(path: Path, device: torch.device, dtype: str, cases: Sequence[C
     return ModelRunner(config, model_config)
 
 
-def run_ours(runner: ModelRunner, cases: Sequence[Case], warmup: int, iters: int, seed: int,
-             progress: tqdm) -> None:
+def run_ours(runner: ModelRunner, cases: Sequence[Case], warmup: int, iters: int, seed: int, progress: tqdm) -> None:
     """Time every case on ``runner``; results go into ``case.results``."""
     fill_kv_random(runner, seed)
     gen = torch.Generator().manual_seed(seed)
@@ -191,8 +194,12 @@ def run_ours(runner: ModelRunner, cases: Sequence[Case], warmup: int, iters: int
             kv_read = case.batch * case.context * kv_token
             floor_ms = (w_bytes + kv_read) / H200_BANDWIDTH * 1e3
             best = ours_ms(case.results)
-            case.results.update(kv_bytes_read=kv_read, floor_ms=floor_ms, floor_fraction=floor_ms / best,
-                                tokens_per_s=case.batch / best * 1e3)
+            case.results.update(
+                kv_bytes_read=kv_read,
+                floor_ms=floor_ms,
+                floor_fraction=floor_ms / best,
+                tokens_per_s=case.batch / best * 1e3,
+            )
         else:
             tables = block_tables([case.context] * case.batch, bs, runner.num_blocks, gen)
             plan = prefill_plan(tables, tokens.tolist(), bs)
@@ -204,8 +211,9 @@ def run_ours(runner: ModelRunner, cases: Sequence[Case], warmup: int, iters: int
         progress.update()
 
 
-def time_hf_decode(step: Callable[[], Any], cache: StaticCache, position: int, device: torch.device, warmup: int,
-                   iters: int) -> dict[str, Any]:
+def time_hf_decode(
+    step: Callable[[], Any], cache: StaticCache, position: int, device: torch.device, warmup: int, iters: int
+) -> dict[str, Any]:
     """Time ``step`` on a filled static cache whose next write goes to ``position``."""
     for layer in cache.layers:
         layer.keys.normal_()
@@ -228,10 +236,18 @@ def time_hf_decode(step: Callable[[], Any], cache: StaticCache, position: int, d
 
 def time_hf_generate(model: Any, prompt: torch.Tensor, new_tokens: int, device: torch.device) -> dict[str, Any]:
     """Per-token decode time of ``generate`` with a static cache (see the module docstring)."""
+
     def seconds(n: int) -> float:
         start = time.perf_counter()
-        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, cache_implementation="static", pad_token_id=0)
+        model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            cache_implementation="static",
+            pad_token_id=0,
+        )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
@@ -242,12 +258,25 @@ def time_hf_generate(model: Any, prompt: torch.Tensor, new_tokens: int, device: 
     warmup_s = time.perf_counter() - start
     long = statistics.median(seconds(1 + new_tokens) for _ in range(3))
     short = statistics.median(seconds(1) for _ in range(3))
-    return {"hf_generate": {"median_ms": (long - short) / new_tokens * 1e3}, "hf_generate_warmup_s": warmup_s,
-            "hf_generate_tokens": new_tokens}
+    return {
+        "hf_generate": {"median_ms": (long - short) / new_tokens * 1e3},
+        "hf_generate_warmup_s": warmup_s,
+        "hf_generate_tokens": new_tokens,
+    }
 
 
-def run_hf(path: Path, device: torch.device, dtype: torch.dtype, mode: str, cases: Sequence[Case],
-           warmup: int, iters: int, seed: int, generate_tokens: int, progress: tqdm) -> None:
+def run_hf(
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    mode: str,
+    cases: Sequence[Case],
+    warmup: int,
+    iters: int,
+    seed: int,
+    generate_tokens: int,
+    progress: tqdm,
+) -> None:
     """Time every case on transformers' model of the same checkpoint (see the module docstring)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     # transformers 5.24 renamed the forward's `past_key_values` to `cache` (5.17 has the former).
@@ -275,8 +304,9 @@ def run_hf(path: Path, device: torch.device, dtype: torch.dtype, mode: str, case
                     if generate_tokens and case.batch == 1:
                         prompt = torch.randint(0, vocab, (1, case.context - 1), device=device)
                         case.results.update(time_hf_generate(model, prompt, generate_tokens, device))
-                        case.results["speedup_vs_hf_generate"] = (case.results["hf_generate"]["median_ms"]
-                                                                  / ours_ms(case.results))
+                        case.results["speedup_vs_hf_generate"] = case.results["hf_generate"]["median_ms"] / ours_ms(
+                            case.results
+                        )
                 else:
                     prefill = partial(model, input_ids=ids, use_cache=False, logits_to_keep=1)
                     case.results["hf"] = summary(time_steps(prefill, device, warmup, iters))
@@ -302,13 +332,32 @@ def table(cases: Sequence[Case]) -> str:
     for c in cases:
         r = c.results
         hf = "error" if "hf_error" in r else fmt(median(c, "hf"))
-        rows.append([
-            c.name, fmt(median(c, "ours_graph")), fmt(median(c, "ours_eager")), fmt(r.get("tokens_per_s"), 0),
-            hf, fmt(r.get("speedup_vs_hf"), 2), fmt(median(c, "hf_generate")), fmt(r.get("speedup_vs_hf_generate"), 2),
-            fmt(r.get("floor_ms")), percent(r.get("floor_fraction")),
-        ])
-    headers = ["case", "ours graph ms", "ours eager ms", "ours tok/s", "HF ms", "HF/ours", "HF generate ms",
-               "HF gen/ours", "floor ms", "% of floor"]
+        rows.append(
+            [
+                c.name,
+                fmt(median(c, "ours_graph")),
+                fmt(median(c, "ours_eager")),
+                fmt(r.get("tokens_per_s"), 0),
+                hf,
+                fmt(r.get("speedup_vs_hf"), 2),
+                fmt(median(c, "hf_generate")),
+                fmt(r.get("speedup_vs_hf_generate"), 2),
+                fmt(r.get("floor_ms")),
+                percent(r.get("floor_fraction")),
+            ]
+        )
+    headers = [
+        "case",
+        "ours graph ms",
+        "ours eager ms",
+        "ours tok/s",
+        "HF ms",
+        "HF/ours",
+        "HF generate ms",
+        "HF gen/ours",
+        "floor ms",
+        "% of floor",
+    ]
     return format_table(headers, rows)
 
 
@@ -332,10 +381,21 @@ def write_plot(result: dict[str, Any], path: Path) -> Path | None:
         time_ax.plot(*zip(*ours), "o-", color=color, label=f"ours, C={context}")
         if hf:
             time_ax.plot(*zip(*hf), "s:", color=color, markerfacecolor="none", label=f"transformers, C={context}")
-        time_ax.plot([c["batch"] for c in rows], [c["floor_ms"] for c in rows], "--", color=color, alpha=0.6,
-                     label=f"bandwidth floor, C={context}")
-        floor_ax.plot([c["batch"] for c in rows], [100 * c["floor_fraction"] for c in rows], "o-", color=color,
-                      label=f"C={context}")
+        time_ax.plot(
+            [c["batch"] for c in rows],
+            [c["floor_ms"] for c in rows],
+            "--",
+            color=color,
+            alpha=0.6,
+            label=f"bandwidth floor, C={context}",
+        )
+        floor_ax.plot(
+            [c["batch"] for c in rows],
+            [100 * c["floor_fraction"] for c in rows],
+            "o-",
+            color=color,
+            label=f"C={context}",
+        )
     log_axis(time_ax, time_ax.yaxis)  # transformers' large batches sit an order of magnitude above
     time_ax.set_ylabel("decode step (ms)")
     time_ax.set_title("decode step time")
@@ -349,8 +409,10 @@ def write_plot(result: dict[str, Any], path: Path) -> Path | None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small")
     meta = result["metadata"]
-    fig.suptitle(f"{meta.get('preset') or meta.get('model_dir')}, {meta['dtype']}, {meta['device']} "
-                 f"({meta['date'][:10]})", fontsize="medium")
+    fig.suptitle(
+        f"{meta.get('preset') or meta.get('model_dir')}, {meta['dtype']}, {meta['device']} ({meta['date'][:10]})",
+        fontsize="medium",
+    )
     save_figure(plt, fig, path)
     print(f"wrote {path}")
     return path
@@ -364,20 +426,33 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", help="compute dtype (default bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--batch-sizes", default="1,8,32,128", type=parse_ints, help="decode batch sizes")
     parser.add_argument("--contexts", default="128,2048", type=parse_ints, help="decode context lengths")
-    parser.add_argument("--prefill-lens", default="2048", type=parse_prefill_lens,
-                        help="single-prompt prefill lengths ('' for none)")
-    parser.add_argument("--prefill-batches", default="8x512", type=parse_prefill_batches,
-                        help="batched prefills, COUNTxLENGTH[,...] ('' for none)")
-    parser.add_argument("--hf", choices=[*HF_COMPILE_OPTIONS, "eager", "off"],
-                        help="transformers baseline (default: compiled on CUDA, eager on CPU)")
-    parser.add_argument("--hf-generate", action="store_true",
-                        help="also time transformers' generate() with a static cache, batch-1 cases")
+    parser.add_argument(
+        "--prefill-lens", default="2048", type=parse_prefill_lens, help="single-prompt prefill lengths ('' for none)"
+    )
+    parser.add_argument(
+        "--prefill-batches",
+        default="8x512",
+        type=parse_prefill_batches,
+        help="batched prefills, COUNTxLENGTH[,...] ('' for none)",
+    )
+    parser.add_argument(
+        "--hf",
+        choices=[*HF_COMPILE_OPTIONS, "eager", "off"],
+        help="transformers baseline (default: compiled on CUDA, eager on CPU)",
+    )
+    parser.add_argument(
+        "--hf-generate",
+        action="store_true",
+        help="also time transformers' generate() with a static cache, batch-1 cases",
+    )
     parser.add_argument("--hf-generate-tokens", default=64, type=int, help="decode tokens per timed generate")
-    parser.add_argument("--max-model-len", type=int,
-                        help="the runner's max_model_len (default: longest case + one block)")
+    parser.add_argument(
+        "--max-model-len", type=int, help="the runner's max_model_len (default: longest case + one block)"
+    )
     parser.add_argument("--plot", type=Path, help="write a PNG of the decode cases here (needs matplotlib)")
-    parser.add_argument("--from-json", type=Path,
-                        help="measure nothing: print the table (and --plot) of an earlier run's --out file")
+    parser.add_argument(
+        "--from-json", type=Path, help="measure nothing: print the table (and --plot) of an earlier run's --out file"
+    )
     add_step_timing_args(parser)
     return parse_step_timing_args(parser, argv)
 
@@ -386,9 +461,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.from_json is not None:
         result = json.loads(args.from_json.read_text())
-        cases = [Case(c["kind"], c["batch"], c["context"],
-                      {k: v for k, v in c.items() if k not in ("case", "kind", "batch", "context")})
-                 for c in result["cases"]]
+        cases = [
+            Case(
+                c["kind"],
+                c["batch"],
+                c["context"],
+                {k: v for k, v in c.items() if k not in ("case", "kind", "batch", "context")},
+            )
+            for c in result["cases"]
+        ]
         print(table(cases))
         if args.plot is not None:
             write_plot(result, args.plot)
@@ -404,9 +485,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     runs = 2 if hf_mode != "off" else 1
     with tqdm(total=runs * len(cases), unit="case", desc="pdserve.bench.decode") as progress:
         runner = build_runner(path, device, dtype, cases, args.block_size, args.max_model_len)
-        info = {"max_model_len": runner.max_model_len, "num_blocks": runner.num_blocks,
-                "graph_buckets": runner.graph_runner.buckets if runner.graph_runner else None,
-                "weight_bytes": weight_bytes(runner), "kv_bytes_per_token": kv_bytes_per_token(runner)}
+        info = {
+            "max_model_len": runner.max_model_len,
+            "num_blocks": runner.num_blocks,
+            "graph_buckets": runner.graph_runner.buckets if runner.graph_runner else None,
+            "weight_bytes": weight_bytes(runner),
+            "kv_bytes_per_token": kv_bytes_per_token(runner),
+        }
         run_ours(runner, cases, args.warmup, args.iters, args.seed, progress)
         tqdm.write(table(cases))  # ours first: the baseline's compiles take minutes
         runner.close()  # frees the graphs; the weights and pool go with the runner
@@ -415,18 +500,35 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if hf_mode != "off":
-            run_hf(path, device, parse_dtype(dtype), hf_mode, cases, args.warmup, args.iters, args.seed,
-                   args.hf_generate_tokens if args.hf_generate else 0, progress)
+            run_hf(
+                path,
+                device,
+                parse_dtype(dtype),
+                hf_mode,
+                cases,
+                args.warmup,
+                args.iters,
+                args.seed,
+                args.hf_generate_tokens if args.hf_generate else 0,
+                progress,
+            )
 
     result = {
         "metadata": metadata(
-            device, command_line("pdserve.bench.decode", argv), preset=None if args.model else args.preset,
-            model_dir=str(path), dtype=dtype, hf_mode=hf_mode, hf_compile=HF_COMPILE_OPTIONS.get(hf_mode),
-            iters=args.iters, warmup=args.warmup, block_size=args.block_size,
-            bandwidth_bytes_per_s=H200_BANDWIDTH, **info,
+            device,
+            command_line("pdserve.bench.decode", argv),
+            preset=None if args.model else args.preset,
+            model_dir=str(path),
+            dtype=dtype,
+            hf_mode=hf_mode,
+            hf_compile=HF_COMPILE_OPTIONS.get(hf_mode),
+            iters=args.iters,
+            warmup=args.warmup,
+            block_size=args.block_size,
+            bandwidth_bytes_per_s=H200_BANDWIDTH,
+            **info,
         ),
-        "cases": [{"case": c.name, "kind": c.kind, "batch": c.batch, "context": c.context, **c.results}
-                  for c in cases],
+        "cases": [{"case": c.name, "kind": c.kind, "batch": c.batch, "context": c.context, **c.results} for c in cases],
     }
     print(table(cases))
     write_json(result, args.out)

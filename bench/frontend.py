@@ -57,8 +57,13 @@ def router_main(setup: Setup, stop: Any) -> None:
     from pdserve.router.router import Router
 
     tokenizer = AutoTokenizer.from_pretrained(setup.tokenizer) if setup.tokenizer else None
-    router = Router(ClusterConfig(mode="colocated"), Addresses(setup.run_dir, setup.endpoint), tokenizer,
-                    vocab_size=32000, max_model_len=setup.output_len + 16)
+    router = Router(
+        ClusterConfig(mode="colocated"),
+        Addresses(setup.run_dir, setup.endpoint),
+        tokenizer,
+        vocab_size=32000,
+        max_model_len=setup.output_len + 16,
+    )
     try:
         while not stop.is_set():
             router.poll(10)
@@ -99,15 +104,17 @@ def leader_main(setup: Setup, stop: Any) -> None:
     ctx.destroy(linger=0)
 
 
-async def stream_all(endpoint: str, streams: int, output_len: int,
-                     batch_chunks: bool) -> tuple[float, list[list[float]]]:
+async def stream_all(
+    endpoint: str, streams: int, output_len: int, batch_chunks: bool
+) -> tuple[float, list[list[float]]]:
     """Wall seconds from the first send to the last final, and each request's chunk arrival times."""
     client = AsyncClient(endpoint, batch_chunks=batch_chunks)
 
     async def one(i: int) -> list[float]:
         times = []
-        async for message in client.stream(token_ids=[1, 2, 3], request_id=f"s{i}", max_tokens=output_len,
-                                           ignore_eos=True):
+        async for message in client.stream(
+            token_ids=[1, 2, 3], request_id=f"s{i}", max_tokens=output_len, ignore_eos=True
+        ):
             if isinstance(message, Chunk):
                 times.append(time.perf_counter())
         return times
@@ -149,18 +156,35 @@ def measure(streams: int, output_len: int, step_ms: float, batch_chunks: bool, t
         raise RuntimeError(f"received {tokens} tokens of {streams * output_len}")
     gaps = [(b - a) * 1e3 for times in arrivals for a, b in zip(times, times[1:])]
     emitted = streams / (step_ms / 1e3) if step_ms > 0 else None
-    return {"streams": streams, "output_len": output_len, "step_ms": step_ms, "batch_chunks": batch_chunks,
-            "tokenizer": tokenizer,
-            "wall_s": wall, "delivered_tok_s": tokens / wall, "emitted_tok_s": emitted,
-            "itl_p50_ms": percentile(gaps, 50), "itl_p99_ms": percentile(gaps, 99)}
+    return {
+        "streams": streams,
+        "output_len": output_len,
+        "step_ms": step_ms,
+        "batch_chunks": batch_chunks,
+        "tokenizer": tokenizer,
+        "wall_s": wall,
+        "delivered_tok_s": tokens / wall,
+        "emitted_tok_s": emitted,
+        "itl_p50_ms": percentile(gaps, 50),
+        "itl_p99_ms": percentile(gaps, 99),
+    }
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     return format_table(
         ["streams", "step ms", "batched", "emitted tok/s", "delivered tok/s", "ITL p50 ms", "ITL p99 ms"],
-        [[str(r["streams"]), fmt(r["step_ms"], 1), "on" if r["batch_chunks"] else "off",
-          fmt(r["emitted_tok_s"], 0), fmt(r["delivered_tok_s"], 0),
-          fmt(r["itl_p50_ms"], 2), fmt(r["itl_p99_ms"], 2)] for r in rows],
+        [
+            [
+                str(r["streams"]),
+                fmt(r["step_ms"], 1),
+                "on" if r["batch_chunks"] else "off",
+                fmt(r["emitted_tok_s"], 0),
+                fmt(r["delivered_tok_s"], 0),
+                fmt(r["itl_p50_ms"], 2),
+                fmt(r["itl_p99_ms"], 2),
+            ]
+            for r in rows
+        ],
     )
 
 
@@ -169,16 +193,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--streams", default="64,128", type=parse_ints, help="concurrent streaming requests")
     parser.add_argument("--output-len", default=256, type=int, help="tokens of every request")
     parser.add_argument("--step-ms", default="0,2", help="the stand-in's step period(s), ms; 0: unpaced")
-    parser.add_argument("--batch-chunks", default="both", choices=sorted(ON_OFF_BOTH),
-                        help="the client asks for batched chunks (Generate.batch_chunks), or not, or both in turn")
+    parser.add_argument(
+        "--batch-chunks",
+        default="both",
+        choices=sorted(ON_OFF_BOTH),
+        help="the client asks for batched chunks (Generate.batch_chunks), or not, or both in turn",
+    )
     parser.add_argument("--tokenizer", help="a model directory whose tokenizer the router detokenizes with")
     parser.add_argument("--out", type=Path, help="write every number as JSON here")
     args = parser.parse_args(argv)
     step_ms = [float(s) for s in args.step_ms.split(",") if s.strip()]
     if args.output_len < 2 or any(s < 0 for s in step_ms) or any(n < 1 for n in args.streams):
         parser.error("--output-len must be >= 2, --step-ms >= 0 and --streams >= 1")
-    rows = [measure(n, args.output_len, s, batched, args.tokenizer)
-            for n in args.streams for s in step_ms for batched in ON_OFF_BOTH[args.batch_chunks]]
+    rows = [
+        measure(n, args.output_len, s, batched, args.tokenizer)
+        for n in args.streams
+        for s in step_ms
+        for batched in ON_OFF_BOTH[args.batch_chunks]
+    ]
     print(table(rows))
     result = {"metadata": metadata(torch.device("cpu"), command_line("pdserve.bench.frontend", argv)), "rows": rows}
     write_json(result, args.out)

@@ -53,12 +53,25 @@ def max_err(a: Any, b: Any) -> float:
 Timer = Callable[[Callable[[], Any]], float]
 
 
-def row(op: str, shape: str, kernel: Callable[[], Any], ref: Callable[[], Any], kernel_timer: Timer,
-        ref_timer: Timer | None, work: tuple[str, float] | None = None, extra: dict[str, Any] | None = None) -> Row:
+def row(
+    op: str,
+    shape: str,
+    kernel: Callable[[], Any],
+    ref: Callable[[], Any],
+    kernel_timer: Timer,
+    ref_timer: Timer | None,
+    work: tuple[str, float] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Row:
     """Time the kernel (and the reference unless ref_timer is None); check it against the
     reference; ``work`` = (unit, amount per call) gives a throughput in tera-units per second."""
-    result: Row = {"op": op, "shape": shape, "triton_us": kernel_timer(kernel), "max_abs_err": max_err(kernel(), ref()),
-                   "timing": f"triton {kernel_timer.__name__}"}
+    result: Row = {
+        "op": op,
+        "shape": shape,
+        "triton_us": kernel_timer(kernel),
+        "max_abs_err": max_err(kernel(), ref()),
+        "timing": f"triton {kernel_timer.__name__}",
+    }
     if ref_timer is not None:
         result["ref_us"] = ref_timer(ref)
         result["speedup"] = result["ref_us"] / result["triton_us"]
@@ -70,8 +83,9 @@ def row(op: str, shape: str, kernel: Callable[[], Any], ref: Callable[[], Any], 
     return result
 
 
-def paged_cache(context_lens: list[int], dtype: torch.dtype, gen: torch.Generator
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def paged_cache(
+    context_lens: list[int], dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random K/V behind shuffled block tables: (k_cache, v_cache, block_tables, context_lens)."""
     needed = [math.ceil(n / BLOCK) for n in context_lens]
     num_blocks = sum(needed)
@@ -82,7 +96,7 @@ def paged_cache(context_lens: list[int], dtype: torch.dtype, gen: torch.Generato
     tables = torch.zeros(len(context_lens), max(needed), dtype=torch.int32)
     start = 0
     for b, n in enumerate(needed):
-        tables[b, :n] = perm[start:start + n]
+        tables[b, :n] = perm[start : start + n]
         start += n
     lens = torch.tensor(context_lens, dtype=torch.int32, device="cuda")
     return k, v, tables.cuda(), lens
@@ -92,22 +106,47 @@ def bench_elementwise(dtype: torch.dtype) -> Iterator[Row]:
     table = torch.randn(VOCAB, HIDDEN, device="cuda", dtype=dtype)
     for rows in (1, 128, 2048):
         ids = torch.randint(0, VOCAB, (rows,), device="cuda")
-        yield row("embedding", f"{rows} of {VOCAB}x{HIDDEN}", lambda: embedding.embedding(ids, table),
-                  lambda: embedding.embedding_ref(ids, table), graph_us, graph_us,
-                  ("TB/s", 2 * rows * HIDDEN * table.element_size()))
+        yield row(
+            "embedding",
+            f"{rows} of {VOCAB}x{HIDDEN}",
+            lambda: embedding.embedding(ids, table),
+            lambda: embedding.embedding_ref(ids, table),
+            graph_us,
+            graph_us,
+            ("TB/s", 2 * rows * HIDDEN * table.element_size()),
+        )
         x = torch.randn(rows, HIDDEN, device="cuda", dtype=dtype)
         res = torch.randn_like(x)
         w = torch.randn(HIDDEN, device="cuda", dtype=dtype)
         moved = 2 * x.numel() * x.element_size()
-        yield row("rms_norm", f"{rows}x{HIDDEN}", lambda: rmsnorm.rms_norm(x, w, 1e-6),
-                  lambda: rmsnorm.rms_norm_ref(x, w, 1e-6), graph_us, graph_us, ("TB/s", moved))
-        yield row("fused_add_rms_norm", f"{rows}x{HIDDEN}",
-                  lambda: rmsnorm.fused_add_rms_norm(x, res, w, 1e-6),
-                  lambda: rmsnorm.fused_add_rms_norm_ref(x, res, w, 1e-6), graph_us, graph_us, ("TB/s", 2 * moved))
+        yield row(
+            "rms_norm",
+            f"{rows}x{HIDDEN}",
+            lambda: rmsnorm.rms_norm(x, w, 1e-6),
+            lambda: rmsnorm.rms_norm_ref(x, w, 1e-6),
+            graph_us,
+            graph_us,
+            ("TB/s", moved),
+        )
+        yield row(
+            "fused_add_rms_norm",
+            f"{rows}x{HIDDEN}",
+            lambda: rmsnorm.fused_add_rms_norm(x, res, w, 1e-6),
+            lambda: rmsnorm.fused_add_rms_norm_ref(x, res, w, 1e-6),
+            graph_us,
+            graph_us,
+            ("TB/s", 2 * moved),
+        )
         gate_up = torch.randn(rows, 2 * INTER, device="cuda", dtype=dtype)
-        yield row("silu_and_mul", f"{rows}x{2 * INTER}", lambda: activation.silu_and_mul(gate_up),
-                  lambda: activation.silu_and_mul_ref(gate_up), graph_us, graph_us,
-                  ("TB/s", 1.5 * gate_up.numel() * gate_up.element_size()))
+        yield row(
+            "silu_and_mul",
+            f"{rows}x{2 * INTER}",
+            lambda: activation.silu_and_mul(gate_up),
+            lambda: activation.silu_and_mul_ref(gate_up),
+            graph_us,
+            graph_us,
+            ("TB/s", 1.5 * gate_up.numel() * gate_up.element_size()),
+        )
 
 
 def bench_rope(dtype: torch.dtype) -> Iterator[Row]:
@@ -125,13 +164,24 @@ def bench_rope(dtype: torch.dtype) -> Iterator[Row]:
         v_cache = torch.zeros_like(k_cache)
         slots = torch.randperm(num_blocks * BLOCK, device="cuda")[:tokens]
         args = (q, k, v, positions, cos_sin, k_cache, v_cache, slots)
-        yield row("rope_and_store_kv", f"T={tokens}", lambda: rope.rope_and_store_kv(*args),
-                  lambda: rope.rope_and_store_kv_ref(*args), graph_us, graph_us,
-                  ("TB/s", 2 * qkv.numel() * qkv.element_size()))
+        yield row(
+            "rope_and_store_kv",
+            f"T={tokens}",
+            lambda: rope.rope_and_store_kv(*args),
+            lambda: rope.rope_and_store_kv_ref(*args),
+            graph_us,
+            graph_us,
+            ("TB/s", 2 * qkv.numel() * qkv.element_size()),
+        )
 
 
-LINEAR_SHAPES = {"qkv_proj": (HQ * HEAD_DIM + 2 * HKV * HEAD_DIM, HIDDEN), "o_proj": (HIDDEN, HQ * HEAD_DIM),
-                 "gate_up_proj": (2 * INTER, HIDDEN), "down_proj": (HIDDEN, INTER), "lm_head": (151936, HIDDEN)}
+LINEAR_SHAPES = {
+    "qkv_proj": (HQ * HEAD_DIM + 2 * HKV * HEAD_DIM, HIDDEN),
+    "o_proj": (HIDDEN, HQ * HEAD_DIM),
+    "gate_up_proj": (2 * INTER, HIDDEN),
+    "down_proj": (HIDDEN, INTER),
+    "lm_head": (151936, HIDDEN),
+}
 
 
 def bench_linear(dtype: torch.dtype, rows_list: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> Iterator[Row]:
@@ -144,25 +194,38 @@ def bench_linear(dtype: torch.dtype, rows_list: tuple[int, ...] = (1, 2, 4, 8, 1
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", dtype=dtype)
             path = linear.linear_path(x, weight)
-            yield row(f"linear {name} ({path})", f"{rows}x{k} @ {n}x{k}", lambda: linear.linear(x, weight, bias),
-                      lambda: linear.linear_ref(x, weight, bias), graph_us, graph_us,
-                      ("TB/s", weight.numel() * weight.element_size()), {"path": path})
+            yield row(
+                f"linear {name} ({path})",
+                f"{rows}x{k} @ {n}x{k}",
+                lambda: linear.linear(x, weight, bias),
+                lambda: linear.linear_ref(x, weight, bias),
+                graph_us,
+                graph_us,
+                ("TB/s", weight.numel() * weight.element_size()),
+                {"path": path},
+            )
     # gate/up with the SwiGLU gate: against the two kernels it replaces at one row (the same bits)
     n, k = LINEAR_SHAPES["gate_up_proj"]
     weight = torch.randn(n, k, device="cuda", dtype=dtype) / math.sqrt(k)
     for rows in (1, 8):
         x = torch.randn(rows, k, device="cuda", dtype=dtype)
-        yield row("linear_silu_and_mul gate_up_proj (ref: linear, then silu_and_mul)", f"{rows}x{k} @ {n}x{k}",
-                  lambda: linear.linear_silu_and_mul(x, weight),
-                  lambda: activation.silu_and_mul(linear.linear(x, weight)), graph_us, graph_us,
-                  ("TB/s", weight.numel() * weight.element_size()))
+        yield row(
+            "linear_silu_and_mul gate_up_proj (ref: linear, then silu_and_mul)",
+            f"{rows}x{k} @ {n}x{k}",
+            lambda: linear.linear_silu_and_mul(x, weight),
+            lambda: activation.silu_and_mul(linear.linear(x, weight)),
+            graph_us,
+            graph_us,
+            ("TB/s", weight.numel() * weight.element_size()),
+        )
 
 
 DECODE_SHAPES = [(1, 1024), (1, 4096), (8, 4096), (32, 2048), (128, 1024), (128, 4096)]
 
 
-def bench_decode(dtype: torch.dtype, gen: torch.Generator, shapes: list[tuple[int, int]] = DECODE_SHAPES,
-                 label: str = "") -> Iterator[Row]:
+def bench_decode(
+    dtype: torch.dtype, gen: torch.Generator, shapes: list[tuple[int, int]] = DECODE_SHAPES, label: str = ""
+) -> Iterator[Row]:
     for batch, ctx in shapes:
         k_cache, v_cache, tables, lens = paged_cache([ctx] * batch, dtype, gen)
         # the step's new tokens (the last of each context): RoPE and their K/V store included
@@ -173,20 +236,35 @@ def bench_decode(dtype: torch.dtype, gen: torch.Generator, shapes: list[tuple[in
         args = (q, k, v, last, cos_sin, k_cache, v_cache, slots, tables, lens, HEAD_DIM**-0.5, ctx)
         parts = decode_attention._num_partitions(ctx, batch, HKV, q.device)
         kv_bytes = 2 * batch * ctx * HKV * HEAD_DIM * k_cache.element_size()
-        yield row("paged_decode_attention" + label, f"B={batch} ctx={ctx}",
-                  lambda: decode_attention.paged_decode_attention(*args),
-                  lambda: decode_attention.paged_decode_attention_ref(*args), graph_us, graph_us, ("TB/s", kv_bytes),
-                  {"partitions": parts})
+        yield row(
+            "paged_decode_attention" + label,
+            f"B={batch} ctx={ctx}",
+            lambda: decode_attention.paged_decode_attention(*args),
+            lambda: decode_attention.paged_decode_attention_ref(*args),
+            graph_us,
+            graph_us,
+            ("TB/s", kv_bytes),
+            {"partitions": parts},
+        )
 
 
 # A mixed step last: 255 running decodes at 512 tokens beside a 256-token prompt.
 MIXED_STEP = ([1] * 255 + [256], [512] * 255 + [256])
-PREFILL_SHAPES = [([2048], [2048]), ([512], [2048]), ([512] * 4, [512] * 4), ([1, 300, 1000, 17], [1, 800, 3000, 529]),
-                  MIXED_STEP]
+PREFILL_SHAPES = [
+    ([2048], [2048]),
+    ([512], [2048]),
+    ([512] * 4, [512] * 4),
+    ([1, 300, 1000, 17], [1, 800, 3000, 529]),
+    MIXED_STEP,
+]
 
 
-def bench_prefill(dtype: torch.dtype, gen: torch.Generator, shapes: list[tuple[list[int], list[int]]] = PREFILL_SHAPES,
-                  label: str = "") -> Iterator[Row]:
+def bench_prefill(
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    shapes: list[tuple[list[int], list[int]]] = PREFILL_SHAPES,
+    label: str = "",
+) -> Iterator[Row]:
     """Triton timed as graph replays (GPU time) and eagerly (with the host's launch cost);
     the reference eagerly; SDPA, for a single prompt without prefix, as graph replays."""
     for query_lens, context_lens in shapes:
@@ -205,8 +283,13 @@ def bench_prefill(dtype: torch.dtype, gen: torch.Generator, shapes: list[tuple[l
             # SDPA on contiguous K/V with the KV heads expanded outside the timing: its best case
             group = HQ // HKV
             qs = q.transpose(0, 1)[None]
-            ks, vs = (decode_attention.gather_kv(c, tables, context_lens[0])[0].transpose(0, 1)
-                      .repeat_interleave(group, 0)[None].contiguous() for c in (k_cache, v_cache))
+            ks, vs = (
+                decode_attention.gather_kv(c, tables, context_lens[0])[0]
+                .transpose(0, 1)
+                .repeat_interleave(group, 0)[None]
+                .contiguous()
+                for c in (k_cache, v_cache)
+            )
 
             def sdpa() -> torch.Tensor:
                 return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=HEAD_DIM**-0.5)
@@ -214,9 +297,16 @@ def bench_prefill(dtype: torch.dtype, gen: torch.Generator, shapes: list[tuple[l
             extra["sdpa_us"] = graph_us(sdpa)
             extra["sdpa_max_abs_err"] = max_err(kernel(), sdpa()[0].transpose(0, 1))
         shape = f"q={'+'.join(map(str, query_lens))} ctx={'+'.join(map(str, context_lens))}"
-        yield row("paged_prefill_attention" + label, shape, kernel,
-                  lambda: prefill_attention.paged_prefill_attention_ref(*args), graph_us,
-                  None if label else eager_us, ("TFLOP/s", flops), extra)
+        yield row(
+            "paged_prefill_attention" + label,
+            shape,
+            kernel,
+            lambda: prefill_attention.paged_prefill_attention_ref(*args),
+            graph_us,
+            None if label else eager_us,
+            ("TFLOP/s", flops),
+            extra,
+        )
 
 
 @contextmanager
@@ -255,8 +345,11 @@ def sweep_linear(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:
     """Alternative linear._dot_config launches for the tensor-core linear at 2, 8, 16 and 32 rows,
     both products (``x W^T`` and the transposed ``W x^T``), each shape class's chosen one among
     them. Isolated replays of one weight: a weight under the 50 MB L2 reads partly from it."""
-    tiles = [(block_n, 128, split_k, 4, stages) for block_n, split_k in
-             [(32, 1), (32, 4), (64, 1), (64, 4), (64, 7), (128, 1), (128, 2)] for stages in (3, 4)]
+    tiles = [
+        (block_n, 128, split_k, 4, stages)
+        for block_n, split_k in [(32, 1), (32, 4), (64, 1), (64, 4), (64, 7), (128, 1), (128, 2)]
+        for stages in (3, 4)
+    ]
     configs = [linear.DotConfig(*tile, swap_ab=swap_ab) for tile in tiles for swap_ab in (False, True)]
     # the narrow layers' whole-slice tiles
     for config in [*configs, linear.DotConfig(64, 512, 3, 8, 1, swap_ab=False)]:
@@ -273,22 +366,31 @@ def print_table(rows: list[Row]) -> None:
     def num(r: Row, key: str, fmt: str, width: int) -> str:
         return format(r[key], fmt) if key in r else " " * width
 
-    header = (f"{'op':48s} {'shape':34s} {'triton us':>9s} {'eager us':>8s} {'ref us':>8s} {'x ref':>6s} "
-              f"{'sdpa us':>7s} {'max err':>8s}  throughput")
+    header = (
+        f"{'op':48s} {'shape':34s} {'triton us':>9s} {'eager us':>8s} {'ref us':>8s} {'x ref':>6s} "
+        f"{'sdpa us':>7s} {'max err':>8s}  throughput"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['op']:48s} {r['shape']:34s} {r['triton_us']:9.1f} {num(r, 'triton_eager_us', '8.1f', 8)} "
-              f"{num(r, 'ref_us', '8.1f', 8)} {num(r, 'speedup', '6.1f', 6)} {num(r, 'sdpa_us', '7.1f', 7)} "
-              f"{r['max_abs_err']:8.1e}  {r.get('throughput', '')}")
+        print(
+            f"{r['op']:48s} {r['shape']:34s} {r['triton_us']:9.1f} {num(r, 'triton_eager_us', '8.1f', 8)} "
+            f"{num(r, 'ref_us', '8.1f', 8)} {num(r, 'speedup', '6.1f', 6)} {num(r, 'sdpa_us', '7.1f', 7)} "
+            f"{r['max_abs_err']:8.1e}  {r.get('throughput', '')}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("out/kernels.json"), help="JSON results path")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    parser.add_argument("--sweep", action="append", choices=sorted(SWEEPS), default=[],
-                        help="also time alternative prefill tiles / decode partitions / linear tiles (repeatable)")
+    parser.add_argument(
+        "--sweep",
+        action="append",
+        choices=sorted(SWEEPS),
+        default=[],
+        help="also time alternative prefill tiles / decode partitions / linear tiles (repeatable)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.kernels needs a CUDA device", file=sys.stderr)
@@ -297,15 +399,25 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     rows: list[Row] = []
-    parts = [bench_linear(dtype), bench_elementwise(dtype), bench_rope(dtype), bench_decode(dtype, gen), bench_prefill(dtype, gen)]
+    parts = [
+        bench_linear(dtype),
+        bench_elementwise(dtype),
+        bench_rope(dtype),
+        bench_decode(dtype, gen),
+        bench_prefill(dtype, gen),
+    ]
     for part in (*parts, *(SWEEPS[name](dtype, gen) for name in args.sweep)):
         for r in part:
             rows.append(r)
             print(f"  {r['op']} {r['shape']}: {r['triton_us']:.1f} us", file=sys.stderr, flush=True)
     print_table(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "dtype": args.dtype}
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "dtype": args.dtype,
+    }
     args.out.write_text(json.dumps({**meta, "results": rows}, indent=2))
     print(f"wrote {args.out}")
     return 0

@@ -73,8 +73,13 @@ def summarize(values_s: Sequence[float]) -> dict[str, float | None]:
     if not values_s:
         return dict.fromkeys(STATS)
     ms = [v * 1e3 for v in values_s]
-    return {"mean": sum(ms) / len(ms), "p50": percentile(ms, 50), "p90": percentile(ms, 90),
-            "p99": percentile(ms, 99), "max": max(ms)}
+    return {
+        "mean": sum(ms) / len(ms),
+        "p50": percentile(ms, 50),
+        "p90": percentile(ms, 90),
+        "p99": percentile(ms, 99),
+        "max": max(ms),
+    }
 
 
 def ttft(record: RequestRecord) -> float:
@@ -119,8 +124,9 @@ def duration(records: Sequence[RequestRecord]) -> float:
     return max(ends) - min(r.sent for r in records)
 
 
-def compute_metrics(records: Sequence[RequestRecord], slo_ttft_ms: float | None = None,
-                    slo_tpot_ms: float | None = None) -> dict[str, Any]:
+def compute_metrics(
+    records: Sequence[RequestRecord], slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None
+) -> dict[str, Any]:
     """Every metric of one run (warm-up records are ignored)."""
     measured = [r for r in records if not r.warmup]
     done = [r for r in measured if r.ok]

@@ -68,8 +68,14 @@ def run(config: EngineConfig, prompt_len: int, cached_len: int, reps: int, warmu
         hit = cached.stats().prefix_cache.hit_tokens - hits_before
         _, reference_token = time_to_first_token(uncached, f"ref-{rep}", second)
         if rep >= warmup:
-            rows.append({"uncached_ms": cold_ms, "cached_ms": warm_ms, "cached_tokens": hit,
-                         "same_first_token": warm_token == reference_token})
+            rows.append(
+                {
+                    "uncached_ms": cold_ms,
+                    "cached_ms": warm_ms,
+                    "cached_tokens": hit,
+                    "same_first_token": warm_token == reference_token,
+                }
+            )
     uncached_ms = statistics.median(r["uncached_ms"] for r in rows)
     cached_ms = statistics.median(r["cached_ms"] for r in rows)
     for engine in (cached, uncached):
@@ -105,16 +111,31 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     device = resolve_device(args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     path = model_dir(args.preset, args.model, dtype, device)
-    config = EngineConfig(model=str(path), dtype=dtype, device=str(device), max_model_len=args.prompt_len + 16,
-                          overlap_scheduling=args.overlap == "on",
-                          cache=CacheConfig(num_blocks=4 * (args.prompt_len // 16 + 2) * (args.reps + args.warmup)))
+    config = EngineConfig(
+        model=str(path),
+        dtype=dtype,
+        device=str(device),
+        max_model_len=args.prompt_len + 16,
+        overlap_scheduling=args.overlap == "on",
+        cache=CacheConfig(num_blocks=4 * (args.prompt_len // 16 + 2) * (args.reps + args.warmup)),
+    )
     result = run(config, args.prompt_len, args.cached_len, args.reps, args.warmup, args.seed)
-    print(format_table(
-        ["prompt", "cached", "uncached ms", "cached ms", "speed-up", "hit tokens", "same first token"],
-        [[str(result["prompt_len"]), str(result["cached_len"]), fmt(result["uncached_ms"]), fmt(result["cached_ms"]),
-          f"{result['speedup']:.2f}x", f"{result['cached_tokens']:.0f}",
-          f"{result['same_first_token']}/{len(result['reps'])}"]],
-    ))
+    print(
+        format_table(
+            ["prompt", "cached", "uncached ms", "cached ms", "speed-up", "hit tokens", "same first token"],
+            [
+                [
+                    str(result["prompt_len"]),
+                    str(result["cached_len"]),
+                    fmt(result["uncached_ms"]),
+                    fmt(result["cached_ms"]),
+                    f"{result['speedup']:.2f}x",
+                    f"{result['cached_tokens']:.0f}",
+                    f"{result['same_first_token']}/{len(result['reps'])}",
+                ]
+            ],
+        )
+    )
     document = {"metadata": metadata(device, command_line("pdserve.bench.prefix_cache", argv)), "result": result}
     write_json(document, args.out)
     return document

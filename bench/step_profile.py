@@ -29,7 +29,14 @@ from typing import Any, NamedTuple
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from pdserve.bench.common import fill_kv_random, format_table, model_dir, resolve_device, uniform_decode_plan, write_json
+from pdserve.bench.common import (
+    fill_kv_random,
+    format_table,
+    model_dir,
+    resolve_device,
+    uniform_decode_plan,
+    write_json,
+)
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.kernels import pdl
@@ -75,8 +82,12 @@ def profile_rows(prof: profile, on_gpu: bool, steps: int) -> tuple[list[dict], f
             calls[event.name] += 1
     step_us = sum(totals.values()) / steps
     rows = [
-        {"name": name, "calls_per_step": calls[name] / steps, "us_per_step": total / steps,
-         "share": total / steps / step_us if step_us else 0.0}
+        {
+            "name": name,
+            "calls_per_step": calls[name] / steps,
+            "us_per_step": total / steps,
+            "share": total / steps / step_us if step_us else 0.0,
+        }
         for name, total in sorted(totals.items(), key=lambda kv: -kv[1])
     ]
     return rows, step_us
@@ -116,9 +127,15 @@ def critical_path_rows(kernels: Sequence[KernelSpan], steps: int) -> tuple[list[
         previous = kernel.name
     busy = sum(charged.values())
     rows = [
-        {"name": name, "after": after, "calls_per_step": calls[name, after] / steps,
-         "us_per_step": us / steps, "us_per_call": us / calls[name, after],
-         "span_us_per_call": spans[name, after] / calls[name, after], "share": us / busy if busy else 0.0}
+        {
+            "name": name,
+            "after": after,
+            "calls_per_step": calls[name, after] / steps,
+            "us_per_step": us / steps,
+            "us_per_call": us / calls[name, after],
+            "span_us_per_call": spans[name, after] / calls[name, after],
+            "share": us / busy if busy else 0.0,
+        }
         for (name, after), us in sorted(charged.items(), key=lambda kv: -kv[1])
     ]
     return rows, busy / steps, idle / steps
@@ -142,8 +159,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--context", default=128, type=int)
     parser.add_argument("--steps", default=20, type=int)
     parser.add_argument("--enforce-eager", action="store_true", help="profile the eager step, not the graph")
-    parser.add_argument("--critical-path", action="store_true",
-                        help="also charge each kernel with what it adds to the step as it runs (GPU)")
+    parser.add_argument(
+        "--critical-path",
+        action="store_true",
+        help="also charge each kernel with what it adds to the step as it runs (GPU)",
+    )
     parser.add_argument("--top", default=25, type=int, help="rows to print")
     parser.add_argument("--seed", default=0, type=int)
     parser.add_argument("--out", type=Path)
@@ -155,30 +175,64 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model_config = ModelConfig.from_pretrained(path)
     block_size = 16
     blocks = args.batch * -(-args.context // block_size)
-    runner = ModelRunner(EngineConfig(
-        model=str(path), device=str(device), max_model_len=args.context + block_size, enforce_eager=args.enforce_eager,
-        cuda_graph_max_batch=args.batch, cache=CacheConfig(block_size=block_size, num_blocks=blocks + 1),
-        scheduler=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=max(args.batch, args.context)),
-    ), model_config)
+    runner = ModelRunner(
+        EngineConfig(
+            model=str(path),
+            device=str(device),
+            max_model_len=args.context + block_size,
+            enforce_eager=args.enforce_eager,
+            cuda_graph_max_batch=args.batch,
+            cache=CacheConfig(block_size=block_size, num_blocks=blocks + 1),
+            scheduler=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=max(args.batch, args.context)),
+        ),
+        model_config,
+    )
     prof = profiled_steps(runner, args.batch, args.context, args.steps, args.seed)
     runner.close()
     rows, step_us = profile_rows(prof, device.type == "cuda", args.steps)
     path_rows = critical_path_rows(kernel_spans(prof), args.steps) if args.critical_path else None
     if pdl.enabled(device):
         print("note: kernels launch with PDL, so their spans overlap; PDSERVE_PDL=0 gives per-kernel times")
-    print(f"decode B={args.batch} C={args.context} on {device}: {step_us:.1f} us of "
-          f"{'kernels' if device.type == 'cuda' else 'CPU ops'} per step")
-    print(format_table(["name", "calls/step", "us/step", "share"],
-                       [[r["name"][:70], f"{r['calls_per_step']:.0f}", f"{r['us_per_step']:.1f}",
-                         f"{100 * r['share']:.1f}%"] for r in rows[: args.top]]))
-    result = {"batch": args.batch, "context": args.context, "device": str(device), "graph": not args.enforce_eager,
-              "step_us": step_us, "rows": rows}
+    print(
+        f"decode B={args.batch} C={args.context} on {device}: {step_us:.1f} us of "
+        f"{'kernels' if device.type == 'cuda' else 'CPU ops'} per step"
+    )
+    print(
+        format_table(
+            ["name", "calls/step", "us/step", "share"],
+            [
+                [r["name"][:70], f"{r['calls_per_step']:.0f}", f"{r['us_per_step']:.1f}", f"{100 * r['share']:.1f}%"]
+                for r in rows[: args.top]
+            ],
+        )
+    )
+    result = {
+        "batch": args.batch,
+        "context": args.context,
+        "device": str(device),
+        "graph": not args.enforce_eager,
+        "step_us": step_us,
+        "rows": rows,
+    }
     if path_rows is not None:
         critical, busy_us, idle_us = path_rows
         print(f"critical path: {busy_us:.1f} us busy per step ({idle_us:.1f} idle between kernels)")
-        print(format_table(["name", "after", "calls/step", "us/step", "us/call", "share"],
-                           [[r["name"][:50], r["after"][:30], f"{r['calls_per_step']:.0f}", f"{r['us_per_step']:.1f}",
-                             f"{r['us_per_call']:.2f}", f"{100 * r['share']:.1f}%"] for r in critical[: args.top]]))
+        print(
+            format_table(
+                ["name", "after", "calls/step", "us/step", "us/call", "share"],
+                [
+                    [
+                        r["name"][:50],
+                        r["after"][:30],
+                        f"{r['calls_per_step']:.0f}",
+                        f"{r['us_per_step']:.1f}",
+                        f"{r['us_per_call']:.2f}",
+                        f"{100 * r['share']:.1f}%",
+                    ]
+                    for r in critical[: args.top]
+                ],
+            )
+        )
         result["critical_path"] = {"busy_us": busy_us, "idle_us": idle_us, "rows": critical}
     write_json(result, args.out)
     return result

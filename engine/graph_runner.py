@@ -50,8 +50,10 @@ def pad_prefill_plan(plan: StepPlan, bucket: int, max_seqs: int, dummy_block: in
     """
     num_tokens, num_seqs = len(plan.input_ids), len(plan.context_lens)
     if plan.is_decode or num_tokens > bucket or num_seqs > max_seqs:
-        raise ValueError(f"a prefill graph of {bucket} tokens and {max_seqs} sequences cannot run a "
-                         f"{'decode' if plan.is_decode else 'prefill'} step of {num_tokens} tokens in {num_seqs}")
+        raise ValueError(
+            f"a prefill graph of {bucket} tokens and {max_seqs} sequences cannot run a "
+            f"{'decode' if plan.is_decode else 'prefill'} step of {num_tokens} tokens in {num_seqs}"
+        )
     pad = bucket - num_tokens
     plan_width = plan.block_tables.shape[1]
     block_tables = np.full((max_seqs + 1, max(plan_width, -(-pad // block_size), 1)), dummy_block, dtype=np.int32)
@@ -88,8 +90,15 @@ class _StepGraphs:
 
     kind: str  # "decode" | "prefill", for the log
 
-    def __init__(self, model: CausalLM, buckets: list[int], max_model_len: int, block_size: int,
-                 dummy_block: int, logits: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        buckets: list[int],
+        max_model_len: int,
+        block_size: int,
+        dummy_block: int,
+        logits: torch.Tensor | None,
+    ) -> None:
         """The subclass allocates its static inputs, then captures. ``logits``: the leader's fp32
         ``[rows, vocab]`` buffer the graphs write into (see the module docstring); None on a TP
         peer, whose graphs return hidden states."""
@@ -192,8 +201,9 @@ def decode_inputs(packed: torch.Tensor | np.ndarray, bucket: int) -> DecodeInput
     return DecodeInputs(packed[:b], packed[seg : seg + b], packed[2 * seg : 2 * seg + b], lens[:b])
 
 
-def pack_decode_step(plan: StepPlan, bucket: int, layout: DecodeBufferLayout, dummy_block: int,
-                     block_size: int) -> tuple[int, np.ndarray, np.ndarray | None]:
+def pack_decode_step(
+    plan: StepPlan, bucket: int, layout: DecodeBufferLayout, dummy_block: int, block_size: int
+) -> tuple[int, np.ndarray, np.ndarray | None]:
     """A decode ``plan`` padded to ``bucket`` rows, as host arrays for a runner's buffer:
     ``(start, host, tables)``. ``host`` (int64) goes to the buffer at int64 offset ``start``;
     ``tables``, the block tables' rows in the plan's columns, to the block tables' top-left
@@ -214,9 +224,12 @@ def pack_decode_step(plan: StepPlan, bucket: int, layout: DecodeBufferLayout, du
     else:
         host = np.zeros(packed_len(bucket), dtype=np.int64)
     rows = decode_inputs(host, bucket)
-    for values, padding, dest in ((plan.input_ids, 0, rows.input_ids), (plan.positions, 0, rows.positions),
-                                  (plan.slot_mapping, dummy_block * block_size, rows.slot_mapping),
-                                  (plan.context_lens, 1, rows.context_lens)):
+    for values, padding, dest in (
+        (plan.input_ids, 0, rows.input_ids),
+        (plan.positions, 0, rows.positions),
+        (plan.slot_mapping, dummy_block * block_size, rows.slot_mapping),
+        (plan.context_lens, 1, rows.context_lens),
+    ):
         dest[:batch] = values
         dest[batch:] = padding
     return start, host, None if bucket == 1 else tables
@@ -371,8 +384,7 @@ class PrefillGraphRunner(_StepGraphs):
         _load(self.sample_rows[:seqs], padded.sample_rows)
 
     def can_run(self, plan: StepPlan) -> bool:
-        return (not plan.is_decode and len(plan.input_ids) <= self.max_tokens
-                and len(plan.context_lens) <= self.max_seqs)
+        return not plan.is_decode and len(plan.input_ids) <= self.max_tokens and len(plan.context_lens) <= self.max_seqs
 
     def run(self, plan: StepPlan, sampled: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the bucket's graph; logits of the plan's sampled rows (leader) or the hidden

@@ -27,9 +27,7 @@ def default_weight_loader(param: nn.Parameter, source: Any, shard_id: str | None
     param.data.copy_(loaded)
 
 
-def _parameter(
-    shape: Sequence[int], dtype: torch.dtype, loader: Any, shard_ids: tuple[str, ...] = ()
-) -> nn.Parameter:
+def _parameter(shape: Sequence[int], dtype: torch.dtype, loader: Any, shard_ids: tuple[str, ...] = ()) -> nn.Parameter:
     """A parameter with its loader and the checkpoint shard ids it is assembled from (if fused)."""
     param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     param.weight_loader = loader  # type: ignore[attr-defined]
@@ -116,9 +114,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _parameter((hidden_size,), dtype, default_weight_loader)
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(norm(x + residual), x + residual)``; with no residual, ``(norm(x), x)``.
 
         With a residual, x is the layer output added to it, as :class:`RowParallelLinear`'s

@@ -58,8 +58,18 @@ class Attention(nn.Module):
         cos_sin = self.rotary.cos_sin_cache
         if ctx.is_decode:  # RoPE and the K/V store happen inside the decode attention
             out = ops.paged_decode_attention(
-                q, k, v, positions, cos_sin, self.k_cache, self.v_cache, ctx.slot_mapping,
-                ctx.block_tables, ctx.context_lens, self.scale, ctx.max_context_len,
+                q,
+                k,
+                v,
+                positions,
+                cos_sin,
+                self.k_cache,
+                self.v_cache,
+                ctx.slot_mapping,
+                ctx.block_tables,
+                ctx.context_lens,
+                self.scale,
+                ctx.max_context_len,
             )
         else:
             q, _ = ops.rope_and_store_kv(q, k, v, positions, cos_sin, self.k_cache, self.v_cache, ctx.slot_mapping)

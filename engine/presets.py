@@ -165,12 +165,12 @@ def write_random_checkpoint(
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
         weight_map: dict[str, str] = {}
-        with tqdm(total=len(shapes), unit="tensor", desc=f"writing {out_dir.name}",
-                  disable=total_bytes < _PROGRESS_MIN_BYTES) as progress:
+        with tqdm(
+            total=len(shapes), unit="tensor", desc=f"writing {out_dir.name}", disable=total_bytes < _PROGRESS_MIN_BYTES
+        ) as progress:
             for number, shard in enumerate(shards, start=1):
                 filename = (
-                    "model.safetensors" if len(shards) == 1
-                    else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+                    "model.safetensors" if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
                 )
                 tensors: dict[str, torch.Tensor] = {}
                 for name, tensor in _random_tensors(shard, generator, std, torch_dtype, device):
@@ -239,8 +239,9 @@ def list_command() -> None:
 
 @cli.command("write")
 @click.argument("name")
-@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path),
-              help="new (or empty) directory to write")
+@click.option(
+    "--out", "out_dir", required=True, type=click.Path(path_type=Path), help="new (or empty) directory to write"
+)
 @click.option("--seed", default=0, show_default=True, help="random seed of the weights")
 @click.option("--dtype", default="bfloat16", show_default=True, help="float32, float16 or bfloat16")
 @click.option("--device", default="cpu", show_default=True, help="where to draw the weights (cpu, cuda)")

@@ -36,7 +36,7 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
     loaded: set[str] = set()
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (a safetensors file, not a dict)
                 if "rotary_emb.inv_freq" in name:
                     continue  # derived from the config, never loaded
                 target, shard_id = name, None

@@ -26,8 +26,13 @@ def silu_mul(gate, up):
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, stride_x, stride_out, inter,
-    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    stride_x,
+    stride_out,
+    inter,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -57,6 +62,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if out2.numel() == 0:
         return out
     grid = (x2.shape[0], triton.cdiv(inter, _BLOCK))
-    _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), inter, BLOCK=_BLOCK, num_warps=_NUM_WARPS,
-                                **pdl.launch_args(x.device))
+    _silu_and_mul_kernel[grid](
+        x2, out2, x2.stride(0), out2.stride(0), inter, BLOCK=_BLOCK, num_warps=_NUM_WARPS, **pdl.launch_args(x.device)
+    )
     return out

@@ -15,9 +15,7 @@ from pdserve.kernels.pdl import prefetch_l2
 from pdserve.kernels.rope import check_new_tokens, rope_and_store_kv_ref
 
 
-def gather_kv(
-    cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int
-) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """``[B, num_tokens, Hkv, D]``: the first ``num_tokens`` cached tokens of each row."""
     block_size = cache.shape[1]
     positions = torch.arange(num_tokens, device=cache.device)
@@ -100,8 +98,10 @@ def _partition_size(context_len, num_partitions, one_tile_limit, BLOCK_N: tl.con
 def _rotated(ptrs, d, pair, mask, cos, signed_sin):
     """RoPE of the rows at ``ptrs`` in fp32, rotate-half as one multiply-add per element:
     ``x[d] * cos + x[pair] * signed_sin`` (see the partition kernel for pair and signed_sin)."""
-    return (tl.load(ptrs + d, mask=mask, other=0.0).to(tl.float32) * cos
-            + tl.load(ptrs + pair, mask=mask, other=0.0).to(tl.float32) * signed_sin)
+    return (
+        tl.load(ptrs + d, mask=mask, other=0.0).to(tl.float32) * cos
+        + tl.load(ptrs + pair, mask=mask, other=0.0).to(tl.float32) * signed_sin
+    )
 
 
 @triton.jit
@@ -120,18 +120,50 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 # Integers that change between steps are not specialized, so a new shape never triggers a compile.
 @triton.jit(do_not_specialize=["max_len", "stride_bt", "num_partitions", "one_tile_limit"])
 def _decode_partition_kernel(
-    q_ptr, k_new_ptr, v_new_ptr, pos_ptr, cos_sin_ptr, slot_ptr,
-    k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, m_ptr, l_ptr, part_ptr,
-    qk_scale, max_len,
-    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_cos,
-    stride_cb, stride_cs, stride_ch,
+    q_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    pos_ptr,
+    cos_sin_ptr,
+    slot_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    part_ptr,
+    qk_scale,
+    max_len,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    stride_cos,
+    stride_cb,
+    stride_cs,
+    stride_ch,
     stride_bt,
-    stride_ob, stride_oh,
-    num_heads, group, head_dim, num_partitions, one_tile_limit,
-    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    MIN_TILES: tl.constexpr, SINGLE_PARTITION: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PREFETCH_FIRST_TILE: tl.constexpr, LINE_ELEMS: tl.constexpr, USE_PDL: tl.constexpr,
+    stride_ob,
+    stride_oh,
+    num_heads,
+    group,
+    head_dim,
+    num_partitions,
+    one_tile_limit,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+    SINGLE_PARTITION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PREFETCH_FIRST_TILE: tl.constexpr,
+    LINE_ELEMS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     part = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -215,8 +247,11 @@ def _decode_partition_kernel(
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_mask = g_mask[:, None] & d_mask[None, :]
         if SINGLE_PARTITION:
-            tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(
+                out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                acc.to(out_ptr.dtype.element_ty),
+                mask=out_mask,
+            )
         else:
             # Partials are contiguous fp32: m, l [B, Hq, P]; part [B, Hq, P, D].
             idx = (seq * num_heads + heads) * num_partitions + part
@@ -226,16 +261,16 @@ def _decode_partition_kernel(
 
 
 @triton.jit
-def _merge_chunk(m_ptr, l_ptr, part_ptr, base, p0, used, d, d_mask, head_dim, m_run, l_run, acc,
-                 BLOCK_P: tl.constexpr):
+def _merge_chunk(m_ptr, l_ptr, part_ptr, base, p0, used, d, d_mask, head_dim, m_run, l_run, acc, BLOCK_P: tl.constexpr):
     """The merge state (running max m_run, sum l_run, accumulator acc over columns d) after
     partitions p0 .. p0 + BLOCK_P - 1 of those below ``used`` (p0 < used)."""
     p = p0 + tl.arange(0, BLOCK_P)
     p_mask = p < used
     m = tl.load(m_ptr + base + p, mask=p_mask, other=float("-inf"))
     l = tl.load(l_ptr + base + p, mask=p_mask, other=0.0)
-    o = tl.load(part_ptr + (base + p)[:, None] * head_dim + d[None, :],
-                mask=p_mask[:, None] & d_mask[None, :], other=0.0)
+    o = tl.load(
+        part_ptr + (base + p)[:, None] * head_dim + d[None, :], mask=p_mask[:, None] & d_mask[None, :], other=0.0
+    )
     # The chunk holds partition p0 < used, so m_new is finite.
     m_new = tl.maximum(m_run, tl.max(m, axis=0))
     w = tl.where(p_mask, l * tl.exp2(m - m_new), 0.0)
@@ -245,9 +280,22 @@ def _merge_chunk(m_ptr, l_ptr, part_ptr, base, p0, used, d, d_mask, head_dim, m_
 
 @triton.jit(do_not_specialize=["max_len", "num_partitions", "one_tile_limit"])
 def _decode_reduce_kernel(
-    m_ptr, l_ptr, part_ptr, context_lens_ptr, out_ptr,
-    max_len, stride_ob, stride_oh, num_heads, head_dim, num_partitions, one_tile_limit,
-    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
+    m_ptr,
+    l_ptr,
+    part_ptr,
+    context_lens_ptr,
+    out_ptr,
+    max_len,
+    stride_ob,
+    stride_oh,
+    num_heads,
+    head_dim,
+    num_partitions,
+    one_tile_limit,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_TILES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One program per (query head, sequence, BLOCK_D columns of the head): merges those
@@ -269,11 +317,13 @@ def _decode_reduce_kernel(
     # Masked rows cost time: a short merge gets a tile of its own height, longer ones BLOCK_P chunks.
     if used > _SHORT_MERGE:
         for p0 in range(0, used, BLOCK_P):
-            m_run, l_run, acc = _merge_chunk(m_ptr, l_ptr, part_ptr, base, p0, used, d, d_mask, head_dim,
-                                             m_run, l_run, acc, BLOCK_P)
+            m_run, l_run, acc = _merge_chunk(
+                m_ptr, l_ptr, part_ptr, base, p0, used, d, d_mask, head_dim, m_run, l_run, acc, BLOCK_P
+            )
     elif used > 0:
-        m_run, l_run, acc = _merge_chunk(m_ptr, l_ptr, part_ptr, base, 0, used, d, d_mask, head_dim,
-                                         m_run, l_run, acc, _SHORT_MERGE)
+        m_run, l_run, acc = _merge_chunk(
+            m_ptr, l_ptr, part_ptr, base, 0, used, d, d_mask, head_dim, m_run, l_run, acc, _SHORT_MERGE
+        )
     # l_run is 0 only for an empty context (used == 0): write zeros rather than NaN.
     out = acc / tl.where(l_run > 0, l_run, 1.0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -294,7 +344,7 @@ _MAX_MERGE_CHUNK = 32  # longer merges go in chunks of up to this many partition
 _PREFETCH_MAX_BATCH = 16
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: any small number keeps the partition count small
@@ -328,15 +378,23 @@ def _one_tile_limit(batch: int, num_kv_heads: int, device: torch.device) -> int:
     return max(_MIN_PARTITION_TILES, _ONE_TILE_PROGRAMS_PER_SM * _num_sms(device) // (batch * num_kv_heads))
 
 
-def _check_paged_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       block_tables: torch.Tensor, context_lens: torch.Tensor, batch: int) -> None:
+def _check_paged_cache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    batch: int,
+) -> None:
     """Checks shared by the decode and prefill wrappers (q is [*, Hq, D])."""
     num_heads, head_dim = q.shape[1:]
     if k_cache.dim() != 4 or k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, {head_dim}], got {tuple(k_cache.shape)}")
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"v_cache {tuple(v_cache.shape)} {v_cache.stride()} {v_cache.dtype} must match "
-                         f"k_cache {tuple(k_cache.shape)} {k_cache.stride()} {k_cache.dtype}")
+        raise ValueError(
+            f"v_cache {tuple(v_cache.shape)} {v_cache.stride()} {v_cache.dtype} must match "
+            f"k_cache {tuple(k_cache.shape)} {k_cache.stride()} {k_cache.dtype}"
+        )
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
@@ -345,14 +403,19 @@ def _check_paged_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:
-        raise ValueError(f"block_tables must be [{batch}, max_blocks] int32, got "
-                         f"{tuple(block_tables.shape)} {block_tables.dtype}")
+        raise ValueError(
+            f"block_tables must be [{batch}, max_blocks] int32, got {tuple(block_tables.shape)} {block_tables.dtype}"
+        )
     if block_tables.stride(1) != 1:
         raise ValueError(f"block_tables must be contiguous in its last dim, got strides {block_tables.stride()}")
     if context_lens.shape != (batch,) or context_lens.dtype != torch.int32:
         raise ValueError(f"context_lens must be [{batch}] int32, got {tuple(context_lens.shape)} {context_lens.dtype}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
-                    ("context_lens", context_lens)):
+    for name, t in (
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("block_tables", block_tables),
+        ("context_lens", context_lens),
+    ):
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
 
@@ -402,28 +465,73 @@ def paged_decode_attention(
         l = torch.empty_like(m)
         partials = torch.empty((batch, num_heads, num_partitions, head_dim), dtype=torch.float32, device=q.device)
     _decode_partition_kernel[(num_partitions, num_kv_heads, batch)](
-        q, k, v, positions, cos_sin_cache, slot_mapping,
-        k_cache, v_cache, block_tables, context_lens, out, m, l, partials,
-        scale * _LOG2E, max_len,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q,
+        k,
+        v,
+        positions,
+        cos_sin_cache,
+        slot_mapping,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        m,
+        l,
+        partials,
+        scale * _LOG2E,
+        max_len,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos_sin_cache.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        num_heads, group, head_dim, num_partitions, one_tile_limit,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
-        MIN_TILES=_MIN_PARTITION_TILES, SINGLE_PARTITION=num_partitions == 1,
+        out.stride(0),
+        out.stride(1),
+        num_heads,
+        group,
+        head_dim,
+        num_partitions,
+        one_tile_limit,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=_BLOCK_N,
+        BLOCK_D=block_d,
+        MIN_TILES=_MIN_PARTITION_TILES,
+        SINGLE_PARTITION=num_partitions == 1,
         DOT_PRECISION=dot_precision(k_cache.dtype),
         PREFETCH_FIRST_TILE=batch <= _PREFETCH_MAX_BATCH,
         LINE_ELEMS=min(block_d, pdl.L2_LINE_BYTES // k_cache.element_size()),
-        num_warps=_WARPS_STAGES[0], num_stages=_WARPS_STAGES[1], **pdl.launch_args(q.device),
+        num_warps=_WARPS_STAGES[0],
+        num_stages=_WARPS_STAGES[1],
+        **pdl.launch_args(q.device),
     )
     if num_partitions > 1:
         columns = _reduce_columns(batch, num_heads, head_dim, q.device)
         _decode_reduce_kernel[(num_heads, batch, triton.cdiv(head_dim, columns))](
-            m, l, partials, context_lens, out,
-            max_len, out.stride(0), out.stride(1), num_heads, head_dim, num_partitions, one_tile_limit,
-            BLOCK_P=min(_MAX_MERGE_CHUNK, triton.next_power_of_2(num_partitions)), BLOCK_D=columns, BLOCK_N=_BLOCK_N,
-            MIN_TILES=_MIN_PARTITION_TILES, num_warps=1,
+            m,
+            l,
+            partials,
+            context_lens,
+            out,
+            max_len,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            head_dim,
+            num_partitions,
+            one_tile_limit,
+            BLOCK_P=min(_MAX_MERGE_CHUNK, triton.next_power_of_2(num_partitions)),
+            BLOCK_D=columns,
+            BLOCK_N=_BLOCK_N,
+            MIN_TILES=_MIN_PARTITION_TILES,
+            num_warps=1,
             **pdl.launch_args(q.device),
         )
     return out

@@ -19,8 +19,15 @@ def embedding_ref(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 
 @triton.jit
 def _embedding_kernel(
-    ids_ptr, w_ptr, out_ptr, hidden, stride_ids, stride_w, stride_out,
-    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    ids_ptr,
+    w_ptr,
+    out_ptr,
+    hidden,
+    stride_ids,
+    stride_w,
+    stride_out,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program per token: its whole row."""
     t = tl.program_id(0).to(tl.int64)
@@ -45,8 +52,10 @@ def embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if input_ids.dim() != 1 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be a 1-D integer tensor, got {tuple(input_ids.shape)} {input_ids.dtype}")
     if weight.dim() != 2 or weight.stride(1) != 1:
-        raise ValueError(f"weight must be [vocab, hidden] with unit stride in hidden, got "
-                         f"{tuple(weight.shape)} strides {weight.stride()}")
+        raise ValueError(
+            f"weight must be [vocab, hidden] with unit stride in hidden, got "
+            f"{tuple(weight.shape)} strides {weight.stride()}"
+        )
     check_float_dtype("weight", weight)
     if input_ids.device != weight.device:
         raise ValueError(f"input_ids are on {input_ids.device}, weight on {weight.device}")
@@ -58,7 +67,15 @@ def embedding(input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # Warps for two 16-byte loads a thread: a 1536-wide bf16 row (2048 with padding) takes 4.
     warps = max(1, min(8, block * weight.element_size() // (16 * 32 * 2)))
     _embedding_kernel[(input_ids.shape[0],)](
-        input_ids, weight, out, hidden, input_ids.stride(0), weight.stride(0), out.stride(0),
-        BLOCK=block, num_warps=warps, **pdl.launch_args(weight.device),
+        input_ids,
+        weight,
+        out,
+        hidden,
+        input_ids.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        num_warps=warps,
+        **pdl.launch_args(weight.device),
     )
     return out

@@ -31,8 +31,9 @@ _WIDE_N = 8192
 LinearPath = Literal["linear_kernel", "linear_dot", "F.linear"]
 
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+def linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x [..., K] @ weight[N, K]^T + bias[N]`` (torch's ``F.linear``), copied into ``out``
     (``[..., N]``, contiguous, in x's dtype or fp32) when given and returned."""
     y = F.linear(x, weight, bias)
@@ -58,8 +59,9 @@ def linear_path(x: torch.Tensor, weight: torch.Tensor) -> LinearPath:
     return "linear_dot"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """:func:`linear_ref` through the implementation :func:`linear_path` names.
 
     The Triton kernels store their fp32 accumulator straight into an fp32 ``out`` (unrounded
@@ -75,7 +77,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x as ``[rows, K]`` rows (a view), or ValueError for what neither kernel takes."""
     if weight.dim() != 2 or x.dim() == 0 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain (x [..., K], weight [N, K])")
+        raise ValueError(
+            f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain (x [..., K], weight [N, K])"
+        )
     n, k = weight.shape
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
@@ -95,8 +99,10 @@ def _check_out(x: torch.Tensor, n: int, out: torch.Tensor) -> None:
     device, in x's dtype or fp32."""
     shape = (*x.shape[:-1], n)
     if out.shape != shape or out.device != x.device or out.dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"out must be {list(shape)} in {x.dtype} or float32 on {x.device}, got "
-                         f"{list(out.shape)} {out.dtype} on {out.device}")
+        raise ValueError(
+            f"out must be {list(shape)} in {x.dtype} or float32 on {x.device}, got "
+            f"{list(out.shape)} {out.dtype} on {out.device}"
+        )
     if not out.is_contiguous():
         raise ValueError(f"out must be contiguous, got strides {out.stride()}")
 
@@ -118,11 +124,22 @@ def _output(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
 
 @triton.jit
 def _linear_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,
-    N, K,
-    stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, SILU_AND_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DEPTH: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    SILU_AND_MUL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DEPTH: tl.constexpr,
+    STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, BLOCK_N)
@@ -179,8 +196,9 @@ def _linear_kernel(
         # Rounded to y's dtype (x's) first, as the unfused linear stores what silu_and_mul loads.
         gate, up = tl.split(tl.reshape(y.to(y_ptr.dtype.element_ty).to(tl.float32), [BLOCK_N // 2, 2]))
         features = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(y_ptr + row * stride_ym + features, silu_mul(gate, up).to(y_ptr.dtype.element_ty),
-                 mask=features < N // 2)
+        tl.store(
+            y_ptr + row * stride_ym + features, silu_mul(gate, up).to(y_ptr.dtype.element_ty), mask=features < N // 2
+        )
     else:
         tl.store(y_ptr + row * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
@@ -196,8 +214,9 @@ def _launch_config(n: int, k: int) -> tuple[int, int, int, int, int]:
     return 4, 2048, 4, 1, 1
 
 
-def linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+def linear_kernel(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Triton :func:`linear_ref` for up to 16 rows, one weight read per row. x ``[..., K]`` and
     weight ``[N, K]`` with unit stride in K, bias ``[N]``, one float dtype and device. The output
     is accumulated in fp32 and rounded once, into ``out`` (contiguous, x's dtype or fp32) or a
@@ -215,23 +234,39 @@ def _check_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """:func:`_check_inputs`, plus ValueError above ``_MAX_KERNEL_ROWS`` rows."""
     x2 = _check_inputs(x, weight, bias)
     if x2.shape[0] > _MAX_KERNEL_ROWS:
-        raise ValueError(f"the one-row linear kernel takes at most {_MAX_KERNEL_ROWS} rows, got {x2.shape[0]}: "
-                         "use F.linear")
+        raise ValueError(
+            f"the one-row linear kernel takes at most {_MAX_KERNEL_ROWS} rows, got {x2.shape[0]}: use F.linear"
+        )
     return x2
 
 
-def _launch_linear_kernel(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
-                          silu_and_mul: bool) -> None:
+def _launch_linear_kernel(
+    x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, silu_and_mul: bool
+) -> None:
     """``_linear_kernel`` over x's rows ``x2`` into y (both checked by the caller)."""
     n, k = weight.shape
     block_n, block_k, warps, stages, depth = _launch_config(n, k)
     features = n // 2 if silu_and_mul else n
     per_program = block_n // 2 if silu_and_mul else block_n
     _linear_kernel[(x2.shape[0], triton.cdiv(features, per_program))](
-        x2, weight, bias if bias is not None else weight, y,
-        n, k, x2.stride(0), weight.stride(0), features,
-        HAS_BIAS=bias is not None, SILU_AND_MUL=silu_and_mul, BLOCK_N=block_n, BLOCK_K=block_k, DEPTH=depth,
-        STAGES=stages, num_warps=warps, num_stages=stages, **pdl.launch_args(x2.device),
+        x2,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        n,
+        k,
+        x2.stride(0),
+        weight.stride(0),
+        features,
+        HAS_BIAS=bias is not None,
+        SILU_AND_MUL=silu_and_mul,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DEPTH=depth,
+        STAGES=stages,
+        num_warps=warps,
+        num_stages=stages,
+        **pdl.launch_args(x2.device),
     )
 
 
@@ -254,8 +289,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return silu_and_mul(linear(x, weight, bias))
 
 
-def linear_silu_and_mul_kernel(x: torch.Tensor, weight: torch.Tensor,
-                               bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_silu_and_mul_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`linear_kernel` with the SwiGLU gate in its epilogue: weight ``[2 * I, K]`` (gate
     rows, then up rows). Returns a new ``[..., I]`` tensor in x's dtype, bit for bit
     ``silu_and_mul(linear_kernel(x, weight, bias))``."""
@@ -279,8 +313,9 @@ def linear_silu_and_mul_kernel(x: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
-def _dot_program_tile(w_ptr, N, K, k_per_split, stride_wn,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dot_program_tile(
+    w_ptr, N, K, k_per_split, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
     """A linear_dot program's share of the grid: (K range index, rows m, features n, tile K
     offsets k, K range start, K range length >= 1, pointers of its first weight tile)."""
     pid_n = tl.program_id(0)
@@ -298,16 +333,31 @@ def _dot_program_tile(w_ptr, N, K, k_per_split, stride_wn,
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_dot_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,
-    M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_ym, stride_ys,
-    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    stride_ys,
+    HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # M is not specialized: batch sizes 2 to 16 share one compiled kernel.
-    pid_k, m, n, k, k_start, k_len, w_ptrs = _dot_program_tile(w_ptr, N, K, k_per_split, stride_wn,
-                                                               BLOCK_M, BLOCK_N, BLOCK_K)
+    pid_k, m, n, k, k_start, k_len, w_ptrs = _dot_program_tile(
+        w_ptr, N, K, k_per_split, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     x_ptrs = x_ptr + (m % M).to(tl.int64)[:, None] * stride_xm + (k_start + k)[None, :]
 
     # Weights load before the PDL wait (kernels.pdl); x may be the previous kernel's output.
@@ -349,15 +399,30 @@ def _linear_dot_kernel(
 # before the PDL wait here: it would peel the first tile off the pipelined loop.
 @triton.jit(do_not_specialize=["M"])
 def _linear_dot_swap_ab_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr,
-    M, N, K, k_per_split,
-    stride_xm, stride_wn, stride_ym, stride_ys,
-    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    stride_ys,
+    HAS_BIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    pid_k, m, n, k, k_start, k_len, w_ptrs = _dot_program_tile(w_ptr, N, K, k_per_split, stride_wn,
-                                                               BLOCK_M, BLOCK_N, BLOCK_K)
+    pid_k, m, n, k, k_start, k_len, w_ptrs = _dot_program_tile(
+        w_ptr, N, K, k_per_split, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     xt_ptrs = x_ptr + (m % M).to(tl.int64)[None, :] * stride_xm + (k_start + k)[:, None]
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -388,10 +453,17 @@ def _linear_dot_swap_ab_kernel(
 
 @triton.jit
 def _split_k_reduce_kernel(
-    ws_ptr, b_ptr, y_ptr,
+    ws_ptr,
+    b_ptr,
+    y_ptr,
     N,
-    stride_ws, stride_wm, stride_ym,
-    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    stride_ws,
+    stride_wm,
+    stride_ym,
+    SPLITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -444,16 +516,18 @@ def plan_split(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     return k_per_split, triton.cdiv(k, k_per_split)
 
 
-def linear_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+def linear_dot(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Triton :func:`linear_ref` on tensor cores, one weight read per 32 rows. Inputs and output
     as for :func:`linear_kernel` (fp32 inputs multiply in full fp32, not tf32). Deterministic:
     split-K partial sums are added in a fixed order."""
     return _linear_dot(x, weight, bias, reduce=True, out=out)
 
 
-def _linear_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, reduce: bool,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+def _linear_dot(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, reduce: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """:func:`linear_dot`'s launches. ``reduce=False`` (no bias, no ``out``) skips the split-K
     reduce and returns the workspace as :func:`linear_partial_sums` describes."""
     x2 = _check_inputs(x, weight, bias)
@@ -468,30 +542,70 @@ def _linear_dot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     block_m = _dot_block_m(rows)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(rows, block_m), splits)
     kernel = _linear_dot_swap_ab_kernel if cfg.swap_ab else _linear_dot_kernel
-    common = dict(EVEN_K=k % cfg.block_k == 0, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                  **launch)
+    common = dict(
+        EVEN_K=k % cfg.block_k == 0,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        DOT_PRECISION=dot_precision(x.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **launch,
+    )
     if splits == 1:
         kernel[grid](
-            x2, weight, bias if bias is not None else weight, y,
-            rows, n, k, k_per_split, x2.stride(0), weight.stride(0), n, 0,
-            HAS_BIAS=bias is not None, PARTIAL=False, **common,
+            x2,
+            weight,
+            bias if bias is not None else weight,
+            y,
+            rows,
+            n,
+            k,
+            k_per_split,
+            x2.stride(0),
+            weight.stride(0),
+            n,
+            0,
+            HAS_BIAS=bias is not None,
+            PARTIAL=False,
+            **common,
         )
         return y if reduce else y.unsqueeze(0)
     ws = torch.empty((splits, rows, n), dtype=torch.float32, device=x.device)
     kernel[grid](
-        x2, weight, weight, ws,
-        rows, n, k, k_per_split, x2.stride(0), weight.stride(0), n, rows * n,
-        HAS_BIAS=False, PARTIAL=True, **common,
+        x2,
+        weight,
+        weight,
+        ws,
+        rows,
+        n,
+        k,
+        k_per_split,
+        x2.stride(0),
+        weight.stride(0),
+        n,
+        rows * n,
+        HAS_BIAS=False,
+        PARTIAL=True,
+        **common,
     )
     if not reduce:
         return ws.view(splits, *x.shape[:-1], n)
     block_r = min(1024, triton.next_power_of_2(n))
     # 8 warps: one 16-byte load a split per thread.
     _split_k_reduce_kernel[(rows, triton.cdiv(n, block_r))](
-        ws, bias if bias is not None else ws, y,
-        n, rows * n, n, n,
-        SPLITS=splits, HAS_BIAS=bias is not None, BLOCK_N=block_r, num_warps=8, **launch,
+        ws,
+        bias if bias is not None else ws,
+        y,
+        n,
+        rows * n,
+        n,
+        n,
+        SPLITS=splits,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_r,
+        num_warps=8,
+        **launch,
     )
     return y
 

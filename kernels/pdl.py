@@ -31,7 +31,7 @@ import triton.language as tl
 L2_LINE_BYTES = 128  # what one prefetch_l2 brings into L2
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL: CUDA compute capability 9.0 or newer,
     unless the environment sets ``PDSERVE_PDL=0``."""
@@ -53,5 +53,9 @@ def prefetch_l2(ptrs, mask):
     name lines the kernels ahead still write. PTX only: issue it under ``USE_PDL``."""
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        constraints="=r,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+        constraints="=r,l,r",
+        args=[ptrs, mask.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
     )

@@ -41,8 +41,10 @@ def fused_add_rms_norm_ref(
 
 def _check_partials(x: torch.Tensor, residual: torch.Tensor) -> None:
     if x.dim() != residual.dim() + 1 or x.shape[1:] != residual.shape or x.shape[0] < 1:
-        raise ValueError(f"x {tuple(x.shape)} must be residual's shape {tuple(residual.shape)} or "
-                         f"[splits, *{tuple(residual.shape)}] partial sums")
+        raise ValueError(
+            f"x {tuple(x.shape)} must be residual's shape {tuple(residual.shape)} or "
+            f"[splits, *{tuple(residual.shape)}] partial sums"
+        )
 
 
 # One program normalises one row held in registers: x is read once, the output written once.
@@ -50,8 +52,15 @@ def _check_partials(x: torch.Tensor, residual: torch.Tensor) -> None:
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr, stride_x, stride_out, hidden, eps,
-    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    stride_x,
+    stride_out,
+    hidden,
+    eps,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -69,9 +78,22 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _fused_add_rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
-    stride_xs, stride_x, stride_res, stride_out, stride_sum, hidden, eps,
-    SPLITS: tl.constexpr, BLOCK: tl.constexpr, LINE_ELEMS: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    stride_xs,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_sum,
+    hidden,
+    eps,
+    SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    LINE_ELEMS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -128,7 +150,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return out
     block, num_warps = _launch_config(hidden)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, weight, out2, x2.stride(0), out2.stride(0), hidden, eps, BLOCK=block, num_warps=num_warps,
+        x2,
+        weight,
+        out2,
+        x2.stride(0),
+        out2.stride(0),
+        hidden,
+        eps,
+        BLOCK=block,
+        num_warps=num_warps,
         **pdl.launch_args(x.device),
     )
     return out
@@ -155,9 +185,22 @@ def fused_add_rms_norm(
         return out, summed
     block, num_warps = _launch_config(hidden, x3.shape[0])
     _fused_add_rms_norm_kernel[(r2.shape[0],)](
-        x3, r2, weight, out2, sum2,
-        x3.stride(0), x3.stride(1), r2.stride(0), out2.stride(0), sum2.stride(0), hidden, eps,
-        SPLITS=x3.shape[0], BLOCK=block, LINE_ELEMS=min(block, pdl.L2_LINE_BYTES // residual.element_size()),
-        num_warps=num_warps, **pdl.launch_args(x.device),
+        x3,
+        r2,
+        weight,
+        out2,
+        sum2,
+        x3.stride(0),
+        x3.stride(1),
+        r2.stride(0),
+        out2.stride(0),
+        sum2.stride(0),
+        hidden,
+        eps,
+        SPLITS=x3.shape[0],
+        BLOCK=block,
+        LINE_ELEMS=min(block, pdl.L2_LINE_BYTES // residual.element_size()),
+        num_warps=num_warps,
+        **pdl.launch_args(x.device),
     )
     return out, summed

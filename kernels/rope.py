@@ -57,13 +57,38 @@ def _rotate_half(x_ptr, out_ptr, cos, sin, heads, d, mask, half, stride_h, strid
 
 @triton.jit
 def _rope_and_store_kv_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    q_out_ptr, k_out_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
-    stride_qot, stride_qoh, stride_kot, stride_koh,
-    stride_cb, stride_cs_slot, stride_ch,
-    num_q_heads, num_kv_heads, half, block_size,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    cos_sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cs,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    stride_cb,
+    stride_cs_slot,
+    stride_ch,
+    num_q_heads,
+    num_kv_heads,
+    half,
+    block_size,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program per token: all its q heads, k heads and v heads."""
     t = tl.program_id(0).to(tl.int64)
@@ -77,13 +102,24 @@ def _rope_and_store_kv_kernel(
     sin = tl.load(cos_sin_ptr + pos * stride_cs + half + d, mask=d_mask, other=0.0).to(tl.float32)
 
     hq = tl.arange(0, BLOCK_HQ)[:, None]
-    _rotate_half(q_ptr + t * stride_qt, q_out_ptr + t * stride_qot, cos, sin, hq, d,
-                 (hq < num_q_heads) & d_mask, half, stride_qh, stride_qoh)
+    _rotate_half(
+        q_ptr + t * stride_qt,
+        q_out_ptr + t * stride_qot,
+        cos,
+        sin,
+        hq,
+        d,
+        (hq < num_q_heads) & d_mask,
+        half,
+        stride_qh,
+        stride_qoh,
+    )
 
     hk = tl.arange(0, BLOCK_HKV)[:, None]
     kv_mask = (hk < num_kv_heads) & d_mask
-    k1, k2 = _rotate_half(k_ptr + t * stride_kt, k_out_ptr + t * stride_kot, cos, sin, hk, d,
-                          kv_mask, half, stride_kh, stride_koh)
+    k1, k2 = _rotate_half(
+        k_ptr + t * stride_kt, k_out_ptr + t * stride_kot, cos, sin, hk, d, kv_mask, half, stride_kh, stride_koh
+    )
     slot = tl.load(slot_ptr + t).to(tl.int64)
     cache_off = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs_slot + hk * stride_ch + d
     tl.store(k_cache_ptr + cache_off, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
@@ -122,20 +158,32 @@ def check_new_tokens(
     if head_dim % 2:
         raise ValueError(f"head_dim must be even, got {head_dim}")
     if k_cache.dim() != 4 or k_cache.shape[2:] != (num_kv_heads, head_dim):
-        raise ValueError(f"k_cache must be [num_blocks, block_size, {num_kv_heads}, {head_dim}], "
-                         f"got {tuple(k_cache.shape)}")
+        raise ValueError(
+            f"k_cache must be [num_blocks, block_size, {num_kv_heads}, {head_dim}], got {tuple(k_cache.shape)}"
+        )
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError(f"v_cache {tuple(v_cache.shape)} {v_cache.stride()} must match k_cache "
-                         f"{tuple(k_cache.shape)} {k_cache.stride()}")
+        raise ValueError(
+            f"v_cache {tuple(v_cache.shape)} {v_cache.stride()} must match k_cache "
+            f"{tuple(k_cache.shape)} {k_cache.stride()}"
+        )
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
         raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}], got {tuple(cos_sin_cache.shape)}")
     if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"positions {tuple(positions.shape)} and slot_mapping "
-                         f"{tuple(slot_mapping.shape)} must be [{num_tokens}]")
+        raise ValueError(
+            f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} must be [{num_tokens}]"
+        )
     if positions.is_floating_point() or slot_mapping.is_floating_point():
         raise ValueError("positions and slot_mapping must be integer tensors")
-    tensors = {"q": q, "k": k, "v": v, "positions": positions, "cos_sin_cache": cos_sin_cache,
-               "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping}
+    tensors = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "positions": positions,
+        "cos_sin_cache": cos_sin_cache,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "slot_mapping": slot_mapping,
+    }
     for name, t in tensors.items():
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
@@ -169,12 +217,38 @@ def rope_and_store_kv(
     block_hq, block_hkv = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(num_kv_heads)
     block_half = triton.next_power_of_2(half)
     _rope_and_store_kv_kernel[(num_tokens,)](
-        q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out, k_out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
-        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        num_q_heads, num_kv_heads, half, k_cache.shape[1],
-        BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, BLOCK_HALF=block_half,
-        num_warps=4 if block_hq * block_half >= 512 else 1, **pdl.launch_args(q.device),
+        q,
+        k,
+        v,
+        positions,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        q_out,
+        k_out,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos_sin_cache.stride(0),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out.stride(0),
+        k_out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        num_q_heads,
+        num_kv_heads,
+        half,
+        k_cache.shape[1],
+        BLOCK_HQ=block_hq,
+        BLOCK_HKV=block_hkv,
+        BLOCK_HALF=block_half,
+        num_warps=4 if block_hq * block_half >= 512 else 1,
+        **pdl.launch_args(q.device),
     )
     return q_out, k_out

@@ -66,19 +66,22 @@ class TransferConfig:
     )
     # Beyond the bound the prefill side holds its announce and the decode side refuses one.
     staging_mib: float = setting(
-        4096.0, help="KV buffers (packed sends, posted receives) a rank may hold for transfers in flight, MiB.",
+        4096.0,
+        help="KV buffers (packed sends, posted receives) a rank may hold for transfers in flight, MiB.",
         section="KV transfer",
     )
     # With more than one, gathering, the wire and scattering of different layer ranges overlap.
     layer_groups: int = setting(
-        1, help="KV messages per request and destination rank, each a contiguous range of layers.",
+        1,
+        help="KV messages per request and destination rank, each a contiguous range of layers.",
         section="KV transfer",
     )
 
     def __post_init__(self) -> None:
         if self.backend != "auto" and self.backend not in available_backends():
-            raise ValueError(f"unknown KV transfer backend {self.backend!r}; available: auto, "
-                             f"{', '.join(available_backends())}")
+            raise ValueError(
+                f"unknown KV transfer backend {self.backend!r}; available: auto, {', '.join(available_backends())}"
+            )
         if not self.staging_mib > 0:
             raise ValueError(f"staging_mib must be positive, got {self.staging_mib}")
         if self.layer_groups < 1:

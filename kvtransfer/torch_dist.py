@@ -23,7 +23,14 @@ import torch
 import torch.distributed as dist
 
 from pdserve.engine.parallel import split_range
-from pdserve.kvtransfer.base import Transfer, TransferBackend, TransferConfig, TransferStats, TransferTopology, register_backend
+from pdserve.kvtransfer.base import (
+    Transfer,
+    TransferBackend,
+    TransferConfig,
+    TransferStats,
+    TransferTopology,
+    register_backend,
+)
 
 
 class _TorchTransfer(Transfer):
@@ -91,8 +98,9 @@ class _TorchTransfer(Transfer):
 
 
 class TorchDistributedBackend(TransferBackend):
-    def __init__(self, config: TransferConfig, topology: TransferTopology, kv_cache: torch.Tensor,
-                 is_async: bool) -> None:
+    def __init__(
+        self, config: TransferConfig, topology: TransferTopology, kv_cache: torch.Tensor, is_async: bool
+    ) -> None:
         super().__init__(config, topology, kv_cache)
         self.is_async = is_async
         self._staging = 0
@@ -100,12 +108,14 @@ class TorchDistributedBackend(TransferBackend):
         plan = topology.plan()
         if topology.is_prefill:
             shard = topology.src_shard(me)
-            self._pieces = [(topology.decode_ranks[p.dst_rank], p.src_slice(shard), p.num_heads)
-                            for p in plan if p.src_rank == me]
+            self._pieces = [
+                (topology.decode_ranks[p.dst_rank], p.src_slice(shard), p.num_heads) for p in plan if p.src_rank == me
+            ]
         else:
             shard = topology.dst_shard(me)
-            self._pieces = [(topology.prefill_ranks[p.src_rank], p.dst_slice(shard), p.num_heads)
-                            for p in plan if p.dst_rank == me]
+            self._pieces = [
+                (topology.prefill_ranks[p.src_rank], p.dst_slice(shard), p.num_heads) for p in plan if p.dst_rank == me
+            ]
         self._pending: list[_TorchTransfer] = []
         num_layers = kv_cache.shape[0]
         groups = min(config.layer_groups, num_layers)
@@ -146,8 +156,16 @@ class TorchDistributedBackend(TransferBackend):
         buffers, works, scatters = [], [], []
         for peer, heads, num_heads in self._pieces:
             for layer_range in self._layer_ranges:
-                buffer = torch.empty(layer_range.stop - layer_range.start, 2, len(block_ids), block_size, num_heads,
-                                     head_dim, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+                buffer = torch.empty(
+                    layer_range.stop - layer_range.start,
+                    2,
+                    len(block_ids),
+                    block_size,
+                    num_heads,
+                    head_dim,
+                    dtype=self.kv_cache.dtype,
+                    device=self.kv_cache.device,
+                )
                 buffers.append(buffer)
                 works.append(dist.irecv(buffer, src=peer))
                 scatters.append((buffer, layer_range, heads, blocks))

@@ -20,13 +20,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "launch.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "launch.py", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def client(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pdserve.cluster.client", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cluster.client", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> str:

@@ -15,7 +15,17 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TOP_LEVEL = ("cluster", "prefill_worker", "decode_worker", "router", "kvtransfer", "kernels", "configs", "engine", "bench")
+TOP_LEVEL = (
+    "cluster",
+    "prefill_worker",
+    "decode_worker",
+    "router",
+    "kvtransfer",
+    "kernels",
+    "configs",
+    "engine",
+    "bench",
+)
 
 PROBE = """
 import importlib.metadata, os, tempfile

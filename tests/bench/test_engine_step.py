@@ -13,8 +13,24 @@ from pdserve.bench.engine_step import main
 
 def test_cpu_engine_step_split(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "engine_step.json"
-    result = main(["--model", str(tiny_model_dirs["tiny-llama"]), "--device", "cpu", "--batch-sizes", "1,4",
-                   "--context", "24", "--iters", "4", "--warmup", "1", "--out", str(out)])
+    result = main(
+        [
+            "--model",
+            str(tiny_model_dirs["tiny-llama"]),
+            "--device",
+            "cpu",
+            "--batch-sizes",
+            "1,4",
+            "--context",
+            "24",
+            "--iters",
+            "4",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text()) == result
     assert [(r["batch"], r["overlap"]) for r in result["rows"]] == [(1, False), (1, True), (4, False), (4, True)]
     for row in result["rows"]:
@@ -25,6 +41,22 @@ def test_cpu_engine_step_split(tiny_model_dirs: dict[str, Path], tmp_path: Path)
 
 
 def test_one_overlap_mode(tiny_model_dirs: dict[str, Path]) -> None:
-    result = main(["--model", str(tiny_model_dirs["tiny-llama"]), "--device", "cpu", "--batch-sizes", "2",
-                   "--context", "8", "--iters", "2", "--warmup", "1", "--overlap", "on"])
+    result = main(
+        [
+            "--model",
+            str(tiny_model_dirs["tiny-llama"]),
+            "--device",
+            "cpu",
+            "--batch-sizes",
+            "2",
+            "--context",
+            "8",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--overlap",
+            "on",
+        ]
+    )
     assert [(r["batch"], r["overlap"]) for r in result["rows"]] == [(2, True)]

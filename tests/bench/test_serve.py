@@ -13,7 +13,17 @@ import pytest
 
 from pdserve.bench.common import to_json
 from pdserve.bench.compare import LaunchedCluster, required_model_len, system_args, write_report
-from pdserve.bench.metrics import RequestRecord, compute_metrics, e2e, itls, meets_slo, percentile, summarize, tpot, ttft
+from pdserve.bench.metrics import (
+    RequestRecord,
+    compute_metrics,
+    e2e,
+    itls,
+    meets_slo,
+    percentile,
+    summarize,
+    tpot,
+    ttft,
+)
 from pdserve.bench.serve import BenchConfig, RequestSpec, arrival_times, build_requests, vllm_keys, write_plots
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,17 +32,32 @@ REPO = Path(__file__).resolve().parents[2]
 def record(sent: float, chunks: list[tuple[float, int]], finished: float, **kwargs: object) -> RequestRecord:
     """A completed request: ``chunks`` are (arrival time, tokens)."""
     return RequestRecord(
-        request_id=f"r{sent}", kind="random", max_tokens=sum(n for _, n in chunks), scheduled=sent, sent=sent,
-        chunk_times=[t for t, _ in chunks], chunk_tokens=[n for _, n in chunks], finished=finished,
-        finish_reason="length", output_tokens=sum(n for _, n in chunks), **kwargs,  # type: ignore[arg-type]
+        request_id=f"r{sent}",
+        kind="random",
+        max_tokens=sum(n for _, n in chunks),
+        scheduled=sent,
+        sent=sent,
+        chunk_times=[t for t, _ in chunks],
+        chunk_tokens=[n for _, n in chunks],
+        finished=finished,
+        finish_reason="length",
+        output_tokens=sum(n for _, n in chunks),
+        **kwargs,  # type: ignore[arg-type]
     )
 
 
 def test_results_json_keeps_plain_lists_on_one_line() -> None:
     """What json.dumps(indent=2) would read back, with the per-token times on one line."""
-    doc = {"points": [{"rate": 4.0, "records": [{"chunk_times": [0.1, 0.25], "error": None, "tags": ["a", "[b]"]}],
-                       "by_kind": {}}],
-           "warmup": [], "nested": [[1, 2], []], 3: True, None: "x", "nan": float("nan")}
+    doc = {
+        "points": [
+            {"rate": 4.0, "records": [{"chunk_times": [0.1, 0.25], "error": None, "tags": ["a", "[b]"]}], "by_kind": {}}
+        ],
+        "warmup": [],
+        "nested": [[1, 2], []],
+        3: True,
+        None: "x",
+        "nan": float("nan"),
+    }
     text = to_json(doc)
     assert text == to_json(json.loads(text)) and json.dumps(json.loads(text)) == json.dumps(json.loads(json.dumps(doc)))
     assert '"chunk_times": [0.1, 0.25],' in text and '"tags": ["a", "[b]"]' in text
@@ -137,8 +162,12 @@ def test_workloads_lengths_vocabulary_and_arrivals() -> None:
     lengths = [len(s.token_ids or []) for s in lognormal]
     assert max(lengths) <= 160 and 34 < statistics.mean(lengths) < 44
 
-    mixed = build_requests(BenchConfig(workload="mixed", input_len=8, output_len=4, long_fraction=0.25,
-                                       long_len=(100, 200), max_model_len=150), 40)
+    mixed = build_requests(
+        BenchConfig(
+            workload="mixed", input_len=8, output_len=4, long_fraction=0.25, long_len=(100, 200), max_model_len=150
+        ),
+        40,
+    )
     long = [s for s in mixed if s.kind == "long"]
     assert len(long) == 10 and all(len(s.token_ids or []) + s.max_tokens <= 150 for s in long)
     assert all(len(s.token_ids or []) == 8 for s in mixed if s.kind == "short")
@@ -161,8 +190,7 @@ def test_workloads_lengths_vocabulary_and_arrivals() -> None:
     assert required_model_len([RequestSpec("x", 10, token_ids=[1] * 300)], 400) == 400
 
 
-def test_plots_are_skipped_with_a_warning_without_matplotlib(monkeypatch: pytest.MonkeyPatch,
-                                                             tmp_path: Path) -> None:
+def test_plots_are_skipped_with_a_warning_without_matplotlib(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     with pytest.warns(UserWarning, match="matplotlib is not installed"):
         assert write_plots({"run": []}, tmp_path) == []
@@ -170,23 +198,82 @@ def test_plots_are_skipped_with_a_warning_without_matplotlib(monkeypatch: pytest
 
 @pytest.mark.slow
 def test_load_generator_against_a_cpu_cluster(tmp_path: Path, demo_model_dir: Path) -> None:
-    args = ["--model", "demo", "--prefill-tp", "1", "--decode-tp", "1", "--num-blocks", "300",
-            "--max-model-len", "1024"]
+    args = [
+        "--model",
+        "demo",
+        "--prefill-tp",
+        "1",
+        "--decode-tp",
+        "1",
+        "--num-blocks",
+        "300",
+        "--max-model-len",
+        "1024",
+    ]
     with LaunchedCluster(args, tmp_path / "launch.log", start_timeout=300) as cluster:
         out = tmp_path / "run.json"
         bench = subprocess.run(
-            [sys.executable, "-m", "pdserve.bench.serve", "--endpoint", cluster.endpoint, "--workload", "random",
-             "--input-len", "24", "--output-len", "6", "--len-dist", "uniform", "--num-requests", "5",
-             "--warmup", "1", "--rates", "8,inf", "--model-dir", str(demo_model_dir), "--slo-ttft-ms", "20000",
-             "--slo-tpot-ms", "5000", "--out", str(out), "--plot-dir", str(tmp_path / "plots")],
-            cwd=REPO, capture_output=True, text=True, timeout=300,
+            [
+                sys.executable,
+                "-m",
+                "pdserve.bench.serve",
+                "--endpoint",
+                cluster.endpoint,
+                "--workload",
+                "random",
+                "--input-len",
+                "24",
+                "--output-len",
+                "6",
+                "--len-dist",
+                "uniform",
+                "--num-requests",
+                "5",
+                "--warmup",
+                "1",
+                "--rates",
+                "8,inf",
+                "--model-dir",
+                str(demo_model_dir),
+                "--slo-ttft-ms",
+                "20000",
+                "--slo-tpot-ms",
+                "5000",
+                "--out",
+                str(out),
+                "--plot-dir",
+                str(tmp_path / "plots"),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert bench.returncode == 0, bench.stderr[-4000:]
         text = subprocess.run(
-            [sys.executable, "-m", "pdserve.bench.serve", "--endpoint", cluster.endpoint, "--workload", "text",
-             "--output-len", "8", "--num-requests", "3", "--warmup", "0", "--concurrency", "2",
-             "--out", str(tmp_path / "text.json")],
-            cwd=REPO, capture_output=True, text=True, timeout=300,
+            [
+                sys.executable,
+                "-m",
+                "pdserve.bench.serve",
+                "--endpoint",
+                cluster.endpoint,
+                "--workload",
+                "text",
+                "--output-len",
+                "8",
+                "--num-requests",
+                "3",
+                "--warmup",
+                "0",
+                "--concurrency",
+                "2",
+                "--out",
+                str(tmp_path / "text.json"),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert text.returncode == 0, text.stderr[-4000:]
         assert cluster.stop() == 0, cluster.output()[-4000:]
@@ -217,11 +304,22 @@ def test_load_generator_against_a_cpu_cluster(tmp_path: Path, demo_model_dir: Pa
         assert "matplotlib is not installed" in bench.stderr
     else:
         assert {p.name for p in (tmp_path / "plots").iterdir()} == {
-            "itl_cdf.png", "latency_vs_rate.png", "goodput_vs_rate.png"}
+            "itl_cdf.png",
+            "latency_vs_rate.png",
+            "goodput_vs_rate.png",
+        }
 
     # The comparison report over these results, as if from two systems.
-    setup = {"date": "today", "host": "here", "command": "bench", "model": "demo", "devices": "CPU",
-             "max_model_len": 1024, "workload": "random", "systems": {"disagg": [], "colocated-chunked": []}}
+    setup = {
+        "date": "today",
+        "host": "here",
+        "command": "bench",
+        "model": "demo",
+        "devices": "CPU",
+        "max_model_len": 1024,
+        "workload": "random",
+        "systems": {"disagg": [], "colocated-chunked": []},
+    }
     report = write_report(tmp_path, {"disagg": results, "colocated-chunked": results}, setup, plots=[])
     rows = [line for line in report.read_text().splitlines() if line.startswith("| 8 ") or line.startswith("| inf ")]
     assert [row.split(" | ")[1] for row in rows] == ["disagg", "colocated-chunked"] * 2
@@ -246,10 +344,31 @@ def test_cluster_check_2p1d_on_cpu(tmp_path: Path, tiny_model_dirs: dict[str, Pa
     on CPU, every output identical to the single-process engine, no divergence recorded."""
     out = tmp_path / "check.json"
     run = subprocess.run(
-        [sys.executable, "-m", "pdserve.bench.cluster_check", "--model", str(tiny_model_dirs["tiny-qwen2"]), "--devices", "",
-         "--prefill-tp", "2", "--num-requests", "6", "--max-tokens", "6", "--max-model-len", "256",
-         "--topologies", "disagg-gloo", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pdserve.bench.cluster_check",
+            "--model",
+            str(tiny_model_dirs["tiny-qwen2"]),
+            "--devices",
+            "",
+            "--prefill-tp",
+            "2",
+            "--num-requests",
+            "6",
+            "--max-tokens",
+            "6",
+            "--max-model-len",
+            "256",
+            "--topologies",
+            "disagg-gloo",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(out.read_text())["results"]["disagg-gloo"]

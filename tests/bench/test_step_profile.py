@@ -12,8 +12,22 @@ from pdserve.bench.step_profile import KernelSpan, critical_path_rows, main
 
 def test_cpu_profile_of_a_decode_step(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
-    result = main(["--model", str(tiny_model_dirs["tiny-llama"]), "--device", "cpu", "--batch", "2",
-                   "--context", "32", "--steps", "2", "--out", str(out)])
+    result = main(
+        [
+            "--model",
+            str(tiny_model_dirs["tiny-llama"]),
+            "--device",
+            "cpu",
+            "--batch",
+            "2",
+            "--context",
+            "32",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text()) == result
     assert result["step_us"] > 0 and result["rows"]
     assert sum(r["share"] for r in result["rows"]) == pytest.approx(1.0)

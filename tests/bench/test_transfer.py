@@ -50,8 +50,21 @@ def test_cpu_smoke_run_writes_every_number(tmp_path: Path, capsys: pytest.Captur
     result = json.loads(out.read_text())
 
     meta = result["metadata"]
-    for key in ("date", "gpu_name", "torch", "command", "preset", "prefill_tp", "decode_tp", "dtype", "block_size",
-                "kv_bytes_per_token", "num_blocks", "backends", "clock"):
+    for key in (
+        "date",
+        "gpu_name",
+        "torch",
+        "command",
+        "preset",
+        "prefill_tp",
+        "decode_tp",
+        "dtype",
+        "block_size",
+        "kv_bytes_per_token",
+        "num_blocks",
+        "backends",
+        "clock",
+    ):
         assert key in meta, key
     assert meta["preset"] == "tiny-llama" and meta["dtype"] == "float32" and meta["block_size"] == BLOCK_SIZE
     assert (meta["prefill_tp"], meta["decode_tp"]) == (1, 1)
@@ -77,21 +90,60 @@ def test_cpu_tp_run_reshards_and_verifies(tmp_path: Path) -> None:
     """3 KV heads over prefill TP 2 and decode TP 2 (uneven shards on both sides, TP peers fed
     through the step channels in the handoff): every decode rank checks its part."""
     out = tmp_path / "tp.json"
-    transfer.main(["--preset", "tiny-llama-odd", "--device", "cpu", "--prefill-tp", "2", "--decode-tp", "2",
-                   "--sizes", "32", "--handoff-tokens", "48", "--concurrent", "2x32", "--iters", "1",
-                   "--warmup", "1", "--out", str(out)])
+    transfer.main(
+        [
+            "--preset",
+            "tiny-llama-odd",
+            "--device",
+            "cpu",
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "2",
+            "--sizes",
+            "32",
+            "--handoff-tokens",
+            "48",
+            "--concurrent",
+            "2x32",
+            "--iters",
+            "1",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
     assert (result["metadata"]["prefill_tp"], result["metadata"]["decode_tp"]) == (2, 2)
     _check_result(result, ["sync 32", "handoff 48", "concurrent 2x32"], iters=1)
     # tiny-llama-odd: 3 layers, 3 KV heads of 16 dims, fp32 -> 1152 bytes per token, all moved.
     assert {c["case"]: c["bytes"] for c in result["cases"]} == {
-        "sync 32": 32 * 1152, "handoff 48": 48 * 1152, "concurrent 2x32": 64 * 1152}
+        "sync 32": 32 * 1152,
+        "handoff 48": 48 * 1152,
+        "concurrent 2x32": 64 * 1152,
+    }
 
 
 def _setup(**overrides: object) -> Setup:
-    fields = dict(device="cpu", dtype="float32", prefill_tp=1, decode_tp=1, layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8, num_blocks=12, cases=(Case("sync", 40),), iters=1, warmup=1,
-                  seed=3, settle_ms=0.0, init_method="unused", run_dir="unused")
+    fields = dict(
+        device="cpu",
+        dtype="float32",
+        prefill_tp=1,
+        decode_tp=1,
+        layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        num_blocks=12,
+        cases=(Case("sync", 40),),
+        iters=1,
+        warmup=1,
+        seed=3,
+        settle_ms=0.0,
+        init_method="unused",
+        run_dir="unused",
+    )
     fields.update(overrides)
     return Setup(**fields)  # type: ignore[arg-type]
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
-
-import dataclasses
 
 from pdserve.cluster.config import ClusterConfig, cluster_settings
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, flatten_config
@@ -19,17 +18,33 @@ MODEL = ModelConfig("llama", 64, 32, 64, 2, 4, 2, 8, max_position_embeddings=409
 
 
 def test_engine_config_carries_the_engine_settings() -> None:
-    config = ClusterConfig.from_settings(dict(
-        overlap_scheduling=False, cuda_graph_max_batch=24, cuda_graph_max_prefill_tokens=512,
-        cuda_graph_max_prefill_seqs=8, enforce_eager=True, max_model_len=1024, block_size=32, num_blocks=99,
-        max_num_seqs=12, max_num_batched_tokens=2048,
-    ))
+    config = ClusterConfig.from_settings(
+        dict(
+            overlap_scheduling=False,
+            cuda_graph_max_batch=24,
+            cuda_graph_max_prefill_tokens=512,
+            cuda_graph_max_prefill_seqs=8,
+            enforce_eager=True,
+            max_model_len=1024,
+            block_size=32,
+            num_blocks=99,
+            max_num_seqs=12,
+            max_num_batched_tokens=2048,
+        )
+    )
     engine = config.engine_config("model-dir", MODEL)
     assert not engine.overlap_scheduling and engine.enforce_eager
-    assert (engine.cuda_graph_max_batch, engine.cuda_graph_max_prefill_tokens, engine.cuda_graph_max_prefill_seqs) \
-        == (24, 512, 8)
-    assert (engine.model, engine.max_model_len, engine.cache.block_size, engine.cache.num_blocks) \
-        == ("model-dir", 1024, 32, 99)
+    assert (engine.cuda_graph_max_batch, engine.cuda_graph_max_prefill_tokens, engine.cuda_graph_max_prefill_seqs) == (
+        24,
+        512,
+        8,
+    )
+    assert (engine.model, engine.max_model_len, engine.cache.block_size, engine.cache.num_blocks) == (
+        "model-dir",
+        1024,
+        32,
+        99,
+    )
     assert (engine.scheduler.max_num_seqs, engine.scheduler.max_num_batched_tokens) == (12, 2048)
     defaults = ClusterConfig().engine_config("m", MODEL)
     assert defaults.overlap_scheduling
@@ -56,8 +71,13 @@ def test_without_chunked_prefill_a_step_holds_a_whole_prompt() -> None:
 
 def test_one_name_and_one_default_per_setting() -> None:
     # Each setting's default is the one its owner's dataclass declares; the spec adds none.
-    owners = {(): ClusterConfig(), ("engine",): EngineConfig(), ("engine", "cache"): CacheConfig(),
-              ("engine", "scheduler"): SchedulerConfig(), ("transfer",): TransferConfig()}
+    owners = {
+        (): ClusterConfig(),
+        ("engine",): EngineConfig(),
+        ("engine", "cache"): CacheConfig(),
+        ("engine", "scheduler"): SchedulerConfig(),
+        ("transfer",): TransferConfig(),
+    }
     for spec in cluster_settings():
         assert getattr(owners[spec.path[:-1]], spec.path[-1]) == spec.default, spec.key
         assert spec.help.endswith(".") and spec.flag == "--" + spec.key.replace("_", "-")
@@ -65,8 +85,9 @@ def test_one_name_and_one_default_per_setting() -> None:
 
 
 def test_settings_round_trip_through_flat_keys() -> None:
-    config = ClusterConfig.from_settings({"prefill-tp": 2, "transfer": "gloo-async", "gpu_memory_utilization": 0.5,
-                                          "devices": [0, 1, 2]})
+    config = ClusterConfig.from_settings(
+        {"prefill-tp": 2, "transfer": "gloo-async", "gpu_memory_utilization": 0.5, "devices": [0, 1, 2]}
+    )
     assert config.prefill_tp == 2 and config.transfer.backend == "gloo-async" and config.devices == (0, 1, 2)
     assert config.engine.cache.gpu_memory_utilization == 0.5
     assert ClusterConfig.from_settings(flatten_config(config)) == config

@@ -13,9 +13,11 @@ from pdserve.engine.sampling import RequestError, SamplingParams
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dirs: dict[str, Path]) -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        model=str(tiny_model_dirs["tiny-qwen2"]), device="cpu", max_model_len=64, cache=CacheConfig(num_blocks=32)
-    ))
+    return LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dirs["tiny-qwen2"]), device="cpu", max_model_len=64, cache=CacheConfig(num_blocks=32)
+        )
+    )
 
 
 BAD_REQUESTS = [

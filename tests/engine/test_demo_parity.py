@@ -19,12 +19,19 @@ from pdserve.engine.tokenization import encode_prompt
 def test_greedy_chat_answer_is_identical_to_transformers(demo_model_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
     prompt = encode_prompt(tokenizer, "What is the capital of France?")
-    engine = LLMEngine(EngineConfig(model=str(demo_model_dir), device="cpu", dtype="float32", max_model_len=256,
-                                    cache=CacheConfig(num_blocks=64)))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(demo_model_dir),
+            device="cpu",
+            dtype="float32",
+            max_model_len=256,
+            cache=CacheConfig(num_blocks=64),
+        )
+    )
     ours = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[0]
     model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        theirs = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+        theirs = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt) :].tolist()
     assert ours == theirs
     assert "The capital of France is Paris" in tokenizer.decode(ours, skip_special_tokens=True)
 

@@ -63,9 +63,14 @@ def bf16_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def engine_config(path: Path, **overrides: object) -> EngineConfig:
-    base = EngineConfig(model=str(path), dtype="bfloat16", device="cuda", max_model_len=MAX_MODEL_LEN,
-                        # Room for the largest decode bucket (256) at random contexts up to MAX_MODEL_LEN.
-                        cache=CacheConfig(block_size=BLOCK, num_blocks=256 * MAX_MODEL_LEN // BLOCK))
+    base = EngineConfig(
+        model=str(path),
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=MAX_MODEL_LEN,
+        # Room for the largest decode bucket (256) at random contexts up to MAX_MODEL_LEN.
+        cache=CacheConfig(block_size=BLOCK, num_blocks=256 * MAX_MODEL_LEN // BLOCK),
+    )
     return dataclasses.replace(base, **overrides)  # type: ignore[arg-type]
 
 
@@ -110,10 +115,14 @@ def padded_eager_logits(runner: ModelRunner, plan: StepPlan, bucket: int) -> tor
     tables = np.full((bucket, width), dummy, dtype=np.int32)
     tables[:batch, : plan.block_tables.shape[1]] = plan.block_tables
     padded = StepPlan(
-        input_ids=plan.input_ids + [0] * pad, positions=plan.positions + [0] * pad,
-        slot_mapping=plan.slot_mapping + [dummy * runner.block_size] * pad, block_tables=tables,
-        context_lens=plan.context_lens + [1] * pad, cu_seqlens_q=list(range(bucket + 1)),
-        sample_rows=list(range(bucket)), is_decode=True,
+        input_ids=plan.input_ids + [0] * pad,
+        positions=plan.positions + [0] * pad,
+        slot_mapping=plan.slot_mapping + [dummy * runner.block_size] * pad,
+        block_tables=tables,
+        context_lens=plan.context_lens + [1] * pad,
+        cu_seqlens_q=list(range(bucket + 1)),
+        sample_rows=list(range(bucket)),
+        is_decode=True,
     )
     input_ids, positions, context, rows = runner.inputs(padded)
     context = dataclasses.replace(context, max_context_len=runner.max_model_len)
@@ -122,8 +131,9 @@ def padded_eager_logits(runner: ModelRunner, plan: StepPlan, bucket: int) -> tor
     return logits[:batch]
 
 
-def assert_within_bf16_noise(replayed: torch.Tensor, runner: ModelRunner, fp32: ModelRunner, plan: StepPlan,
-                             label: str) -> None:
+def assert_within_bf16_noise(
+    replayed: torch.Tensor, runner: ModelRunner, fp32: ModelRunner, plan: StepPlan, label: str
+) -> None:
     """``replayed`` (a graph's logits for ``plan``) differs from ``runner``'s plain eager step by
     at most 2x that step's difference from ``fp32``'s (max and mean)."""
     eager = runner.forward(*runner.inputs(plan))
@@ -198,12 +208,21 @@ def random_prefill_plan(runner: ModelRunner, seqs: list[tuple[int, int]], gen: t
     for table, (cached, new) in zip(tables, seqs):
         input_ids += torch.randint(0, runner.model_config.vocab_size, (new,), generator=gen).tolist()
         positions += list(range(cached, cached + new))
-        slots += [table[p // runner.block_size] * runner.block_size + p % runner.block_size
-                  for p in range(cached, cached + new)]
+        slots += [
+            table[p // runner.block_size] * runner.block_size + p % runner.block_size
+            for p in range(cached, cached + new)
+        ]
         cu_seqlens.append(cu_seqlens[-1] + new)
-    return StepPlan(input_ids=input_ids, positions=positions, slot_mapping=slots,
-                    block_tables=padded_block_tables(tables), context_lens=contexts,
-                    cu_seqlens_q=cu_seqlens, sample_rows=[end - 1 for end in cu_seqlens[1:]], is_decode=False)
+    return StepPlan(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slots,
+        block_tables=padded_block_tables(tables),
+        context_lens=contexts,
+        cu_seqlens_q=cu_seqlens,
+        sample_rows=[end - 1 for end in cu_seqlens[1:]],
+        is_decode=False,
+    )
 
 
 PREFILL_STEPS = {
@@ -273,9 +292,12 @@ def hf_logits(path: Path, prompt: list[int], dtype: torch.dtype, attn: str = "sd
 
 
 def our_logits(path: Path, prompt: list[int], dtype: str) -> torch.Tensor:
-    runner = ModelRunner(engine_config(path, dtype=dtype, enforce_eager=True,
-                                       cache=CacheConfig(block_size=BLOCK, num_blocks=POSITIONS // BLOCK)),
-                         ModelConfig.from_pretrained(path))
+    runner = ModelRunner(
+        engine_config(
+            path, dtype=dtype, enforce_eager=True, cache=CacheConfig(block_size=BLOCK, num_blocks=POSITIONS // BLOCK)
+        ),
+        ModelConfig.from_pretrained(path),
+    )
     logits = teacher_forced_logits(runner, prompt)
     del runner
     free_cuda()
@@ -304,8 +326,10 @@ def test_teacher_forced_logits_match_transformers(bf16_dirs: dict[str, Path], na
     ours_fp32 = our_logits(path, prompt, "float32")
 
     hf_err, our_err = (hf_bf16 - oracle).abs(), (ours_bf16 - oracle).abs()
-    report = (f"{name}: |ours-fp32| mean {our_err.mean():.4f} max {our_err.max():.4f}; "
-              f"|hf-fp32| mean {hf_err.mean():.4f} max {hf_err.max():.4f}")
+    report = (
+        f"{name}: |ours-fp32| mean {our_err.mean():.4f} max {our_err.max():.4f}; "
+        f"|hf-fp32| mean {hf_err.mean():.4f} max {hf_err.max():.4f}"
+    )
     assert our_err.mean() <= ERROR_RATIO * hf_err.mean(), report
     assert our_err.max() <= ERROR_RATIO * hf_err.max(), report
 
@@ -364,13 +388,19 @@ def test_overlapped_steps_match_sync_steps(bf16_dirs: dict[str, Path]) -> None:
     same sequences either way, so the same kernels see the same inputs. Greedy and seeded
     sampled requests, prompts chunked beside decodes, decode and prefill graphs."""
     path = bf16_dirs[REAL_SHAPE]
-    config = engine_config(path, max_model_len=256, cache=CacheConfig(block_size=BLOCK, num_blocks=512),
-                           scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=256))
+    config = engine_config(
+        path,
+        max_model_len=256,
+        cache=CacheConfig(block_size=BLOCK, num_blocks=512),
+        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=256),
+    )
     vocab = ModelConfig.from_pretrained(path).vocab_size
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (3, 17, 40, 64, 100, 150, 9, 33)]
-    params = [SamplingParams(max_tokens=10 + 5 * i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_tokens=10 + 5 * i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     outputs = []
     for overlap in (True, False):
         engine = LLMEngine(dataclasses.replace(config, overlap_scheduling=overlap))
@@ -388,14 +418,19 @@ def test_overlapped_steps_never_wait_for_the_stream(bf16_dirs: dict[str, Path]) 
     """Overlap holds only while nothing in a step waits for the whole stream (which holds the
     step just launched): no ``tolist`` of a device tensor, no copy from pageable memory. torch's
     sync debug mode raises on those; the read-back waits on its own copy's event."""
-    config = engine_config(bf16_dirs["tiny-qwen2"], max_model_len=256,
-                           cache=CacheConfig(block_size=BLOCK, num_blocks=256))
+    config = engine_config(
+        bf16_dirs["tiny-qwen2"], max_model_len=256, cache=CacheConfig(block_size=BLOCK, num_blocks=256)
+    )
     engine = LLMEngine(config)
     assert engine.overlap
     vocab = engine.model_config.vocab_size
-    for i, params in enumerate([SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
-                                SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, top_k=20, ignore_eos=True),
-                                SamplingParams(max_tokens=40, temperature=1.0, seed=5, ignore_eos=True)]):
+    for i, params in enumerate(
+        [
+            SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, top_k=20, ignore_eos=True),
+            SamplingParams(max_tokens=40, temperature=1.0, seed=5, ignore_eos=True),
+        ]
+    ):
         engine.add_request(str(i), torch.randint(0, vocab, (20 + 7 * i,)).tolist(), params)
     for _ in range(3):  # prefill (captured prefill graph) and the first decodes
         engine.step()
@@ -417,8 +452,10 @@ def test_second_engine_in_a_process_gets_its_own_share(bf16_dirs: dict[str, Path
     """gpu_memory_utilization is per engine: a second engine of the same size and share in the
     same process sizes its KV pool like the first (it used to count the first engine's memory
     as its own and find no room at all)."""
-    config = dataclasses.replace(engine_config(bf16_dirs[REAL_SHAPE], enforce_eager=True),
-                                 cache=CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.25))
+    config = dataclasses.replace(
+        engine_config(bf16_dirs[REAL_SHAPE], enforce_eager=True),
+        cache=CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.25),
+    )
     free_cuda()
     before = torch.cuda.memory_allocated()
     first = LLMEngine(config)

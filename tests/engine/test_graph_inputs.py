@@ -54,8 +54,16 @@ def test_decode_step_lands_in_the_graph_inputs(max_bucket: int, width: int) -> N
     for bucket in sorted({1, (max_bucket + 1) // 2, max_bucket}):
         batch = (bucket + 1) // 2
         tables = np.arange(batch * width, dtype=np.int32).reshape(batch, width) + 100
-        plan = StepPlan(list(range(10, 10 + batch)), list(range(20, 20 + batch)), list(range(30, 30 + batch)),
-                        tables, list(range(40, 40 + batch)), list(range(batch + 1)), list(range(batch)), True)
+        plan = StepPlan(
+            list(range(10, 10 + batch)),
+            list(range(20, 20 + batch)),
+            list(range(30, 30 + batch)),
+            tables,
+            list(range(40, 40 + batch)),
+            list(range(batch + 1)),
+            list(range(batch)),
+            True,
+        )
         start, host, host_tables = pack_decode_step(plan, bucket, layout, dummy, block_size)
         assert (host_tables is None) == (bucket == 1)
         buffer[start : start + len(host)] = torch.from_numpy(host)

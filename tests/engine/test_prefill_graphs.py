@@ -22,8 +22,13 @@ BLOCK = 4
 @pytest.fixture(scope="module")
 def runner(tiny_model_dirs: dict[str, Path]) -> ModelRunner:
     path = tiny_model_dirs["tiny-qwen2"]
-    config = EngineConfig(model=str(path), dtype="float32", device="cpu", max_model_len=128,
-                          cache=CacheConfig(block_size=BLOCK, num_blocks=64))
+    config = EngineConfig(
+        model=str(path),
+        dtype="float32",
+        device="cpu",
+        max_model_len=128,
+        cache=CacheConfig(block_size=BLOCK, num_blocks=64),
+    )
     return ModelRunner(config, ModelConfig.from_pretrained(path))
 
 
@@ -53,9 +58,16 @@ def test_token_buckets() -> None:
 
 
 def test_pad_prefill_plan_layout() -> None:
-    plan = StepPlan(input_ids=[1, 2, 3], positions=[0, 1, 4], slot_mapping=[8, 9, 20],
-                    block_tables=np.array([[2, 0], [3, 5]], dtype=np.int32), context_lens=[2, 5], cu_seqlens_q=[0, 2, 3],
-                    sample_rows=[1], is_decode=False)
+    plan = StepPlan(
+        input_ids=[1, 2, 3],
+        positions=[0, 1, 4],
+        slot_mapping=[8, 9, 20],
+        block_tables=np.array([[2, 0], [3, 5]], dtype=np.int32),
+        context_lens=[2, 5],
+        cu_seqlens_q=[0, 2, 3],
+        sample_rows=[1],
+        is_decode=False,
+    )
     padded = pad_prefill_plan(plan, 64, 4, dummy_block=7, block_size=BLOCK)
     assert padded.input_ids == [1, 2, 3] + [0] * 61 and padded.positions == [0, 1, 4] + [0] * 61
     assert padded.slot_mapping == [8, 9, 20] + [28] * 61  # the dummy block's first slot
@@ -69,8 +81,9 @@ def test_pad_prefill_plan_layout() -> None:
     with pytest.raises(ValueError, match="cannot run"):
         pad_prefill_plan(plan, 64, 1, 7, BLOCK)  # more sequences than the graph
     with pytest.raises(ValueError, match="decode"):
-        pad_prefill_plan(StepPlan([1], [0], [0], np.zeros((1, 1), dtype=np.int32), [1], [0, 1], [0], True),
-                         64, 4, 7, BLOCK)
+        pad_prefill_plan(
+            StepPlan([1], [0], [0], np.zeros((1, 1), dtype=np.int32), [1], [0, 1], [0], True), 64, 4, 7, BLOCK
+        )
 
 
 @pytest.mark.parametrize("bucket", [17, 64])

@@ -155,9 +155,7 @@ def test_sharded_write_loads_identically(tmp_path: Path) -> None:
     assert not (single / "model.safetensors.index.json").exists()
 
     model_single = AutoModelForCausalLM.from_pretrained(single, dtype=torch.float32)
-    model_sharded, info = AutoModelForCausalLM.from_pretrained(
-        sharded, dtype=torch.float32, output_loading_info=True
-    )
+    model_sharded, info = AutoModelForCausalLM.from_pretrained(sharded, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     expected = model_single.state_dict()
     for name, tensor in model_sharded.state_dict().items():

@@ -34,8 +34,13 @@ def test_a_client_that_reads_late_loses_no_reply(stand_in: Setup) -> None:
     sock.connect(stand_in.endpoint)
     try:
         for i in range(REQUESTS):
-            sock.send(encode(Generate(request_id=f"r{i}", token_ids=[1, 2, 3],
-                                      sampling=Sampling(max_tokens=1000, ignore_eos=True))))
+            sock.send(
+                encode(
+                    Generate(
+                        request_id=f"r{i}", token_ids=[1, 2, 3], sampling=Sampling(max_tokens=1000, ignore_eos=True)
+                    )
+                )
+            )
         time.sleep(4.0)  # the router streams everything meanwhile
         chunks: dict[str, int] = {f"r{i}": 0 for i in range(REQUESTS)}
         finals = set()
@@ -62,8 +67,16 @@ def test_batched_chunks_keep_each_request_in_order(stand_in: Setup) -> None:
     batched = {"b0", "b1", "b2"}
     try:
         for request_id in sorted(batched) + ["plain"]:
-            sock.send(encode(Generate(request_id=request_id, token_ids=[1, 2, 3], batch_chunks=request_id in batched,
-                                      sampling=Sampling(max_tokens=1000, ignore_eos=True))))
+            sock.send(
+                encode(
+                    Generate(
+                        request_id=request_id,
+                        token_ids=[1, 2, 3],
+                        batch_chunks=request_id in batched,
+                        sampling=Sampling(max_tokens=1000, ignore_eos=True),
+                    )
+                )
+            )
         tokens: dict[str, list[int]] = {r: [] for r in [*batched, "plain"]}
         finals: dict[str, Final] = {}
         batches = 0

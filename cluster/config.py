@@ -168,9 +168,6 @@ class ClusterConfig:
     def world_size(self) -> int:
         return sum(tp for _, _, tp in self.groups())
 
-    def resolved_transfer(self, on_gpu: bool) -> TransferConfig:
-        return self.transfer.resolved(on_gpu)
-
     def check_model(self, model: ModelConfig) -> None:
         """Refuse, before any rank starts, what the model cannot run: a TP degree its heads do
         not allow, a max_model_len beyond its positions, or a fixed KV pool too small for one

@@ -20,6 +20,7 @@ from pdserve.cluster.group import RankProcesses, die_with_parent, free_port, gro
 from pdserve.cluster.rank import WorkerSpec, worker_main
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.presets import resolve_model
+from pdserve.engine.tokenization import load_tokenizer
 from pdserve.router.router import Router
 
 logger = logging.getLogger(__name__)
@@ -76,9 +77,9 @@ class Cluster:
         visible = torch.cuda.device_count()
         self.placement = c.placement(visible)
         on_gpu = self.placement[0] is not None
-        self.transfer = c.resolved_transfer(on_gpu)
+        self.transfer = c.transfer.resolved(on_gpu)
         engine = c.engine_config(self.model_dir, model)
-        tokenizer = _load_tokenizer(self.model_dir)
+        tokenizer = load_tokenizer(self.model_dir)
         if tokenizer is None and (self.require_tokenizer or c.http_port is not None):
             raise ClusterError(
                 f"{c.engine.model} has no tokenizer (random-weight presets have none), so it cannot "
@@ -258,13 +259,3 @@ def _check_port_free(host: str, port: int) -> None:
             raise ClusterError(
                 f"cannot listen on {host}:{port}: {e.strerror} (another pdserve running? choose another --port)"
             ) from None
-
-
-def _load_tokenizer(model_dir: str) -> object | None:
-    """The model's tokenizer, or None for checkpoints without one (random-weight presets)."""
-    has_tokenizer = any((Path(model_dir) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
-    if not has_tokenizer:
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 from pdserve.engine.sampling import RequestError
@@ -11,6 +12,15 @@ from pdserve.engine.sampling import RequestError
 # tokens are then encoded around them, and each content on its own.
 _SLOT = "\ue000pdserve-content-{}\ue000"
 _SLOTS = re.compile("\ue000pdserve-content-(\\d+)\ue000")
+
+
+def load_tokenizer(model_dir: str | Path) -> Any | None:
+    """The model's tokenizer, or None for checkpoints without one (random-weight presets)."""
+    if not any((Path(model_dir) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer  # heavy: only where a tokenizer exists
+
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def encode_prompt(tokenizer: Any, text: str, chat: bool = True, parse_special_tokens: bool = False) -> list[int]:

@@ -35,6 +35,7 @@ from starlette.types import Receive, Scope, Send
 
 from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable
 from pdserve.cluster.protocol import Chunk, Final, Stats
+from pdserve.engine.tokenization import load_tokenizer
 from pdserve.router.metrics import FrontendMetrics
 from pdserve.router.openai_api import APIError, GenerationRequest, parse_request
 from pdserve.router.stop_strings import StopStringMatcher
@@ -69,7 +70,7 @@ class Frontend:
         self.model_name = served_model_name or Path(model_dir).name
         self.timeout = timeout
         self.drain_timeout = drain_timeout
-        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
         self.metrics = FrontendMetrics()
         self.client: AsyncClient | None = None
         self.max_model_len: int | None = None
@@ -362,15 +363,6 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Resp
     if task.cancelled():
         return Response(status_code=499)  # nobody is listening; 499 is nginx's "client closed request"
     return task.result()
-
-
-def _load_tokenizer(model_dir: str) -> Any:
-    """The model's tokenizer, or None for checkpoints without one (random-weight presets)."""
-    if not any((Path(model_dir) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 class _Server(uvicorn.Server):

@@ -13,6 +13,7 @@ import statistics
 import sys
 import threading
 import time
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -102,14 +103,14 @@ def _setting_option(spec: SettingSpec) -> Callable[[Callable[..., Any]], Callabl
         decls = [f"{spec.flag}/--no-{spec.flag[2:]}", spec.key]
     else:
         decls = [spec.flag, spec.key]
+        # The hint's one type besides None: `int | None` takes an int.
+        value_type = next(t for t in typing.get_args(spec.type) or (spec.type,) if t is not type(None))
         if spec.choices:
             kwargs["type"] = click.Choice(spec.choices)
-        elif spec.key == "devices":
+        elif typing.get_origin(value_type) is tuple:
             kwargs["callback"] = _parse_devices
-        elif spec.default is not None and not isinstance(spec.default, str):
-            kwargs["type"] = type(spec.default)
-        elif "int" in str(spec.type):
-            kwargs["type"] = int
+        else:
+            kwargs["type"] = value_type
     return click.option(*decls, **kwargs)
 
 

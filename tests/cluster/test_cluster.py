@@ -9,35 +9,18 @@ from __future__ import annotations
 import random
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
 import pytest
 
-from pdserve.bench.compare import LaunchedCluster
 from pdserve.cluster.client import Chunk, Client, ClusterError, Final
 from pdserve.cluster.group import free_port
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
-
-MAX_MODEL_LEN = 512
-
-
-@pytest.fixture(scope="module")
-def cluster_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    started: list[LaunchedCluster] = []
-
-    def start(*args: str) -> LaunchedCluster:
-        log = tmp_path_factory.mktemp("cluster") / "launch.log"
-        cluster = LaunchedCluster(["--max-model-len", str(MAX_MODEL_LEN), *args], log, start_timeout=300)
-        started.append(cluster)
-        return cluster
-
-    yield start
-    for cluster in started:
-        cluster.kill()
+from pdserve.tests.cluster.helpers import MAX_MODEL_LEN
 
 
 def oracle(model_dir: Path, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
@@ -73,8 +56,11 @@ def run_concurrently(client: Client, prompts: list[list[int]], params: list[Samp
     return finals
 
 
-def wait_until_idle(client: Client, timeout: float = 60.0) -> dict[str, dict[str, int]]:
-    """Poll stats until nothing is in flight and every group's blocks are all free again."""
+def wait_until_idle(
+    client: Client, timeout: float = 60.0, also: Callable[[dict[str, dict[str, int]]], bool] = lambda groups: True
+) -> dict[str, dict[str, int]]:
+    """Poll stats until nothing is in flight, every group's blocks are all free again and ``also``
+    holds. Groups report their stats periodically, so a reply can predate the last request."""
     deadline = time.monotonic() + timeout
     while True:
         stats = client.stats()
@@ -83,6 +69,7 @@ def wait_until_idle(client: Client, timeout: float = 60.0) -> dict[str, dict[str
             stats.requests_in_flight == 0
             and groups
             and all(g["free_blocks"] == g["num_blocks"] and g["kv_held"] == 0 for g in groups.values())
+            and also(groups)
         ):
             return groups
         assert time.monotonic() < deadline, f"cluster not idle: {stats}"
@@ -125,11 +112,12 @@ def test_2p1d_matches_single_process_then_survives_bad_input_and_aborts(
         client.abort(request_id)
         tail = list(chunks)
         assert isinstance(tail[-1], Final) and tail[-1].finish_reason == "abort"
-        groups = wait_until_idle(client)
-        assert set(groups) == {"prefill0", "decode0"}
         # Its prompt ran before: the prefill group's prefix cache held its full blocks (16 tokens)
         # but for the last token.
-        assert groups["prefill0"]["prefix_hit_tokens"] >= (len(prompts[5]) - 1) // 16 * 16 > 0
+        hits = (len(prompts[5]) - 1) // 16 * 16
+        assert hits > 0
+        groups = wait_until_idle(client, also=lambda groups: groups["prefill0"]["prefix_hit_tokens"] >= hits)
+        assert set(groups) == {"prefill0", "decode0"}
 
         # Bad input at the socket: each gets an error naming the problem; a request beside them completes.
         good = client.submit(token_ids=prompts[3], stream=False, max_tokens=8, temperature=0.0, ignore_eos=True)

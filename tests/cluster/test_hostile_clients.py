@@ -9,35 +9,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
 import pytest
 
-from pdserve.bench.compare import LaunchedCluster
 from pdserve.cluster.client import Client, ClusterError, ClusterUnavailable
 from pdserve.cluster.launcher import exposure_warning
 from pdserve.cluster.protocol import Generate, decode, encode
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.tokenization import encode_chat, encode_prompt
-
-MAX_MODEL_LEN = 512
-
-
-@pytest.fixture(scope="module")
-def cluster_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    started: list[LaunchedCluster] = []
-
-    def start(*args: str) -> LaunchedCluster:
-        log = tmp_path_factory.mktemp("cluster") / "launch.log"
-        cluster = LaunchedCluster(["--max-model-len", str(MAX_MODEL_LEN), *args], log, start_timeout=300)
-        started.append(cluster)
-        return cluster
-
-    yield start
-    for cluster in started:
-        cluster.kill()
 
 
 def idle(stats_groups: dict[str, dict[str, int]]) -> bool:

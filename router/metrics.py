@@ -21,7 +21,7 @@ from pdserve.cluster.protocol import Stats
 
 PREFIX = "pdserve:"
 
-# vLLM's buckets, with finer ones below 10 ms: a GPU decode step takes about a millisecond.
+# vLLM's buckets, with finer ones below 10 ms, where a GPU's inter-token latencies fall.
 # fmt: off
 TTFT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -36,7 +36,7 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 PHASES = {
     "queue": (
         "request_queue_time_seconds",
-        "Time from the request reaching its prefill engine to its first scheduling.",
+        "Time from the request reaching the router to the start of its prefill.",
     ),
     "prefill": ("request_prefill_time_seconds", "Time from first scheduling to the first token sampled."),
     "transfer": ("kv_transfer_time_seconds", "Time to move the prompt's KV cache from prefill to decode."),

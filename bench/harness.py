@@ -35,7 +35,7 @@ def _runner(config: EngineConfig, tp: TensorParallel, random_kv: bool) -> ModelR
 
 
 def _rank_main(spec: RankSpec, lead: _LeaderTask, payload: Any, random_kv: bool, result_path: str) -> None:
-    tp = init_distributed(spec)
+    tp, _ = init_distributed(spec)
     try:
         if spec.engine.parallel.is_leader:
             torch.save(lead(spec.engine, tp, payload), result_path)

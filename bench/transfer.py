@@ -604,7 +604,7 @@ class _Rank:
             if not (isinstance(announce, KVAnnounce) and announce.request_id == transfer_id):
                 raise RuntimeError(f"unexpected message instead of the announce of {transfer_id}: {announce}")
             out_sock.send(encode_message(KVReply(transfer_id, accepted=True)))
-            agent.recv(transfer_id, blocks, peer_group=0)
+            agent.recv(transfer_id, blocks, peer_group=0, src_block_ids=[])
         else:
             assert step_rx is not None
             received = step_rx.receive()

@@ -89,19 +89,21 @@ def group_specs(
     return specs
 
 
-def init_distributed(spec: RankSpec) -> TensorParallel:
-    """Join the world, create every TP subgroup, return this rank's TP state."""
+def init_distributed(spec: RankSpec) -> tuple[TensorParallel, dist.Store]:
+    """Join the world, create every TP subgroup; this rank's TP state and the world's store
+    (for handles that ranks exchange out of band)."""
     torch.set_num_threads(spec.threads)
     if spec.backend == "nccl":
         torch.cuda.set_device(torch.device(spec.engine.device))
-    dist.init_process_group(spec.backend, store=_store(spec), world_size=spec.world_size, rank=spec.global_rank)
+    store = _store(spec)
+    dist.init_process_group(spec.backend, store=store, world_size=spec.world_size, rank=spec.global_rank)
     mine = None
     for ranks in spec.tp_groups:
         group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
         if spec.global_rank in ranks:
             mine = group
     tp = spec.engine.parallel
-    return TensorParallel(rank=tp.tp_rank, size=tp.tp_size, group=mine)
+    return TensorParallel(rank=tp.tp_rank, size=tp.tp_size, group=mine), store
 
 
 def _store(spec: RankSpec) -> dist.TCPStore:

@@ -414,11 +414,14 @@ class KVAnnounce(Message):
     first_token: int
     sampling: Sampling
     timings: RequestTimings = field(default_factory=RequestTimings)  # measured by the prefill group's engine
+    block_ids: list[int] = field(default_factory=list)  # the prompt's KV blocks in the prefill pool
 
 
 @dataclass
 class KVReply(Message):
-    """Decode leader -> prefill leader: ``accepted`` (receive posted) or refused (no blocks)."""
+    """Decode leader -> prefill leader: ``accepted`` or refused (no blocks). Accepted means the
+    receive is posted (push backends) or, where the decode side pulls the KV, that the pull is
+    complete: the prefill side may then free the blocks."""
 
     type: ClassVar[str] = "kv_reply"
     request_id: str

@@ -21,7 +21,6 @@ from pdserve.decode_worker.leader import DecodeLeader
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.parallel import TensorParallel
 from pdserve.kvtransfer.agent import CommandChannel, KVTransferAgent, connect_groups
 from pdserve.kvtransfer.base import TransferConfig
 from pdserve.prefill_worker.leader import PrefillLeader
@@ -40,7 +39,11 @@ class WorkerSpec:
 
 
 def _transfers(
-    spec: WorkerSpec, kv_cache: torch.Tensor, model: ModelConfig, channel: CommandChannel | None = None
+    spec: WorkerSpec,
+    kv_cache: torch.Tensor,
+    model: ModelConfig,
+    store: dist.Store,
+    channel: CommandChannel | None = None,
 ) -> KVTransferAgent:
     """This rank's backends to every group of the other role (prefill -> each decode group, and back)."""
     other = "decode" if spec.role == "prefill" else "prefill"
@@ -54,15 +57,16 @@ def _transfers(
         spec.role == "prefill",
         spec.rank.global_rank,
         channel,
+        store,
     )
 
 
-def _lead(spec: WorkerSpec, engine: LLMEngine) -> None:
+def _lead(spec: WorkerSpec, engine: LLMEngine, store: dist.Store) -> None:
     """Serve as the group's leader until the router shuts the cluster down."""
     if spec.role == "colocated":
         ColocatedLeader(spec.group, spec.addresses, engine).run()
         return
-    transfers = _transfers(spec, engine.kv_cache, engine.model_config, engine.step_channel)
+    transfers = _transfers(spec, engine.kv_cache, engine.model_config, store, engine.step_channel)
     role = PrefillLeader if spec.role == "prefill" else DecodeLeader
     role(spec.group, spec.addresses, engine, transfers).run()
 
@@ -75,14 +79,14 @@ def worker_main(spec: WorkerSpec) -> None:
         level=logging.INFO,
         format=f"%(asctime)s {spec.role}{spec.group}.{spec.rank.engine.parallel.tp_rank} %(levelname)s %(message)s",
     )
-    tp: TensorParallel = init_distributed(spec.rank)
+    tp, store = init_distributed(spec.rank)
     try:
         config = spec.rank.engine
         if config.parallel.is_leader:
-            _lead(spec, LLMEngine(config, tp))
+            _lead(spec, LLMEngine(config, tp), store)
         else:
             model = ModelConfig.from_pretrained(config.model)
             runner = ModelRunner(config, model, tp)
-            runner.run_peer(None if spec.role == "colocated" else _transfers(spec, runner.kv_cache, model))
+            runner.run_peer(None if spec.role == "colocated" else _transfers(spec, runner.kv_cache, model, store))
     finally:
         dist.destroy_process_group()

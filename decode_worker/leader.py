@@ -4,7 +4,9 @@ Lifecycle of a request here:
 1. ``KVAnnounce`` from a prefill leader -> reserve blocks for the prompt's KV. None free, or its
    receive buffers would take the leader's buffers in flight past ``max_staging_bytes``: reply
    refused (the prefill side keeps the KV and retries). Otherwise reply accepted, then every
-   rank of the group posts its receive (the command rides the step channel, in order).
+   rank of the group posts its receive (the command rides the step channel, in order). A
+   pulling backend (``TransferBackend.pulls``) copies from the prefill pool instead, and the
+   reply waits until that copy is complete: it tells the prefill side to free the blocks.
 2. Receive complete (sync: at once; async: polled between steps, so several are in flight while
    the group keeps decoding) -> the request joins continuous batching; its first decode step
    makes each peer wait for its own part first (``StepPlan.kv_ready``).
@@ -80,8 +82,9 @@ class DecodeLeader(GroupLeader):
         if blocks is None:
             self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
             return
-        self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=True))
-        self.transfers.recv(request_id, blocks, announce.prefill_group)
+        if not self.transfers.pulls(announce.prefill_group):
+            self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=True))
+        self.transfers.recv(request_id, blocks, announce.prefill_group, announce.block_ids)
         self.receiving[request_id] = announce
         self.next_index[request_id] = 1
 
@@ -92,6 +95,8 @@ class DecodeLeader(GroupLeader):
         for request_id in [r for r in self.receiving if self.transfers.done(r)]:
             announce = self.receiving.pop(request_id)
             stats = self.transfers.wait(request_id)
+            if self.transfers.pulls(announce.prefill_group):  # the copy is done: the prefill side may free
+                self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=True))
             if request_id in self.aborted_in_flight:
                 self.aborted_in_flight.discard(request_id)
                 self.engine.abort(request_id)

@@ -9,7 +9,7 @@ connects, so no plan is lost to a slow start.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 import msgpack
@@ -27,6 +27,7 @@ class KVCommand:
     transfer_id: str
     block_ids: list[int]
     peer_group: int = 0  # the decode group sent to, or the prefill group received from
+    src_block_ids: list[int] = field(default_factory=list)  # recv from a pulling backend: the prefill blocks
 
 
 PeerMessage = StepPlan | KVCommand

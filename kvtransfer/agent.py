@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from pdserve.engine.step_channel import KVCommand
 from pdserve.kvtransfer.base import (
@@ -49,10 +50,16 @@ class KVTransferAgent:
         decode group ``peer_group``; the handle is this rank's part."""
         return self._issue(KVCommand("send", transfer_id, block_ids, peer_group))
 
-    def recv(self, transfer_id: str, block_ids: list[int], peer_group: int) -> Transfer:
+    def recv(self, transfer_id: str, block_ids: list[int], peer_group: int, src_block_ids: list[int]) -> Transfer:
         """Decode leader: every rank of the group receives its part of the KV from prefill group
-        ``peer_group`` into ``block_ids``; ``done``/``wait`` by id settle this rank's part."""
-        return self._issue(KVCommand("recv", transfer_id, block_ids, peer_group))
+        ``peer_group`` into ``block_ids`` (``src_block_ids``: where it lies in the prefill pool);
+        ``done``/``wait`` by id settle this rank's part."""
+        return self._issue(KVCommand("recv", transfer_id, block_ids, peer_group, src_block_ids))
+
+    def pulls(self, peer_group: int) -> bool:
+        """Whether the transfers with ``peer_group`` are pulled by the decode side: its receive
+        completes the transfer, and the prefill side keeps its blocks until told so."""
+        return self.backends[peer_group].pulls
 
     def _issue(self, command: KVCommand) -> Transfer:
         if self._channel is not None:
@@ -68,7 +75,7 @@ class KVTransferAgent:
         if command.op == "send":
             transfer = backend.send(command.block_ids)
         elif command.op == "recv":
-            transfer = backend.recv(command.block_ids)
+            transfer = backend.recv(command.block_ids, command.src_block_ids)
         else:
             raise ValueError(f"unknown KV command {command.op!r}")
         self._transfers[command.transfer_id] = (command.op, transfer)
@@ -120,14 +127,16 @@ def connect_groups(
     is_prefill: bool,
     global_rank: int,
     channel: CommandChannel | None = None,
+    store: dist.Store | None = None,
 ) -> KVTransferAgent:
     """This rank's agent for a group of one role (``own_ranks``, global ranks by TP rank): a
     backend to each group of the other role, keyed by its index in ``peer_groups``, connected now
-    (every rank of both groups calls it). ``channel``: the leader's step channel to its peers."""
+    (every rank of both groups calls it). ``channel``: the leader's step channel to its peers;
+    ``store``: the world's rendezvous store."""
     backends = {}
     for index, ranks in enumerate(peer_groups):
         prefill, decode = (own_ranks, ranks) if is_prefill else (ranks, own_ranks)
-        topology = TransferTopology(num_heads, num_kv_heads, prefill, decode, global_rank)
+        topology = TransferTopology(num_heads, num_kv_heads, prefill, decode, global_rank, store)
         backends[index] = create_backend(config, topology, kv_cache)
     agent = KVTransferAgent(backends, config.max_staging_bytes, channel)
     agent.warm_up()

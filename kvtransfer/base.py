@@ -9,7 +9,12 @@ Ordering invariant: between one prefill rank and one decode rank, transfers are 
 same order on both sides (the decode leader accepts transfers in order, and every rank issues
 its part in accept order), as point-to-point collectives require.
 
-A new backend (NIXL, CUDA IPC, RDMA) subclasses ``TransferBackend`` and registers itself with
+Push backends (``torch_dist``) send from the prefill side into receives the decode side posted.
+A pulling backend (``ipc``: CUDA IPC, shared memory) copies on the decode side straight from
+the prefill pool: its ``recv`` needs the prefill side's block ids, its ``send`` has nothing to do,
+and the prefill side keeps the blocks until the decode side reports the pull complete.
+
+A new backend (NIXL, RDMA) subclasses ``TransferBackend`` and registers itself with
 ``@register_backend("name")``; the workers only ever see this interface.
 """
 
@@ -21,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from pdserve.engine.config import setting
 from pdserve.engine.parallel import HeadShard, head_shard
@@ -59,9 +65,9 @@ class TransferConfig:
 
     backend: str = setting(
         "auto",
-        help="KV transfer backend: a name in the registry (gloo, gloo-async, nccl, nccl-async).",
+        help="KV transfer backend: a name in the registry (cuda-ipc, nccl, nccl-async, shm, gloo, gloo-async).",
         section="KV transfer",
-        default_text="auto: nccl-async on GPUs, gloo on CPU",
+        default_text="auto: cuda-ipc on GPUs of one host, gloo on CPU",
         key="transfer",
     )
     # Beyond the bound the prefill side holds its announce and the decode side refuses one.
@@ -91,14 +97,22 @@ class TransferConfig:
     def max_staging_bytes(self) -> int:
         return max(1, int(self.staging_mib * 2**20))
 
-    def resolved(self, on_gpu: bool) -> TransferConfig:
-        """This config with ``auto`` replaced by the backend for the device, checked against it."""
+    def resolved(self, on_gpu: bool, peer_access: bool = True) -> TransferConfig:
+        """This config with ``auto`` replaced by the backend for the device, checked against it.
+        ``peer_access``: every prefill GPU and decode GPU pair can map each other's memory (one
+        host; a GPU always can its own)."""
         if self.backend == "auto":
-            return dataclasses.replace(self, backend="nccl-async" if on_gpu else "gloo")
-        if self.backend.startswith("nccl") and not on_gpu:
-            raise ValueError(f"--transfer {self.backend} needs GPUs; use gloo on CPU")
-        if self.backend.startswith("gloo") and on_gpu:
-            raise ValueError(f"--transfer {self.backend} moves CPU tensors; use nccl on GPUs")
+            backend = ("cuda-ipc" if peer_access else "nccl-async") if on_gpu else "gloo"
+            return dataclasses.replace(self, backend=backend)
+        gpu_only, cpu_only = ("nccl", "nccl-async", "cuda-ipc"), ("gloo", "gloo-async", "shm")
+        if self.backend in gpu_only and not on_gpu:
+            raise ValueError(f"--transfer {self.backend} needs GPUs; use gloo or shm on CPU")
+        if self.backend in cpu_only and on_gpu:
+            raise ValueError(f"--transfer {self.backend} moves CPU tensors; use cuda-ipc or nccl on GPUs")
+        if self.backend == "cuda-ipc" and not peer_access:
+            raise ValueError(
+                "--transfer cuda-ipc needs peer access between every prefill and decode GPU; use nccl-async"
+            )
         return self
 
 
@@ -111,6 +125,8 @@ class TransferTopology:
     prefill_ranks: tuple[int, ...]  # global ranks, index = TP rank in the prefill group
     decode_ranks: tuple[int, ...]
     global_rank: int
+    # The world's rendezvous store, for backends that exchange handles out of band (ipc).
+    store: dist.Store | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_prefill(self) -> bool:
@@ -147,6 +163,7 @@ class TransferBackend(ABC):
     """Moves KV blocks of ``kv_cache`` (``[layers, 2, blocks, block_size, kv_heads, head_dim]``)."""
 
     is_async: bool = False
+    pulls: bool = False  # the decode side copies from the prefill pool (see the module docstring)
 
     def __init__(self, config: TransferConfig, topology: TransferTopology, kv_cache: torch.Tensor) -> None:
         self.config = config
@@ -158,8 +175,9 @@ class TransferBackend(ABC):
         """Prefill rank: send this rank's pieces of the KV in ``block_ids`` to every decode rank."""
 
     @abstractmethod
-    def recv(self, block_ids: list[int]) -> Transfer:
-        """Decode rank: receive this rank's pieces into ``block_ids`` (its own numbering)."""
+    def recv(self, block_ids: list[int], src_block_ids: list[int]) -> Transfer:
+        """Decode rank: receive this rank's pieces into ``block_ids`` (its own numbering);
+        ``src_block_ids``: the same blocks in the prefill group's numbering (pulling backends)."""
 
     @property
     @abstractmethod
@@ -195,7 +213,7 @@ def available_backends() -> list[str]:
     """Names of the registered backends, the built-in ones included."""
     # The built-in backends register themselves when their module is imported; importing it
     # here (not at the top: it imports this module) spares every caller that step.
-    from pdserve.kvtransfer import torch_dist  # noqa: F401
+    from pdserve.kvtransfer import ipc, torch_dist  # noqa: F401
 
     return sorted(_REGISTRY)
 

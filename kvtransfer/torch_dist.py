@@ -149,7 +149,7 @@ class TorchDistributedBackend(TransferBackend):
                 works.append(dist.isend(packed, dst=peer))
         return self._finish(_TorchTransfer(works, buffers, [], self.kv_cache, self._release, start))
 
-    def recv(self, block_ids: list[int]) -> Transfer:
+    def recv(self, block_ids: list[int], src_block_ids: list[int]) -> Transfer:
         start = self._start_event()
         blocks = self._index(block_ids)
         _, _, _, block_size, _, head_dim = self.kv_cache.shape

@@ -5,7 +5,9 @@ Lifecycle of a request here:
 2. First token sampled -> sent to the router immediately (this is the TTFT), and the request
    is *announced* to its decode group (``KVAnnounce``) while its KV blocks stay held.
 3. ``KVReply`` accepted -> every rank of the group sends its pieces; the blocks are freed when
-   this rank's send completes (sync: at once; async: polled between steps).
+   this rank's send completes (sync: at once; async: polled between steps). Where the decode
+   side pulls the KV (``TransferBackend.pulls``), it replies only once its copy is complete:
+   the send has nothing left to do and the blocks are freed at once.
    ``KVReply`` refused (the decode group has no free blocks) -> the announcement is retried
    later with back-off; the KV stays here meanwhile (back-pressure, never a drop).
 
@@ -86,10 +88,11 @@ class PrefillLeader(GroupLeader):
             return
         # For the router the request goes on: decoding continues in the decode group.
         self.emit(RequestOutput(out.request_id, out.new_token_ids))
+        block_ids = out.kv_block_ids or []
         announce = KVAnnounce(
-            out.request_id, self.group, work.token_ids, out.new_token_ids[0], work.sampling, out.timings
+            out.request_id, self.group, work.token_ids, out.new_token_ids[0], work.sampling, out.timings, block_ids
         )
-        self.to_announce.append(_Handoff(announce, work.decode_group, out.kv_block_ids or []))
+        self.to_announce.append(_Handoff(announce, work.decode_group, block_ids))
 
     def background(self) -> None:
         for request_id in [r for r, transfer in self.sending.items() if transfer.done()]:

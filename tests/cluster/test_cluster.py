@@ -77,7 +77,7 @@ def wait_until_idle(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transfer", ["gloo", "gloo-async"])
+@pytest.mark.parametrize("transfer", ["gloo", "gloo-async", "shm"])
 def test_2p1d_matches_single_process_then_survives_bad_input_and_aborts(
     cluster_factory, tiny_model_dirs: dict[str, Path], transfer: str
 ) -> None:
@@ -157,11 +157,15 @@ def test_2p1d_matches_single_process_then_survives_bad_input_and_aborts(
 
 
 @pytest.mark.slow
-def test_decode_back_pressure_makes_prefill_wait(cluster_factory, tiny_model_dirs: dict[str, Path]) -> None:
+@pytest.mark.parametrize("transfer", ["gloo-async", "shm"])
+def test_decode_back_pressure_makes_prefill_wait(
+    cluster_factory, tiny_model_dirs: dict[str, Path], transfer: str
+) -> None:
     """A decode pool of 32 blocks (512 tokens) cannot take 16 requests of up to 210 tokens at once,
     and with a 16 KiB bound on KV buffers in flight (a request's KV is 12-170 KiB a rank) each rank
     moves one request's KV at a time while two prefill groups announce to one decode group: the
-    decode side refuses, the prefill side keeps the KV and retries, and every request completes."""
+    decode side refuses, the prefill side keeps the KV and retries, and every request completes.
+    The shm backend stages nothing (the decode leader copies pool to pool): only blocks refuse."""
     model_dir = tiny_model_dirs["tiny-qwen2"]
     cluster = cluster_factory(
         "--model",
@@ -173,7 +177,7 @@ def test_decode_back_pressure_makes_prefill_wait(cluster_factory, tiny_model_dir
         "--decode-tp",
         "2",
         "--transfer",
-        "gloo-async",
+        transfer,
         "--num-blocks",
         "32",
         "--transfer-staging-mib",

@@ -1,9 +1,10 @@
-"""KV transfer between real rank processes (gloo on CPU): every (prefill TP, decode TP) pair.
+"""KV transfer between real rank processes (gloo and shm on CPU, cuda-ipc on one GPU): every
+(prefill TP, decode TP) pair.
 
 The parent computes the KV of several requests with the single-process engine. Prefill ranks
-load their heads of it into their own pools, send it through the backend; decode ranks
-receive it into differently numbered blocks and check it, bitwise, against the parent's KV
-for their heads.
+load their heads of it into their own pools, send it through the backend (or let the decode
+leader pull it); decode ranks receive it into differently numbered blocks and check it,
+bitwise, against the parent's KV for their heads.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def _exchange(
         blocks = meta[side][request_id]
         if topology.is_prefill:
             cache[:, :, blocks] = reference[request_id][:, :, :, :, heads]
-        agent.execute(KVCommand("send" if topology.is_prefill else "recv", request_id, blocks))
+        op = "send" if topology.is_prefill else "recv"
+        agent.execute(KVCommand(op, request_id, blocks, src_block_ids=meta["src"][request_id]))
         posted += len(blocks) * agent.backends[0].block_bytes()
     if not topology.is_prefill:
         # Posted receives hold their buffers until waited for (sync ones are done already).
@@ -81,12 +83,73 @@ def _exchange(
     assert agent.staging_bytes() == 0, f"{backend} p={p} d={d}: buffers still counted after close"
 
 
-def _rank_main(rank: int, init: str, work_dir: str) -> None:
+def _pull(
+    rank: int,
+    p: int,
+    d: int,
+    backend: str,
+    meta: dict,
+    reference: dict[str, torch.Tensor],
+    world_store: dist.Store,
+    device: str,
+) -> None:
+    """A pulling backend's round, called by every rank of the world (it meets them at barriers):
+    prefill ranks fill their pools, the decode leader copies every request into its group's
+    pools, then each decode rank checks its own."""
+    prefill, decode = tuple(range(p)), tuple(range(MAX_P, MAX_P + d))
+    agent, cache, blocks = None, None, meta["dst"]
+    if rank in prefill or rank in decode:
+        # A store prefix per round: each round's pools are new tensors, published afresh.
+        store = dist.PrefixStore(f"{backend}/{p}/{d}", world_store)
+        topology = TransferTopology(meta["num_heads"], meta["num_kv_heads"], prefill, decode, rank, store)
+        shard = topology.src_shard(rank) if rank in prefill else topology.dst_shard(rank - MAX_P)
+        layers, _, _, block_size, _, head_dim = reference[meta["requests"][0]].shape
+        cache = torch.full(
+            (layers, 2, NUM_BLOCKS + 1, block_size, shard.num_kv_heads, head_dim), float("nan"), device=device
+        )
+        heads = slice(shard.kv_start, shard.kv_end)
+        if rank in prefill:
+            blocks = meta["src"]
+            for request_id in meta["requests"]:
+                cache[:, :, blocks[request_id]] = reference[request_id][:, :, :, :, heads].to(device)
+        agent = KVTransferAgent({0: create_backend(TransferConfig(backend), topology, cache)}, 1)
+        agent.warm_up()
+    dist.barrier()
+    if rank in decode:
+        assert agent is not None
+        for request_id in meta["requests"]:
+            agent.execute(KVCommand("recv", request_id, blocks[request_id], src_block_ids=meta["src"][request_id]))
+        moved = sum(agent.wait(request_id).num_bytes for request_id in meta["requests"])
+        assert agent.staging_bytes() == 0
+        # The leader copies for its whole group: every decode rank's heads, once; peers nothing.
+        group_heads = sum(topology.dst_shard(r).num_kv_heads for r in range(d))
+        head_bytes = cache[:, :, 0, :, 0].numel() * cache.element_size()  # one block, one head
+        expected = sum(len(b) for b in blocks.values()) * group_heads * head_bytes
+        assert moved == (expected if rank == MAX_P else 0), (backend, p, d, rank, moved, expected)
+    dist.barrier()
+    if rank in decode:
+        assert cache is not None
+        for request_id in meta["requests"]:
+            got = cache[:, :, blocks[request_id]].cpu()
+            if not torch.equal(got, reference[request_id][:, :, :, :, heads]):
+                raise AssertionError(f"{backend} p={p} d={d}: KV of {request_id} differs on decode rank {rank - MAX_P}")
+    dist.barrier()  # the prefill pools stay alive until every check is done
+    if agent is not None:
+        agent.close()
+
+
+def _rank_main(rank: int, port: int, work_dir: str, pulling: str | None = None, device: str = "cpu") -> None:
+    """Every push backend (gloo) in every pair, or the pulling backend ``pulling`` on ``device``."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, world_size=MAX_P + MAX_D, rank=rank)
+    store = dist.TCPStore("127.0.0.1", port, MAX_P + MAX_D, is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, world_size=MAX_P + MAX_D, rank=rank)
     try:
         meta = json.loads((Path(work_dir) / "meta.json").read_text())
         reference = load_file(str(Path(work_dir) / "kv.safetensors"))
+        if pulling is not None:
+            for p, d in PAIRS:
+                _pull(rank, p, d, pulling, meta, reference, store, device)
+            return
         for backend in BACKENDS:
             for p, d in PAIRS:
                 if rank < p or MAX_P <= rank < MAX_P + d:
@@ -145,8 +208,26 @@ def test_received_kv_is_bitwise_the_prefill_kv(reference_kv: Path) -> None:
     """Prefill TP 1, 2, 3 to decode TP 1, 2, 4 (2 KV heads: uneven, replicated, both ways), sync
     and async, one message or one per layer range, 16 requests in flight; a failing pair names
     itself in the rank's error."""
-    init = f"tcp://127.0.0.1:{free_port()}"
-    RankProcesses(_rank_main, [(r, init, str(reference_kv)) for r in range(MAX_P + MAX_D)]).wait(600)
+    port = free_port()
+    RankProcesses(_rank_main, [(r, port, str(reference_kv)) for r in range(MAX_P + MAX_D)]).wait(600)
+
+
+@pytest.mark.slow
+def test_pulled_kv_is_bitwise_the_prefill_kv(reference_kv: Path) -> None:
+    """The shm backend (the CPU twin of cuda-ipc): in every pair the decode leader copies each
+    request straight from the prefill ranks' shared pools into its group's pools."""
+    port = free_port()
+    args = [(r, port, str(reference_kv), "shm") for r in range(MAX_P + MAX_D)]
+    RankProcesses(_rank_main, args).wait(600)
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_kv_is_bitwise_the_prefill_kv_between_processes_on_one_gpu(reference_kv: Path) -> None:
+    """cuda-ipc with every rank's pool in its own process on GPU 0 (a TP group could not share
+    a GPU under NCCL, but the copy needs none): every pair, bitwise."""
+    port = free_port()
+    args = [(r, port, str(reference_kv), "cuda-ipc", "cuda:0") for r in range(MAX_P + MAX_D)]
+    RankProcesses(_rank_main, args).wait(600)
 
 
 class _Backend:

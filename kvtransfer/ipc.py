@@ -1,0 +1,189 @@
+"""KV transfer by direct copies between the pools of ranks on one host: CUDA IPC on GPUs (the
+same GPU, or GPUs with peer access), POSIX shared memory on CPUs.
+
+Every rank publishes its KV pool once, as a handle in the world's rendezvous store: a CUDA IPC
+memory handle (``torch.multiprocessing``'s own reduction) on GPUs; on CPUs the pool moves into
+shared memory and the handle names its file descriptor. The decode group's leader opens the
+pools of the prefill ranks it receives from and of its own group's ranks. For each request it
+then copies every piece of the resharding plan straight from the prefill blocks into the decode
+blocks (``kernels.kv_copy``: one launch per piece, no staging buffer), on a stream of its own
+that first waits for the work already queued on the compute stream.
+
+The leader copies for the whole group, so that one event tells when the group's KV is in place:
+the decode leader polls it, and only then tells the prefill side, which frees the blocks
+(``pulls``). A prefill rank's ``send`` and a decode peer's ``recv`` have nothing to do. The
+prefill KV is complete when its leader announces it: the first token it sampled came after
+every rank's forward, the writes of the KV included.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from pdserve.kernels.kv_copy import paged_kv_copy, paged_kv_copy_ref
+from pdserve.kvtransfer.base import (
+    Transfer,
+    TransferBackend,
+    TransferConfig,
+    TransferStats,
+    TransferTopology,
+    register_backend,
+)
+
+_POOL_KEY = "pdserve/kv-pool/{rank}"
+
+
+class _Landed(Transfer):
+    """A transfer this rank has nothing (more) to do for."""
+
+    def __init__(self, stats: TransferStats) -> None:
+        self.stats = stats
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> TransferStats:
+        return self.stats
+
+
+class _Copy(Transfer):
+    """The decode leader's copies of one request, complete when their end event is."""
+
+    def __init__(self, num_bytes: int, start: torch.cuda.Event, end: torch.cuda.Event, keep: list[torch.Tensor]):
+        self.num_bytes = num_bytes
+        self.events = (start, end)
+        self.keep = keep  # block-id tensors the copies read, alive until they ran
+        self.started = time.perf_counter()
+        self.stats: TransferStats | None = None
+
+    def done(self) -> bool:
+        if self.stats is None and self.events[1].query():
+            self.wait()
+        return self.stats is not None
+
+    def wait(self) -> TransferStats:
+        if self.stats is None:
+            self.events[1].synchronize()
+            self.stats = TransferStats(self.num_bytes, time.perf_counter() - self.started, self.events)
+            self.keep = []
+        return self.stats
+
+
+def publish_pool(store: dist.Store, global_rank: int, kv_cache: torch.Tensor) -> None:
+    """Make this rank's pool openable by the other processes of the host (once per rank)."""
+    key = _POOL_KEY.format(rank=global_rank)
+    if store.check([key]):
+        return
+    if kv_cache.is_cuda:
+        rebuild, args = reduce_tensor(kv_cache)
+        assert rebuild is rebuild_cuda_tensor
+        handle = ("cuda", args)
+    else:
+        kv_cache.share_memory_()  # in place: every view of the pool (the layers' caches) follows
+        fd, _ = kv_cache.untyped_storage()._share_fd_cpu_()
+        handle = ("cpu", (os.getpid(), fd, tuple(kv_cache.shape), kv_cache.dtype))
+    # A pickle, read back only by ranks of this cluster through a store bound to loopback.
+    store.set(key, pickle.dumps(handle))
+
+
+def open_pool(store: dist.Store, global_rank: int) -> torch.Tensor:
+    """Rank ``global_rank``'s pool, mapped into this process (waits until it is published)."""
+    kind, args = pickle.loads(store.get(_POOL_KEY.format(rank=global_rank)))
+    if kind == "cuda":
+        return rebuild_cuda_tensor(*args)
+    pid, fd, shape, dtype = args
+    numel = 1
+    for size in shape:
+        numel *= size
+    return torch.from_file(f"/proc/{pid}/fd/{fd}", shared=True, size=numel, dtype=dtype).view(shape)
+
+
+class IpcBackend(TransferBackend):
+    """The decode leader pulls; see the module docstring."""
+
+    is_async = True
+    pulls = True
+
+    def __init__(self, config: TransferConfig, topology: TransferTopology, kv_cache: torch.Tensor) -> None:
+        super().__init__(config, topology, kv_cache)
+        if topology.store is None:
+            raise ValueError(f"the {config.backend} backend needs the world's rendezvous store")
+        self.store = topology.store
+        publish_pool(self.store, topology.global_rank, kv_cache)
+        self._copies = not topology.is_prefill and topology.tp_rank == 0
+        self._pieces: list[tuple[torch.Tensor, torch.Tensor, slice, slice]] = []
+        self._stream: torch.cuda.Stream | None = None
+
+    def warm_up(self) -> None:
+        """The decode leader opens every pool it copies between (each rank published its own
+        when its backend was made, so every pool is there or on its way)."""
+        if not self._copies or self._pieces:
+            return
+        t = self.topology
+        own = {t.decode_ranks[0]: self.kv_cache}
+        for piece in t.plan():
+            src = open_pool(self.store, t.prefill_ranks[piece.src_rank])
+            dst_rank = t.decode_ranks[piece.dst_rank]
+            dst = own.get(dst_rank)
+            if dst is None:
+                dst = own[dst_rank] = open_pool(self.store, dst_rank)
+            src_slice = piece.src_slice(t.src_shard(piece.src_rank))
+            dst_slice = piece.dst_slice(t.dst_shard(piece.dst_rank))
+            self._pieces.append((src, dst, src_slice, dst_slice))
+        if self.kv_cache.is_cuda:
+            self._stream = torch.cuda.Stream(self.kv_cache.device)
+
+    @property
+    def staging_bytes(self) -> int:
+        return 0  # pool to pool: nothing is staged
+
+    def send(self, block_ids: list[int]) -> Transfer:
+        return _Landed(TransferStats(0, 0.0))
+
+    def recv(self, block_ids: list[int], src_block_ids: list[int]) -> Transfer:
+        if not self._copies:
+            return _Landed(TransferStats(0, 0.0))
+        if len(src_block_ids) != len(block_ids):
+            raise ValueError(f"{len(src_block_ids)} prefill blocks announced for {len(block_ids)} decode blocks")
+        self.warm_up()  # a no-op once connected
+        num_bytes = sum(self._piece_bytes(src, heads) for src, _, heads, _ in self._pieces) * len(block_ids)
+        if self._stream is None:
+            started = time.perf_counter()
+            self._copy(block_ids, src_block_ids, paged_kv_copy_ref)
+            return _Landed(TransferStats(num_bytes, time.perf_counter() - started))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self._stream.wait_stream(torch.cuda.current_stream())  # blocks freed by steps still queued
+        with torch.cuda.stream(self._stream):
+            keep = self._copy(block_ids, src_block_ids, paged_kv_copy)
+            end.record()
+        return _Copy(num_bytes, start, end, keep)
+
+    def _copy(self, block_ids: list[int], src_block_ids: list[int], copy: Callable[..., None]) -> list[torch.Tensor]:
+        device = self.kv_cache.device
+        src_ids = torch.tensor(src_block_ids, dtype=torch.int64).to(device, non_blocking=True)
+        dst_ids = torch.tensor(block_ids, dtype=torch.int64).to(device, non_blocking=True)
+        for src, dst, src_heads, dst_heads in self._pieces:
+            copy(src, dst, src_ids, dst_ids, src_heads, dst_heads)
+        return [src_ids, dst_ids]
+
+    @staticmethod
+    def _piece_bytes(pool: torch.Tensor, heads: slice) -> int:
+        """Bytes of one block of a piece: every layer, K and V, the piece's heads."""
+        layers, _, _, block_size, num_heads, head_dim = pool.shape
+        return 2 * layers * block_size * len(range(num_heads)[heads]) * head_dim * pool.element_size()
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+
+for _name in ("cuda-ipc", "shm"):
+    register_backend(_name)(IpcBackend)

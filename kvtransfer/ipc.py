@@ -18,6 +18,7 @@ every rank's forward, the writes of the KV included.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import time
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from pdserve.kernels.kv_copy import paged_kv_copy, paged_kv_copy_ref
+from pdserve.kernels.kv_copy import PagedKVCopy, paged_kv_copy_ref
 from pdserve.kvtransfer.base import (
     Transfer,
     TransferBackend,
@@ -118,25 +119,30 @@ class IpcBackend(TransferBackend):
         self.store = topology.store
         publish_pool(self.store, topology.global_rank, kv_cache)
         self._copies = not topology.is_prefill and topology.tp_rank == 0
-        self._pieces: list[tuple[torch.Tensor, torch.Tensor, slice, slice]] = []
+        self._copiers: list[Callable[[torch.Tensor, torch.Tensor], None]] = []  # one per piece
+        self._bytes_per_block = 0  # over every piece
         self._stream: torch.cuda.Stream | None = None
 
     def warm_up(self) -> None:
         """The decode leader opens every pool it copies between (each rank published its own
         when its backend was made, so every pool is there or on its way)."""
-        if not self._copies or self._pieces:
+        if not self._copies or self._copiers:
             return
         t = self.topology
-        own = {t.decode_ranks[0]: self.kv_cache}
+        pools = {t.decode_ranks[0]: self.kv_cache}
         for piece in t.plan():
-            src = open_pool(self.store, t.prefill_ranks[piece.src_rank])
-            dst_rank = t.decode_ranks[piece.dst_rank]
-            dst = own.get(dst_rank)
-            if dst is None:
-                dst = own[dst_rank] = open_pool(self.store, dst_rank)
-            src_slice = piece.src_slice(t.src_shard(piece.src_rank))
-            dst_slice = piece.dst_slice(t.dst_shard(piece.dst_rank))
-            self._pieces.append((src, dst, src_slice, dst_slice))
+            for rank in (t.prefill_ranks[piece.src_rank], t.decode_ranks[piece.dst_rank]):
+                if rank not in pools:
+                    pools[rank] = open_pool(self.store, rank)
+            src, dst = pools[t.prefill_ranks[piece.src_rank]], pools[t.decode_ranks[piece.dst_rank]]
+            src_heads = piece.src_slice(t.src_shard(piece.src_rank))
+            dst_heads = piece.dst_slice(t.dst_shard(piece.dst_rank))
+            if self.kv_cache.is_cuda:
+                self._copiers.append(PagedKVCopy(src, dst, src_heads, dst_heads))
+            else:
+                self._copiers.append(functools.partial(_copy_ref, src, dst, src_heads, dst_heads))
+            layers, _, _, block_size, _, head_dim = src.shape
+            self._bytes_per_block += 2 * layers * block_size * piece.num_heads * head_dim * src.element_size()
         if self.kv_cache.is_cuda:
             self._stream = torch.cuda.Stream(self.kv_cache.device)
 
@@ -153,36 +159,42 @@ class IpcBackend(TransferBackend):
         if len(src_block_ids) != len(block_ids):
             raise ValueError(f"{len(src_block_ids)} prefill blocks announced for {len(block_ids)} decode blocks")
         self.warm_up()  # a no-op once connected
-        num_bytes = sum(self._piece_bytes(src, heads) for src, _, heads, _ in self._pieces) * len(block_ids)
+        num_bytes = self._bytes_per_block * len(block_ids)
         if self._stream is None:
             started = time.perf_counter()
-            self._copy(block_ids, src_block_ids, paged_kv_copy_ref)
+            ids = torch.tensor([src_block_ids, block_ids], dtype=torch.int64)
+            for copy in self._copiers:
+                copy(ids[0], ids[1])
             return _Landed(TransferStats(num_bytes, time.perf_counter() - started))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         self._stream.wait_stream(torch.cuda.current_stream())  # blocks freed by steps still queued
         with torch.cuda.stream(self._stream):
-            keep = self._copy(block_ids, src_block_ids, paged_kv_copy)
+            # Both id lists in one pinned buffer, one asynchronous copy to the device; the caching
+            # host allocator keeps the buffer until that copy has run.
+            host = torch.empty((2, len(block_ids)), dtype=torch.int64, pin_memory=True)
+            view = host.numpy()
+            view[0], view[1] = src_block_ids, block_ids
+            ids = host.to(self.kv_cache.device, non_blocking=True)
+            for copy in self._copiers:
+                copy(ids[0], ids[1])
             end.record()
-        return _Copy(num_bytes, start, end, keep)
-
-    def _copy(self, block_ids: list[int], src_block_ids: list[int], copy: Callable[..., None]) -> list[torch.Tensor]:
-        device = self.kv_cache.device
-        src_ids = torch.tensor(src_block_ids, dtype=torch.int64).to(device, non_blocking=True)
-        dst_ids = torch.tensor(block_ids, dtype=torch.int64).to(device, non_blocking=True)
-        for src, dst, src_heads, dst_heads in self._pieces:
-            copy(src, dst, src_ids, dst_ids, src_heads, dst_heads)
-        return [src_ids, dst_ids]
-
-    @staticmethod
-    def _piece_bytes(pool: torch.Tensor, heads: slice) -> int:
-        """Bytes of one block of a piece: every layer, K and V, the piece's heads."""
-        layers, _, _, block_size, num_heads, head_dim = pool.shape
-        return 2 * layers * block_size * len(range(num_heads)[heads]) * head_dim * pool.element_size()
+        return _Copy(num_bytes, start, end, [ids])
 
     def close(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
+
+
+def _copy_ref(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_heads: slice,
+    dst_heads: slice,
+    src_ids: torch.Tensor,
+    dst_ids: torch.Tensor,
+) -> None:
+    paged_kv_copy_ref(src, dst, src_ids, dst_ids, src_heads, dst_heads)
 
 
 for _name in ("cuda-ipc", "shm"):

@@ -2,17 +2,20 @@
 
     python -m pdserve.bench.cluster_check --model qwen2.5-1.5b --devices 0,1 --out check.json
     python -m pdserve.bench.cluster_check --model qwen2.5-1.5b --devices 0,1,2 --prefill-tp 2   # 2p1d
+    python -m pdserve.bench.cluster_check --devices 0,0 --topologies disagg-cuda-ipc             # one GPU
 
-For each topology (disaggregated with sync and async NCCL transfer, a prefill group of
-``--prefill-tp`` ranks and a decode group of ``--decode-tp``; colocated, one TP-1 group per
-device), starts
+For each topology (disaggregated with sync and async NCCL transfer and with CUDA IPC, a prefill
+group of ``--prefill-tp`` ranks and a decode group of ``--decode-tp``; colocated, one TP-1 group
+per distinct device), starts
 ``launch.py`` as a subprocess, submits every request at once (streaming), and records each
 request's output tokens, time to first token and inter-token gaps. The reference is the
 single-process engine on the first device with the same prompts. Greedy bf16 decoding may
 legitimately diverge at a near-tie (different batch shapes round differently), so the report
 gives exact matches, the matching prefix, and the divergences that are *not* near-ties: those
 where the cluster's token is not in the reference's top 2 at the first differing step
-(teacher-forced through the reference engine). Those must be zero. The JSON keeps every
+(teacher-forced through the reference engine). Those must be zero. Each divergence's logit gap
+is also given in bf16 steps at the best logit (``Divergence.bf16_steps``): a rounding flip is a
+few steps at most. The JSON keeps every
 divergence with the reference's top-3 logits there and the logit gap to the cluster's token.
 
 ``--topologies`` picks a subset (``colocated`` alone runs on one GPU; the disaggregated ones need
@@ -124,12 +127,13 @@ def main(
     reference = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     device_args = ["--devices", devices, "--gpu-memory-utilization", "0.55"] if devices else []
     disagg = ["--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp)]
-    num_devices = len(devices.split(",")) if devices else prefill_tp + decode_tp
+    num_devices = len(set(devices.split(","))) if devices else prefill_tp + decode_tp
     colocated = ["--mode", "colocated", "--colocated-groups", str(num_devices), *device_args]
     if devices:
         available = {
             "disagg-nccl": [*disagg, "--transfer", "nccl", *device_args],
             "disagg-nccl-async": [*disagg, "--transfer", "nccl-async", *device_args],
+            "disagg-cuda-ipc": [*disagg, "--transfer", "cuda-ipc", *device_args],
             "colocated": colocated,
         }
     else:
@@ -155,6 +159,7 @@ def main(
                 "exit_code": code,
                 **agreement(reference, outputs),
                 "divergences_not_near_ties": not_near_ties,
+                "max_divergence_bf16_steps": max((d.bf16_steps for d in found), default=0.0),
                 "divergences": [d.as_dict() for d in found],
                 "ttft_ms": {q: percentile(ttfts, q) * 1e3 for q in (50, 90, 99)},
                 "itl_ms": {q: percentile(gaps, q) * 1e3 if gaps else float("nan") for q in (50, 90, 99)},
@@ -163,7 +168,7 @@ def main(
     print(f"{num_requests} concurrent requests, prompts of {lengths} tokens, {max_tokens} output tokens each")
     print(
         f"{'topology':20} {'exit':>4} {'exact':>6} {'prefix':>7} {'bad':>4} {'TTFT p50':>9} {'p99':>8} "
-        f"{'ITL p50':>8} {'p90':>7} {'p99':>7} {'xfer ms':>8}"
+        f"{'ITL p50':>8} {'p90':>7} {'p99':>7} {'xfer ms':>8} {'max bf16 steps':>14}"
     )
     for name, r in results.items():
         xfer = f"{r['transfer_ms_mean']:.2f}" if r["transfer_ms_mean"] is not None else "-"
@@ -171,7 +176,7 @@ def main(
             f"{name:20} {r['exit_code']:>4} {r['exact']:>6.2f} {r['mean_prefix']:>7.3f} "
             f"{len(r['divergences_not_near_ties']):>4} {r['ttft_ms'][50]:>9.1f} "
             f"{r['ttft_ms'][99]:>8.1f} {r['itl_ms'][50]:>8.2f} {r['itl_ms'][90]:>7.2f} {r['itl_ms'][99]:>7.2f} "
-            f"{xfer:>8}"
+            f"{xfer:>8} {r['max_divergence_bf16_steps']:>14.1f}"
         )
     for name, r in results.items():
         gaps = sorted(d["gap"] for d in r["divergences"])

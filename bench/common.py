@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import platform
 import statistics
 import sys
@@ -259,9 +260,16 @@ class Divergence:
         """How far below the reference's best token the output's token scored (logits)."""
         return self.top_logits[0] - self.got_logit
 
+    @property
+    def bf16_steps(self) -> float:
+        """``gap`` in units of bf16's spacing at the best logit (8 significant bits)."""
+        best = abs(self.top_logits[0])
+        spacing = 2.0 ** (math.floor(math.log2(best)) - 7) if best > 0 else 2.0**-133
+        return self.gap / spacing
+
     def as_dict(self) -> dict[str, Any]:
         """Every field, plus ``gap`` and ``near_tie``: a benchmark's JSON record."""
-        return {**vars(self), "gap": self.gap, "near_tie": self.near_tie}
+        return {**vars(self), "gap": self.gap, "bf16_steps": self.bf16_steps, "near_tie": self.near_tie}
 
     def describe(self) -> str:
         top = ", ".join(f"{t}: {v:.3f}" for t, v in zip(self.top_ids, self.top_logits))

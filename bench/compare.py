@@ -4,19 +4,25 @@
         --num-requests 160 --isolated-decode --slo-ttft-ms 500 --out-dir results/pd-vs-colocated
     python -m pdserve.bench.compare --model qwen2.5-1.5b --devices 0,1,2 --prefill-tp 2 --workload mixed ...  # 2p1d
     python -m pdserve.bench.compare --model demo --devices "" --workload text --num-requests 6 --rates 2   # CPU
+    python -m pdserve.bench.compare --model qwen2.5-1.5b --devices 0,0 --systems disagg,colocated-chunked \
+        --prefill-sm-percent 60 --decode-sm-percent 40 --workload mixed ...           # PD on one GPU, SM split
 
 Three clusters run one after another, each ``launch.py`` in a subprocess on a free port with its
 log in OUT_DIR/<system>.log, stopped with SIGTERM and required to exit 0:
 
 * ``disagg``: one prefill group of ``--prefill-tp`` ranks and one decode group of ``--decode-tp``
-  (default 1 and 1), KV over nccl-async (gloo-async on CPU);
-* ``colocated-chunked``: ``configs/colocated.yaml``, one colocated group of TP 1 per device of
-  the disaggregated system (two for 1p1d, three for 2p1d) with chunked prefill (decodes and
-  prompt chunks share a 2048-token step budget), least-tokens dispatch;
+  (default 1 and 1), KV over ``--transfer`` (auto: cuda-ipc on GPUs, gloo on CPU); with
+  ``--devices 0,0`` both groups share one GPU, each with half its memory and, with
+  ``--prefill-sm-percent`` / ``--decode-sm-percent``, a share of its SMs through CUDA MPS;
+* ``colocated-chunked``: ``configs/colocated.yaml``, one colocated group of TP 1 per distinct
+  device of the disaggregated system (two for 1p1d, three for 2p1d, one for ``0,0``) with
+  chunked prefill (decodes and prompt chunks share a 2048-token step budget), least-tokens
+  dispatch;
 * ``colocated-no-chunk``: the same with ``--no-enable-chunked-prefill`` (a prompt is prefilled whole,
   in a step of its own, while the group's decodes wait).
 
-Each gets the same requests at the same arrival times (``bench.serve``'s options). Written to
+``--systems`` runs a subset. Each gets the same requests at the same arrival times
+(``bench.serve``'s options). Written to
 OUT_DIR: ``<system>.json`` (bench.serve's results), ``report.md`` (the three side by side,
 plots embedded) and the PNG plots. ``--devices ""`` runs on CPU (hidden GPUs). With
 ``--isolated-decode`` the first cluster first serves single requests of ``--input-len`` prompt
@@ -118,17 +124,19 @@ class LaunchedCluster:
         self.kill()
 
 
-def system_args(on_gpu: bool, prefill_tp: int = 1, decode_tp: int = 1) -> dict[str, list[str]]:
+def system_args(
+    devices: int, prefill_tp: int = 1, decode_tp: int = 1, transfer: str = "auto", sm_args: tuple[str, ...] = ()
+) -> dict[str, list[str]]:
     """launch.py arguments of each compared system: disaggregated with a prefill group of
     ``prefill_tp`` ranks and a decode group of ``decode_tp``, and colocated with one tp-1 group per
-    device those two groups use, so both get the same GPUs."""
+    distinct device (``devices``) those two groups use, so both get the same GPUs."""
     colocated = [
         "--config",
         "configs/colocated.yaml",
         "--mode",
         "colocated",
         "--colocated-groups",
-        str(prefill_tp + decode_tp),
+        str(devices),
         "--colocated-tp",
         "1",
     ]
@@ -139,7 +147,8 @@ def system_args(on_gpu: bool, prefill_tp: int = 1, decode_tp: int = 1) -> dict[s
             "--decode-tp",
             str(decode_tp),
             "--transfer",
-            "nccl-async" if on_gpu else "gloo-async",
+            transfer,
+            *sm_args,
         ],
         "colocated-chunked": colocated,
         "colocated-no-chunk": [*colocated, "--no-enable-chunked-prefill"],
@@ -258,9 +267,17 @@ def write_report(out_dir: Path, results: dict[str, dict[str, Any]], setup: dict[
 
 @click.command(context_settings={"show_default": True})
 @click.option("--model", default="demo", help="'demo', a shape preset (random weights) or a HF directory.")
-@click.option("--devices", default="", help="GPU ids, prefill-tp + decode-tp of them (e.g. 0,1); empty: CPU.")
+@click.option(
+    "--devices", default="", help="GPU ids, prefill-tp + decode-tp of them (e.g. 0,1, or 0,0 to share one); empty: CPU."
+)
 @click.option("--prefill-tp", type=int, default=1, help="Ranks of the disaggregated prefill group.")
 @click.option("--decode-tp", type=int, default=1, help="Ranks of the disaggregated decode group.")
+@click.option("--transfer", default="auto", help="KV transfer backend of the disaggregated system.")
+@click.option("--prefill-sm-percent", type=int, default=None, help="SM share of the prefill ranks (CUDA MPS).")
+@click.option("--decode-sm-percent", type=int, default=None, help="SM share of the decode ranks (CUDA MPS).")
+@click.option(
+    "--systems", default=None, help="Comma-separated subset of disagg, colocated-chunked, colocated-no-chunk."
+)
 @load_options
 @click.option("--num-blocks", type=int, default=None, help="Fixed KV blocks per rank [default: sized from memory].")
 @click.option(
@@ -281,6 +298,10 @@ def main(
     devices: str,
     prefill_tp: int,
     decode_tp: int,
+    transfer: str,
+    prefill_sm_percent: int | None,
+    decode_sm_percent: int | None,
+    systems: str | None,
     num_blocks: int | None,
     isolated_decode: bool,
     out_dir: Path,
@@ -290,7 +311,7 @@ def main(
 ) -> None:
     """Run one workload against a disaggregated and two colocated clusters; write a report."""
     if replot:
-        paths = [out_dir / f"{name}.json" for name in system_args(on_gpu=False)]
+        paths = [out_dir / f"{name}.json" for name in system_args(devices=1)]
         results = {path.stem: json.loads(path.read_text()) for path in paths if path.exists()}
         if not results:
             raise click.ClickException(f"no results JSON in {out_dir}")
@@ -323,7 +344,16 @@ def main(
         common += ["--devices", ",".join(device_ids)]
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""  # CPU even on a GPU machine
-    systems = system_args(bool(device_ids), prefill_tp, decode_tp)
+    sm_args: list[str] = []
+    for flag, value in (("--prefill-sm-percent", prefill_sm_percent), ("--decode-sm-percent", decode_sm_percent)):
+        if value is not None:
+            sm_args += [flag, str(value)]
+    every = system_args(len(set(device_ids)) or prefill_tp + decode_tp, prefill_tp, decode_tp, transfer, tuple(sm_args))
+    chosen = systems.split(",") if systems else list(every)
+    unknown = sorted(set(chosen) - set(every))
+    if unknown:
+        raise click.UsageError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(every)}")
+    systems_run = {name: every[name] for name in chosen}
     setup: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "host": os.uname().nodename,
@@ -332,11 +362,11 @@ def main(
         "devices": f"GPUs {','.join(device_ids)}" if device_ids else "CPU",
         "max_model_len": config.max_model_len,
         "workload": describe_workload(config),
-        "systems": systems,
+        "systems": systems_run,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
-    for name, args in systems.items():
+    for name, args in systems_run.items():
         click.echo(f"== {name}: starting launch.py {' '.join(args)} (log: {out_dir / f'{name}.log'})", err=True)
         try:
             with LaunchedCluster([*common, *args], out_dir / f"{name}.log", env, start_timeout) as cluster:

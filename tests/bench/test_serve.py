@@ -326,16 +326,20 @@ def test_load_generator_against_a_cpu_cluster(tmp_path: Path, demo_model_dir: Pa
 
 
 def test_compared_systems_get_the_same_devices() -> None:
-    """2p1d against colocated: the disaggregated groups' three ranks become three colocated groups."""
-    systems = system_args(on_gpu=True, prefill_tp=2, decode_tp=1)
+    """2p1d against colocated: the disaggregated groups' three ranks become three colocated groups;
+    1p1d sharing one GPU (with an SM split) against one colocated group on it."""
+    systems = system_args(devices=3, prefill_tp=2, decode_tp=1)
     disagg = systems["disagg"]
     assert disagg[disagg.index("--prefill-tp") + 1] == "2" and disagg[disagg.index("--decode-tp") + 1] == "1"
-    assert disagg[disagg.index("--transfer") + 1] == "nccl-async"
+    assert disagg[disagg.index("--transfer") + 1] == "auto"
     for name in ("colocated-chunked", "colocated-no-chunk"):
         args = systems[name]
         assert args[args.index("--colocated-groups") + 1] == "3" and args[args.index("--colocated-tp") + 1] == "1"
     assert "--no-enable-chunked-prefill" in systems["colocated-no-chunk"]
-    assert system_args(on_gpu=False)["disagg"][-1] == "gloo-async"
+    shared = system_args(devices=1, transfer="cuda-ipc", sm_args=("--prefill-sm-percent", "60"))
+    assert shared["disagg"][-3:] == ["cuda-ipc", "--prefill-sm-percent", "60"]
+    args = shared["colocated-chunked"]
+    assert args[args.index("--colocated-groups") + 1] == "1"
 
 
 @pytest.mark.slow

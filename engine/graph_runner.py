@@ -384,7 +384,14 @@ class PrefillGraphRunner(_StepGraphs):
         _load(self.sample_rows[:seqs], padded.sample_rows)
 
     def can_run(self, plan: StepPlan) -> bool:
-        return not plan.is_decode and len(plan.input_ids) <= self.max_tokens and len(plan.context_lens) <= self.max_seqs
+        # Logits rows are captured for max_seqs sampled rows: a step sampling every token (a
+        # teacher-forced prompt) runs eagerly.
+        return (
+            not plan.is_decode
+            and len(plan.input_ids) <= self.max_tokens
+            and len(plan.context_lens) <= self.max_seqs
+            and len(plan.sample_rows) <= self.max_seqs
+        )
 
     def run(self, plan: StepPlan, sampled: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the bucket's graph; logits of the plan's sampled rows (leader) or the hidden

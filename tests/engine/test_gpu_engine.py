@@ -31,7 +31,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pdserve.bench.common import block_tables, compare_greedy, decode_plan, fill_kv_random, teacher_forced_logits
+from pdserve.bench.common import (
+    block_tables,
+    compare_greedy,
+    decode_plan,
+    fill_kv_random,
+    prefill_plan,
+    teacher_forced_logits,
+)
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.graph_runner import pad_prefill_plan
@@ -267,6 +274,20 @@ def test_prefill_graph_replay_matches_eager(graph_runners: GraphRunners) -> None
         assert_within_bf16_noise(replayed, runner, fp32, plan, name)
         runner.kv_cache.copy_(before)
         fp32.kv_cache.copy_(before)
+
+
+def test_a_step_sampling_more_rows_than_the_graphs_hold_runs_eagerly(graph_runners: GraphRunners) -> None:
+    """Teacher-forced logits of a 300-token prompt (300 sampled rows, the graphs hold 256) come
+    from the eager forward, row for row."""
+    runner = graph_runners.graphs
+    prompt = torch.randint(0, 500, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    tables = [list(range(-(-len(prompt) // runner.block_size)))]
+    plan = prefill_plan(tables, [prompt], runner.block_size, all_rows=True)
+    assert not runner.replays(plan)
+    logits = teacher_forced_logits(runner, prompt)
+    eager = runner.forward(*runner.inputs(plan))
+    assert eager is not None and logits.shape == (300, runner.model_config.vocab_size)
+    assert torch.equal(logits, eager.float().cpu())
 
 
 def test_prefill_padding_leaves_real_kv_alone(graph_runners: GraphRunners) -> None:

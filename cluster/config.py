@@ -30,6 +30,12 @@ ROLES = ("prefill", "decode", "colocated")
 MODES = ("disagg", "colocated")
 DISPATCH_POLICIES = ("round-robin", "least-tokens")
 _DISAGG_ONLY = ("prefill_tp", "decode_tp", "prefill_groups", "decode_groups")
+_DISAGG_GPU = (
+    "prefill_gpu_memory_utilization",
+    "decode_gpu_memory_utilization",
+    "prefill_sm_percent",
+    "decode_sm_percent",
+)
 _COLOCATED_ONLY = ("colocated_tp", "colocated_groups")
 
 
@@ -56,9 +62,35 @@ class ClusterConfig:
     colocated_groups: int = _topology(1, "Number of colocated groups (colocated).")
     devices: tuple[int, ...] | None = setting(
         None,
-        help="Comma-separated GPU ids, one per rank in group order.",
+        help="Comma-separated GPU ids, one per rank in group order; a prefill and a decode rank may "
+        "share one (e.g. 0,0 for 1p1d on one GPU).",
         section="GPU",
         default_text="all visible GPUs; CPU when there are none",
+    )
+    prefill_gpu_memory_utilization: float | None = setting(
+        None,
+        help="Fraction of a GPU's memory each prefill rank may use (weights and KV) (disagg).",
+        section="GPU",
+        default_text="gpu_memory_utilization, split evenly among the groups sharing a GPU",
+    )
+    decode_gpu_memory_utilization: float | None = setting(
+        None,
+        help="Fraction of a GPU's memory each decode rank may use (weights and KV) (disagg).",
+        section="GPU",
+        default_text="gpu_memory_utilization, split evenly among the groups sharing a GPU",
+    )
+    prefill_sm_percent: int | None = setting(
+        None,
+        help="Percent of a GPU's SMs each prefill rank may use, through CUDA MPS (disagg). Ranks of both "
+        "roles on one GPU run under MPS anyway: the launcher starts a control daemon if none runs.",
+        section="GPU",
+        default_text="all",
+    )
+    decode_sm_percent: int | None = setting(
+        None,
+        help="Percent of a GPU's SMs each decode rank may use, through CUDA MPS (disagg).",
+        section="GPU",
+        default_text="all",
     )
     host: str = setting("127.0.0.1", help="Address the client endpoint binds.", section="Serving")
     port: int = setting(5555, help="TCP port of the client endpoint (ZMQ).", section="Serving")
@@ -125,6 +157,16 @@ class ClusterConfig:
                     f"{flag} applies to --mode {'colocated' if self.mode == 'disagg' else 'disagg'}, "
                     f"not --mode {self.mode}"
                 )
+        for name in _DISAGG_GPU:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if self.mode != "disagg":
+                raise ValueError(f"--{name.replace('_', '-')} applies to --mode disagg, not --mode {self.mode}")
+            if name.endswith("sm_percent") and not 1 <= value <= 100:
+                raise ValueError(f"{name} must be in 1..100, got {value}")
+            if name.endswith("utilization") and not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
         for name in ("port", "http_port"):
             value = getattr(self, name)
             if value is not None and not 0 < value < 65536:
@@ -212,10 +254,64 @@ class ClusterConfig:
                 f"{', '.join(f'{r}{g} x tp{t}' for r, g, t in groups)}"
             )
         out, next_device = [], 0
-        for _, _, tp in groups:
-            out.append(tuple(devices[next_device : next_device + tp]))
+        for role, group, tp in groups:
+            placed = tuple(devices[next_device : next_device + tp])
+            if len(set(placed)) < tp:
+                raise ValueError(
+                    f"{role}{group}'s {tp} ranks would share a GPU ({','.join(map(str, placed))}): the ranks of one "
+                    "tensor-parallel group need a GPU each (NCCL refuses two on one)"
+                )
+            out.append(placed)
             next_device += tp
+        load: dict[int, float] = {}
+        for (role, _, _), placed in zip(groups, out):
+            for device in placed:
+                load[device] = load.get(device, 0.0) + self.memory_utilization(role, self.groups_on(out, device))
+        for device, total in sorted(load.items()):
+            if total > 1.0 + 1e-9:
+                raise ValueError(
+                    f"the ranks on GPU {device} may use {total:.2f} of its memory together: lower "
+                    "--prefill-gpu-memory-utilization / --decode-gpu-memory-utilization"
+                )
         return out
+
+    def role_gpus(self, placement: list[tuple[int, ...] | None], role: str) -> set[int]:
+        """The GPUs that ranks of ``role`` run on."""
+        return {d for (r, _, _), placed in zip(self.groups(), placement) if r == role for d in placed or ()}
+
+    def check_shared_gpus(self, placement: list[tuple[int, ...] | None], backend: str) -> None:
+        """Refuse a prefill and a decode rank on one GPU with NCCL between them."""
+        shared = sorted(self.role_gpus(placement, "prefill") & self.role_gpus(placement, "decode"))
+        if shared and backend.startswith("nccl"):
+            raise ValueError(
+                f"prefill and decode ranks share GPU {shared[0]}, and --transfer {backend} cannot connect two "
+                "ranks on one GPU (NCCL refuses): use --transfer cuda-ipc (what auto picks)"
+            )
+
+    @staticmethod
+    def groups_on(placement: list[tuple[int, ...] | None], device: int) -> int:
+        """How many groups have a rank on GPU ``device``."""
+        return sum(device in (placed or ()) for placed in placement)
+
+    def memory_utilization(self, role: str, groups_on_gpu: int) -> float:
+        """The fraction of a GPU's memory a rank of ``role`` may use, on a GPU where
+        ``groups_on_gpu`` groups have a rank."""
+        own = {"prefill": self.prefill_gpu_memory_utilization, "decode": self.decode_gpu_memory_utilization}.get(role)
+        return own if own is not None else self.engine.cache.gpu_memory_utilization / groups_on_gpu
+
+    def sm_percent(self, role: str) -> int | None:
+        """The percent of a GPU's SMs a rank of ``role`` may use (None: no limit)."""
+        return {"prefill": self.prefill_sm_percent, "decode": self.decode_sm_percent}.get(role)
+
+    def rank_engine(self, engine: EngineConfig, role: str, groups_on_gpu: int) -> EngineConfig:
+        """``engine`` with the memory budget of a rank of ``role`` on a GPU where
+        ``groups_on_gpu`` groups have a rank."""
+        cache = dataclasses.replace(
+            engine.cache,
+            gpu_memory_utilization=self.memory_utilization(role, groups_on_gpu),
+            gpu_shared=groups_on_gpu > 1,
+        )
+        return dataclasses.replace(engine, cache=cache)
 
 
 def cluster_settings() -> list[SettingSpec]:

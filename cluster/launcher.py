@@ -17,6 +17,7 @@ import zmq
 
 from pdserve.cluster.config import Addresses, ClusterConfig, GroupLayout
 from pdserve.cluster.group import RankProcesses, die_with_parent, free_port, group_specs
+from pdserve.cluster.mps import MpsDaemon, MpsError
 from pdserve.cluster.rank import WorkerSpec, worker_main
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.presets import resolve_model
@@ -43,6 +44,7 @@ class Cluster:
         self.processes: RankProcesses | None = None
         self.router: Router | None = None
         self.http: subprocess.Popen[bytes] | None = None
+        self.mps: MpsDaemon | None = None
         self._stopping = False
 
     @property
@@ -77,7 +79,8 @@ class Cluster:
         visible = torch.cuda.device_count()
         self.placement = c.placement(visible)
         on_gpu = self.placement[0] is not None
-        self.transfer = c.transfer.resolved(on_gpu)
+        self.transfer = c.transfer.resolved(on_gpu, _peer_access(c, self.placement))
+        c.check_shared_gpus(self.placement, self.transfer.backend)
         engine = c.engine_config(self.model_dir, model)
         tokenizer = load_tokenizer(self.model_dir)
         if tokenizer is None and (self.require_tokenizer or c.http_port is not None):
@@ -87,11 +90,14 @@ class Cluster:
             )
         layout = GroupLayout.of(c)
         init_method = f"tcp://127.0.0.1:{free_port()}"
+        self._start_mps(on_gpu)
         specs: list[WorkerSpec] = []
         for (role, group, tp), devices in zip(c.groups(), self.placement):
             ranks = layout.ranks[role][group]
+            sharing = max((c.groups_on(self.placement, d) for d in devices or ()), default=1)
+            env = self.mps.rank_env(c.sm_percent(role)) if self.mps is not None else {}
             for rank_spec in group_specs(
-                engine,
+                c.rank_engine(engine, role, sharing) if devices else engine,
                 tp,
                 ranks[0],
                 c.world_size,
@@ -100,10 +106,11 @@ class Cluster:
                 devices,
                 self.addresses.steps(role, group),
             ):
-                specs.append(WorkerSpec(rank_spec, role, group, self.addresses, layout, self.transfer))
+                specs.append(WorkerSpec(rank_spec, role, group, self.addresses, layout, self.transfer, env))
         try:
             self.router = Router(c, self.addresses, tokenizer, model.vocab_size, engine.max_model_len)
         except zmq.ZMQError as e:
+            self._stop_mps()
             self._tmp.cleanup()
             raise ClusterError(f"cannot listen on {self.endpoint}: {e.strerror}") from None
         self.processes = RankProcesses(worker_main, [(spec,) for spec in specs])
@@ -215,6 +222,7 @@ class Cluster:
         finally:
             self.router.poll(0)
             self.router.close()
+            self._stop_mps()
             self._tmp.cleanup()
 
     def _abandon(self) -> None:
@@ -225,7 +233,39 @@ class Cluster:
             self.processes.terminate()
         if self.router is not None:
             self.router.close()
+        self._stop_mps()
         self._tmp.cleanup()
+
+    def _start_mps(self, on_gpu: bool) -> None:
+        """CUDA MPS where roles share a GPU (without it their kernels take turns on the GPU in
+        time slices, and decoding stalls while a prompt runs) or SM shares are asked for."""
+        c = self.config
+        shared = sorted(c.role_gpus(self.placement, "prefill") & c.role_gpus(self.placement, "decode"))
+        asked = c.prefill_sm_percent is not None or c.decode_sm_percent is not None
+        if not on_gpu or not (shared or asked):
+            return
+        try:
+            self.mps = MpsDaemon.ensure(self._tmp.name)
+        except MpsError as e:
+            if asked:
+                self._tmp.cleanup()
+                raise ClusterError(f"--prefill-sm-percent / --decode-sm-percent: {e}") from None
+            logger.warning(
+                "prefill and decode ranks share GPU %d without CUDA MPS (%s): their kernels take turns in time "
+                "slices, so decoding stalls while a prompt runs",
+                shared[0],
+                e,
+            )
+
+    def _stop_mps(self) -> None:
+        if self.mps is not None:
+            self.mps.stop()
+
+
+def _peer_access(config: ClusterConfig, placement: list[tuple[int, ...] | None]) -> bool:
+    """Whether every GPU of a decode rank can map the memory of every GPU of a prefill rank."""
+    prefill, decode = config.role_gpus(placement, "prefill"), config.role_gpus(placement, "decode")
+    return all(p == d or torch.cuda.can_device_access_peer(d, p) for p in prefill for d in decode)
 
 
 def exposure_warning(host: str) -> str | None:

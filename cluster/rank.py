@@ -8,8 +8,9 @@ decode roles also connect their KV transfers to every group of the other role.
 from __future__ import annotations
 
 import logging
+import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ class WorkerSpec:
     addresses: Addresses
     layout: GroupLayout
     transfer: TransferConfig
+    env: dict[str, str] = field(default_factory=dict)  # set before CUDA starts (MPS: its daemon, the SM cap)
 
 
 def _transfers(
@@ -73,6 +75,7 @@ def _lead(spec: WorkerSpec, engine: LLMEngine, store: dist.Store) -> None:
 
 def worker_main(spec: WorkerSpec) -> None:
     """Entry point of a rank process: join the world, build the engine, serve until shutdown."""
+    os.environ.update(spec.env)
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher drives shutdown, not Ctrl-C
     logging.basicConfig(

@@ -341,6 +341,9 @@ class CacheConfig:
         0.90, help="Fraction of each GPU's memory a rank may use for weights and KV cache.", section="GPU"
     )
     cpu_kv_cache_bytes: int = setting(1 << 30, help="Bytes of KV pool per rank on CPU when num_blocks is unset.")
+    # Set where ranks of several roles share a GPU, each with its own budget: the memory the
+    # others hold is theirs, not to be taken out of this rank's gpu_memory_utilization again.
+    gpu_shared: bool = internal(False)
     enable_prefix_caching: bool = setting(
         True,
         key="prefix_cache",

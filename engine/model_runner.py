@@ -192,7 +192,8 @@ class ModelRunner:
         # part already: a bound, not an estimate).
         graph_pool += self._graph_logits_rows() * self.model_config.vocab_size * 4
         free, total = torch.cuda.mem_get_info()
-        others = total - free - torch.cuda.memory_reserved()  # other processes, CUDA context
+        # Other processes and this one's CUDA context; on a shared GPU the others have budgets of their own.
+        others = 0 if self.config.cache.gpu_shared else total - free - torch.cuda.memory_reserved()
         del scratch
         torch.cuda.empty_cache()
         share = int(total * self.config.cache.gpu_memory_utilization) - peak - graph_pool - others

@@ -97,3 +97,47 @@ def test_settings_round_trip_through_flat_keys() -> None:
 def test_a_misspelt_setting_names_the_closest_one() -> None:
     with pytest.raises(ValueError, match="unknown setting 'max_model_length' \\(did you mean 'max_model_len'\\?\\)"):
         ClusterConfig.from_settings({"max_model_length": 5})
+
+
+def test_a_prefill_and_a_decode_rank_may_share_a_gpu_with_budgets_of_their_own() -> None:
+    config = ClusterConfig(devices=(0, 0))
+    placement = config.placement(visible_gpus=1)
+    assert placement == [(0,), (0,)]
+    assert config.groups_on(placement, 0) == 2
+    engine = EngineConfig()
+    shared = config.rank_engine(engine, "decode", 2).cache
+    assert shared.gpu_shared and shared.gpu_memory_utilization == pytest.approx(0.45)
+    alone = config.rank_engine(engine, "decode", 1).cache
+    assert not alone.gpu_shared and alone.gpu_memory_utilization == 0.9
+    split = ClusterConfig(devices=(0, 0), prefill_gpu_memory_utilization=0.3, decode_gpu_memory_utilization=0.6)
+    split.placement(visible_gpus=1)
+    assert split.rank_engine(engine, "prefill", 2).cache.gpu_memory_utilization == 0.3
+
+
+def test_gpu_sharing_that_cannot_work_is_refused_before_any_rank_starts() -> None:
+    with pytest.raises(ValueError, match="NCCL refuses"):
+        ClusterConfig(devices=(0, 0)).check_shared_gpus([(0,), (0,)], "nccl-async")
+    ClusterConfig(devices=(0, 0)).check_shared_gpus([(0,), (0,)], "cuda-ipc")
+    ClusterConfig(devices=(0, 1)).check_shared_gpus([(0,), (1,)], "nccl")
+    with pytest.raises(ValueError, match="need a GPU each"):
+        ClusterConfig(prefill_tp=2, devices=(0, 0, 1)).placement(visible_gpus=2)
+    overcommitted = ClusterConfig(devices=(0, 0), prefill_gpu_memory_utilization=0.6, decode_gpu_memory_utilization=0.6)
+    with pytest.raises(ValueError, match="1.20 of its memory"):
+        overcommitted.placement(visible_gpus=1)
+    with pytest.raises(ValueError, match="1..100"):
+        ClusterConfig(decode_sm_percent=0)
+    with pytest.raises(ValueError, match="applies to --mode disagg"):
+        ClusterConfig(mode="colocated", prefill_sm_percent=50)
+
+
+def test_auto_transfer_pulls_through_cuda_ipc_on_one_host_and_checks_the_device() -> None:
+    auto = TransferConfig()
+    assert auto.resolved(on_gpu=True).backend == "cuda-ipc"
+    assert auto.resolved(on_gpu=True, peer_access=False).backend == "nccl-async"
+    assert auto.resolved(on_gpu=False).backend == "gloo"
+    with pytest.raises(ValueError, match="needs GPUs"):
+        TransferConfig("cuda-ipc").resolved(on_gpu=False)
+    with pytest.raises(ValueError, match="moves CPU tensors"):
+        TransferConfig("shm").resolved(on_gpu=True)
+    with pytest.raises(ValueError, match="peer access"):
+        TransferConfig("cuda-ipc").resolved(on_gpu=True, peer_access=False)

@@ -9,7 +9,8 @@ them). Prefill attention, which runs eagerly, is also timed eagerly (``do_bench`
 this includes the host's launch cost whenever that exceeds the GPU time); its reference syncs
 with the host, so it is timed eagerly only. For one prompt without prefix, prefill is compared
 with ``torch.nn.functional.scaled_dot_product_attention`` on contiguous, head-expanded K/V
-(SDPA's best case: no paging, no GQA), timed as graph replays too. ``--sweep prefill|decode``
+(SDPA's best case: no paging, no GQA), timed as graph replays too. The KV copy of the cuda-ipc
+backend is compared with ``Tensor.copy_`` of the same bytes. ``--sweep prefill|decode``
 also times alternative tile and partition settings; ``--sweep linear`` the tensor-core linear's.
 Prints a table and writes every row as JSON to ``--out``.
 """
@@ -30,7 +31,16 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from pdserve.kernels import activation, decode_attention, embedding, linear, prefill_attention, rmsnorm, rope
+from pdserve.kernels import (
+    activation,
+    decode_attention,
+    embedding,
+    kv_copy,
+    linear,
+    prefill_attention,
+    rmsnorm,
+    rope,
+)
 
 HQ, HKV, HEAD_DIM, HIDDEN, INTER, BLOCK, VOCAB = 12, 2, 128, 1536, 8960, 16, 151936
 Row = dict[str, Any]
@@ -223,6 +233,32 @@ def bench_linear(dtype: torch.dtype, rows_list: tuple[int, ...] = (1, 2, 4, 8, 1
 DECODE_SHAPES = [(1, 1024), (1, 4096), (8, 4096), (32, 2048), (128, 1024), (128, 4096)]
 
 
+def bench_kv_copy(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:
+    """The pool-to-pool KV copy of the cuda-ipc backend (28 layers, K and V, both KV heads),
+    beside ``Tensor.copy_`` of the same bytes, its yardstick (it has no faster torch twin)."""
+    for blocks in (64, 1024):
+        src = torch.randn(28, 2, 2 * blocks + 1, BLOCK, HKV, HEAD_DIM, device="cuda", dtype=dtype)
+        dst = torch.zeros_like(src)
+        src_ids = torch.randperm(2 * blocks, generator=gen)[:blocks].cuda()
+        dst_ids = torch.randperm(2 * blocks, generator=gen)[:blocks].cuda()
+        copy = kv_copy.PagedKVCopy(src, dst, slice(0, HKV), slice(0, HKV))
+        nbytes = blocks * 28 * 2 * BLOCK * HKV * HEAD_DIM * src.element_size()
+        flat_src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        flat_dst = torch.empty_like(flat_src)
+        us = graph_us(lambda copy=copy, s=src_ids, d=dst_ids: copy(s, d))
+        copy_us = graph_us(lambda a=flat_src, b=flat_dst: b.copy_(a))
+        yield {
+            "op": "paged_kv_copy",
+            "shape": f"{blocks} blocks ({nbytes / 1e6:.0f} MB)",
+            "triton_us": us,
+            "max_abs_err": max_err(dst[:, :, dst_ids], src[:, :, src_ids]),
+            "timing": "triton graph_us, copy_ graph_us",
+            "copy_us": copy_us,
+            "pct_of_copy": 100 * copy_us / us,
+            "throughput": f"{nbytes / (us * 1e-6) / 1e12:.2f} TB/s copied",
+        }
+
+
 def bench_decode(
     dtype: torch.dtype, gen: torch.Generator, shapes: list[tuple[int, int]] = DECODE_SHAPES, label: str = ""
 ) -> Iterator[Row]:
@@ -405,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_rope(dtype),
         bench_decode(dtype, gen),
         bench_prefill(dtype, gen),
+        bench_kv_copy(dtype, gen),
     ]
     for part in (*parts, *(SWEEPS[name](dtype, gen) for name in args.sweep)):
         for r in part:

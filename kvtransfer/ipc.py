@@ -19,6 +19,7 @@ every rank's forward, the writes of the KV included.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import pickle
 import time
@@ -57,7 +58,9 @@ class _Landed(Transfer):
 class _Copy(Transfer):
     """The decode leader's copies of one request, complete when their end event is."""
 
-    def __init__(self, num_bytes: int, start: torch.cuda.Event, end: torch.cuda.Event, keep: list[torch.Tensor]):
+    def __init__(
+        self, num_bytes: int, start: torch.cuda.Event, end: torch.cuda.Event, keep: list[torch.Tensor]
+    ) -> None:
         self.num_bytes = num_bytes
         self.events = (start, end)
         self.keep = keep  # block-id tensors the copies read, alive until they ran
@@ -100,10 +103,7 @@ def open_pool(store: dist.Store, global_rank: int) -> torch.Tensor:
     if kind == "cuda":
         return rebuild_cuda_tensor(*args)
     pid, fd, shape, dtype = args
-    numel = 1
-    for size in shape:
-        numel *= size
-    return torch.from_file(f"/proc/{pid}/fd/{fd}", shared=True, size=numel, dtype=dtype).view(shape)
+    return torch.from_file(f"/proc/{pid}/fd/{fd}", shared=True, size=math.prod(shape), dtype=dtype).view(shape)
 
 
 class IpcBackend(TransferBackend):

@@ -59,10 +59,7 @@ def _spawn_group(
         specs = group_specs(
             engine,
             tp_size,
-            first_rank=0,
-            world_size=tp_size,
             init_method=f"tcp://127.0.0.1:{free_port()}",
-            tp_groups=(tuple(range(tp_size)),),
             devices=devices,
             step_address=f"ipc://{run_dir}/steps",
         )

@@ -1,29 +1,38 @@
 """The entry point of a worker rank process: join the world, build the engine, serve.
 
 A group's leader (TP rank 0) runs its role's ``GroupLeader`` over an ``LLMEngine``; the other
-ranks follow its steps and KV commands (``ModelRunner.run_peer``). Ranks of the prefill and
-decode roles also connect their KV transfers to every group of the other role.
+ranks follow its steps and KV commands (``ModelRunner.run_peer``) and send the router a
+heartbeat from a thread of their own. Ranks of the prefill and decode roles also connect their
+KV transfers to every group of the other role, one process group per pair of groups, named by
+both groups' generations.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
+import zmq
 
 from pdserve.cluster.colocated import ColocatedLeader
 from pdserve.cluster.config import Addresses, GroupLayout
 from pdserve.cluster.group import RankSpec, die_with_parent, init_distributed
+from pdserve.cluster.protocol import Heartbeat, encode
 from pdserve.decode_worker.leader import DecodeLeader
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.parallel import TensorParallel
 from pdserve.kvtransfer.agent import CommandChannel, KVTransferAgent, connect_groups
-from pdserve.kvtransfer.base import TransferConfig
+from pdserve.kvtransfer.base import PairRendezvous, TransferConfig
 from pdserve.prefill_worker.leader import PrefillLeader
 
 
@@ -37,6 +46,11 @@ class WorkerSpec:
     addresses: Addresses
     layout: GroupLayout
     transfer: TransferConfig
+    generation: int = 0  # this group's: how often it was restarted
+    generations: dict[str, list[int]] = field(default_factory=dict)  # every group's, by role, at spawn
+    heartbeat_interval: float = 0.5
+    rendezvous_timeout: float = 600.0  # a pair group waits this long for a group that loads its model
+    kv_lease_timeout: float = 30.0
 
 
 def _transfers(
@@ -44,17 +58,42 @@ def _transfers(
 ) -> KVTransferAgent:
     """This rank's backends to every group of the other role (prefill -> each decode group, and back)."""
     other = "decode" if spec.role == "prefill" else "prefill"
+    store = urlparse(spec.rank.init_method)
+    mine = f"{spec.role}{spec.group}.g{spec.generation}"
+
+    def rendezvous(peer_group: int, generation: int) -> PairRendezvous:
+        peer = f"{other}{peer_group}.g{generation}"
+        pair = f"{mine}-{peer}" if spec.role == "prefill" else f"{peer}-{mine}"
+        return PairRendezvous(store.hostname or "127.0.0.1", store.port or 0, f"kv/{pair}/", spec.rendezvous_timeout)
+
+    parallel = spec.rank.engine.parallel
     return connect_groups(
         spec.transfer,
         kv_cache,
         model.num_heads,
         model.num_kv_heads,
-        spec.layout.ranks[spec.role][spec.group],
-        spec.layout.ranks[other],
+        parallel.tp_size,
+        [len(ranks) for ranks in spec.layout.ranks[other]],
         spec.role == "prefill",
-        spec.rank.global_rank,
+        parallel.tp_rank,
+        rendezvous,
+        spec.generations[other],
         channel,
     )
+
+
+def _heartbeats(spec: WorkerSpec) -> None:
+    """A TP peer's heartbeats to the router, until the process ends (a stopped or dead process
+    sends none: that is what the router watches for)."""
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 4)  # a router that stopped reading gets no backlog of them
+    sock.connect(spec.addresses.router)
+    beat = encode(Heartbeat(spec.role, spec.group, spec.rank.engine.parallel.tp_rank))
+    while True:
+        with contextlib.suppress(zmq.Again):
+            sock.send(beat, zmq.NOBLOCK)
+        time.sleep(spec.heartbeat_interval)
 
 
 def _lead(spec: WorkerSpec, engine: LLMEngine) -> None:
@@ -64,7 +103,7 @@ def _lead(spec: WorkerSpec, engine: LLMEngine) -> None:
         return
     transfers = _transfers(spec, engine.kv_cache, engine.model_config, engine.step_channel)
     role = PrefillLeader if spec.role == "prefill" else DecodeLeader
-    role(spec.group, spec.addresses, engine, transfers).run()
+    role(spec.group, spec.addresses, engine, transfers, spec.kv_lease_timeout).run()
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -75,12 +114,14 @@ def worker_main(spec: WorkerSpec) -> None:
         level=logging.INFO,
         format=f"%(asctime)s {spec.role}{spec.group}.{spec.rank.engine.parallel.tp_rank} %(levelname)s %(message)s",
     )
+    logging.info("rank up: pid %d, generation %d", os.getpid(), spec.generation)  # tests and operators find it here
     tp: TensorParallel = init_distributed(spec.rank)
     try:
         config = spec.rank.engine
         if config.parallel.is_leader:
             _lead(spec, LLMEngine(config, tp))
         else:
+            threading.Thread(target=_heartbeats, args=(spec,), daemon=True).start()
             model = ModelConfig.from_pretrained(config.model)
             runner = ModelRunner(config, model, tp)
             runner.run_peer(None if spec.role == "colocated" else _transfers(spec, runner.kv_cache, model))

@@ -152,11 +152,14 @@ def test_received_kv_is_bitwise_the_prefill_kv(reference_kv: Path) -> None:
 class _Backend:
     """Stands in for a backend: a fixed block size and buffers in flight."""
 
-    def __init__(self, block_bytes: int, staging_bytes: int) -> None:
-        self._block_bytes, self.staging_bytes = block_bytes, staging_bytes
+    def __init__(self, block_bytes: int, staging_bytes: int, up: bool = True) -> None:
+        self._block_bytes, self.staging_bytes, self._up = block_bytes, staging_bytes, up
 
     def block_bytes(self) -> int:
         return self._block_bytes
+
+    def connected(self) -> bool:
+        return self._up
 
 
 def test_staging_room_counts_every_peer_group_and_lets_a_lone_transfer_through() -> None:
@@ -167,6 +170,8 @@ def test_staging_room_counts_every_peer_group_and_lets_a_lone_transfer_through()
     assert busy.has_staging_room(0, 4)  # 600 + 400
     assert not busy.has_staging_room(0, 5)  # 600 + 500
     assert not busy.has_staging_room(1, 2)  # 600 + 600: the peer group's block size counts
+    connecting = KVTransferAgent({0: _Backend(100, 0, up=False)}, max_staging_bytes=1000)  # type: ignore[dict-item]
+    assert not connecting.has_staging_room(0, 1)  # a pair group still forming (a restarted peer) takes nothing
 
 
 def test_head_shards_used_by_the_backend_cover_the_model() -> None:

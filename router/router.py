@@ -117,18 +117,19 @@ class Router:
         self.frontend.setsockopt(zmq.SNDHWM, _CLIENT_SEND_HWM)
         self.frontend.setsockopt(zmq.MAXMSGSIZE, int(config.max_message_mib * 2**20))
         self._authenticator = None if config.auth_keys is None else secure_server(self.frontend, config.auth_keys)
+        # ZMQ heartbeats: a client that vanished without closing its connection is dropped, and a
+        # client learns of a dead router, within this timeout (the TTL tells the client).
+        # Set before bind: a listener copies the socket's options when it is bound.
+        heartbeat_ms = int(config.client_heartbeat_timeout * 1000)
+        self.frontend.setsockopt(zmq.HEARTBEAT_IVL, max(1, heartbeat_ms // 4))
+        self.frontend.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_ms)
+        self.frontend.setsockopt(zmq.HEARTBEAT_TTL, heartbeat_ms)
         self.frontend.bind(addresses.client)
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(addresses.router)
         self._poller = zmq.Poller()  # built once: poll() runs every loop of the launcher
         self._poller.register(self.frontend, zmq.POLLIN)
         self._poller.register(self.inbox, zmq.POLLIN)
-        # ZMQ heartbeats: a client that vanished without closing its connection is dropped, and a
-        # client learns of a dead router, within this timeout (the TTL tells the client).
-        heartbeat_ms = int(config.client_heartbeat_timeout * 1000)
-        self.frontend.setsockopt(zmq.HEARTBEAT_IVL, max(1, heartbeat_ms // 4))
-        self.frontend.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_ms)
-        self.frontend.setsockopt(zmq.HEARTBEAT_TTL, heartbeat_ms)
         self.leaders: dict[tuple[str, int], zmq.Socket] = {}
         self.tp_sizes = {(role, group): tp for role, group, tp in config.groups()}
         for key in self.tp_sizes:
@@ -234,6 +235,9 @@ class Router:
         self._unassign(state)
         del self.requests[request_id]
         state.migrations += 1
+        logger.info(
+            "request %s moves (move %d, after %d tokens): %s", request_id, state.migrations, len(state.token_ids), cause
+        )
         self.faults["migrated"] += 1
         state.offset = len(state.token_ids)
         state.pending.clear()

@@ -76,23 +76,32 @@ class ClusterGone(ClusterUnavailable):
 
 
 _ids = itertools.count()
-_WATCHED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+_WATCHED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
 def _keep_alive(sock: zmq.Socket, heartbeat_timeout: float) -> zmq.Socket:
     """ZMQ heartbeats on a client socket; the monitor socket that reports its connection's
-    ``connected``/``disconnected`` events."""
+    ``handshake_succeeded``/``disconnected`` events."""
     timeout_ms = int(heartbeat_timeout * 1000)
     sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, timeout_ms // 4))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
     return sock.get_monitor_socket(_WATCHED)
 
 
-def _broke(events: list[dict[str, Any]], broken: bool) -> bool:
-    """Whether the connection is broken after these monitor events (the last one decides)."""
-    for event in events:
-        broken = event["event"] == zmq.EVENT_DISCONNECTED
-    return broken
+class _Link:
+    """The connection's state from its monitor events. Broken: an established connection (its
+    handshake done) went down and none came back since. A connection refused at its handshake
+    (wrong keys) never counts as established: its client waits out its timeout, as before."""
+
+    def __init__(self) -> None:
+        self.up = False
+        self.broken = False
+
+    def update(self, event: dict[str, Any]) -> None:
+        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.up, self.broken = True, False
+        elif event["event"] == zmq.EVENT_DISCONNECTED and self.up:
+            self.up, self.broken = False, True
 
 
 def normalize_endpoint(endpoint: str) -> str:
@@ -148,7 +157,7 @@ class Client:
         if auth_keys is not None:
             secure_client(self._socket, auth_keys)
         self._monitor = _keep_alive(self._socket, heartbeat_timeout)
-        self._broken = False
+        self._link = _Link()
         self._poller = zmq.Poller()
         self._poller.register(self._socket, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
@@ -156,6 +165,8 @@ class Client:
         self._buffered: dict[str, list[Message]] = {}
 
     def close(self) -> None:
+        if self._socket.closed:  # closing twice is harmless
+            return
         self._socket.disable_monitor()
         self._monitor.close()
         self._socket.close()
@@ -190,11 +201,9 @@ class Client:
                 raise ClusterUnavailable(self.endpoint, self.timeout)
 
     def _check_connection(self) -> None:
-        events = []
         while self._monitor.poll(0):
-            events.append(zmq.utils.monitor.recv_monitor_message(self._monitor))
-        self._broken = _broke(events, self._broken)
-        if self._broken:
+            self._link.update(zmq.utils.monitor.recv_monitor_message(self._monitor))
+        if self._link.broken:
             raise ClusterGone(self.endpoint)
 
     def _next_for(self, request_id: str) -> Message:
@@ -310,11 +319,10 @@ class AsyncClient:
 
     async def _watch(self) -> None:
         """Fail every waiting request once the connection breaks."""
-        broken = False
+        link = _Link()
         while True:
-            event = zmq.utils.monitor.parse_monitor_message(await self._monitor.recv_multipart())
-            broken = _broke([event], broken)
-            if broken:
+            link.update(zmq.utils.monitor.parse_monitor_message(await self._monitor.recv_multipart()))
+            if link.broken:
                 self._fail_waiting(ClusterGone(self.endpoint))
 
     def _fail_waiting(self, error: BaseException) -> None:
@@ -393,6 +401,8 @@ class AsyncClient:
         for task in (self._reader, self._watcher):
             if task is not None:
                 task.cancel()
+        if self._socket.closed:
+            return
         self._socket.disable_monitor()
         self._monitor.close()
         self._socket.close()

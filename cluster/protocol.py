@@ -467,8 +467,8 @@ class Shutdown(Message):
 
 @dataclass
 class Heartbeat(Message):
-    """A TP peer -> router, every ``heartbeat_interval`` from a thread of its own: the rank is
-    alive (a leader's ``worker_stats`` from its loop are its heartbeats)."""
+    """Every worker rank -> router, every ``heartbeat_interval`` from a thread of its own: the
+    rank's process is alive and running (neither dead nor stopped)."""
 
     type: ClassVar[str] = "heartbeat"
     role: str

@@ -1,8 +1,8 @@
 """The entry point of a worker rank process: join the world, build the engine, serve.
 
 A group's leader (TP rank 0) runs its role's ``GroupLeader`` over an ``LLMEngine``; the other
-ranks follow its steps and KV commands (``ModelRunner.run_peer``) and send the router a
-heartbeat from a thread of their own. Ranks of the prefill and decode roles also connect their
+ranks follow its steps and KV commands (``ModelRunner.run_peer``). Every rank sends the router
+a heartbeat from a thread of its own. Ranks of the prefill and decode roles also connect their
 KV transfers to every group of the other role, one process group per pair of groups, named by
 both groups' generations.
 """
@@ -83,8 +83,9 @@ def _transfers(
 
 
 def _heartbeats(spec: WorkerSpec) -> None:
-    """A TP peer's heartbeats to the router, until the process ends (a stopped or dead process
-    sends none: that is what the router watches for)."""
+    """A rank's heartbeats to the router, until the process ends (a stopped or dead process
+    sends none: that is what the router watches for). A thread, not the serve loop: one step
+    may legitimately take longer than the timeout (a long prompt's prefill on a CPU)."""
     sock = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 4)  # a router that stopped reading gets no backlog of them
@@ -115,13 +116,13 @@ def worker_main(spec: WorkerSpec) -> None:
         format=f"%(asctime)s {spec.role}{spec.group}.{spec.rank.engine.parallel.tp_rank} %(levelname)s %(message)s",
     )
     logging.info("rank up: pid %d, generation %d", os.getpid(), spec.generation)  # tests and operators find it here
+    threading.Thread(target=_heartbeats, args=(spec,), daemon=True).start()
     tp: TensorParallel = init_distributed(spec.rank)
     try:
         config = spec.rank.engine
         if config.parallel.is_leader:
             _lead(spec, LLMEngine(config, tp))
         else:
-            threading.Thread(target=_heartbeats, args=(spec,), daemon=True).start()
             model = ModelConfig.from_pretrained(config.model)
             runner = ModelRunner(config, model, tp)
             runner.run_peer(None if spec.role == "colocated" else _transfers(spec, runner.kv_cache, model))

@@ -171,7 +171,7 @@ class Router:
 
     def check_heartbeats(self, timeout: float) -> list[tuple[str, int, str]]:
         """``(role, group, cause)`` of each ready group one of whose ranks sent no heartbeat for
-        ``timeout`` seconds (the leader's are its stats reports)."""
+        ``timeout`` seconds."""
         now = time.monotonic()
         silent = []
         for role, group in sorted(self.ready):
@@ -482,10 +482,11 @@ class Router:
                     self._abort_workers(message.request_id)
                     self._terminal_error(message.request_id, message.code, message.message)
         elif isinstance(message, WorkerStats):
-            if (message.role, message.group) in self.ready:  # a report is the leader's heartbeat
-                self.last_beat[(message.role, message.group, 0)] = time.monotonic()
-            stats = dataclasses.asdict(message)
-            self.worker_stats[f"{stats.pop('role')}{stats.pop('group')}"] = stats
+            # A leader reports after its ``ready``: a report from a group that is not ready is a
+            # dead generation's, still queued.
+            if (message.role, message.group) in self.ready:
+                stats = dataclasses.asdict(message)
+                self.worker_stats[f"{stats.pop('role')}{stats.pop('group')}"] = stats
         elif isinstance(message, Heartbeat):
             if (message.role, message.group) in self.ready:
                 self.last_beat[(message.role, message.group, message.tp_rank)] = time.monotonic()

@@ -175,10 +175,10 @@ def test_past_the_migration_limit_a_request_ends_with_worker_failed(tmp_path_fac
 def test_a_silent_rank_of_a_ready_group_is_reported_within_the_timeout(rig: Rig) -> None:
     assert rig.router.check_heartbeats(0.3) == []
     deadline = time.monotonic() + 0.6
-    while time.monotonic() < deadline:  # every group reports but decode1's rank 1
+    while time.monotonic() < deadline:  # every rank beats but decode1's rank 1
         for role, group, tp in (("prefill", 0, 1), ("decode", 0, 2), ("decode", 1, 2)):
-            rig.to_router.send(encode(WorkerStats(role, group, 100, 100, 0, 0, 0, 0)))
-            for rank in range(1, tp):
+            rig.to_router.send(encode(WorkerStats(role, group, 100, 100, 0, 0, 0, 0)))  # not a heartbeat
+            for rank in range(tp):
                 if (role, group, rank) != ("decode", 1, 1):
                     rig.to_router.send(encode(Heartbeat(role, group, rank)))
         rig.pump(0.05)

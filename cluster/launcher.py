@@ -264,7 +264,8 @@ class Cluster:
             if failure is not None:
                 self._group_failed(group, failure)
         for role, index, cause in self.router.check_heartbeats(c.heartbeat_timeout):
-            self._group_failed(self.groups[(role, index)], cause)
+            if self.groups[(role, index)].processes is not None:
+                self._group_failed(self.groups[(role, index)], cause)
         if self.http is not None and self.http.poll() is not None and not (self._stopping or self._stop_requested):
             failure = f"the HTTP front end exited with status {self.http.returncode}"
             self.router.fail_all("worker_failed", failure)

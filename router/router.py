@@ -144,6 +144,8 @@ class Router:
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.client_load: dict[bytes, int] = {}  # requests in flight by client
         self.ready: set[tuple[str, int]] = set()
+        # Groups spawned and not yet ready: a ``ready`` from any other is a dead generation's.
+        self.starting: set[tuple[str, int]] = set(self.tp_sizes)
         self.last_beat: dict[tuple[str, int, int], float] = {}  # (role, group, tp rank) -> when
         self.parked: deque[str] = deque()  # requests waiting for a ready group of a role
         self.faults = {"group_failures": 0, "restarts": 0, "migrated": 0, "worker_failed": 0}
@@ -188,6 +190,7 @@ class Router:
         key = (role, group)
         self.faults["group_failures"] += 1
         self.ready.discard(key)
+        self.starting.discard(key)
         self.worker_stats.pop(f"{role}{group}", None)
         for beat in [b for b in self.last_beat if b[:2] == key]:
             del self.last_beat[beat]
@@ -205,6 +208,7 @@ class Router:
     def group_restarting(self, role: str, group: int, generation: int) -> None:
         """A failed group was spawned again as ``generation``: the other role's leaders connect to it."""
         self._connect_leader((role, group))
+        self.starting.add((role, group))
         other = _OTHER_ROLE.get(role)
         for (peer_role, _), peer in self.leaders.items():
             if peer_role == other:
@@ -492,6 +496,9 @@ class Router:
                 self.last_beat[(message.role, message.group, message.tp_rank)] = time.monotonic()
         elif isinstance(message, Ready):
             key = (message.role, message.group)
+            if key not in self.starting:
+                return
+            self.starting.discard(key)
             self.ready.add(key)
             now = time.monotonic()
             for rank in range(self.tp_sizes[key]):

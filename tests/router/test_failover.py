@@ -150,6 +150,8 @@ def test_a_request_waits_while_its_role_has_no_ready_group_and_goes_when_one_is_
         rig.client.send(encode(Generate(request_id="c2", token_ids=PROMPT, sampling=Sampling(max_tokens=4))))
         rig.pump()
         assert len(rig.router.parked) == 2 and not rig.replies()
+        rig.ready("prefill", 0)  # a dead generation's late ``ready`` is ignored
+        assert len(rig.router.parked) == 2 and not rig.router.is_ready(("prefill", 0))
         rig.router.group_restarting("prefill", 0, 1)
         assert rig.received("decode", 0) == [PeerRestarted("prefill", 0, 1)]
         rig.ready("prefill", 0)

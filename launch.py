@@ -146,6 +146,7 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, **flags: Any
     click.echo(f"ready in {time.monotonic() - started:.1f} s: {cluster.summary()}", err=True)
     if cluster.http_url is not None:
         click.echo(f"http {cluster.http_url}/v1 (OpenAI-compatible)", err=True)
+    click.echo(f"run directory {cluster.addresses.run_dir}", err=True)
     click.echo(f"endpoint {cluster.endpoint}", err=True)
     finished = threading.Event()
     demo_failure: list[BaseException] = []

@@ -35,7 +35,7 @@ def _runner(config: EngineConfig, tp: TensorParallel, random_kv: bool) -> ModelR
 
 
 def _rank_main(spec: RankSpec, lead: _LeaderTask, payload: Any, random_kv: bool, result_path: str) -> None:
-    tp, _ = init_distributed(spec)
+    tp = init_distributed(spec)
     try:
         if spec.engine.parallel.is_leader:
             torch.save(lead(spec.engine, tp, payload), result_path)
@@ -59,10 +59,7 @@ def _spawn_group(
         specs = group_specs(
             engine,
             tp_size,
-            first_rank=0,
-            world_size=tp_size,
             init_method=f"tcp://127.0.0.1:{free_port()}",
-            tp_groups=(tuple(range(tp_size)),),
             devices=devices,
             step_address=f"ipc://{run_dir}/steps",
         )

@@ -61,7 +61,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.parallel import head_shard
 from pdserve.engine.presets import resolve_model
 from pdserve.kvtransfer.agent import KVTransferAgent
-from pdserve.kvtransfer.base import TransferConfig, TransferTopology, create_backend
+from pdserve.kvtransfer.base import PairRendezvous, TransferConfig, TransferTopology, create_backend
 from pdserve.kvtransfer.ipc import open_pool
 
 BLOCK_SIZE = 16
@@ -114,7 +114,8 @@ def _rank(rank: int, port: int, options: dict[str, Any], run_dir: str, result_pa
     pool = _pool(model, num_blocks, device, dtype)
     if rank == 0:
         pool.normal_(generator=torch.Generator(device=device).manual_seed(7))
-    topology = TransferTopology(model.num_heads, model.num_kv_heads, (0,), (1,), rank, store)
+    rendezvous = PairRendezvous("127.0.0.1", port, "ipc/", 600.0)
+    topology = TransferTopology(model.num_heads, model.num_kv_heads, (0,), (1,), rank, rendezvous)
     config = TransferConfig("cuda-ipc" if devices else "shm")
     agent = KVTransferAgent({0: create_backend(config, topology, pool)}, config.max_staging_bytes)
     agent.warm_up()
@@ -127,7 +128,7 @@ def _rank(rank: int, port: int, options: dict[str, Any], run_dir: str, result_pa
     if rank == 0:
         _prefill(options, inbox, out, num_blocks)
     else:
-        result = _decode(options, store, agent, pool, inbox, out, num_blocks, torch.device(device))
+        result = _decode(options, rendezvous, agent, pool, inbox, out, num_blocks, torch.device(device))
     store.set(f"done/{rank}", "1")
     store.wait([f"done/{1 - rank}"])  # the prefill pool outlives every pull
     agent.close()
@@ -152,7 +153,7 @@ def _prefill(options: dict[str, Any], inbox: zmq.Socket, out: zmq.Socket, num_bl
 
 def _decode(
     options: dict[str, Any],
-    store: dist.Store,
+    rendezvous: PairRendezvous,
     agent: KVTransferAgent,
     pool: torch.Tensor,
     inbox: zmq.Socket,
@@ -164,7 +165,7 @@ def _decode(
     count = -(-tokens // BLOCK_SIZE)
     src, dst = _blocks(count, num_blocks, seed=1), _blocks(count, num_blocks, seed=2)
     num_bytes = count * agent.backends[0].block_bytes()
-    source = open_pool(store, 0)  # the prefill pool, mapped here as the backend maps it
+    source = open_pool(rendezvous.connect_store(), 0)  # the prefill pool, mapped here as the backend maps it
     pulls, copies = [], []
     a = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)

@@ -3,6 +3,11 @@
     python -m pdserve.cluster.client "What is the capital of France?" --max-tokens 64 --stream
 
 Requests are multiplexed over one DEALER socket; replies are matched by ``request_id``.
+
+Liveness: the socket sends ZMQ heartbeats (and the router's own tell it how long to wait), and a
+socket monitor watches the connection: once it breaks (the router died, or went silent past the
+heartbeat timeout) every request waiting on it raises ``ClusterGone`` at once instead of waiting
+out the client's timeout.
 """
 
 from __future__ import annotations
@@ -12,12 +17,14 @@ import collections
 import itertools
 import os
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import click
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from pdserve.cluster.auth import secure_client
 from pdserve.cluster.protocol import (
@@ -37,6 +44,7 @@ from pdserve.cluster.protocol import (
 )
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
+DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 
 
 class ClusterError(RuntimeError):
@@ -56,7 +64,44 @@ class ClusterUnavailable(TimeoutError):
         )
 
 
+class ClusterGone(ClusterUnavailable):
+    """The connection to the cluster broke while requests could still be answered on it."""
+
+    def __init__(self, endpoint: str) -> None:
+        TimeoutError.__init__(
+            self,
+            f"lost the connection to the cluster at {endpoint}: its router stopped or died "
+            "(requests in flight get no answer)",
+        )
+
+
 _ids = itertools.count()
+_WATCHED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+
+def _keep_alive(sock: zmq.Socket, heartbeat_timeout: float) -> zmq.Socket:
+    """ZMQ heartbeats on a client socket; the monitor socket that reports its connection's
+    ``handshake_succeeded``/``disconnected`` events."""
+    timeout_ms = int(heartbeat_timeout * 1000)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, timeout_ms // 4))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+    return sock.get_monitor_socket(_WATCHED)
+
+
+class _Link:
+    """The connection's state from its monitor events. Broken: an established connection (its
+    handshake done) went down and none came back since. A connection refused at its handshake
+    (wrong keys) never counts as established: its client waits out its timeout, as before."""
+
+    def __init__(self) -> None:
+        self.up = False
+        self.broken = False
+
+    def update(self, event: dict[str, Any]) -> None:
+        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.up, self.broken = True, False
+        elif event["event"] == zmq.EVENT_DISCONNECTED and self.up:
+            self.up, self.broken = False, True
 
 
 def normalize_endpoint(endpoint: str) -> str:
@@ -95,7 +140,13 @@ def _request(
 class Client:
     """Blocking client. ``timeout`` bounds the wait for each reply message."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 60.0, auth_keys: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        timeout: float = 60.0,
+        auth_keys: str | None = None,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+    ) -> None:
         self.endpoint = endpoint = normalize_endpoint(endpoint)
         self.timeout = timeout
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
@@ -105,10 +156,19 @@ class Client:
         self._socket.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
         if auth_keys is not None:
             secure_client(self._socket, auth_keys)
+        self._monitor = _keep_alive(self._socket, heartbeat_timeout)
+        self._link = _Link()
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._socket.connect(endpoint)
         self._buffered: dict[str, list[Message]] = {}
 
     def close(self) -> None:
+        if self._socket.closed:  # closing twice is harmless
+            return
+        self._socket.disable_monitor()
+        self._monitor.close()
         self._socket.close()
 
     def __enter__(self) -> Client:
@@ -128,10 +188,23 @@ class Client:
             raise ClusterUnavailable(self.endpoint, self.timeout) from None
 
     def receive(self) -> Message:
-        """The next reply, whatever request it belongs to."""
-        if not self._socket.poll(self.timeout * 1000):
-            raise ClusterUnavailable(self.endpoint, self.timeout)
-        return decode(self._socket.recv())
+        """The next reply, whatever request it belongs to. ``ClusterGone`` as soon as the
+        connection breaks, ``ClusterUnavailable`` after ``timeout`` without a reply."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            self._check_connection()
+            left = deadline - time.monotonic()
+            ready = dict(self._poller.poll(max(0.0, left) * 1000))
+            if self._socket in ready:
+                return decode(self._socket.recv())
+            if self._monitor not in ready and time.monotonic() >= deadline:
+                raise ClusterUnavailable(self.endpoint, self.timeout)
+
+    def _check_connection(self) -> None:
+        while self._monitor.poll(0):
+            self._link.update(zmq.utils.monitor.recv_monitor_message(self._monitor))
+        if self._link.broken:
+            raise ClusterGone(self.endpoint)
 
     def _next_for(self, request_id: str) -> Message:
         queue = self._buffered.get(request_id)
@@ -206,6 +279,7 @@ class AsyncClient:
         timeout: float = 60.0,
         batch_chunks: bool = True,
         auth_keys: str | None = None,
+        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
     ) -> None:
         self.endpoint = endpoint = normalize_endpoint(endpoint)
         self.timeout = timeout
@@ -215,10 +289,12 @@ class AsyncClient:
         self._socket.setsockopt(zmq.LINGER, 0)
         if auth_keys is not None:
             secure_client(self._socket, auth_keys)
+        self._monitor = _keep_alive(self._socket, heartbeat_timeout)
         self._socket.connect(endpoint)
         self._queues: dict[str, asyncio.Queue[Message | BaseException]] = {}
         self._stats_waiters: collections.deque[asyncio.Future[Stats]] = collections.deque()  # in send order
         self._reader: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
 
     async def _read(self) -> None:
         """Route replies to their request's queue. A frame that does not decode is dropped (the
@@ -238,17 +314,31 @@ class AsyncClient:
                     if queue is not None:
                         queue.put_nowait(reply)
         except (zmq.ZMQError, OSError) as e:
-            for queue in self._queues.values():
-                queue.put_nowait(e)
-            while self._stats_waiters:
-                waiter = self._stats_waiters.popleft()
-                if not waiter.done():
-                    waiter.set_exception(e)
+            self._fail_waiting(e)
             self._reader = None
 
+    async def _watch(self) -> None:
+        """Fail every waiting request once the connection breaks."""
+        link = _Link()
+        while True:
+            link.update(zmq.utils.monitor.parse_monitor_message(await self._monitor.recv_multipart()))
+            if link.broken:
+                self._fail_waiting(ClusterGone(self.endpoint))
+
+    def _fail_waiting(self, error: BaseException) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        while self._stats_waiters:
+            waiter = self._stats_waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(error)
+
     def _start_reader(self) -> None:
+        loop = asyncio.get_running_loop()
         if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self._read())
+            self._reader = loop.create_task(self._read())
+        if self._watcher is None:
+            self._watcher = loop.create_task(self._watch())
 
     async def stream(
         self,
@@ -308,8 +398,13 @@ class AsyncClient:
             raise ClusterUnavailable(self.endpoint, wait) from None
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+        if self._socket.closed:
+            return
+        self._socket.disable_monitor()
+        self._monitor.close()
         self._socket.close()
 
 

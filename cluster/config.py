@@ -137,6 +137,41 @@ class ClusterConfig:
     )
     drain_timeout: float = setting(30.0, help="Seconds to finish in-flight requests on shutdown.", section="Serving")
     start_timeout: float = setting(600.0, help="Seconds the groups may take to become ready.", section="Serving")
+    heartbeat_interval: float = setting(
+        0.5, help="Seconds between the heartbeats each TP peer sends the router.", section="Fault tolerance"
+    )
+    heartbeat_timeout: float = setting(
+        10.0,
+        help="A ready group whose leader or any rank sends no heartbeat for this long (hung, stopped) is "
+        "failed and restarted; a rank that dies is noticed at once.",
+        section="Fault tolerance",
+    )
+    max_restarts: int = setting(
+        10, help="Restarts of one group before the cluster gives up on it.", section="Fault tolerance"
+    )
+    restart_backoff: float = setting(
+        1.0,
+        help="Seconds before a failed group restarts; doubles with each failure in a row (up to 30 s).",
+        section="Fault tolerance",
+    )
+    migration_limit: int = setting(
+        3,
+        help="Times a request moves to another group after a failure (prefilled again with its tokens so "
+        "far) before it ends with worker_failed; 0: it ends at the first failure.",
+        section="Fault tolerance",
+    )
+    kv_lease_timeout: float = setting(
+        30.0,
+        help="Seconds KV may wait for its hand-off: prefilled KV no decode group accepts, blocks reserved "
+        "for a transfer that does not arrive; then it is freed and the request moves.",
+        section="Fault tolerance",
+    )
+    client_heartbeat_timeout: float = setting(
+        10.0,
+        help="A client connection silent this long (ZMQ heartbeats) is closed and its requests aborted; "
+        "clients learn of a dead router within their own heartbeat timeout.",
+        section="Fault tolerance",
+    )
     engine: EngineConfig = subtree(EngineConfig)
     transfer: TransferConfig = subtree(TransferConfig, prefix="transfer_")
 
@@ -178,8 +213,24 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
-        if self.start_timeout <= 0:
-            raise ValueError(f"start_timeout must be positive, got {self.start_timeout}")
+        for name in (
+            "start_timeout",
+            "heartbeat_interval",
+            "heartbeat_timeout",
+            "restart_backoff",
+            "kv_lease_timeout",
+            "client_heartbeat_timeout",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError(
+                f"heartbeat_timeout ({self.heartbeat_timeout}) must exceed "
+                f"heartbeat_interval ({self.heartbeat_interval})"
+            )
+        for name in ("max_restarts", "migration_limit"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any], origin: str = "settings") -> ClusterConfig:

@@ -1,13 +1,12 @@
 """Worker-group processes: spawn, torch.distributed set-up, supervision.
 
-One torch.distributed world holds every worker rank of a cluster. Each worker group is a TP
-group of ``tp`` consecutive global ranks; its rank 0 is the leader that schedules, the others
-are peers that run the leader's steps (``ModelRunner.run_peer``). Every rank creates every
-subgroup in the same order, as torch.distributed requires.
+Each worker group is a torch.distributed world of its own: its ``tp`` ranks, met in a TCPStore
+under a prefix that names the group and its generation, so a group restarted after a failure
+forms a new world while the others keep theirs (KV moves over a process group per pair of
+groups: ``kvtransfer.agent.connect_groups``). TP rank 0 is the leader that schedules, the
+others are peers that run the leader's steps (``ModelRunner.run_peer``).
 
-Supervision: the parent watches every rank's process sentinel. A rank that exits with an
-error (or dies) takes the whole set down with that rank named in the error, instead of
-leaving its peers hanging in a collective.
+Supervision: the parent watches every rank's process sentinel (``RankProcesses``).
 """
 
 from __future__ import annotations
@@ -50,32 +49,26 @@ def free_port() -> int:
 
 @dataclass(frozen=True)
 class RankSpec:
-    """Everything a rank process needs to join the world and build its engine."""
+    """Everything a rank process needs to join its group's world and build its engine."""
 
-    engine: EngineConfig  # this rank's copy: parallel.tp_rank and device already set
-    global_rank: int
-    world_size: int
-    init_method: str  # tcp://127.0.0.1:PORT
-    tp_groups: tuple[tuple[int, ...], ...]  # global ranks of every TP group, in one fixed order
+    engine: EngineConfig  # this rank's copy: parallel.tp_rank, tp_size and device already set
+    init_method: str  # the store's address, tcp://127.0.0.1:PORT
     backend: str  # nccl on CUDA, gloo on CPU
+    store_prefix: str = ""  # the group and its generation, e.g. "tp/decode1.g2/"
+    hosts_store: bool = True  # TP rank 0 serves the store (a group alone); False: the launcher does
     threads: int = 1  # torch CPU threads per process (oversubscribing 2 cores makes gloo crawl)
-
-    @property
-    def tp_ranks(self) -> tuple[int, ...]:
-        return next(g for g in self.tp_groups if self.global_rank in g)
 
 
 def group_specs(
     engine: EngineConfig,
     tp_size: int,
-    first_rank: int,
-    world_size: int,
     init_method: str,
-    tp_groups: tuple[tuple[int, ...], ...],
     devices: Sequence[int] | None,
     step_address: str,
+    store_prefix: str = "",
+    hosts_store: bool = True,
 ) -> list[RankSpec]:
-    """Per-rank specs of one TP group whose leader has global rank ``first_rank``.
+    """Per-rank specs of one TP group.
 
     ``devices[i]`` is the CUDA device of TP rank ``i``; None runs the group on CPU.
     """
@@ -85,41 +78,37 @@ def group_specs(
         parallel = ParallelConfig(tp_size=tp_size, tp_rank=tp_rank, step_address=step_address)
         device = f"cuda:{devices[tp_rank]}" if devices is not None else "cpu"
         rank_engine = dataclasses.replace(engine, parallel=parallel, device=device)
-        specs.append(RankSpec(rank_engine, first_rank + tp_rank, world_size, init_method, tp_groups, backend))
+        specs.append(RankSpec(rank_engine, init_method, backend, store_prefix, hosts_store))
     return specs
 
 
-def init_distributed(spec: RankSpec) -> tuple[TensorParallel, dist.Store]:
-    """Join the world, create every TP subgroup; this rank's TP state and the world's store
-    (for handles that ranks exchange out of band)."""
+def init_distributed(spec: RankSpec) -> TensorParallel:
+    """Join the group's world (its TP ranks alone), return this rank's TP state."""
     torch.set_num_threads(spec.threads)
     if spec.backend == "nccl":
         torch.cuda.set_device(torch.device(spec.engine.device))
-    store = _store(spec)
-    dist.init_process_group(spec.backend, store=store, world_size=spec.world_size, rank=spec.global_rank)
-    mine = None
-    for ranks in spec.tp_groups:
-        group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
-        if spec.global_rank in ranks:
-            mine = group
     tp = spec.engine.parallel
-    return TensorParallel(rank=tp.tp_rank, size=tp.tp_size, group=mine), store
+    store = connect_store(spec.init_method, serve=spec.hosts_store and tp.is_leader, clients=tp.tp_size)
+    if spec.store_prefix:
+        store = dist.PrefixStore(spec.store_prefix, store)
+    dist.init_process_group(spec.backend, store=store, world_size=tp.tp_size, rank=tp.tp_rank)
+    return TensorParallel(rank=tp.tp_rank, size=tp.tp_size, group=dist.group.WORLD if tp.tp_size > 1 else None)
 
 
-def _store(spec: RankSpec) -> dist.TCPStore:
-    """The world's rendezvous store, served by global rank 0 on the init address only: a
-    TCPStore that opens its own socket listens on every interface."""
-    url = urlparse(spec.init_method)
+def connect_store(address: str, serve: bool = False, clients: int = 1) -> dist.TCPStore:
+    """A TCPStore at ``tcp://HOST:PORT``: a client of it, or (``serve``) its server, listening on
+    that address only (a TCPStore that opens its own socket listens on every interface)."""
+    url = urlparse(address)
     host, port = url.hostname or "127.0.0.1", url.port or 0
     timeout = datetime.timedelta(minutes=30)  # torch.distributed's own default for gloo
-    if spec.global_rank != 0:
-        return dist.TCPStore(host, port, spec.world_size, is_master=False, timeout=timeout)
+    if not serve:
+        return dist.TCPStore(host, port, is_master=False, timeout=timeout)
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((host, port))
-    listener.listen(spec.world_size)
+    listener.listen(max(clients, 128))
     return dist.TCPStore(
-        host, port, spec.world_size, is_master=True, timeout=timeout, master_listen_fd=listener.detach()
+        host, port, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=listener.detach()
     )
 
 
@@ -164,6 +153,14 @@ class RankProcesses:
 
     def alive(self) -> bool:
         return any(proc.is_alive() for proc in self.processes)
+
+    def kill(self) -> None:
+        """SIGKILL every rank now (a stopped or hung one included) and reap them."""
+        for proc in self.processes:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.processes:
+            proc.join()
 
     def terminate(self) -> None:
         for proc in self.processes:

@@ -1,4 +1,11 @@
-"""Starting, serving and stopping a whole cluster: router in this process, ranks spawned."""
+"""Starting, serving, supervising and stopping a whole cluster: router in this process, ranks spawned.
+
+Supervision: a group whose rank dies (process sentinel) or goes silent (the router's heartbeat
+check) is failed: all its ranks are killed, the router moves its requests, and the group is
+spawned again after a back-off as its next generation (a new TP world, new KV pair groups with
+the survivors, who keep serving). A group that fails ``max_restarts`` times stays down; when a
+role has no group left the cluster stops.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +17,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import zmq
 
+from pdserve.cluster import reaper
 from pdserve.cluster.config import Addresses, ClusterConfig, GroupLayout
-from pdserve.cluster.group import RankProcesses, die_with_parent, free_port, group_specs
+from pdserve.cluster.group import RankProcesses, connect_store, die_with_parent, free_port, group_specs
 from pdserve.cluster.mps import MpsDaemon, MpsError
 from pdserve.cluster.rank import WorkerSpec, worker_main
 from pdserve.engine.config import ModelConfig
@@ -31,6 +40,31 @@ class ClusterError(RuntimeError):
     pass
 
 
+_MAX_BACKOFF_S = 30.0
+_STABLE_S = 60.0  # a group ready this long before it fails starts its back-off afresh
+
+
+@dataclass
+class _Group:
+    """One worker group under supervision: its processes (None while down) and its history."""
+
+    role: str
+    index: int
+    tp: int
+    devices: tuple[int, ...] | None
+    processes: RankProcesses | None = None
+    generation: int = 0
+    restarts: int = 0
+    failures_in_row: int = 0
+    started: float = 0.0
+    ready_since: float | None = None
+    restart_at: float | None = None  # when down: when it is spawned again; None: for good
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.role, self.index)
+
+
 class Cluster:
     """``start()`` spawns every rank and waits for the groups; ``serve()`` runs the router until
     SIGINT/SIGTERM, then drains in-flight requests and stops every process."""
@@ -40,8 +74,9 @@ class Cluster:
         self.require_tokenizer = require_tokenizer
         self._stop_requested = False
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-")
+        self._reaper = reaper.spawn(self._tmp.name)  # removes the run directory even if this process is killed
         self.addresses = Addresses(self._tmp.name, f"tcp://{config.host}:{config.port}")
-        self.processes: RankProcesses | None = None
+        self.groups: dict[tuple[str, int], _Group] = {}
         self.router: Router | None = None
         self.http: subprocess.Popen[bytes] | None = None
         self.mps: MpsDaemon | None = None
@@ -88,44 +123,80 @@ class Cluster:
                 f"{c.engine.model} has no tokenizer (random-weight presets have none), so it cannot "
                 "answer text prompts; use --model demo or a Hugging Face directory with one"
             )
-        layout = GroupLayout.of(c)
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self._engine = engine
+        self._layout = GroupLayout.of(c)
+        # The rendezvous of every group's world and every KV pair group: served here, so that it
+        # outlives any worker.
+        self._store_address = f"tcp://127.0.0.1:{free_port()}"
+        self._store = connect_store(self._store_address, serve=True)
         self._start_mps(on_gpu)
-        specs: list[WorkerSpec] = []
-        for (role, group, tp), devices in zip(c.groups(), self.placement):
-            ranks = layout.ranks[role][group]
-            sharing = max((c.groups_on(self.placement, d) for d in devices or ()), default=1)
-            env = self.mps.rank_env(c.sm_percent(role)) if self.mps is not None else {}
-            for rank_spec in group_specs(
-                c.rank_engine(engine, role, sharing) if devices else engine,
-                tp,
-                ranks[0],
-                c.world_size,
-                init_method,
-                layout.all_groups(),
-                devices,
-                self.addresses.steps(role, group),
-            ):
-                specs.append(WorkerSpec(rank_spec, role, group, self.addresses, layout, self.transfer, env))
+        for (role, index, tp), devices in zip(c.groups(), self.placement):
+            self.groups[(role, index)] = _Group(role, index, tp, devices)
         try:
             self.router = Router(c, self.addresses, tokenizer, model.vocab_size, engine.max_model_len)
         except zmq.ZMQError as e:
-            self._stop_mps()
-            self._tmp.cleanup()
+            self._cleanup()
             raise ClusterError(f"cannot listen on {self.endpoint}: {e.strerror}") from None
-        self.processes = RankProcesses(worker_main, [(spec,) for spec in specs])
+        for group in self.groups.values():
+            self._spawn(group)
         deadline = time.monotonic() + c.start_timeout
         while not self.router.all_ready():
             self.router.poll(100)
-            failure = self.processes.failure()
+            failure = next(
+                (f"{g.role} group {g.index}: {f}" for g in self.groups.values() if (f := self._failure(g))), None
+            )
             if failure is not None:
                 self._abandon()
                 raise ClusterError(f"a worker failed to start: {failure}")
             if time.monotonic() > deadline:
                 self._abandon()
                 raise ClusterError(f"workers not ready after {c.start_timeout:.0f} s")
+        now = time.monotonic()
+        for group in self.groups.values():
+            group.ready_since = now
         if c.http_port is not None:
             self._start_http(c.http_port)
+
+    def _spawn(self, group: _Group) -> None:
+        """Start every rank of a group as its current generation."""
+        c = self.config
+        generations = {
+            role: [self.groups[(role, i)].generation for i in range(len(self._layout.ranks[role]))]
+            for role in ("prefill", "decode")
+        }
+        sharing = max((c.groups_on(self.placement, d) for d in group.devices or ()), default=1)
+        specs = [
+            WorkerSpec(
+                rank_spec,
+                group.role,
+                group.index,
+                self.addresses,
+                self._layout,
+                self.transfer,
+                env=self.mps.rank_env(c.sm_percent(group.role)) if self.mps is not None else {},
+                generation=group.generation,
+                generations=generations,
+                heartbeat_interval=c.heartbeat_interval,
+                rendezvous_timeout=c.start_timeout,
+                kv_lease_timeout=c.kv_lease_timeout,
+            )
+            for rank_spec in group_specs(
+                c.rank_engine(self._engine, group.role, sharing) if group.devices else self._engine,
+                group.tp,
+                self._store_address,
+                group.devices,
+                self.addresses.steps(group.role, group.index),
+                store_prefix=f"tp/{group.role}{group.index}.g{group.generation}/",
+                hosts_store=False,
+            )
+        ]
+        group.processes = RankProcesses(worker_main, [(spec,) for spec in specs])
+        group.started = time.monotonic()
+        group.ready_since = None
+        group.restart_at = None
+
+    def _failure(self, group: _Group) -> str | None:
+        return None if group.processes is None else group.processes.failure()
 
     @property
     def http_url(self) -> str | None:
@@ -170,7 +241,7 @@ class Cluster:
         """Route requests until a stop is requested (signal, or ``until()`` returning True), then
         drain. The handlers stay installed through the drain: a repeated signal must not kill the
         process while requests are still finishing."""
-        assert self.router is not None and self.processes is not None
+        assert self.router is not None
         previous = {sig: signal.signal(sig, self.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             while not self._stop_requested and not (callable(until) and until()):
@@ -182,23 +253,74 @@ class Cluster:
                 signal.signal(sig, handler)
 
     def _check_workers(self) -> None:
-        assert self.router is not None and self.processes is not None
-        failure = self.processes.failure()
-        if (
-            failure is None
-            and self.http is not None
-            and self.http.poll() is not None
-            and not (self._stopping or self._stop_requested)
-        ):
+        """Fail groups whose ranks died or went silent, restart those whose back-off is over."""
+        assert self.router is not None
+        c = self.config
+        now = time.monotonic()
+        for group in self.groups.values():
+            if group.processes is None:
+                if group.restart_at is not None and now >= group.restart_at:
+                    self._restart(group)
+                continue
+            if group.ready_since is None and self.router.is_ready(group.key):
+                group.ready_since = now
+            failure = self._failure(group)
+            if failure is None and group.ready_since is None and now - group.started > c.start_timeout:
+                failure = f"not ready {c.start_timeout:.0f} s after its restart"
+            if failure is not None:
+                self._group_failed(group, failure)
+        for role, index, cause in self.router.check_heartbeats(c.heartbeat_timeout):
+            if self.groups[(role, index)].processes is not None:
+                self._group_failed(self.groups[(role, index)], cause)
+        if self.http is not None and self.http.poll() is not None and not (self._stopping or self._stop_requested):
             failure = f"the HTTP front end exited with status {self.http.returncode}"
-        if failure is not None:
-            self.router.fail_all("worker_failed", f"a worker died: {failure}")
+            self.router.fail_all("worker_failed", failure)
             self._abandon()
             raise ClusterError(failure)
 
+    def _group_failed(self, group: _Group, cause: str) -> None:
+        """Kill what is left of a group, have the router move its requests, schedule its restart
+        (or give it up past ``max_restarts``: the cluster stops when a role has no group left)."""
+        assert self.router is not None and group.processes is not None
+        c = self.config
+        now = time.monotonic()
+        group.processes.kill()
+        group.processes = None
+        stable = group.ready_since is not None and now - group.ready_since >= _STABLE_S
+        group.failures_in_row = 1 if stable else group.failures_in_row + 1
+        logger.error("%s group %d (generation %d) failed: %s", group.role, group.index, group.generation, cause)
+        self.router.group_failed(group.role, group.index, cause)
+        if group.restarts >= c.max_restarts:
+            logger.error("%s group %d: %d restarts already, it stays down", group.role, group.index, group.restarts)
+            if all(g.processes is None and g.restart_at is None for g in self.groups.values() if g.role == group.role):
+                failure = f"every {group.role} group failed for good (last: {cause})"
+                self.router.fail_all("worker_failed", failure)
+                self._abandon()
+                raise ClusterError(failure)
+            return
+        delay = min(c.restart_backoff * 2 ** (group.failures_in_row - 1), _MAX_BACKOFF_S)
+        group.restart_at = now + delay
+        logger.warning(
+            "%s group %d restarts in %.1f s (restart %d of at most %d)",
+            group.role,
+            group.index,
+            delay,
+            group.restarts + 1,
+            c.max_restarts,
+        )
+
+    def _restart(self, group: _Group) -> None:
+        assert self.router is not None
+        group.generation += 1
+        group.restarts += 1
+        self.router.faults["restarts"] += 1
+        self.router.group_restarting(group.role, group.index, group.generation)
+        self._spawn(group)
+        logger.warning("%s group %d restarted as generation %d", group.role, group.index, group.generation)
+
     def shutdown(self) -> None:
         """Stop admitting, let in-flight requests finish (up to drain_timeout), stop the workers."""
-        assert self.router is not None and self.processes is not None
+        assert self.router is not None
         if self._stopping:  # idempotent: one drain, whoever asks again
             return
         self._stopping = True
@@ -216,25 +338,35 @@ class Cluster:
             )
         self.router.shutdown_workers()
         try:
-            self.processes.wait(timeout=60)
+            for group in self.groups.values():
+                if group.processes is not None:
+                    group.processes.wait(timeout=60)
             if self.http is not None:
                 self.http.wait(timeout=60)
         finally:
             self.router.poll(0)
             self.router.close()
-            self._stop_mps()
-            self._tmp.cleanup()
+            self._cleanup()
+
+    def _cleanup(self) -> None:
+        if self.mps is not None:
+            self.mps.stop()
+        self._tmp.cleanup()
+        if self._reaper.stdin is not None:
+            self._reaper.stdin.close()  # the reaper finds the directory gone, and exits
+        self._reaper.wait()
 
     def _abandon(self) -> None:
         if self.http is not None and self.http.poll() is None:
             self.http.kill()
             self.http.wait()
-        if self.processes is not None:
-            self.processes.terminate()
+        for group in self.groups.values():
+            if group.processes is not None:
+                group.processes.kill()
+                group.processes = None
         if self.router is not None:
             self.router.close()
-        self._stop_mps()
-        self._tmp.cleanup()
+        self._cleanup()
 
     def _start_mps(self, on_gpu: bool) -> None:
         """CUDA MPS where roles share a GPU (without it their kernels take turns on the GPU in
@@ -248,7 +380,7 @@ class Cluster:
             self.mps = MpsDaemon.ensure(self._tmp.name)
         except MpsError as e:
             if asked:
-                self._tmp.cleanup()
+                self._cleanup()
                 raise ClusterError(f"--prefill-sm-percent / --decode-sm-percent: {e}") from None
             logger.warning(
                 "prefill and decode ranks share GPU %d without CUDA MPS (%s): their kernels take turns in time "
@@ -256,10 +388,6 @@ class Cluster:
                 shared[0],
                 e,
             )
-
-    def _stop_mps(self) -> None:
-        if self.mps is not None:
-            self.mps.stop()
 
 
 def _peer_access(config: ClusterConfig, placement: list[tuple[int, ...] | None]) -> bool:

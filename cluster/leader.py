@@ -20,6 +20,8 @@ from pdserve.cluster.config import Addresses
 from pdserve.cluster.protocol import (
     Abort,
     Message,
+    PeerFailed,
+    PeerRestarted,
     ProtocolError,
     Ready,
     Shutdown,
@@ -136,8 +138,23 @@ class GroupLeader:
             self.abort(message.request_id)
         elif isinstance(message, Shutdown):
             self.stopping = True
+        elif isinstance(message, PeerFailed):
+            logger.warning("%s%d: %s group %d failed", self.role, self.group, message.role, message.group)
+            sock = self._leaders.pop((message.role, message.group), None)
+            if sock is not None:  # what was queued for the dead group must not reach its successor
+                sock.close(linger=0)
+            self.peer_failed(message.group)
+        elif isinstance(message, PeerRestarted):
+            self.peer_restarted(message.group, message.generation)
         else:
             logger.error("%s%d: unexpected %s", self.role, self.group, message.type)
+
+    def peer_failed(self, group: int) -> None:
+        """A group of the other role died: give up every KV hand-off with it (the router moves
+        its requests)."""
+
+    def peer_restarted(self, group: int, generation: int) -> None:
+        """A group of the other role is back as ``generation``: connect the KV transfers to it."""
 
     def add(self, request: WorkRequest, prefill_only: bool = False) -> bool:
         """Queue a request in the engine; a refused one gets a terminal error at the router."""

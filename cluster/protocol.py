@@ -346,6 +346,9 @@ class Stats(Message):
     ready: bool = False  # every group has reported ready
     accepting: bool = True  # False once the cluster drains for shutdown
     max_model_len: int = 0  # prompt + output tokens a request may hold
+    # Since start: group_failures, restarts, migrated (request moves), worker_failed (requests
+    # ended past the migration limit).
+    faults: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -463,3 +466,35 @@ class Shutdown(Message):
     """Router -> worker leaders: no more requests; drain and exit."""
 
     type: ClassVar[str] = "shutdown"
+
+
+@dataclass
+class Heartbeat(Message):
+    """Every worker rank -> router, every ``heartbeat_interval`` from a thread of its own: the
+    rank's process is alive and running (neither dead nor stopped)."""
+
+    type: ClassVar[str] = "heartbeat"
+    role: str
+    group: int
+    tp_rank: int
+
+
+@dataclass
+class PeerFailed(Message):
+    """Router -> leaders of the other role: group ``group`` of ``role`` failed; give up every
+    KV hand-off with it."""
+
+    type: ClassVar[str] = "peer_failed"
+    role: str
+    group: int
+
+
+@dataclass
+class PeerRestarted(Message):
+    """Router -> leaders of the other role: group ``group`` of ``role`` was restarted as
+    ``generation``; form a new KV pair group with it."""
+
+    type: ClassVar[str] = "peer_restarted"
+    role: str
+    group: int
+    generation: int

@@ -1,29 +1,37 @@
 """The entry point of a worker rank process: join the world, build the engine, serve.
 
 A group's leader (TP rank 0) runs its role's ``GroupLeader`` over an ``LLMEngine``; the other
-ranks follow its steps and KV commands (``ModelRunner.run_peer``). Ranks of the prefill and
-decode roles also connect their KV transfers to every group of the other role.
+ranks follow its steps and KV commands (``ModelRunner.run_peer``). Every rank sends the router
+a heartbeat from a thread of its own. Ranks of the prefill and decode roles also connect their
+KV transfers to every group of the other role, one process group per pair of groups, named by
+both groups' generations.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import threading
+import time
 from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
+import zmq
 
 from pdserve.cluster.colocated import ColocatedLeader
 from pdserve.cluster.config import Addresses, GroupLayout
 from pdserve.cluster.group import RankSpec, die_with_parent, init_distributed
+from pdserve.cluster.protocol import Heartbeat, encode
 from pdserve.decode_worker.leader import DecodeLeader
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.kvtransfer.agent import CommandChannel, KVTransferAgent, connect_groups
-from pdserve.kvtransfer.base import TransferConfig
+from pdserve.kvtransfer.base import PairRendezvous, TransferConfig
 from pdserve.prefill_worker.leader import PrefillLeader
 
 
@@ -37,6 +45,11 @@ class WorkerSpec:
     addresses: Addresses
     layout: GroupLayout
     transfer: TransferConfig
+    generation: int = 0  # this group's: how often it was restarted
+    generations: dict[str, list[int]] = field(default_factory=dict)  # every group's, by role, at spawn
+    heartbeat_interval: float = 0.5
+    rendezvous_timeout: float = 600.0  # a pair group waits this long for a group that loads its model
+    kv_lease_timeout: float = 30.0
     env: dict[str, str] = field(default_factory=dict)  # set before CUDA starts (MPS: its daemon, the SM cap)
 
 
@@ -44,33 +57,57 @@ def _transfers(
     spec: WorkerSpec,
     kv_cache: torch.Tensor,
     model: ModelConfig,
-    store: dist.Store,
     channel: CommandChannel | None = None,
 ) -> KVTransferAgent:
     """This rank's backends to every group of the other role (prefill -> each decode group, and back)."""
     other = "decode" if spec.role == "prefill" else "prefill"
+    store = urlparse(spec.rank.init_method)
+    mine = f"{spec.role}{spec.group}.g{spec.generation}"
+
+    def rendezvous(peer_group: int, generation: int) -> PairRendezvous:
+        peer = f"{other}{peer_group}.g{generation}"
+        pair = f"{mine}-{peer}" if spec.role == "prefill" else f"{peer}-{mine}"
+        return PairRendezvous(store.hostname or "127.0.0.1", store.port or 0, f"kv/{pair}/", spec.rendezvous_timeout)
+
+    parallel = spec.rank.engine.parallel
     return connect_groups(
         spec.transfer,
         kv_cache,
         model.num_heads,
         model.num_kv_heads,
-        spec.layout.ranks[spec.role][spec.group],
-        spec.layout.ranks[other],
+        parallel.tp_size,
+        [len(ranks) for ranks in spec.layout.ranks[other]],
         spec.role == "prefill",
-        spec.rank.global_rank,
+        parallel.tp_rank,
+        rendezvous,
+        spec.generations[other],
         channel,
-        store,
     )
 
 
-def _lead(spec: WorkerSpec, engine: LLMEngine, store: dist.Store) -> None:
+def _heartbeats(spec: WorkerSpec) -> None:
+    """A rank's heartbeats to the router, until the process ends (a stopped or dead process
+    sends none: that is what the router watches for). A thread, not the serve loop: one step
+    may legitimately take longer than the timeout (a long prompt's prefill on a CPU)."""
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 4)  # a router that stopped reading gets no backlog of them
+    sock.connect(spec.addresses.router)
+    beat = encode(Heartbeat(spec.role, spec.group, spec.rank.engine.parallel.tp_rank))
+    while True:
+        with contextlib.suppress(zmq.Again):
+            sock.send(beat, zmq.NOBLOCK)
+        time.sleep(spec.heartbeat_interval)
+
+
+def _lead(spec: WorkerSpec, engine: LLMEngine) -> None:
     """Serve as the group's leader until the router shuts the cluster down."""
     if spec.role == "colocated":
         ColocatedLeader(spec.group, spec.addresses, engine).run()
         return
-    transfers = _transfers(spec, engine.kv_cache, engine.model_config, store, engine.step_channel)
+    transfers = _transfers(spec, engine.kv_cache, engine.model_config, engine.step_channel)
     role = PrefillLeader if spec.role == "prefill" else DecodeLeader
-    role(spec.group, spec.addresses, engine, transfers).run()
+    role(spec.group, spec.addresses, engine, transfers, spec.kv_lease_timeout).run()
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -82,14 +119,16 @@ def worker_main(spec: WorkerSpec) -> None:
         level=logging.INFO,
         format=f"%(asctime)s {spec.role}{spec.group}.{spec.rank.engine.parallel.tp_rank} %(levelname)s %(message)s",
     )
-    tp, store = init_distributed(spec.rank)
+    logging.info("rank up: pid %d, generation %d", os.getpid(), spec.generation)  # tests and operators find it here
+    threading.Thread(target=_heartbeats, args=(spec,), daemon=True).start()
+    tp = init_distributed(spec.rank)
     try:
         config = spec.rank.engine
         if config.parallel.is_leader:
-            _lead(spec, LLMEngine(config, tp), store)
+            _lead(spec, LLMEngine(config, tp))
         else:
             model = ModelConfig.from_pretrained(config.model)
             runner = ModelRunner(config, model, tp)
-            runner.run_peer(None if spec.role == "colocated" else _transfers(spec, runner.kv_cache, model, store))
+            runner.run_peer(None if spec.role == "colocated" else _transfers(spec, runner.kv_cache, model))
     finally:
         dist.destroy_process_group()

@@ -18,6 +18,11 @@ so an abort during a transfer frees the blocks only after it. An abort may arriv
 request's announcement (the router tells both groups at once; the prefill side announces when
 its prefill ends): its id is remembered for ``_ABORTED_TTL_S`` and its announcement refused, so
 the prefill side frees the KV and nothing is decoded.
+
+Failures: a receive not complete within ``kv_lease_timeout`` (its sender hung), or cut off by
+the sender's death, frees its blocks and is discarded on every rank: whatever lands later is
+never written into the cache. The router hears ``kv_lease_expired`` or ``kv_transfer_failed``
+and moves the request. A dead prefill group (``PeerFailed``) takes its receives with it.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling import RequestError
 from pdserve.engine.timings import RequestTimings
 from pdserve.kvtransfer.agent import KVTransferAgent
-from pdserve.kvtransfer.base import TransferStats
+from pdserve.kvtransfer.base import TransferFailed, TransferStats
 
 # Long enough for any announcement still on its way, short and bounded so the memory stays small.
 _ABORTED_TTL_S = 120.0
@@ -43,10 +48,19 @@ _ABORTED_MAX = 100_000
 class DecodeLeader(GroupLeader):
     role = "decode"
 
-    def __init__(self, group: int, addresses: Addresses, engine: LLMEngine, transfers: KVTransferAgent) -> None:
+    def __init__(
+        self,
+        group: int,
+        addresses: Addresses,
+        engine: LLMEngine,
+        transfers: KVTransferAgent,
+        kv_lease_timeout: float = float("inf"),
+    ) -> None:
         super().__init__(group, addresses, engine)
         self.transfers = transfers  # from every prefill group
+        self.kv_lease_timeout = kv_lease_timeout
         self.receiving: dict[str, KVAnnounce] = {}
+        self.receive_started: dict[str, float] = {}
         self.aborted_in_flight: set[str] = set()
         self.aborted: OrderedDict[str, float] = OrderedDict()  # request -> when its abort came, oldest first
         # Prefill's timings and the transfer's stats, read when the request finishes (on CUDA the
@@ -86,15 +100,25 @@ class DecodeLeader(GroupLeader):
             self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=True))
         self.transfers.recv(request_id, blocks, announce.prefill_group, announce.block_ids)
         self.receiving[request_id] = announce
+        self.receive_started[request_id] = time.monotonic()
         self.next_index[request_id] = 1
 
     def background(self) -> None:
         expired = time.monotonic() - _ABORTED_TTL_S
         while self.aborted and (len(self.aborted) > _ABORTED_MAX or next(iter(self.aborted.values())) < expired):
             self.aborted.popitem(last=False)
+        lease_end = time.monotonic() - self.kv_lease_timeout
+        for request_id in [r for r, t in self.receive_started.items() if t < lease_end]:
+            self.transfers.discard(request_id)
+            self._give_up(request_id, "kv_lease_expired", f"its KV did not arrive in {self.kv_lease_timeout:g} s")
         for request_id in [r for r in self.receiving if self.transfers.done(r)]:
             announce = self.receiving.pop(request_id)
-            stats = self.transfers.wait(request_id)
+            self.receive_started.pop(request_id, None)
+            try:
+                stats = self.transfers.wait(request_id)
+            except TransferFailed as e:
+                self._give_up(request_id, "kv_transfer_failed", str(e))
+                continue
             if self.transfers.pulls(announce.prefill_group):  # the copy is done: the prefill side may free
                 self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=True))
             if request_id in self.aborted_in_flight:
@@ -103,6 +127,30 @@ class DecodeLeader(GroupLeader):
                 continue
             self.handoffs[request_id] = (announce.timings, stats)
             self.engine.admit(request_id)
+
+    def _give_up(self, request_id: str, code: str, why: str) -> None:
+        """A receive that will never be admitted: free its blocks; the router moves the request
+        (unless it was aborted meanwhile)."""
+        self.receiving.pop(request_id, None)
+        self.receive_started.pop(request_id, None)
+        self.engine.abort(request_id)
+        self.next_index.pop(request_id, None)
+        if request_id in self.aborted_in_flight:
+            self.aborted_in_flight.discard(request_id)
+        else:
+            self.send_router(WorkerError(request_id, code, why))
+
+    def peer_failed(self, group: int) -> None:
+        self.transfers.drop(group)
+        for request_id in [r for r, a in self.receiving.items() if a.prefill_group == group]:
+            self.receiving.pop(request_id)
+            self.receive_started.pop(request_id, None)
+            self.aborted_in_flight.discard(request_id)
+            self.engine.abort(request_id)
+            self.next_index.pop(request_id, None)
+
+    def peer_restarted(self, group: int, generation: int) -> None:
+        self.transfers.reconnect(group, generation)
 
     def abort(self, request_id: str) -> None:
         self.aborted[request_id] = time.monotonic()

@@ -23,10 +23,11 @@ from pdserve.engine.step_plan import StepPlan
 class KVCommand:
     """Send (prefill role) or receive (decode role) one request's KV, in this rank's part."""
 
-    op: str  # "send" | "recv"
+    op: str  # "send" | "recv"; "drop" | "connect" a peer group; "discard" a transfer
     transfer_id: str
     block_ids: list[int]
     peer_group: int = 0  # the decode group sent to, or the prefill group received from
+    generation: int = 0  # "connect": the peer group's generation (it counts its restarts)
     src_block_ids: list[int] = field(default_factory=list)  # recv from a pulling backend: the prefill blocks
 
 

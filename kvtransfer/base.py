@@ -21,6 +21,7 @@ A new backend (NIXL, RDMA) subclasses ``TransferBackend`` and registers itself w
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -117,16 +118,34 @@ class TransferConfig:
 
 
 @dataclass(frozen=True)
+class PairRendezvous:
+    """Where the ranks of one (prefill group, decode group) pair meet to form a process group
+    of their own: a TCPStore and a key prefix that names both groups' generations, so that a
+    restarted group forms a new pair group with the survivors while nobody else restarts."""
+
+    host: str
+    port: int
+    prefix: str  # e.g. "kv/prefill0.g0-decode1.g2/"
+    timeout_s: float
+
+    def connect_store(self) -> dist.Store:
+        """A client of the store, its keys under the pair's prefix."""
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        return dist.PrefixStore(self.prefix, dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout))
+
+
+@dataclass(frozen=True)
 class TransferTopology:
     """One (prefill group, decode group) pair as seen from one of its ranks."""
 
     num_heads: int
     num_kv_heads: int
-    prefill_ranks: tuple[int, ...]  # global ranks, index = TP rank in the prefill group
+    # Ranks in the process group the transfers use, index = TP rank in the group: global ranks of
+    # the default world, or, with ``rendezvous``, 0.. for prefill then decode in the pair's group.
+    prefill_ranks: tuple[int, ...]
     decode_ranks: tuple[int, ...]
     global_rank: int
-    # The world's rendezvous store, for backends that exchange handles out of band (ipc).
-    store: dist.Store | None = field(default=None, compare=False, repr=False)
+    rendezvous: PairRendezvous | None = None
 
     @property
     def is_prefill(self) -> bool:
@@ -147,6 +166,10 @@ class TransferTopology:
         return head_shard(self.num_heads, self.num_kv_heads, len(self.decode_ranks), rank)
 
 
+class TransferFailed(RuntimeError):
+    """A transfer cut off (its peer died, or its pair group was abandoned): no KV was written."""
+
+
 class Transfer(ABC):
     """A transfer in flight on this rank."""
 
@@ -156,7 +179,12 @@ class Transfer(ABC):
 
     @abstractmethod
     def wait(self) -> TransferStats:
-        """Block until complete; the received KV is then in this rank's cache."""
+        """Block until complete; the received KV is then in this rank's cache. Raises
+        ``TransferFailed`` for a transfer that was cut off."""
+
+    def discard(self) -> None:
+        """Give the transfer up: a receive never writes into the cache, even if its data lands
+        later (its blocks may be reused at once); its buffers go when the wire is done with them."""
 
 
 class TransferBackend(ABC):
@@ -196,6 +224,14 @@ class TransferBackend(ABC):
 
     def close(self) -> None:
         """Wait for whatever is still in flight."""
+
+    def connected(self) -> bool:
+        """Whether the pair can move KV now (a backend that forms its connections in the
+        background says False until they are up)."""
+        return True
+
+    def abandon(self) -> None:
+        """The peer group died: fail every transfer in flight without waiting for it."""
 
 
 _REGISTRY: dict[str, Callable[[TransferConfig, TransferTopology, torch.Tensor], TransferBackend]] = {}

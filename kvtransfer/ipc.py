@@ -1,10 +1,12 @@
 """KV transfer by direct copies between the pools of ranks on one host: CUDA IPC on GPUs (the
 same GPU, or GPUs with peer access), POSIX shared memory on CPUs.
 
-Every rank publishes its KV pool once, as a handle in the world's rendezvous store: a CUDA IPC
-memory handle (``torch.multiprocessing``'s own reduction) on GPUs; on CPUs the pool moves into
-shared memory and the handle names its file descriptor. The decode group's leader opens the
-pools of the prefill ranks it receives from and of its own group's ranks. For each request it
+Every rank publishes its KV pool, as a handle in its pair's rendezvous store
+(``PairRendezvous``): a CUDA IPC memory handle (``torch.multiprocessing``'s own reduction) on
+GPUs; on CPUs the pool moves into shared memory and the handle names its file descriptor. The
+decode group's leader opens the pools of the prefill ranks it receives from and of its own
+group's ranks, in the background (a restarted peer group may still be loading its model:
+``connected`` says when the pools are open). For each request it
 then copies every piece of the resharding plan straight from the prefill blocks into the decode
 blocks (``kernels.kv_copy``: one launch per piece, no staging buffer), on a stream of its own
 that first waits for the work already queued on the compute stream.
@@ -22,6 +24,7 @@ import functools
 import math
 import os
 import pickle
+import threading
 import time
 from collections.abc import Callable
 
@@ -34,6 +37,7 @@ from pdserve.kvtransfer.base import (
     Transfer,
     TransferBackend,
     TransferConfig,
+    TransferFailed,
     TransferStats,
     TransferTopology,
     register_backend,
@@ -79,6 +83,11 @@ class _Copy(Transfer):
             self.keep = []
         return self.stats
 
+    def discard(self) -> None:
+        """Given up: the copies are short and already queued, so let them finish now, before the
+        blocks they write are handed out again."""
+        self.wait()
+
 
 def publish_pool(store: dist.Store, global_rank: int, kv_cache: torch.Tensor) -> None:
     """Make this rank's pool openable by the other processes of the host (once per rank)."""
@@ -114,21 +123,46 @@ class IpcBackend(TransferBackend):
 
     def __init__(self, config: TransferConfig, topology: TransferTopology, kv_cache: torch.Tensor) -> None:
         super().__init__(config, topology, kv_cache)
-        if topology.store is None:
-            raise ValueError(f"the {config.backend} backend needs the world's rendezvous store")
-        self.store = topology.store
+        if topology.rendezvous is None:
+            raise ValueError(f"the {config.backend} backend needs its pair's rendezvous store")
+        self.store = topology.rendezvous.connect_store()
         publish_pool(self.store, topology.global_rank, kv_cache)
         self._copies = not topology.is_prefill and topology.tp_rank == 0
         self._copiers: list[Callable[[torch.Tensor, torch.Tensor], None]] = []  # one per piece
         self._bytes_per_block = 0  # over every piece
         self._stream: torch.cuda.Stream | None = None
+        self._opened = threading.Event()
+        self._open_error: BaseException | None = None
+        if self._copies:
+            threading.Thread(target=self._open_pools, daemon=True).start()
+        else:
+            self._opened.set()
+
+    def connected(self) -> bool:
+        return self._opened.is_set() and self._open_error is None
 
     def warm_up(self) -> None:
-        """The decode leader opens every pool it copies between (each rank published its own
-        when its backend was made, so every pool is there or on its way)."""
-        if not self._copies or self._copiers:
-            return
+        """Wait until the pools are open."""
+        self._opened.wait()
+        if self._open_error is not None:
+            raise TransferFailed(f"cannot open the peer group's KV pools: {self._open_error}")
+
+    def abandon(self) -> None:
+        self._copiers = []  # unmaps the dead group's pools once no copy holds them
+
+    def _open_pools(self) -> None:
+        """The decode leader maps every pool it copies between (each waits until published)."""
+        try:
+            self._map_pools()
+        except (RuntimeError, OSError) as e:
+            self._open_error = e
+        finally:
+            self._opened.set()
+
+    def _map_pools(self) -> None:
         t = self.topology
+        if self.kv_cache.is_cuda:
+            torch.cuda.set_device(self.kv_cache.device)  # this thread's current device
         pools = {t.decode_ranks[0]: self.kv_cache}
         for piece in t.plan():
             for rank in (t.prefill_ranks[piece.src_rank], t.decode_ranks[piece.dst_rank]):
@@ -158,7 +192,7 @@ class IpcBackend(TransferBackend):
             return _Landed(TransferStats(0, 0.0))
         if len(src_block_ids) != len(block_ids):
             raise ValueError(f"{len(src_block_ids)} prefill blocks announced for {len(block_ids)} decode blocks")
-        self.warm_up()  # a no-op once connected
+        self.warm_up()  # a no-op once the pools are open
         num_bytes = self._bytes_per_block * len(block_ids)
         if self._stream is None:
             started = time.perf_counter()

@@ -11,10 +11,17 @@ Receiver: ``irecv`` one buffer per piece, then scatter it into the rank's own, d
 numbered blocks when the receive completes. The buffers count in ``staging_bytes`` until then.
 
 Sync backends wait before returning; async ones return at once and are polled.
+
+With a ``PairRendezvous`` in the topology the backend forms a process group of its own for its
+(prefill group, decode group) pair, in a background thread (the survivors of a restart keep
+serving while the restarted group loads its model); a transfer waits for it. A peer's death
+fails the transfers in flight (``TransferFailed``) instead of hanging them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import threading
 import time
 from collections.abc import Callable
@@ -24,9 +31,11 @@ import torch.distributed as dist
 
 from pdserve.engine.parallel import split_range
 from pdserve.kvtransfer.base import (
+    PairRendezvous,
     Transfer,
     TransferBackend,
     TransferConfig,
+    TransferFailed,
     TransferStats,
     TransferTopology,
     register_backend,
@@ -52,6 +61,9 @@ class _TorchTransfer(Transfer):
         self.release = release
         self.started = time.perf_counter()
         self.stats: TransferStats | None = None
+        self.error: TransferFailed | None = None
+        self.discarded = False
+        self._cut: str | None = None  # why the helper thread's wait failed
         # gloo's send/recv works only learn they are complete inside wait(): a helper thread
         # waits for them so that polling stays non-blocking. NCCL works answer is_completed().
         self._landed: threading.Event | None = None
@@ -60,24 +72,48 @@ class _TorchTransfer(Transfer):
             threading.Thread(target=self._wait_works, daemon=True).start()
 
     def _wait_works(self) -> None:
-        for work in self.works:
-            work.wait()
+        try:
+            for work in self.works:
+                work.wait()
+        except RuntimeError as e:  # the peer died: gloo closes the connection
+            self._cut = f"KV transfer cut off: {e}"
         assert self._landed is not None
         self._landed.set()
 
     def done(self) -> bool:
-        if self.stats is not None:
+        if self.done_already:
             return True
         landed = self._landed.is_set() if self._landed is not None else all(w.is_completed() for w in self.works)
         if not landed:
             return False
-        self.wait()
+        with contextlib.suppress(TransferFailed):
+            self.wait()
         return True
 
+    def fail(self, reason: str) -> None:
+        """Cut off: never scatter; the buffers stop counting now (the works keep them alive)."""
+        if self.stats is None and self.error is None:
+            self.error = TransferFailed(reason)
+            self.release(self.num_bytes)
+            self.on_complete = []
+
+    @property
+    def done_already(self) -> bool:
+        """Settled (complete or failed) without polling the wire."""
+        return self.stats is not None or self.error is not None
+
+    def discard(self) -> None:
+        self.discarded = True
+        self.on_complete = []  # whatever lands later is never written into the cache
+
     def wait(self) -> TransferStats:
+        if self.stats is None and self.error is None and self._landed is not None:
+            self._landed.wait()
+            if self._cut is not None:
+                self.fail(self._cut)
+        if self.error is not None:
+            raise self.error
         if self.stats is None:
-            if self._landed is not None:
-                self._landed.wait()
             for i, work in enumerate(self.works):
                 if self._landed is None:
                     work.wait()  # makes the current stream wait for this message only, so the
@@ -120,9 +156,59 @@ class TorchDistributedBackend(TransferBackend):
         num_layers = kv_cache.shape[0]
         groups = min(config.layer_groups, num_layers)
         self._layer_ranges = [slice(*split_range(num_layers, groups, g)) for g in range(groups)]
+        self._group: dist.ProcessGroup | None = None
+        self._group_error: BaseException | None = None
+        self._abandoned = False
+        self._connecting: threading.Thread | None = None
+        if topology.rendezvous is not None:
+            self._connecting = threading.Thread(target=self._connect, args=(topology.rendezvous,), daemon=True)
+            self._connecting.start()
+
+    def _connect(self, rendezvous: PairRendezvous) -> None:
+        """Form the pair's own process group (every rank of both groups calls it), then open the
+        connections (``warm_up``)."""
+        try:
+            timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
+            store = rendezvous.connect_store()
+            size = len(self.topology.prefill_ranks) + len(self.topology.decode_ranks)
+            rank = self.topology.global_rank
+            if self.kv_cache.device.type == "cuda":
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                self._group = dist.ProcessGroupNCCL(store, rank, size, options)
+            else:
+                self._group = dist.ProcessGroupGloo(store, rank, size, timeout)
+            self._probe()
+        except RuntimeError as e:
+            self._group_error = e
+
+    def _await_group(self) -> None:
+        if self._connecting is not None:
+            self._connecting.join()
+            self._connecting = None
+        if self._abandoned or self._group_error is not None:
+            raise TransferFailed(f"no KV connection to the peer group: {self._group_error or 'abandoned'}")
+
+    def connected(self) -> bool:
+        if self._abandoned or self._group_error is not None:
+            return False
+        return self._connecting is None or not self._connecting.is_alive()
+
+    def _isend(self, tensor: torch.Tensor, peer: int) -> dist.Work:
+        if self._group is not None:
+            return self._group.send([tensor], peer, 0)
+        return dist.isend(tensor, dst=peer)
+
+    def _irecv(self, tensor: torch.Tensor, peer: int) -> dist.Work:
+        if self._group is not None:
+            return self._group.recv([tensor], peer, 0)
+        return dist.irecv(tensor, src=peer)
 
     @property
     def staging_bytes(self) -> int:
+        for transfer in self._pending:  # discarded transfers release their buffers once the wire is done
+            if transfer.discarded:
+                transfer.done()
         return self._staging
 
     def _release(self, num_bytes: int) -> None:
@@ -139,6 +225,7 @@ class TorchDistributedBackend(TransferBackend):
         return event
 
     def send(self, block_ids: list[int]) -> Transfer:
+        self._await_group()
         start = self._start_event()
         blocks = self._index(block_ids)
         buffers, works = [], []
@@ -146,10 +233,11 @@ class TorchDistributedBackend(TransferBackend):
             for layers in self._layer_ranges:
                 packed = self.kv_cache[layers, :, :, :, heads].index_select(2, blocks)  # contiguous
                 buffers.append(packed)
-                works.append(dist.isend(packed, dst=peer))
+                works.append(self._isend(packed, peer))
         return self._finish(_TorchTransfer(works, buffers, [], self.kv_cache, self._release, start))
 
     def recv(self, block_ids: list[int], src_block_ids: list[int]) -> Transfer:
+        self._await_group()
         start = self._start_event()
         blocks = self._index(block_ids)
         _, _, _, block_size, _, head_dim = self.kv_cache.shape
@@ -167,31 +255,47 @@ class TorchDistributedBackend(TransferBackend):
                     device=self.kv_cache.device,
                 )
                 buffers.append(buffer)
-                works.append(dist.irecv(buffer, src=peer))
+                works.append(self._irecv(buffer, peer))
                 scatters.append((buffer, layer_range, heads, blocks))
         return self._finish(_TorchTransfer(works, buffers, scatters, self.kv_cache, self._release, start))
 
     def _finish(self, transfer: _TorchTransfer) -> Transfer:
         self._staging += transfer.num_bytes  # released by the transfer's wait()
         if not self.is_async:
-            transfer.wait()
+            with contextlib.suppress(TransferFailed):  # the handle reports it: done, and its wait raises
+                transfer.wait()
         else:
-            self._pending = [t for t in self._pending if t.stats is None]
+            # A discarded transfer goes once landed (its buffers with it), never scattered.
+            self._pending = [t for t in self._pending if not (t.discarded and t.done()) and not t.done_already]
             self._pending.append(transfer)
         return transfer
 
     def warm_up(self) -> None:
+        if self.topology.rendezvous is None:  # a pair group opens its connections as it forms
+            self._probe()
+
+    def _probe(self) -> None:
         probe = torch.zeros(1, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
-        op = dist.isend if self.topology.is_prefill else dist.irecv
+        op = self._isend if self.topology.is_prefill else self._irecv
         works = [op(probe.clone(), peer) for peer, _, _ in self._pieces]
         for work in works:
             work.wait()
         if self.kv_cache.device.type == "cuda":
             torch.cuda.synchronize(self.kv_cache.device)
 
-    def close(self) -> None:
+    def abandon(self) -> None:
+        self._abandoned = True
         for transfer in self._pending:
-            transfer.wait()
+            transfer.fail("the peer group failed")
+        self._pending = []
+
+    def close(self) -> None:
+        if self._abandoned or not self.connected():
+            self.abandon()
+            return
+        for transfer in self._pending:
+            with contextlib.suppress(TransferFailed):
+                transfer.wait()
         self._pending = []
 
 

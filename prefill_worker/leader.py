@@ -13,17 +13,23 @@ Lifecycle of a request here:
 
 Invariant: once a decode group has accepted a transfer it has posted the receive, so the send
 always happens, even for a request aborted in between (its blocks are freed afterwards).
+
+Failures: KV not yet announced (the decode side keeps refusing, or is not connected) is held
+for ``kv_lease_timeout`` at most, then freed and the request handed back to the router
+(``kv_lease_expired``). When a decode group dies (``PeerFailed``) every hand-off to it is
+given up and its KV freed at once; an announce never answered can only be one to a dead or
+hung group, which the router's heartbeats catch.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.cluster.config import Addresses
 from pdserve.cluster.leader import GroupLeader
-from pdserve.cluster.protocol import KVAnnounce, KVReply, Message, WorkRequest
+from pdserve.cluster.protocol import KVAnnounce, KVReply, Message, WorkerError, WorkRequest
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.kvtransfer.agent import KVTransferAgent
 from pdserve.kvtransfer.base import Transfer
@@ -40,14 +46,23 @@ class _Handoff:
     retry_at: float = 0.0
     backoff: float = _RETRY_FIRST_S
     aborted: bool = False
+    since: float = field(default_factory=time.monotonic)  # when its KV began to be held
 
 
 class PrefillLeader(GroupLeader):
     role = "prefill"
 
-    def __init__(self, group: int, addresses: Addresses, engine: LLMEngine, transfers: KVTransferAgent) -> None:
+    def __init__(
+        self,
+        group: int,
+        addresses: Addresses,
+        engine: LLMEngine,
+        transfers: KVTransferAgent,
+        kv_lease_timeout: float = float("inf"),
+    ) -> None:
         super().__init__(group, addresses, engine)
         self.transfers = transfers  # to every decode group
+        self.kv_lease_timeout = kv_lease_timeout
         self.work: dict[str, WorkRequest] = {}  # until prefilled: where the KV goes, how to sample
         self.to_announce: deque[_Handoff] = deque()  # waiting for staging room or a retry
         self.announced: dict[str, _Handoff] = {}  # waiting for the decode group's reply
@@ -100,6 +115,9 @@ class PrefillLeader(GroupLeader):
         now = time.monotonic()
         for _ in range(len(self.to_announce)):
             handoff = self.to_announce.popleft()
+            if now - handoff.since > self.kv_lease_timeout:
+                self._expire(handoff)
+                continue
             if handoff.retry_at > now or not self._staging_room(handoff):
                 self.to_announce.append(handoff)
                 continue
@@ -124,6 +142,30 @@ class PrefillLeader(GroupLeader):
             self.to_announce.append(handoff)
             return
         self.sending[reply.request_id] = self.transfers.send(reply.request_id, handoff.block_ids, handoff.decode_group)
+
+    def _expire(self, handoff: _Handoff) -> None:
+        """Its lease ran out before a decode group took the KV: free it, the router decides."""
+        request_id = handoff.announce.request_id
+        self.engine.release(request_id)
+        self.send_router(
+            WorkerError(
+                request_id,
+                "kv_lease_expired",
+                f"decode group {handoff.decode_group} took no KV for {self.kv_lease_timeout:g} s",
+            )
+        )
+
+    def peer_failed(self, group: int) -> None:
+        self.transfers.drop(group)  # its sends fail; background() frees their blocks
+        for request_id in [r for r, h in self.announced.items() if h.decode_group == group]:
+            del self.announced[request_id]
+            self.engine.release(request_id)
+        for handoff in [h for h in self.to_announce if h.decode_group == group]:
+            self.to_announce.remove(handoff)
+            self.engine.release(handoff.announce.request_id)
+
+    def peer_restarted(self, group: int, generation: int) -> None:
+        self.transfers.reconnect(group, generation)
 
     def _release(self, request_id: str) -> None:
         self.sending.pop(request_id, None)

@@ -13,6 +13,12 @@ that its send queue is full): its requests are aborted on the workers and droppe
 Limits keep one client from holding up the others: a message over ``max_message_mib`` is never
 read (ZMQ drops the connection), a text prompt over ``max_prompt_chars`` is refused before it is
 tokenized, and requests beyond ``max_requests_per_client`` or ``max_requests`` get ``overloaded``.
+
+Failures: the router dispatches only to ready groups (a request waits while a role has none),
+watches every ready group's heartbeats (``check_heartbeats``), and when a group fails
+(``group_failed``, from the launcher) moves each request it held: prefilled again on live groups
+with its tokens so far (``_migrate``), under a new internal id so that nothing the dead group
+still sends is applied, up to ``migration_limit`` moves, then ``worker_failed``.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,9 +42,13 @@ from pdserve.cluster.protocol import (
     Error,
     Final,
     Generate,
+    Heartbeat,
     Message,
+    PeerFailed,
+    PeerRestarted,
     ProtocolError,
     Ready,
+    Sampling,
     Shutdown,
     Stats,
     StatsRequest,
@@ -60,6 +71,9 @@ logger = logging.getLogger(__name__)
 # Messages queued for one client before it counts as gone: far beyond what a reading client
 # lets pile up, small enough that one that never reads cannot grow the router without bound.
 _CLIENT_SEND_HWM = 100_000
+# Worker errors that mean "this attempt lost its KV", not "this request is wrong": it moves.
+_MIGRATE_CODES = ("kv_lease_expired", "kv_transfer_failed")
+_OTHER_ROLE = {"prefill": "decode", "decode": "prefill"}
 
 
 @dataclass
@@ -69,11 +83,15 @@ class RequestState:
     client: bytes  # ZMQ identity of the client connection
     client_request_id: str
     stream: bool
-    num_prompt_tokens: int
-    entry_group: tuple[str, int]  # prefill (or colocated) group
-    decode_group: int | None
+    prompt_ids: list[int]
+    sampling: Sampling
     outstanding_tokens: int
     batch_chunks: bool = False  # its chunks go out in one ``chunks`` message a worker step
+    entry_group: tuple[str, int] | None = None  # prefill (or colocated) group; None until dispatched
+    decode_group: int | None = None
+    base_id: str = ""  # the internal id of its first attempt; a move adds ".N"
+    migrations: int = 0
+    offset: int = 0  # tokens streamed before the current attempt (its output index 0 is this one)
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     token_ids: list[int] = field(default_factory=list)
@@ -99,6 +117,13 @@ class Router:
         self.frontend.setsockopt(zmq.SNDHWM, _CLIENT_SEND_HWM)
         self.frontend.setsockopt(zmq.MAXMSGSIZE, int(config.max_message_mib * 2**20))
         self._authenticator = None if config.auth_keys is None else secure_server(self.frontend, config.auth_keys)
+        # ZMQ heartbeats: a client that vanished without closing its connection is dropped, and a
+        # client learns of a dead router, within this timeout (the TTL tells the client).
+        # Set before bind: a listener copies the socket's options when it is bound.
+        heartbeat_ms = int(config.client_heartbeat_timeout * 1000)
+        self.frontend.setsockopt(zmq.HEARTBEAT_IVL, max(1, heartbeat_ms // 4))
+        self.frontend.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_ms)
+        self.frontend.setsockopt(zmq.HEARTBEAT_TTL, heartbeat_ms)
         self.frontend.bind(addresses.client)
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(addresses.router)
@@ -106,11 +131,9 @@ class Router:
         self._poller.register(self.frontend, zmq.POLLIN)
         self._poller.register(self.inbox, zmq.POLLIN)
         self.leaders: dict[tuple[str, int], zmq.Socket] = {}
-        for role, group, _ in config.groups():
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 1000)
-            sock.connect(addresses.leader(role, group))
-            self.leaders[(role, group)] = sock
+        self.tp_sizes = {(role, group): tp for role, group, tp in config.groups()}
+        for key in self.tp_sizes:
+            self._connect_leader(key)
         entry_role = "colocated" if config.mode == "colocated" else "prefill"
         self.entry_load = {g: 0 for r, g, _ in config.groups() if r == entry_role}
         self.decode_load = {g: 0 for r, g, _ in config.groups() if r == "decode"}
@@ -121,6 +144,11 @@ class Router:
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.client_load: dict[bytes, int] = {}  # requests in flight by client
         self.ready: set[tuple[str, int]] = set()
+        # Groups spawned and not yet ready: a ``ready`` from any other is a dead generation's.
+        self.starting: set[tuple[str, int]] = set(self.tp_sizes)
+        self.last_beat: dict[tuple[str, int, int], float] = {}  # (role, group, tp rank) -> when
+        self.parked: deque[str] = deque()  # requests waiting for a ready group of a role
+        self.faults = {"group_failures": 0, "restarts": 0, "migrated": 0, "worker_failed": 0}
         self.worker_stats: dict[str, dict[str, int]] = {}
         self.accepting = True
         self._ids = itertools.count()
@@ -129,7 +157,136 @@ class Router:
     # -- start-up and shutdown -----------------------------------------------------------
 
     def all_ready(self) -> bool:
-        return len(self.ready) == len(self.leaders)
+        return len(self.ready) == len(self.tp_sizes)
+
+    def is_ready(self, key: tuple[str, int]) -> bool:
+        return key in self.ready
+
+    def _connect_leader(self, key: tuple[str, int]) -> None:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.SNDHWM, 0)  # never block the router on a group that stopped reading
+        sock.connect(self.addresses.leader(*key))
+        self.leaders[key] = sock
+
+    # -- failures ------------------------------------------------------------------------
+
+    def check_heartbeats(self, timeout: float) -> list[tuple[str, int, str]]:
+        """``(role, group, cause)`` of each ready group one of whose ranks sent no heartbeat for
+        ``timeout`` seconds."""
+        now = time.monotonic()
+        silent = []
+        for role, group in sorted(self.ready):
+            for rank in range(self.tp_sizes[(role, group)]):
+                since = now - self.last_beat.get((role, group, rank), now)
+                if since > timeout:
+                    silent.append((role, group, f"rank {rank} sent no heartbeat for {since:.1f} s (hung or stopped)"))
+                    break
+        return silent
+
+    def group_failed(self, role: str, group: int, cause: str) -> None:
+        """A group is gone (its processes are already killed): stop sending to it, tell the other
+        role's leaders, and move every request it held."""
+        key = (role, group)
+        self.faults["group_failures"] += 1
+        self.ready.discard(key)
+        self.starting.discard(key)
+        self.worker_stats.pop(f"{role}{group}", None)
+        for beat in [b for b in self.last_beat if b[:2] == key]:
+            del self.last_beat[beat]
+        sock = self.leaders.pop(key, None)
+        if sock is not None:
+            sock.close(linger=0)  # what was queued for the dead group must not reach its successor
+        other = _OTHER_ROLE.get(role)
+        for (peer_role, _), peer in self.leaders.items():
+            if peer_role == other:
+                peer.send(encode(PeerFailed(role, group)))
+        for request_id in [r for r, state in self.requests.items() if self._held_by(state, key)]:
+            if request_id in self.requests:
+                self._migrate(request_id, f"{role} group {group} failed: {cause}")
+
+    def group_restarting(self, role: str, group: int, generation: int) -> None:
+        """A failed group was spawned again as ``generation``: the other role's leaders connect to it."""
+        self._connect_leader((role, group))
+        self.starting.add((role, group))
+        other = _OTHER_ROLE.get(role)
+        for (peer_role, _), peer in self.leaders.items():
+            if peer_role == other:
+                peer.send(encode(PeerRestarted(role, group, generation)))
+
+    def _held_by(self, state: RequestState, key: tuple[str, int]) -> bool:
+        """Whether a failure of group ``key`` loses this request's state: its decode group, its
+        colocated group, or its prefill group before decoding began (the KV may not have moved)."""
+        role, group = key
+        if role == "decode":
+            return state.decode_group == group
+        return state.entry_group == key and (role == "colocated" or len(state.token_ids) - state.offset <= 1)
+
+    def _migrate(self, request_id: str, cause: str) -> None:
+        """Move a request to live groups, prefilled again with its tokens so far, or end it with
+        ``worker_failed`` past the migration limit."""
+        state = self.requests[request_id]
+        self._abort_workers(request_id)
+        if state.migrations >= self.config.migration_limit:
+            self.faults["worker_failed"] += 1
+            self._terminal_error(
+                request_id,
+                "worker_failed",
+                f"{cause} (the request moved {state.migrations} time(s), "
+                f"migration limit {self.config.migration_limit})",
+            )
+            return
+        self._unassign(state)
+        del self.requests[request_id]
+        state.migrations += 1
+        logger.info(
+            "request %s moves (move %d, after %d tokens): %s", request_id, state.migrations, len(state.token_ids), cause
+        )
+        self.faults["migrated"] += 1
+        state.offset = len(state.token_ids)
+        state.pending.clear()
+        new_id = f"{state.base_id}.{state.migrations}"
+        self.requests[new_id] = state
+        self.by_client[(state.client, state.client_request_id)] = new_id
+        self._dispatch(new_id)
+
+    def _unassign(self, state: RequestState) -> None:
+        if state.entry_group is not None:
+            self.entry_load[state.entry_group[1]] -= state.outstanding_tokens
+        if state.decode_group is not None:
+            self.decode_load[state.decode_group] -= state.outstanding_tokens
+        state.entry_group, state.decode_group = None, None
+
+    def _dispatch(self, request_id: str) -> None:
+        """Send a request to a ready prefill (or colocated) group, naming a ready decode group;
+        park it while a role has none."""
+        state = self.requests[request_id]
+        entries = {g: load for g, load in self.entry_load.items() if (self.entry_role, g) in self.ready}
+        decodes = {g: load for g, load in self.decode_load.items() if ("decode", g) in self.ready}
+        if not entries or (self.decode_load and not decodes):
+            self.parked.append(request_id)
+            return
+        entry = self.entry_policy.pick(entries)
+        decode_group = self.decode_policy.pick(decodes) if decodes else None
+        state.entry_group, state.decode_group = (self.entry_role, entry), decode_group
+        self.entry_load[entry] += state.outstanding_tokens
+        if decode_group is not None:
+            self.decode_load[decode_group] += state.outstanding_tokens
+        generated = state.token_ids  # a moved request continues after what its client already has
+        sampling = dataclasses.replace(state.sampling, max_tokens=state.sampling.max_tokens - len(generated))
+        work = WorkRequest(
+            request_id,
+            state.prompt_ids + generated,
+            sampling,
+            decode_group if decode_group is not None else -1,
+        )
+        self.leaders[state.entry_group].send(encode(work))
+
+    def _dispatch_parked(self) -> None:
+        for _ in range(len(self.parked)):
+            request_id = self.parked.popleft()
+            if request_id in self.requests and self.requests[request_id].entry_group is None:
+                self._dispatch(request_id)
 
     def poll(self, timeout_ms: int) -> None:
         """Handle whatever arrives within ``timeout_ms`` (then everything already queued)."""
@@ -228,7 +385,12 @@ class Router:
             self._reply(
                 client,
                 Stats(
-                    len(self.requests), dict(self.worker_stats), self.all_ready(), self.accepting, self.max_model_len
+                    len(self.requests),
+                    dict(self.worker_stats),
+                    self.all_ready(),
+                    self.accepting,
+                    self.max_model_len,
+                    dict(self.faults),
                 ),
             )
         else:
@@ -267,29 +429,22 @@ class Router:
             self._reply(client, Error(client_id, "invalid_request", str(e)))
             return
         request_id = f"{next(self._ids)}"
-        outstanding = len(token_ids) + params.max_tokens
-        entry = self.entry_policy.pick(self.entry_load)
-        decode_group = self.decode_policy.pick(self.decode_load) if self.decode_load else None
-        self.entry_load[entry] += outstanding
-        if decode_group is not None:
-            self.decode_load[decode_group] += outstanding
         state = RequestState(
             client,
             client_id,
             request.stream,
-            len(token_ids),
-            (self.entry_role, entry),
-            decode_group,
-            outstanding,
+            token_ids,
+            request.sampling,
+            len(token_ids) + params.max_tokens,
             request.batch_chunks,
+            base_id=request_id,
         )
         if self.tokenizer is not None:
             state.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.requests[request_id] = state
         self.by_client[(client, client_id)] = request_id
         self.client_load[client] = self.client_load.get(client, 0) + 1
-        work = WorkRequest(request_id, token_ids, request.sampling, decode_group if decode_group is not None else -1)
-        self.leaders[state.entry_group].send(encode(work))
+        self._dispatch(request_id)
 
     def _prompt_tokens(self, request: Generate) -> list[int]:
         if (request.prompt is None) == (request.token_ids is None):
@@ -325,20 +480,37 @@ class Router:
                 self._flush_chunks(client)
         elif isinstance(message, WorkerError):
             if message.request_id in self.requests:
-                self._abort_workers(message.request_id)
-                self._terminal_error(message.request_id, message.code, message.message)
+                if message.code in _MIGRATE_CODES:
+                    self._migrate(message.request_id, f"{message.code}: {message.message}")
+                else:
+                    self._abort_workers(message.request_id)
+                    self._terminal_error(message.request_id, message.code, message.message)
         elif isinstance(message, WorkerStats):
-            stats = dataclasses.asdict(message)
-            self.worker_stats[f"{stats.pop('role')}{stats.pop('group')}"] = stats
+            # A leader reports after its ``ready``: a report from a group that is not ready is a
+            # dead generation's, still queued.
+            if (message.role, message.group) in self.ready:
+                stats = dataclasses.asdict(message)
+                self.worker_stats[f"{stats.pop('role')}{stats.pop('group')}"] = stats
+        elif isinstance(message, Heartbeat):
+            if (message.role, message.group) in self.ready:
+                self.last_beat[(message.role, message.group, message.tp_rank)] = time.monotonic()
         elif isinstance(message, Ready):
-            self.ready.add((message.role, message.group))
+            key = (message.role, message.group)
+            if key not in self.starting:
+                return
+            self.starting.discard(key)
+            self.ready.add(key)
+            now = time.monotonic()
+            for rank in range(self.tp_sizes[key]):
+                self.last_beat[(*key, rank)] = now
             logger.info("%s group %d ready (%d KV blocks)", message.role, message.group, message.num_blocks)
+            self._dispatch_parked()
 
     def _on_tokens(self, output: TokenOutput) -> None:
         state = self.requests.get(output.request_id)
         if state is None:
-            return  # aborted or failed earlier: its terminal message is already out
-        state.pending[output.index] = output
+            return  # aborted, failed or moved earlier: its terminal message is already out
+        state.pending[output.index + state.offset] = output
         while len(state.token_ids) in state.pending:  # apply outputs in index order
             current = state.pending.pop(len(state.token_ids))
             if state.first_token is None:
@@ -369,9 +541,7 @@ class Router:
             self.client_load[state.client] -= 1
         else:
             del self.client_load[state.client]
-        self.entry_load[state.entry_group[1]] -= state.outstanding_tokens
-        if state.decode_group is not None:
-            self.decode_load[state.decode_group] -= state.outstanding_tokens
+        self._unassign(state)
         return state
 
     def _final(self, request_id: str, reason: str, worker_timings: RequestTimings | None = None) -> None:
@@ -391,7 +561,7 @@ class Router:
                 reason,
                 state.token_ids,
                 "".join(state.text),
-                {"prompt_tokens": state.num_prompt_tokens, "completion_tokens": len(state.token_ids)},
+                {"prompt_tokens": len(state.prompt_ids), "completion_tokens": len(state.token_ids)},
                 timings.as_dict(),
             ),
         )
@@ -401,7 +571,9 @@ class Router:
         self._reply(state.client, Error(state.client_request_id, code, message))
 
     def _abort_workers(self, request_id: str) -> None:
+        """Tell the live groups serving a request to stop it (a failed group has no socket)."""
         state = self.requests[request_id]
-        self.leaders[state.entry_group].send(encode(Abort(request_id)))
-        if state.decode_group is not None:
-            self.leaders[("decode", state.decode_group)].send(encode(Abort(request_id)))
+        groups = [state.entry_group] + ([("decode", state.decode_group)] if state.decode_group is not None else [])
+        for key in groups:
+            if key is not None and key in self.leaders:
+                self.leaders[key].send(encode(Abort(request_id)))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -20,7 +19,7 @@ from pdserve.cluster.group import free_port
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
-from pdserve.tests.cluster.helpers import MAX_MODEL_LEN
+from pdserve.tests.cluster.helpers import MAX_MODEL_LEN, wait_until_idle
 
 
 def oracle(model_dir: Path, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
@@ -54,26 +53,6 @@ def run_concurrently(client: Client, prompts: list[list[int]], params: list[Samp
                 assert "".join(c.text for c in chunks) == message.text
                 finals.append(message)
     return finals
-
-
-def wait_until_idle(
-    client: Client, timeout: float = 60.0, also: Callable[[dict[str, dict[str, int]]], bool] = lambda groups: True
-) -> dict[str, dict[str, int]]:
-    """Poll stats until nothing is in flight, every group's blocks are all free again and ``also``
-    holds. Groups report their stats periodically, so a reply can predate the last request."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = client.stats()
-        groups = stats.groups
-        if (
-            stats.requests_in_flight == 0
-            and groups
-            and all(g["free_blocks"] == g["num_blocks"] and g["kv_held"] == 0 for g in groups.values())
-            and also(groups)
-        ):
-            return groups
-        assert time.monotonic() < deadline, f"cluster not idle: {stats}"
-        time.sleep(0.3)
 
 
 @pytest.mark.slow

@@ -18,9 +18,12 @@ from pdserve.cluster.protocol import (
     Error,
     Final,
     Generate,
+    Heartbeat,
     KVAnnounce,
     KVReply,
     Message,
+    PeerFailed,
+    PeerRestarted,
     ProtocolError,
     Ready,
     Sampling,
@@ -96,6 +99,9 @@ MESSAGES: list[Message] = [
     KVReply("7", accepted=False),
     Ready("prefill", 0, 1024),
     Shutdown(),
+    Heartbeat("decode", 1, 2),
+    PeerFailed("prefill", 0),
+    PeerRestarted("decode", 1, 3),
 ]
 
 

@@ -25,7 +25,7 @@ from pdserve.engine.parallel import head_shard
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.step_channel import KVCommand
 from pdserve.kvtransfer.agent import KVTransferAgent
-from pdserve.kvtransfer.base import TransferConfig, TransferTopology, create_backend
+from pdserve.kvtransfer.base import PairRendezvous, TransferConfig, TransferTopology, create_backend
 
 NUM_BLOCKS = 96
 MAX_P, MAX_D = 3, 4  # one world of 7 ranks serves every pair: prefill 0..2, decode 3..6
@@ -90,7 +90,7 @@ def _pull(
     backend: str,
     meta: dict,
     reference: dict[str, torch.Tensor],
-    world_store: dist.Store,
+    port: int,
     device: str,
 ) -> None:
     """A pulling backend's round, called by every rank of the world (it meets them at barriers):
@@ -100,8 +100,8 @@ def _pull(
     agent, cache, blocks = None, None, meta["dst"]
     if rank in prefill or rank in decode:
         # A store prefix per round: each round's pools are new tensors, published afresh.
-        store = dist.PrefixStore(f"{backend}/{p}/{d}", world_store)
-        topology = TransferTopology(meta["num_heads"], meta["num_kv_heads"], prefill, decode, rank, store)
+        rendezvous = PairRendezvous("127.0.0.1", port, f"{backend}/{p}/{d}/", 60.0)
+        topology = TransferTopology(meta["num_heads"], meta["num_kv_heads"], prefill, decode, rank, rendezvous)
         shard = topology.src_shard(rank) if rank in prefill else topology.dst_shard(rank - MAX_P)
         layers, _, _, block_size, _, head_dim = reference[meta["requests"][0]].shape
         cache = torch.full(
@@ -148,7 +148,7 @@ def _rank_main(rank: int, port: int, work_dir: str, pulling: str | None = None, 
         reference = load_file(str(Path(work_dir) / "kv.safetensors"))
         if pulling is not None:
             for p, d in PAIRS:
-                _pull(rank, p, d, pulling, meta, reference, store, device)
+                _pull(rank, p, d, pulling, meta, reference, port, device)
             return
         for backend in BACKENDS:
             for p, d in PAIRS:
@@ -233,11 +233,14 @@ def test_cuda_ipc_kv_is_bitwise_the_prefill_kv_between_processes_on_one_gpu(refe
 class _Backend:
     """Stands in for a backend: a fixed block size and buffers in flight."""
 
-    def __init__(self, block_bytes: int, staging_bytes: int) -> None:
-        self._block_bytes, self.staging_bytes = block_bytes, staging_bytes
+    def __init__(self, block_bytes: int, staging_bytes: int, up: bool = True) -> None:
+        self._block_bytes, self.staging_bytes, self._up = block_bytes, staging_bytes, up
 
     def block_bytes(self) -> int:
         return self._block_bytes
+
+    def connected(self) -> bool:
+        return self._up
 
 
 def test_staging_room_counts_every_peer_group_and_lets_a_lone_transfer_through() -> None:
@@ -248,6 +251,8 @@ def test_staging_room_counts_every_peer_group_and_lets_a_lone_transfer_through()
     assert busy.has_staging_room(0, 4)  # 600 + 400
     assert not busy.has_staging_room(0, 5)  # 600 + 500
     assert not busy.has_staging_room(1, 2)  # 600 + 600: the peer group's block size counts
+    connecting = KVTransferAgent({0: _Backend(100, 0, up=False)}, max_staging_bytes=1000)  # type: ignore[dict-item]
+    assert not connecting.has_staging_room(0, 1)  # a pair group still forming (a restarted peer) takes nothing
 
 
 def test_head_shards_used_by_the_backend_cover_the_model() -> None:

@@ -1,0 +1,29 @@
+"""Removes a cluster's run directory once its launcher is gone, however it ended (kill -9 too).
+
+    python -m pdserve.cluster.reaper RUN_DIR    (stdin: a pipe whose other end the launcher holds)
+
+The launcher's end of the pipe closes when it exits or dies, so the read below returns then.
+Its own session: a Ctrl-C meant for the launcher does not end it first.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+
+def spawn(run_dir: str) -> subprocess.Popen[bytes]:
+    """Start the reaper of ``run_dir``; keep the returned process's stdin open while the run lasts."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cluster.reaper", run_dir], stdin=subprocess.PIPE, start_new_session=True
+    )
+
+
+def main() -> None:
+    sys.stdin.buffer.read()
+    shutil.rmtree(sys.argv[1], ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""Process failures in a real cluster (``launch.py`` on CPU, the demo model): ranks killed with
+SIGKILL or stopped with SIGSTOP under load, KV leases, a client that goes silent, and the
+router's own death. Every request must end exactly once, greedy output must match an
+uninterrupted run token for token, and every KV block must come back."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdserve.bench.compare import LaunchedCluster
+from pdserve.cluster.client import Chunk, Client, ClusterError, ClusterGone, ClusterUnavailable, Error, Final
+from pdserve.tests.cluster.helpers import wait_until_idle
+
+HEARTBEAT_TIMEOUT = 3.0
+CLIENT_HEARTBEAT_TIMEOUT = 2.0
+SERVING_AGAIN_S = 90.0  # back-off + a group's start on a busy 2-core machine, with room
+PROMPTS = [[17 + i] * (12 + 3 * i) + [42, 7, 99] for i in range(10)]
+MAX_TOKENS = 48
+
+
+def rank_pids(cluster: LaunchedCluster) -> dict[str, int]:
+    """The newest pid of every rank (``prefill0.1`` etc.), from the log lines ranks start with."""
+    found = re.findall(r" (\w+\d+\.\d+) INFO rank up: pid (\d+)", cluster.output())
+    return {name: int(pid) for name, pid in found}
+
+
+def serving(cluster: LaunchedCluster, client: Client, restarts: int) -> dict[str, dict[str, int]]:
+    """Wait until ``restarts`` restarts are done, every group is ready and reporting, and every
+    block is free; the groups' stats."""
+    deadline = time.monotonic() + SERVING_AGAIN_S
+    while True:
+        stats = client.stats()
+        if stats.ready and stats.faults["restarts"] >= restarts and len(stats.groups) == 2:
+            break
+        assert time.monotonic() < deadline, f"not serving again within {SERVING_AGAIN_S} s: {stats}"
+        time.sleep(0.3)
+    return wait_until_idle(client, also=lambda groups: len(groups) == 2)
+
+
+def run_with_fault(client: Client, act: callable, after_chunks: int = 12) -> dict[int, Final | Error]:
+    """Stream every prompt (greedy), call ``act`` once ``after_chunks`` chunks have arrived, and
+    collect each request's one terminal message, checking that its chunks add up to its final."""
+    ids = {
+        client.submit(token_ids=p, stream=True, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True): i
+        for i, p in enumerate(PROMPTS)
+    }
+    streamed: dict[int, list[int]] = {i: [] for i in ids.values()}
+    terminal: dict[int, Final | Error] = {}
+    chunks = 0
+    deadline = time.monotonic() + 300
+    while len(terminal) < len(ids):
+        assert time.monotonic() < deadline, f"requests without a terminal message: {set(ids.values()) - set(terminal)}"
+        message = client.receive()
+        index = ids[message.request_id]
+        assert index not in terminal, f"request {index} got a message after its terminal one: {message}"
+        if isinstance(message, Chunk):
+            streamed[index] += message.token_ids
+            chunks += 1
+            if chunks == after_chunks:
+                act()
+        else:
+            terminal[index] = message
+            if isinstance(message, Final):
+                assert streamed[index] == message.token_ids, f"request {index}: the stream repeats or skips a token"
+    timeout, client.timeout = client.timeout, 0.5
+    try:
+        with pytest.raises(ClusterUnavailable):  # nothing may follow a terminal message
+            print("a message after every request ended:", client.receive())
+    finally:
+        client.timeout = timeout
+    return terminal
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_factory) -> LaunchedCluster:
+    return cluster_factory(
+        "--model",
+        "demo",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "2",
+        "--num-blocks",
+        "300",
+        "--heartbeat-timeout",
+        str(HEARTBEAT_TIMEOUT),
+        "--restart-backoff",
+        "0.5",
+        "--client-heartbeat-timeout",
+        str(CLIENT_HEARTBEAT_TIMEOUT),
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: LaunchedCluster) -> list[list[int]]:
+    """Greedy outputs of the prompts on the cluster before any failure."""
+    with Client(cluster.endpoint, timeout=120) as client:
+        ids = [client.submit(token_ids=p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True) for p in PROMPTS]
+        return [client.result(i).token_ids for i in ids]
+
+
+@pytest.fixture
+def client(cluster: LaunchedCluster) -> Iterator[Client]:
+    with Client(cluster.endpoint, timeout=120) as client:
+        yield client
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "how, victim",
+    [
+        ("SIGKILL", "decode0.1"),
+        ("SIGKILL", "prefill0.1"),
+        ("SIGKILL", "prefill0.0"),
+        ("SIGKILL", "decode0.0"),
+        ("SIGSTOP", "decode0.1"),
+        ("SIGSTOP", "prefill0.0"),
+    ],
+)
+def test_a_failed_group_restarts_and_its_requests_finish_as_if_nothing_happened(
+    cluster: LaunchedCluster, reference: list[list[int]], client: Client, how: str, victim: str
+) -> None:
+    """Mid-stream, one rank is killed (or stopped: only its heartbeats tell). Its whole group is
+    restarted; requests it held move to the restarted group, prefilled again with their tokens so
+    far: each ends once, with the greedy tokens of an uninterrupted run and no token repeated or
+    skipped in its stream; the cluster serves again and every block is free afterwards."""
+    before = client.stats().faults
+    pid = rank_pids(cluster)[victim]
+    terminal = run_with_fault(client, lambda: os.kill(pid, getattr(signal, how)))
+    errors = {i: m for i, m in terminal.items() if isinstance(m, Error)}
+    assert not errors, errors
+    assert [terminal[i].token_ids for i in range(len(PROMPTS))] == reference
+    serving(cluster, client, restarts=before["restarts"] + 1)
+    after = client.stats().faults
+    # A stopped rank can hold up its pair in a blocking (gloo) transfer too: then both restart.
+    assert after["group_failures"] >= before["group_failures"] + 1, after
+    if victim.startswith("decode"):  # every request was decoding there when it failed
+        assert after["migrated"] > before["migrated"], after
+    if how == "SIGSTOP":
+        group = victim.split(".")[0]
+        assert re.search(
+            rf"{group[:-1]} group {group[-1]} \(generation \d+\) failed: rank \d sent no heartbeat", cluster.output()
+        )
+    # Served again, by the new generation.
+    assert (
+        client.generate(token_ids=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True).token_ids
+        == (reference[0])
+    )
+
+
+@pytest.mark.slow
+def test_a_client_that_goes_silent_has_its_requests_aborted(cluster: LaunchedCluster, client: Client) -> None:
+    """A client process stopped mid-request (its connection stays open, its ZMQ heartbeats stop):
+    the router drops it after its heartbeat timeout and aborts its requests on the workers, long
+    before they would have finished."""
+    script = (
+        "import sys, time\n"
+        "from pdserve.cluster.client import Client\n"
+        f"c = Client({cluster.endpoint!r}, heartbeat_timeout={CLIENT_HEARTBEAT_TIMEOUT})\n"
+        "ids = [c.submit(token_ids=[5, 6, 7], stream=True, max_tokens=400, ignore_eos=True) for _ in range(4)]\n"
+        "print('sent', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"sent\n"
+        deadline = time.monotonic() + 30
+        while client.stats().groups["decode0"]["running"] < 4:
+            assert time.monotonic() < deadline, "the silent client's requests never started decoding"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        wait_until_idle(client, timeout=CLIENT_HEARTBEAT_TIMEOUT + 15)
+        assert time.monotonic() - stopped < CLIENT_HEARTBEAT_TIMEOUT + 15
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_clients_learn_at_once_that_the_router_died_and_nothing_is_left_behind(cluster: LaunchedCluster) -> None:
+    """kill -9 of launch.py (the router's process): a waiting client raises ClusterGone within its
+    heartbeat timeout instead of its 120 s reply timeout, every rank exits, and the run directory
+    is removed. Runs last: it ends the module's cluster."""
+    run_dir = Path(re.search(r"run directory (\S+)", cluster.output()).group(1))
+    pids = list(rank_pids(cluster).values())
+    assert run_dir.is_dir()
+    with Client(cluster.endpoint, timeout=120, heartbeat_timeout=CLIENT_HEARTBEAT_TIMEOUT) as client:
+        request_id = client.submit(token_ids=[5, 6, 7], stream=True, max_tokens=400, ignore_eos=True)
+        next(client.chunks(request_id))
+        cluster.proc.kill()
+        killed = time.monotonic()
+        with pytest.raises(ClusterGone):
+            for _ in client.chunks(request_id):
+                pass
+        assert time.monotonic() - killed < CLIENT_HEARTBEAT_TIMEOUT + 1
+    cluster.proc.wait()
+    deadline = time.monotonic() + 10
+    while run_dir.exists() or any(_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, (
+            f"left behind: run dir {run_dir.exists()}, ranks {[p for p in pids if _alive(p)]}"
+        )
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie is dead
+
+
+@pytest.mark.slow
+def test_kv_no_decode_group_accepts_is_freed_when_its_lease_expires(cluster_factory) -> None:
+    """A decode pool held by a long request (400 prompt tokens, 25 of its 40 blocks, growing)
+    refuses a 250-token request's KV (16 blocks) for as long as it decodes: with a 1 s lease the
+    prefill side frees that KV, and with no move allowed the request ends with worker_failed;
+    every block on both sides comes back."""
+    cluster = cluster_factory(
+        "--model",
+        "demo",
+        "--transfer",
+        "gloo-async",
+        "--num-blocks",
+        "40",
+        "--kv-lease-timeout",
+        "1",
+        "--migration-limit",
+        "0",
+    )
+    with Client(cluster.endpoint, timeout=120) as client:
+        hog = client.submit(token_ids=[3] * 400, max_tokens=100, ignore_eos=True)
+        deadline = time.monotonic() + 60
+        while client.stats().groups["decode0"]["running"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        blocked = client.submit(token_ids=[9] * 250, max_tokens=10, ignore_eos=True)
+        with pytest.raises(ClusterError) as failed:
+            client.result(blocked)
+        assert failed.value.code == "worker_failed" and "kv_lease_expired" in str(failed.value)
+        assert client.stats().groups["decode0"]["running"] == 1, "the hog ended first: no lease was tested"
+        assert len(client.result(hog).token_ids) == 100
+        wait_until_idle(client)
+    assert cluster.stop() == 0

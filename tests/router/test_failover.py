@@ -1,0 +1,193 @@
+"""The router's side of a group failure, in one process: stand-in leaders are plain sockets, so
+every message the router sends them is checked (moves, aborts, peer notices, heartbeats)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import zmq
+
+from pdserve.cluster.config import Addresses, ClusterConfig
+from pdserve.cluster.protocol import (
+    Abort,
+    Chunk,
+    Error,
+    Final,
+    Generate,
+    Heartbeat,
+    Message,
+    PeerFailed,
+    PeerRestarted,
+    Ready,
+    Sampling,
+    StatsRequest,
+    TokenOutput,
+    TokenOutputs,
+    WorkerError,
+    WorkerStats,
+    WorkRequest,
+    decode,
+    encode,
+)
+from pdserve.router.router import Router
+
+PROMPT = [5, 6, 7]
+
+
+@dataclass
+class Rig:
+    router: Router
+    client: zmq.Socket
+    to_router: zmq.Socket
+    inboxes: dict[tuple[str, int], zmq.Socket]
+
+    def pump(self, seconds: float = 0.05) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.router.poll(5)
+
+    def received(self, role: str, group: int) -> list[Message]:
+        """What the router sent this leader since the last call."""
+        self.pump()
+        inbox, out = self.inboxes[(role, group)], []
+        while inbox.poll(50):
+            out.append(decode(inbox.recv()))
+        return out
+
+    def worker(self, message: Message) -> None:
+        self.to_router.send(encode(message))
+        self.pump()
+
+    def replies(self) -> list[Message]:
+        self.pump()
+        out = []
+        while self.client.poll(50):
+            out.append(decode(self.client.recv()))
+        return out
+
+    def ready(self, role: str, group: int) -> None:
+        self.worker(Ready(role, group, 100))
+
+
+def _rig(tmp_path_factory: pytest.TempPathFactory, **settings: object) -> Iterator[Rig]:
+    config = ClusterConfig.from_settings({"decode_groups": 2, "decode_tp": 2, **settings})
+    run_dir = str(tmp_path_factory.mktemp("run"))
+    addresses = Addresses(run_dir, f"ipc://{run_dir}/client")
+    ctx = zmq.Context.instance()
+    inboxes = {}
+    for role, group, _ in config.groups():
+        inbox = ctx.socket(zmq.PULL)
+        inbox.bind(addresses.leader(role, group))
+        inboxes[(role, group)] = inbox
+    router = Router(config, addresses, None, vocab_size=1000, max_model_len=256)
+    client = ctx.socket(zmq.DEALER)
+    client.connect(addresses.client)
+    to_router = ctx.socket(zmq.PUSH)
+    to_router.connect(addresses.router)
+    rig = Rig(router, client, to_router, inboxes)
+    for role, group, _ in config.groups():
+        rig.ready(role, group)
+    try:
+        yield rig
+    finally:
+        for sock in (client, to_router, *inboxes.values()):
+            sock.close(linger=0)
+        router.close()
+
+
+@pytest.fixture
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    yield from _rig(tmp_path_factory, migration_limit=2)
+
+
+def _start(rig: Rig, max_tokens: int = 10) -> WorkRequest:
+    rig.client.send(
+        encode(Generate(request_id="c1", token_ids=PROMPT, sampling=Sampling(max_tokens=max_tokens, temperature=0.0)))
+    )
+    (work,) = rig.received("prefill", 0)
+    assert isinstance(work, WorkRequest)
+    return work
+
+
+def test_a_request_moves_off_a_dead_decode_group_and_streams_on_without_gap_or_repeat(rig: Rig) -> None:
+    work = _start(rig)
+    rig.worker(TokenOutputs([TokenOutput(work.request_id, 0, [11])]))  # first token, from prefill
+    rig.worker(TokenOutputs([TokenOutput(work.request_id, 1, [12, 13])]))  # two from decode
+    dead = work.decode_group
+    rig.router.group_failed("decode", dead, "killed")
+    moved = [m for m in rig.received("prefill", 0)]
+    # The prefill group forgets the dead group and the old attempt, then gets the request again
+    # with its tokens so far, under a new id, for the other decode group.
+    assert moved[:2] == [PeerFailed("decode", dead), Abort(work.request_id)]
+    again = moved[2]
+    assert isinstance(again, WorkRequest) and again.request_id != work.request_id
+    assert again.token_ids == PROMPT + [11, 12, 13]
+    assert again.sampling.max_tokens == 10 - 3
+    assert again.decode_group == 1 - dead
+    assert rig.received("decode", 1 - dead) == []  # the live decode group was not serving it: nothing to abort
+    # Late outputs of the old attempt are ignored; the new attempt's index 0 is the 4th token.
+    rig.worker(TokenOutputs([TokenOutput(work.request_id, 3, [99])]))
+    rig.worker(TokenOutputs([TokenOutput(again.request_id, 0, [14])]))
+    rig.worker(TokenOutputs([TokenOutput(again.request_id, 1, [15, 16, 17, 18, 19, 20], True, "length")]))
+    replies = rig.replies()
+    streamed = [t for m in replies if isinstance(m, Chunk) for t in m.token_ids]
+    finals = [m for m in replies if isinstance(m, Final)]
+    assert streamed == list(range(11, 21))
+    assert len(finals) == 1 and finals[0].token_ids == list(range(11, 21)) and len(replies) == 5
+    assert rig.router.faults["migrated"] == 1 and not rig.router.requests
+
+
+def test_a_request_waits_while_its_role_has_no_ready_group_and_goes_when_one_is_back(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    for rig in _rig(tmp_path_factory):
+        work = _start(rig)
+        rig.router.group_failed("prefill", 0, "killed")  # before the first token: it is retried
+        assert rig.received("decode", work.decode_group) == [PeerFailed("prefill", 0), Abort(work.request_id)]
+        rig.client.send(encode(Generate(request_id="c2", token_ids=PROMPT, sampling=Sampling(max_tokens=4))))
+        rig.pump()
+        assert len(rig.router.parked) == 2 and not rig.replies()
+        rig.ready("prefill", 0)  # a dead generation's late ``ready`` is ignored
+        assert len(rig.router.parked) == 2 and not rig.router.is_ready(("prefill", 0))
+        rig.router.group_restarting("prefill", 0, 1)
+        assert rig.received("decode", 0) == [PeerRestarted("prefill", 0, 1)]
+        rig.ready("prefill", 0)
+        works = rig.received("prefill", 0)
+        assert [w.token_ids for w in works if isinstance(w, WorkRequest)] == [PROMPT, PROMPT]
+
+
+def test_past_the_migration_limit_a_request_ends_with_worker_failed(tmp_path_factory: pytest.TempPathFactory) -> None:
+    for rig in _rig(tmp_path_factory, migration_limit=1):
+        work = _start(rig)
+        rig.worker(TokenOutputs([TokenOutput(work.request_id, 0, [11])]))
+        rig.worker(WorkerError(work.request_id, "kv_lease_expired", "no decode group took it"))  # moves once
+        abort, again = rig.received("prefill", 0)
+        assert abort == Abort(work.request_id)
+        assert isinstance(again, WorkRequest) and again.token_ids == PROMPT + [11]
+        rig.router.group_failed("decode", again.decode_group, "killed")
+        replies = rig.replies()
+        assert [type(m) for m in replies] == [Chunk, Error]
+        assert replies[1].code == "worker_failed" and "migration limit 1" in replies[1].message
+        assert rig.router.faults["worker_failed"] == 1 and not rig.router.requests
+
+
+def test_a_silent_rank_of_a_ready_group_is_reported_within_the_timeout(rig: Rig) -> None:
+    assert rig.router.check_heartbeats(0.3) == []
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:  # every rank beats but decode1's rank 1
+        for role, group, tp in (("prefill", 0, 1), ("decode", 0, 2), ("decode", 1, 2)):
+            rig.to_router.send(encode(WorkerStats(role, group, 100, 100, 0, 0, 0, 0)))  # not a heartbeat
+            for rank in range(tp):
+                if (role, group, rank) != ("decode", 1, 1):
+                    rig.to_router.send(encode(Heartbeat(role, group, rank)))
+        rig.pump(0.05)
+    (silent,) = rig.router.check_heartbeats(0.3)
+    assert silent[:2] == ("decode", 1) and "rank 1" in silent[2]
+    rig.router.group_failed("decode", 1, silent[2])
+    assert rig.router.check_heartbeats(0.3) == []  # a failed group is no longer watched
+    rig.client.send(encode(StatsRequest()))
+    (stats,) = rig.replies()
+    assert "decode1" not in stats.groups and not stats.ready and stats.faults["group_failures"] == 1

@@ -38,6 +38,7 @@ from pdserve.cluster.protocol import Chunk, Final, Stats
 from pdserve.engine.tokenization import load_tokenizer
 from pdserve.router.metrics import FrontendMetrics
 from pdserve.router.openai_api import APIError, GenerationRequest, parse_request
+from pdserve.router.rejection_log import RejectionLog, shorten
 from pdserve.router.stop_strings import StopStringMatcher
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class Frontend:
         self.drain_timeout = drain_timeout
         self.tokenizer = load_tokenizer(self.model_dir)
         self.metrics = FrontendMetrics()
+        self.rejections = RejectionLog(logger)
         self.client: AsyncClient | None = None
         self.max_model_len: int | None = None
         self.in_flight = 0
@@ -119,15 +121,17 @@ class Frontend:
         app = FastAPI(title="pdserve", lifespan=self.lifespan, openapi_url=None, docs_url=None, redoc_url=None)
 
         @app.exception_handler(APIError)
-        async def api_error(_: Request, error: APIError) -> JSONResponse:
+        async def api_error(request: Request, error: APIError) -> JSONResponse:
             self.metrics.observe_error(error.code)
+            self._log_rejection(request, error)
             return JSONResponse(error.body(), status_code=error.status)
 
         @app.exception_handler(HTTPException)
-        async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+        async def http_error(request: Request, error: HTTPException) -> JSONResponse:
             code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
-            body = APIError(error.status_code, str(error.detail), code).body()
-            return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+            api_error = APIError(error.status_code, str(error.detail), code)
+            self._log_rejection(request, api_error)
+            return JSONResponse(api_error.body(), status_code=error.status_code, headers=error.headers)
 
         @app.exception_handler(Exception)
         async def internal_error(_: Request, error: Exception) -> JSONResponse:
@@ -176,6 +180,22 @@ class Frontend:
             return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
         return app
+
+    def _log_rejection(self, request: Request, error: APIError) -> None:
+        """A request refused for what the client sent (4xx): a line, rate-limited per code."""
+        if error.status >= 500:
+            return
+        peer = f"{request.client.host}:{request.client.port}" if request.client else "?"
+        self.rejections.warning(
+            error.code,
+            "refused %s %s of client %s: %d %s: %s",
+            request.method,
+            shorten(request.url.path, 80),
+            peer,
+            error.status,
+            error.code,
+            shorten(error.message),
+        )
 
     async def _stats(self) -> Stats:
         assert self.client is not None

@@ -141,3 +141,9 @@ def test_an_abort_after_admission_frees_the_running_request(setup: Setup) -> Non
     assert not setup.engine.has_unfinished() and setup.free_blocks() == NUM_BLOCKS
     setup.announce("r")  # a stray second announce of an aborted id is refused too
     assert setup.replies()[-1] == KVReply("r", accepted=False)
+
+
+def test_stats_report_the_groups_transfer_failures(setup: Setup) -> None:
+    assert setup.leader.stats().kv_transfer_failures == 0
+    setup.leader.kv_transfer_failures = 2  # what a leader counts as it gives a transfer up
+    assert setup.leader.stats().kv_transfer_failures == 2

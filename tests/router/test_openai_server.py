@@ -566,6 +566,30 @@ def test_metrics_carry_each_groups_prefix_cache_counters() -> None:
     assert ("pdserve:prefix_cache_hits_total", (("group", "decode0"),)) in samples
 
 
+def test_metrics_carry_each_groups_kv_transfer_failures() -> None:
+    """A leader's failure count travels in its worker_stats, through the router's stats reply, to
+    a per-group counter beside the refusals."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pdserve.cluster.protocol import Stats, WorkerStats, decode, encode
+    from pdserve.router.metrics import ClusterCollector
+
+    report = decode(encode(WorkerStats("decode", 0, 64, 60, 1, 0, 0, 0, kv_transfer_failures=3)))
+    assert isinstance(report, WorkerStats) and report.kv_transfer_failures == 3
+    collector = ClusterCollector()
+    collector.stats = Stats(1, {"decode0": {"kv_transfer_failures": 3, "kv_refused": 5}, "prefill0": {}})
+    registry = CollectorRegistry()
+    registry.register(collector)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+    }
+    assert sample(samples, "pdserve:kv_transfer_failures_total", group="decode0") == 3
+    assert sample(samples, "pdserve:kv_transfer_refused_total", group="decode0") == 5
+    assert ("pdserve:kv_transfer_failures_total", (("group", "prefill0"),)) in samples
+
+
 @pytest.mark.slow
 def test_a_client_that_goes_away_aborts_its_request_and_frees_the_kv(served: Served) -> None:
     before = metric_samples(served)

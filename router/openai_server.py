@@ -14,11 +14,13 @@ signal stops at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +83,10 @@ class Frontend:
         self.created = int(time.time())
         self._ids = itertools.count()
         self._background: set[asyncio.Task[Any]] = set()
+        # Bodies are checked and tokenized on one thread of their own: a long prompt then holds up
+        # the next requests' parsing, not every stream's tokens; one, as a tokenizer is not
+        # safe to call from several threads at once.
+        self._parser = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="parse")
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -93,6 +99,7 @@ class Frontend:
             yield
         finally:
             self.client.close()
+            self._parser.shutdown(wait=False, cancel_futures=True)
 
     @property
     def draining(self) -> bool:
@@ -223,7 +230,10 @@ class Frontend:
         if self.draining:
             raise APIError(503, "the server is shutting down", "shutting_down")
         max_model_len = await self._model_len()
-        gen = parse_request(kind, await request.body(), self.model_name, self.tokenizer, max_model_len)
+        body = await request.body()
+        gen = await asyncio.get_running_loop().run_in_executor(
+            self._parser, parse_request, kind, body, self.model_name, self.tokenizer, max_model_len
+        )
         run = _Run(self, gen, arrival)
         texts = run.texts()
         if not gen.stream:
@@ -243,12 +253,13 @@ class Frontend:
         self, gen: GenerationRequest, run: _Run, texts: AsyncIterator[str], first: str | None
     ) -> AsyncIterator[bytes]:
         sent = False  # chat: the first chunk carries the assistant's role
+        delta = _DeltaEvents(gen)
         try:
             if first is not None:
                 yield _event(gen.chunk(first, first=True))
                 sent = True
             async for text in texts:
-                yield _event(gen.chunk(text, first=not sent))
+                yield delta(text) if sent else _event(gen.chunk(text, first=True))
                 sent = True
         except APIError as error:  # the status is sent: the error goes in the stream, as OpenAI does
             self.metrics.observe_error(error.code)
@@ -347,6 +358,19 @@ def _cluster_error(error: ClusterError) -> APIError:
 
 def _event(body: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _DeltaEvents:
+    """The events of a stream's text chunks after the first: the request's chunk rendered once
+    around a marker, so that each chunk costs one ``json.dumps`` of its text, not of its body."""
+
+    def __init__(self, gen: GenerationRequest) -> None:
+        mark = uuid.uuid4().hex
+        self.head, found, self.tail = _event(gen.chunk(mark)).partition(json.dumps(mark).encode())
+        assert found, "a chunk's text is one JSON string of its body"
+
+    def __call__(self, text: str) -> bytes:
+        return self.head + json.dumps(text, ensure_ascii=False).encode() + self.tail
 
 
 class _EventStream(StreamingResponse):

@@ -63,6 +63,19 @@ def test_stop_strings_cut_before_the_first_match_even_across_deltas() -> None:
     assert feed(["\n"], ["one\ntwo"]) == ("one", True)
 
 
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_delta_events_are_the_chunk_bodies_events(kind: str) -> None:
+    """The stream's pre-rendered events hold exactly what rendering each chunk's body would."""
+    from pdserve.router.openai_api import GenerationRequest
+    from pdserve.router.openai_server import _DeltaEvents, _event
+
+    gen = GenerationRequest(kind, 'a "model" \\ é', [1, 2], {"max_tokens": 4})
+    delta = _DeltaEvents(gen)
+    for text in ["", "Paris", ' "quoted" \\ back', "line\nbreak\t\x00", "é 東京 🚀", gen.id, "data: [DONE]\n\n"]:
+        assert delta(text) == _event(gen.chunk(text)), text
+        assert json.loads(delta(text).removeprefix(b"data: ")) == gen.chunk(text)
+
+
 def test_stop_strings_never_send_a_character_of_a_stop_string() -> None:
     matcher = StopStringMatcher(["</end>"])
     sent = [matcher.add(d)[0] for d in ["x<", "/e", "n"]]

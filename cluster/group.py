@@ -95,8 +95,7 @@ def init_distributed(spec: RankSpec) -> tuple[TensorParallel, dist.Store]:
     torch.set_num_threads(spec.threads)
     if spec.backend == "nccl":
         torch.cuda.set_device(torch.device(spec.engine.device))
-    store = _store(spec)
-    dist.init_process_group(spec.backend, store=store, world_size=spec.world_size, rank=spec.global_rank)
+    store = join_world(spec.backend, spec.init_method, spec.world_size, spec.global_rank)
     mine = None
     for ranks in spec.tp_groups:
         group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
@@ -106,21 +105,28 @@ def init_distributed(spec: RankSpec) -> tuple[TensorParallel, dist.Store]:
     return TensorParallel(rank=tp.tp_rank, size=tp.tp_size, group=mine), store
 
 
-def _store(spec: RankSpec) -> dist.TCPStore:
-    """The world's rendezvous store, served by global rank 0 on the init address only: a
-    TCPStore that opens its own socket listens on every interface."""
-    url = urlparse(spec.init_method)
+def join_world(backend: str, init_method: str, world_size: int, rank: int) -> dist.TCPStore:
+    """``dist.init_process_group`` through a rendezvous store on the init address only (every
+    process of one world, the cluster's ranks and the benchmarks' alike); the store, for handles
+    the ranks exchange out of band."""
+    store = _store(init_method, world_size, rank)
+    dist.init_process_group(backend, store=store, world_size=world_size, rank=rank)
+    return store
+
+
+def _store(init_method: str, world_size: int, rank: int) -> dist.TCPStore:
+    """The world's rendezvous store (``tcp://HOST:PORT``), served by rank 0 on that address only:
+    a TCPStore that opens its own socket listens on every interface."""
+    url = urlparse(init_method)
     host, port = url.hostname or "127.0.0.1", url.port or 0
     timeout = datetime.timedelta(minutes=30)  # torch.distributed's own default for gloo
-    if spec.global_rank != 0:
-        return dist.TCPStore(host, port, spec.world_size, is_master=False, timeout=timeout)
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((host, port))
-    listener.listen(spec.world_size)
-    return dist.TCPStore(
-        host, port, spec.world_size, is_master=True, timeout=timeout, master_listen_fd=listener.detach()
-    )
+    listener.listen(world_size)
+    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.detach())
 
 
 class RankProcesses:

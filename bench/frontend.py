@@ -93,7 +93,9 @@ def leader_main(setup: Setup, stop: Any) -> None:
         outputs = []
         for request_id, index in list(next_index.items()):
             last = index + 1 == setup.output_len
-            outputs.append(TokenOutput(request_id, index, [index % 1000], last, "length" if last else None))
+            # Ids from 1000 up: a real tokenizer's first ids are special tokens, which have no text.
+            token = 1000 + index % 1000
+            outputs.append(TokenOutput(request_id, index, [token], last, "length" if last else None))
             if last:
                 del next_index[request_id]
             else:

@@ -8,7 +8,11 @@ through HTTP against ONE running cluster, the two backends alternating, several 
 Each repetition runs, for every concurrency in turn, the measured requests once through each
 backend (``bench.serve``'s ``zmq`` and ``openai``: a closed loop of that many clients, greedy,
 ``ignore_eos``), ZMQ first in even repetitions and HTTP first in odd ones, so that a drift in the
-machine's load falls on both alike. Both backends warm up once before the first repetition.
+machine's load falls on both alike. With ``--side-by-side`` the two backends run at once instead,
+each with its own closed loop of that many clients over the same requests: a request and its
+twin through the other backend then share the cluster's steps, so that the difference between
+them is what the path adds, not the cluster's step-to-step noise. Both backends warm up once
+before the first repetition.
 
 Reported per concurrency and backend: the median over repetitions of each run's p50 and p99 TTFT
 and inter-token latency, with the smallest and largest; and the same statistics of the paired
@@ -141,6 +145,7 @@ async def compare_backends(
     concurrencies: Sequence[int],
     repeats: int,
     model_name: str | None = None,
+    side_by_side: bool = False,
 ) -> list[dict[str, Any]]:
     """Every measured run: a dict of backend, concurrency, repeat and its metrics."""
     specs = build_requests(config, config.warmup + config.num_requests)
@@ -157,10 +162,17 @@ async def compare_backends(
             )
         for repeat in range(repeats):
             for concurrency in concurrencies:
-                for name in backend_order(repeat):
-                    records = await run_requests(
-                        clients[name], measured, None, concurrency, config.seed, f"#{repeat + 1} c={concurrency} {name}"
-                    )
+
+                def run(name: str) -> Any:
+                    label = f"#{repeat + 1} c={concurrency} {name}"
+                    return run_requests(clients[name], measured, None, concurrency, config.seed, label)
+
+                order = backend_order(repeat)
+                if side_by_side:
+                    results = await asyncio.gather(*(run(name) for name in order))
+                else:
+                    results = [await run(name) for name in order]
+                for name, records in zip(order, results):
                     runs.append(
                         {
                             "backend": name,
@@ -192,6 +204,9 @@ async def compare_backends(
     default=None,
     help="The served model's directory: its config.json gives the vocabulary size.",
 )
+@click.option(
+    "--side-by-side", is_flag=True, help="Run both backends at once, each with --concurrencies clients, not in turn."
+)
 @click.option("--max-ttft-overhead-ms", type=float, default=2.0, help="Target: HTTP - ZMQ of p50 TTFT.")
 @click.option("--max-itl-overhead-ms", type=float, default=0.2, help="Target: HTTP - ZMQ of p50 ITL.")
 @click.option("--timeout", type=float, default=600.0, help="Seconds to wait for any one reply.")
@@ -209,6 +224,7 @@ def main(
     output_len: int,
     seed: int,
     model_dir: Path | None,
+    side_by_side: bool,
     max_ttft_overhead_ms: float,
     max_itl_overhead_ms: float,
     timeout: float,
@@ -232,10 +248,11 @@ def main(
         raise click.UsageError(str(e)) from None
     if repeats < 1:
         raise click.UsageError("--repeats must be >= 1")
-    runs = asyncio.run(compare_backends(config, endpoint, base_url, levels, repeats, model_name))
+    runs = asyncio.run(compare_backends(config, endpoint, base_url, levels, repeats, model_name, side_by_side))
     summary = summarize_runs(runs, max_ttft_overhead_ms, max_itl_overhead_ms)
     click.echo(
-        f"{num_requests} requests of {input_len} tokens in, {output_len} out, per run; {repeats} repetitions; "
+        f"{num_requests} requests of {input_len} tokens in, {output_len} out, per run; {repeats} repetitions"
+        f"{', the backends side by side' if side_by_side else ''}; "
         "median [min, max] over repetitions of each run's percentile, ms"
     )
     click.echo(summary_table(summary, markdown=markdown))
@@ -259,6 +276,7 @@ def main(
                 "config": {
                     "concurrencies": levels,
                     "repeats": repeats,
+                    "side_by_side": side_by_side,
                     "num_requests": num_requests,
                     "warmup": warmup,
                     "input_len": input_len,

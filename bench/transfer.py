@@ -84,7 +84,7 @@ import torch.distributed as dist
 import zmq
 from tqdm import tqdm
 
-from pdserve.cluster.group import RankProcesses, free_port
+from pdserve.cluster.group import RankProcesses, free_port, join_world
 from pdserve.cluster.protocol import KVAnnounce, KVReply, Sampling
 from pdserve.cluster.protocol import decode as decode_message
 from pdserve.cluster.protocol import encode as encode_message
@@ -633,7 +633,7 @@ def _rank_main(setup: Setup, rank: int) -> None:
     backend = "nccl" if setup.device == "cuda" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=setup.init_method, world_size=setup.world_size, rank=rank)
+    join_world(backend, setup.init_method, setup.world_size, rank)
     try:
         bench = _Rank(setup, rank)
         bench.run()

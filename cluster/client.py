@@ -357,8 +357,8 @@ class AsyncClient:
         try:
             await self._socket.send(encode(request))
             while True:
-                try:
-                    message = await asyncio.wait_for(queue.get(), self.timeout)
+                try:  # a message already queued needs no timer (wait_for costs a task a call)
+                    message = queue.get_nowait() if queue.qsize() else await asyncio.wait_for(queue.get(), self.timeout)
                 except asyncio.TimeoutError:
                     raise ClusterUnavailable(self.endpoint, self.timeout) from None
                 if isinstance(message, BaseException):

@@ -107,13 +107,15 @@ class ClusterConfig:
         choices=DISPATCH_POLICIES,
     )
     max_message_mib: float = setting(
-        16.0,
-        help="Largest message a client may send, in MiB: a bigger one drops its connection unread.",
+        4.0,
+        help="Largest message a client may send, in MiB: a bigger one drops its connection unread "
+        "(decoding one at the limit holds up every other client: docs/protocol.md states for how long).",
         section="Serving",
     )
     max_prompt_chars: int = setting(
-        1_000_000,
-        help="Longest text prompt, in characters (tokenizing it holds up every other client).",
+        100_000,
+        help="Longest text prompt, in characters (tokenizing one at the limit holds up every other client: "
+        "docs/protocol.md states for how long).",
         section="Serving",
     )
     max_requests_per_client: int = setting(

@@ -112,6 +112,14 @@ def connect_store(address: str, serve: bool = False, clients: int = 1) -> dist.T
     )
 
 
+def join_world(backend: str, init_method: str, world_size: int, rank: int) -> dist.TCPStore:
+    """``dist.init_process_group`` of a world whose rank 0 serves the rendezvous store on the init
+    address only (the benchmarks' worlds); the store."""
+    store = connect_store(init_method, serve=rank == 0, clients=world_size)
+    dist.init_process_group(backend, store=store, world_size=world_size, rank=rank)
+    return store
+
+
 class RankProcesses:
     """Spawned rank processes, watched together."""
 

@@ -60,6 +60,8 @@ class GroupLeader:
         self.next_index: dict[str, int] = {}  # request -> index of its next output token
         self.stopping = False
         self.kv_refused = 0
+        # A role's KV transfers that failed or were given up (refusals are kv_refused, not these).
+        self.kv_transfer_failures = 0
         self._outputs: list[TokenOutput] = []
 
     def _push(self, address: str) -> zmq.Socket:
@@ -112,6 +114,7 @@ class GroupLeader:
             prefix_queried_tokens=0 if cache is None else cache.hit_tokens + cache.miss_tokens,
             prefix_hit_tokens=0 if cache is None else cache.hit_tokens,
             prefix_evicted_blocks=0 if cache is None else cache.evicted_blocks,
+            kv_transfer_failures=self.kv_transfer_failures,
         )
 
     def busy(self) -> bool:

@@ -449,6 +449,7 @@ class WorkerStats(Message):
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     prefix_evicted_blocks: int = 0
+    kv_transfer_failures: int = 0  # KV transfers that did not deliver a usable KV, cumulative
 
 
 @dataclass

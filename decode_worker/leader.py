@@ -131,6 +131,7 @@ class DecodeLeader(GroupLeader):
     def _give_up(self, request_id: str, code: str, why: str) -> None:
         """A receive that will never be admitted: free its blocks; the router moves the request
         (unless it was aborted meanwhile)."""
+        self.kv_transfer_failures += 1
         self.receiving.pop(request_id, None)
         self.receive_started.pop(request_id, None)
         self.engine.abort(request_id)

@@ -74,16 +74,16 @@ def validate_request(
     serve the request. The router calls it before dispatch, the engine again on arrival."""
     if len(token_ids) == 0:
         raise RequestError("prompt", "is empty")
+    total = len(token_ids) + params.max_tokens
+    if total > max_model_len:  # first: an over-long prompt is refused without a scan of its ids
+        raise RequestError(
+            "max_tokens",
+            f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+            f"exceeds the maximum model length {max_model_len}",
+        )
     for t in token_ids:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
             raise RequestError(tokens_field, f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
     for t in params.stop_token_ids:
         if t >= vocab_size:
             raise RequestError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab_size})")
-    total = len(token_ids) + params.max_tokens
-    if total > max_model_len:
-        raise RequestError(
-            "max_tokens",
-            f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-            f"exceeds the maximum model length {max_model_len}",
-        )

@@ -146,6 +146,7 @@ class PrefillLeader(GroupLeader):
     def _expire(self, handoff: _Handoff) -> None:
         """Its lease ran out before a decode group took the KV: free it, the router decides."""
         request_id = handoff.announce.request_id
+        self.kv_transfer_failures += 1
         self.engine.release(request_id)
         self.send_router(
             WorkerError(

@@ -3,7 +3,7 @@
 
 Latencies are measured where the front end sees them (request arrival, each chunk, the end);
 the phases of a request (queue, prefill, KV transfer, decode) come from the ``timings`` of its
-``final`` message; running/waiting requests, KV usage, refused transfers and the prefix cache's
+``final`` message; running/waiting requests, KV usage, refused and failed transfers and the prefix cache's
 counters per worker group come from the cluster's ``stats`` reply, read at each scrape. One
 registry per server, never the process-wide default, so that several servers (tests) never
 share counters.
@@ -122,8 +122,8 @@ class FrontendMetrics:
 
 
 class ClusterCollector(Collector):
-    """Gauges (and the refused-transfer and prefix-cache counters) from the latest ``stats``
-    reply, read at scrape time; nothing per group while the cluster has not answered."""
+    """Gauges (and the counters of refused and failed transfers and of the prefix cache) from the
+    latest ``stats`` reply, read at scrape time; nothing per group while the cluster has not answered."""
 
     def __init__(self) -> None:
         self.stats: Stats | None = None
@@ -165,6 +165,11 @@ class ClusterCollector(Collector):
             "KV announcements the decode side refused for lack of blocks or buffer room (the prefill side retries).",
             labels=["group"],
         )
+        failures = CounterMetricFamily(
+            f"{PREFIX}kv_transfer_failures",
+            "KV transfers that failed or were given up, as the group counts them (refusals are not failures).",
+            labels=["group"],
+        )
         counters = {
             "prefix_queried_tokens": CounterMetricFamily(
                 f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in a group's prefix cache.", labels=["group"]
@@ -185,8 +190,10 @@ class ClusterCollector(Collector):
             families["usage"].add_metric([group], 1.0 - g.get("free_blocks", 0) / total if total else 0.0)
             families["kv_held"].add_metric([group], g.get("kv_held", 0))
             refused.add_metric([group], g.get("kv_refused", 0))
+            failures.add_metric([group], g.get("kv_transfer_failures", 0))
             for key, counter in counters.items():
                 counter.add_metric([group], g.get(key, 0))
         yield from families.values()
         yield refused
+        yield failures
         yield from counters.values()

@@ -14,11 +14,13 @@ signal stops at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,7 @@ from pdserve.cluster.protocol import Chunk, Final, Stats
 from pdserve.engine.tokenization import load_tokenizer
 from pdserve.router.metrics import FrontendMetrics
 from pdserve.router.openai_api import APIError, GenerationRequest, parse_request
+from pdserve.router.rejection_log import RejectionLog, shorten
 from pdserve.router.stop_strings import StopStringMatcher
 
 logger = logging.getLogger(__name__)
@@ -72,6 +75,7 @@ class Frontend:
         self.drain_timeout = drain_timeout
         self.tokenizer = load_tokenizer(self.model_dir)
         self.metrics = FrontendMetrics()
+        self.rejections = RejectionLog(logger)
         self.client: AsyncClient | None = None
         self.max_model_len: int | None = None
         self.in_flight = 0
@@ -79,6 +83,10 @@ class Frontend:
         self.created = int(time.time())
         self._ids = itertools.count()
         self._background: set[asyncio.Task[Any]] = set()
+        # Bodies are checked and tokenized on one thread of their own: a long prompt then holds up
+        # the next requests' parsing, not every stream's tokens; one, as a tokenizer is not
+        # safe to call from several threads at once.
+        self._parser = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="parse")
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -91,6 +99,7 @@ class Frontend:
             yield
         finally:
             self.client.close()
+            self._parser.shutdown(wait=False, cancel_futures=True)
 
     @property
     def draining(self) -> bool:
@@ -119,15 +128,17 @@ class Frontend:
         app = FastAPI(title="pdserve", lifespan=self.lifespan, openapi_url=None, docs_url=None, redoc_url=None)
 
         @app.exception_handler(APIError)
-        async def api_error(_: Request, error: APIError) -> JSONResponse:
+        async def api_error(request: Request, error: APIError) -> JSONResponse:
             self.metrics.observe_error(error.code)
+            self._log_rejection(request, error)
             return JSONResponse(error.body(), status_code=error.status)
 
         @app.exception_handler(HTTPException)
-        async def http_error(_: Request, error: HTTPException) -> JSONResponse:
+        async def http_error(request: Request, error: HTTPException) -> JSONResponse:
             code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
-            body = APIError(error.status_code, str(error.detail), code).body()
-            return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+            api_error = APIError(error.status_code, str(error.detail), code)
+            self._log_rejection(request, api_error)
+            return JSONResponse(api_error.body(), status_code=error.status_code, headers=error.headers)
 
         @app.exception_handler(Exception)
         async def internal_error(_: Request, error: Exception) -> JSONResponse:
@@ -177,6 +188,22 @@ class Frontend:
 
         return app
 
+    def _log_rejection(self, request: Request, error: APIError) -> None:
+        """A request refused for what the client sent (4xx): a line, rate-limited per code."""
+        if error.status >= 500:
+            return
+        peer = f"{request.client.host}:{request.client.port}" if request.client else "?"
+        self.rejections.warning(
+            error.code,
+            "refused %s %s of client %s: %d %s: %s",
+            request.method,
+            shorten(request.url.path, 80),
+            peer,
+            error.status,
+            error.code,
+            shorten(error.message),
+        )
+
     async def _stats(self) -> Stats:
         assert self.client is not None
         try:
@@ -203,7 +230,10 @@ class Frontend:
         if self.draining:
             raise APIError(503, "the server is shutting down", "shutting_down")
         max_model_len = await self._model_len()
-        gen = parse_request(kind, await request.body(), self.model_name, self.tokenizer, max_model_len)
+        body = await request.body()
+        gen = await asyncio.get_running_loop().run_in_executor(
+            self._parser, parse_request, kind, body, self.model_name, self.tokenizer, max_model_len
+        )
         run = _Run(self, gen, arrival)
         texts = run.texts()
         if not gen.stream:
@@ -223,12 +253,13 @@ class Frontend:
         self, gen: GenerationRequest, run: _Run, texts: AsyncIterator[str], first: str | None
     ) -> AsyncIterator[bytes]:
         sent = False  # chat: the first chunk carries the assistant's role
+        delta = _DeltaEvents(gen)
         try:
             if first is not None:
                 yield _event(gen.chunk(first, first=True))
                 sent = True
             async for text in texts:
-                yield _event(gen.chunk(text, first=not sent))
+                yield delta(text) if sent else _event(gen.chunk(text, first=True))
                 sent = True
         except APIError as error:  # the status is sent: the error goes in the stream, as OpenAI does
             self.metrics.observe_error(error.code)
@@ -327,6 +358,19 @@ def _cluster_error(error: ClusterError) -> APIError:
 
 def _event(body: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _DeltaEvents:
+    """The events of a stream's text chunks after the first: the request's chunk rendered once
+    around a marker, so that each chunk costs one ``json.dumps`` of its text, not of its body."""
+
+    def __init__(self, gen: GenerationRequest) -> None:
+        mark = uuid.uuid4().hex
+        self.head, found, self.tail = _event(gen.chunk(mark)).partition(json.dumps(mark).encode())
+        assert found, "a chunk's text is one JSON string of its body"
+
+    def __call__(self, text: str) -> bytes:
+        return self.head + json.dumps(text, ensure_ascii=False).encode() + self.tail
 
 
 class _EventStream(StreamingResponse):

@@ -13,6 +13,7 @@ that its send queue is full): its requests are aborted on the workers and droppe
 Limits keep one client from holding up the others: a message over ``max_message_mib`` is never
 read (ZMQ drops the connection), a text prompt over ``max_prompt_chars`` is refused before it is
 tokenized, and requests beyond ``max_requests_per_client`` or ``max_requests`` get ``overloaded``.
+Each refusal is logged at WARNING with the client's address, rate-limited per error code.
 
 Failures: the router dispatches only to ready groups (a request waits while a role has none),
 watches every ready group's heartbeats (``check_heartbeats``), and when a group fails
@@ -65,6 +66,7 @@ from pdserve.engine.sampling import RequestError, validate_request
 from pdserve.engine.timings import RequestTimings
 from pdserve.engine.tokenization import encode_prompt
 from pdserve.router.policy import create_policy
+from pdserve.router.rejection_log import RejectionLog, shorten
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +155,8 @@ class Router:
         self.accepting = True
         self._ids = itertools.count()
         self._chunks: dict[bytes, list[Chunk]] = {}  # batched chunks not yet sent, by client
+        self.rejections = RejectionLog(logger)
+        self._peer = ""  # the address of the client whose message is being handled
 
     # -- start-up and shutdown -----------------------------------------------------------
 
@@ -295,9 +299,10 @@ class Router:
             if self.inbox in events:
                 self._on_worker(self.inbox.recv())
             if self.frontend in events:
-                frames = self.frontend.recv_multipart()
+                frames = self.frontend.recv_multipart(copy=False)
                 if len(frames) == 2:
-                    self._on_client(frames[0], frames[1])
+                    self._peer = _peer_address(frames[1])
+                    self._on_client(frames[0].bytes, frames[1].bytes)
             events = dict(self._poller.poll(0))
 
     def stop_accepting(self) -> None:
@@ -326,6 +331,18 @@ class Router:
         self._flush_chunks(client)  # a request's chunks go before anything sent after them
         self._send(client, encode(message))
 
+    def _reject(self, client: bytes, error: Error) -> None:
+        """Refuse a client's message: the error goes back, and a line (rate-limited) to the log."""
+        self.rejections.warning(
+            error.code,
+            "router: refused a message of client %s (%s): %s: %s",
+            self._peer or "?",
+            client.hex(),
+            error.code,
+            shorten(error.message),
+        )
+        self._reply(client, error)
+
     def _flush_chunks(self, client: bytes) -> None:
         chunks = self._chunks.pop(client, None)
         if chunks:
@@ -349,13 +366,15 @@ class Router:
             self._abort_workers(request_id)
             self._release(request_id)
         if dropped:
-            logger.warning("router: a client %s; aborted its %d request(s)", why, len(dropped))
+            self.rejections.warning(
+                "client_dropped", "router: a client %s; aborted its %d request(s)", why, len(dropped)
+            )
 
     def _on_client(self, client: bytes, data: bytes) -> None:
         try:
             message = decode(data)
         except ProtocolError as e:
-            self._reply(client, Error(e.request_id, e.code, e.message))
+            self._reject(client, Error(e.request_id, e.code, e.message))
             return
         try:
             self._handle_client(client, message)
@@ -370,7 +389,7 @@ class Router:
         elif isinstance(message, Abort):
             request_id = self.by_client.get((client, message.request_id))
             if request_id is None:
-                self._reply(
+                self._reject(
                     client,
                     Error(
                         message.request_id,
@@ -394,7 +413,7 @@ class Router:
                 ),
             )
         else:
-            self._reply(
+            self._reject(
                 client,
                 Error(
                     getattr(message, "request_id", None),
@@ -410,13 +429,13 @@ class Router:
             return
         if self.client_load.get(client, 0) >= self.config.max_requests_per_client:
             limit = self.config.max_requests_per_client
-            self._reply(client, Error(client_id, "overloaded", f"this client has {limit} requests in flight already"))
+            self._reject(client, Error(client_id, "overloaded", f"this client has {limit} requests in flight already"))
             return
         if len(self.requests) >= self.config.max_requests:
-            self._reply(client, Error(client_id, "overloaded", "the cluster has too many requests in flight"))
+            self._reject(client, Error(client_id, "overloaded", "the cluster has too many requests in flight"))
             return
         if (client, client_id) in self.by_client:
-            self._reply(
+            self._reject(
                 client, Error(client_id, "duplicate_request_id", f"request_id {client_id!r} is already running")
             )
             return
@@ -426,7 +445,7 @@ class Router:
             # Text prompts were tokenized here: their ids are the model's own.
             validate_request(token_ids, params, self.vocab_size, self.max_model_len, tokens_field="token_ids")
         except RequestError as e:
-            self._reply(client, Error(client_id, "invalid_request", str(e)))
+            self._reject(client, Error(client_id, "invalid_request", str(e)))
             return
         request_id = f"{next(self._ids)}"
         state = RequestState(
@@ -577,3 +596,11 @@ class Router:
         for key in groups:
             if key is not None and key in self.leaders:
                 self.leaders[key].send(encode(Abort(request_id)))
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The sender's address as ZMQ knows it (an IP for TCP), or "" where it has none."""
+    try:
+        return frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return ""

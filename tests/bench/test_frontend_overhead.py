@@ -71,7 +71,7 @@ def test_summary_pairs_the_runs_of_one_repetition() -> None:
 
 
 @pytest.mark.slow
-def test_alternating_backends_against_a_cpu_cluster(tmp_path: Path, demo_model_dir: Path) -> None:
+def test_alternating_and_side_by_side_backends_against_a_cpu_cluster(tmp_path: Path, demo_model_dir: Path) -> None:
     http_port = free_port()
     args = [
         "--model",
@@ -88,39 +88,40 @@ def test_alternating_backends_against_a_cpu_cluster(tmp_path: Path, demo_model_d
         str(http_port),
     ]
     with LaunchedCluster(args, tmp_path / "launch.log", start_timeout=300) as cluster:
-        out = tmp_path / "overhead.json"
-        bench = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pdserve.bench.frontend_overhead",
-                "--endpoint",
-                cluster.endpoint,
-                "--base-url",
-                f"http://127.0.0.1:{http_port}",
-                "--model-dir",
-                str(demo_model_dir),
-                "--concurrencies",
-                "1,2",
-                "--repeats",
-                "2",
-                "--num-requests",
-                "2",
-                "--warmup",
-                "1",
-                "--input-len",
-                "8",
-                "--output-len",
-                "4",
-                "--out",
-                str(out),
-            ],
+        out, paired_out = tmp_path / "overhead.json", tmp_path / "side_by_side.json"
+        command = [
+            sys.executable,
+            "-m",
+            "pdserve.bench.frontend_overhead",
+            "--endpoint",
+            cluster.endpoint,
+            "--base-url",
+            f"http://127.0.0.1:{http_port}",
+            "--model-dir",
+            str(demo_model_dir),
+            "--concurrencies",
+            "1,2",
+            "--repeats",
+            "2",
+            "--num-requests",
+            "2",
+            "--warmup",
+            "1",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+        ]
+        bench = subprocess.run([*command, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert bench.returncode == 0, bench.stderr[-4000:]
+        paired = subprocess.run(
+            [*command, "--side-by-side", "--out", str(paired_out)],
             cwd=REPO,
             capture_output=True,
             text=True,
             timeout=300,
         )
-        assert bench.returncode == 0, bench.stderr[-4000:]
+        assert paired.returncode == 0, paired.stderr[-4000:]
         assert cluster.stop() == 0, cluster.output()[-4000:]
 
     results = json.loads(out.read_text())
@@ -146,3 +147,10 @@ def test_alternating_backends_against_a_cpu_cluster(tmp_path: Path, demo_model_d
         diff = s["openai_minus_zmq"]["ttft_p50"]
         assert diff["min"] <= diff["median"] <= diff["max"]
     assert "concurrency 1: TTFT target" in bench.stdout
+
+    # Side by side: the same runs, both backends at once, and every request through each complete.
+    side_by_side = json.loads(paired_out.read_text())
+    assert side_by_side["config"]["side_by_side"] is True
+    assert sorted((r["repeat"], r["concurrency"], r["backend"]) for r in side_by_side["runs"]) == sorted(order)
+    assert all(r["metrics"]["completed"] == 2 and r["metrics"]["failed"] == 0 for r in side_by_side["runs"])
+    assert "the backends side by side" in paired.stdout

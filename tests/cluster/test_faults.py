@@ -250,5 +250,6 @@ def test_kv_no_decode_group_accepts_is_freed_when_its_lease_expires(cluster_fact
         assert failed.value.code == "worker_failed" and "kv_lease_expired" in str(failed.value)
         assert client.stats().groups["decode0"]["running"] == 1, "the hog ended first: no lease was tested"
         assert len(client.result(hog).token_ids) == 100
-        wait_until_idle(client)
+        groups = wait_until_idle(client, also=lambda groups: groups["prefill0"]["kv_transfer_failures"] >= 1)
+        assert groups["prefill0"]["kv_transfer_failures"] == 1  # the expired lease, and nothing else
     assert cluster.stop() == 0

@@ -63,6 +63,19 @@ def test_stop_strings_cut_before_the_first_match_even_across_deltas() -> None:
     assert feed(["\n"], ["one\ntwo"]) == ("one", True)
 
 
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_delta_events_are_the_chunk_bodies_events(kind: str) -> None:
+    """The stream's pre-rendered events hold exactly what rendering each chunk's body would."""
+    from pdserve.router.openai_api import GenerationRequest
+    from pdserve.router.openai_server import _DeltaEvents, _event
+
+    gen = GenerationRequest(kind, 'a "model" \\ é', [1, 2], {"max_tokens": 4})
+    delta = _DeltaEvents(gen)
+    for text in ["", "Paris", ' "quoted" \\ back', "line\nbreak\t\x00", "é 東京 🚀", gen.id, "data: [DONE]\n\n"]:
+        assert delta(text) == _event(gen.chunk(text)), text
+        assert json.loads(delta(text).removeprefix(b"data: ")) == gen.chunk(text)
+
+
 def test_stop_strings_never_send_a_character_of_a_stop_string() -> None:
     matcher = StopStringMatcher(["</end>"])
     sent = [matcher.add(d)[0] for d in ["x<", "/e", "n"]]
@@ -564,6 +577,30 @@ def test_metrics_carry_each_groups_prefix_cache_counters() -> None:
     assert sample(samples, "pdserve:prefix_cache_hits_total", group="prefill0") == 240
     assert sample(samples, "pdserve:prefix_cache_evicted_blocks_total", group="prefill0") == 7
     assert ("pdserve:prefix_cache_hits_total", (("group", "decode0"),)) in samples
+
+
+def test_metrics_carry_each_groups_kv_transfer_failures() -> None:
+    """A leader's failure count travels in its worker_stats, through the router's stats reply, to
+    a per-group counter beside the refusals."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pdserve.cluster.protocol import Stats, WorkerStats, decode, encode
+    from pdserve.router.metrics import ClusterCollector
+
+    report = decode(encode(WorkerStats("decode", 0, 64, 60, 1, 0, 0, 0, kv_transfer_failures=3)))
+    assert isinstance(report, WorkerStats) and report.kv_transfer_failures == 3
+    collector = ClusterCollector()
+    collector.stats = Stats(1, {"decode0": {"kv_transfer_failures": 3, "kv_refused": 5}, "prefill0": {}})
+    registry = CollectorRegistry()
+    registry.register(collector)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+    }
+    assert sample(samples, "pdserve:kv_transfer_failures_total", group="decode0") == 3
+    assert sample(samples, "pdserve:kv_transfer_refused_total", group="decode0") == 5
+    assert ("pdserve:kv_transfer_failures_total", (("group", "prefill0"),)) in samples
 
 
 @pytest.mark.slow

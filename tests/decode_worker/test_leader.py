@@ -1,0 +1,173 @@
+"""The decode leader driven message by message, in each order an abort can take against the
+request's ``kv_announce``: a real engine (tiny model, CPU) and a stand-in transfer agent whose
+receives land when the test says, no processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import zmq
+
+from pdserve.cluster.config import Addresses
+from pdserve.cluster.protocol import Abort, KVAnnounce, KVReply, Message, Sampling, decode
+from pdserve.decode_worker.leader import DecodeLeader
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.kvtransfer.base import TransferStats
+
+NUM_BLOCKS = 32
+PROMPT = list(range(1, 41))  # 40 tokens: 3 blocks of 16
+
+
+class StandInTransfers:
+    """What the decode leader uses of ``KVTransferAgent``: a receive is posted by ``recv`` and
+    lands when the test calls ``land``; ``pulling``: as a pulling backend (cuda-ipc, shm)."""
+
+    def __init__(self, pulling: bool = False) -> None:
+        self.pulling = pulling
+        self.posted: dict[str, list[int]] = {}
+        self.landed: set[str] = set()
+
+    def has_staging_room(self, peer_group: int, num_blocks: int) -> bool:
+        return True
+
+    def pulls(self, peer_group: int) -> bool:
+        return self.pulling
+
+    def recv(self, request_id: str, block_ids: list[int], peer_group: int, src_block_ids: list[int]) -> None:
+        self.posted[request_id] = list(block_ids)
+
+    def land(self, request_id: str) -> None:
+        assert request_id in self.posted
+        self.landed.add(request_id)
+
+    def done(self, request_id: str) -> bool:
+        return request_id in self.landed
+
+    def wait(self, request_id: str) -> TransferStats:
+        self.landed.discard(request_id)
+        return TransferStats(num_bytes=len(self.posted.pop(request_id)), host_seconds=0.0)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Setup:
+    leader: DecodeLeader
+    engine: LLMEngine
+    transfers: StandInTransfers
+    prefill_inbox: zmq.Socket
+
+    def replies(self) -> list[Message]:
+        """What the leader sent the prefill group so far."""
+        out = []
+        while self.prefill_inbox.poll(200):
+            out.append(decode(self.prefill_inbox.recv()))
+        return out
+
+    def announce(self, request_id: str) -> None:
+        self.leader.handle(KVAnnounce(request_id, 0, PROMPT, 7, Sampling(max_tokens=8, temperature=0.0)))
+
+    def free_blocks(self) -> int:
+        return self.engine.stats().free_blocks
+
+
+@pytest.fixture
+def setup(request: pytest.FixtureRequest, tmp_path: Path, tiny_model_dirs: dict[str, Path]) -> Iterator[Setup]:
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dirs["tiny-llama"]),
+            dtype="float32",
+            device="cpu",
+            max_model_len=128,
+            cache=CacheConfig(num_blocks=NUM_BLOCKS),
+        )
+    )
+    addresses = Addresses(str(tmp_path), "tcp://127.0.0.1:1")
+    ctx = zmq.Context.instance()
+    router_inbox = ctx.socket(zmq.PULL)
+    router_inbox.bind(addresses.router)
+    prefill_inbox = ctx.socket(zmq.PULL)
+    prefill_inbox.bind(addresses.leader("prefill", 0))
+    transfers = StandInTransfers(pulling=getattr(request, "param", False))
+    leader = DecodeLeader(0, addresses, engine, transfers)  # type: ignore[arg-type]
+    try:
+        yield Setup(leader, engine, transfers, prefill_inbox)
+    finally:
+        leader.close()
+        router_inbox.close(linger=0)
+        prefill_inbox.close(linger=0)
+
+
+def test_an_abort_before_the_announce_refuses_it_and_reserves_nothing(setup: Setup) -> None:
+    """Abort first, announce second (the order the issue's leak needed): the announce is refused,
+    no block is reserved and no receive posted, and nothing is ever decoded. The same announce
+    without an abort (another id) is accepted: the oracle that the refusal is the abort's doing."""
+    setup.leader.handle(Abort("late"))
+    setup.announce("late")
+    assert setup.replies() == [KVReply("late", accepted=False)]
+    assert setup.transfers.posted == {}
+    assert setup.free_blocks() == NUM_BLOCKS
+    setup.leader.background()
+    assert not setup.engine.has_unfinished()
+
+    setup.announce("other")
+    assert setup.replies() == [KVReply("other", accepted=True)]
+    assert set(setup.transfers.posted) == {"other"}
+    assert setup.free_blocks() == NUM_BLOCKS - 3
+
+
+def test_an_abort_during_the_receive_frees_the_blocks_once_it_lands(setup: Setup) -> None:
+    """Announce, accept, then abort while the receive is in flight: the blocks stay reserved
+    (the prefill side is still writing into them) until the receive lands, then are freed, and
+    the request never joins the batch."""
+    setup.announce("r")
+    assert setup.replies() == [KVReply("r", accepted=True)]
+    setup.leader.handle(Abort("r"))
+    setup.leader.background()
+    assert setup.free_blocks() == NUM_BLOCKS - 3  # the receive still writes into them
+    setup.transfers.land("r")
+    setup.leader.background()
+    assert setup.free_blocks() == NUM_BLOCKS
+    assert not setup.engine.has_unfinished() and setup.transfers.posted == {}
+
+
+def test_an_abort_after_admission_frees_the_running_request(setup: Setup) -> None:
+    setup.announce("r")
+    setup.transfers.land("r")
+    setup.leader.background()
+    assert setup.engine.has_unfinished()
+    setup.leader.handle(Abort("r"))
+    assert not setup.engine.has_unfinished() and setup.free_blocks() == NUM_BLOCKS
+    setup.announce("r")  # a stray second announce of an aborted id is refused too
+    assert setup.replies()[-1] == KVReply("r", accepted=False)
+
+
+def test_stats_report_the_groups_transfer_failures(setup: Setup) -> None:
+    assert setup.leader.stats().kv_transfer_failures == 0
+    setup.leader.kv_transfer_failures = 2  # what a leader counts as it gives a transfer up
+    assert setup.leader.stats().kv_transfer_failures == 2
+
+
+@pytest.mark.parametrize("setup", [True], indirect=True)
+def test_a_pulled_receive_is_accepted_only_once_it_has_landed(setup: Setup) -> None:
+    """A pulling backend copies from the prefill pool: the accepted reply, which lets the prefill
+    side free its blocks, waits until the copy has landed; an abort meanwhile still gets it."""
+    setup.announce("r")
+    assert setup.replies() == []
+    setup.leader.background()
+    assert setup.replies() == []  # still copying: the prefill blocks must stay
+    setup.transfers.land("r")
+    setup.leader.background()
+    assert setup.replies() == [KVReply("r", accepted=True)]
+    assert setup.engine.has_unfinished()
+    setup.announce("gone")
+    setup.leader.handle(Abort("gone"))
+    setup.transfers.land("gone")
+    setup.leader.background()
+    assert setup.replies() == [KVReply("gone", accepted=True)]  # the prefill side frees its copy
+    assert setup.free_blocks() == NUM_BLOCKS - 3  # only "r" holds blocks

@@ -10,13 +10,19 @@ DEFAULT_CACHE_MARGIN_TOKENS = 4096
 
 class DispatchPolicy(ABC):
     """Picks one group index given each group's outstanding tokens (prompt + tokens to come)
-    and, for policies that use it, how many leading tokens of the prompt each group's prefix
-    cache holds (``cached``; groups absent from it hold none)."""
+    and, for policies that use them, how many leading tokens of the prompt each group's prefix
+    cache holds (``cached``) and how many blocks it holds in all (``cache_sizes``); groups
+    absent from either hold none."""
 
-    uses_cache: bool = False  # whether ``pick`` reads ``cached``: the router skips it otherwise
+    uses_cache: bool = False  # whether ``pick`` reads the cache mappings: the router skips them otherwise
 
     @abstractmethod
-    def pick(self, outstanding: Mapping[int, int], cached: Mapping[int, int] | None = None) -> int: ...
+    def pick(
+        self,
+        outstanding: Mapping[int, int],
+        cached: Mapping[int, int] | None = None,
+        cache_sizes: Mapping[int, int] | None = None,
+    ) -> int: ...
 
 
 _POLICIES: dict[str, Callable[[int], DispatchPolicy]] = {}
@@ -43,7 +49,12 @@ class RoundRobin(DispatchPolicy):
     def __init__(self, cache_margin_tokens: int = 0) -> None:
         self._turn = 0
 
-    def pick(self, outstanding: Mapping[int, int], cached: Mapping[int, int] | None = None) -> int:
+    def pick(
+        self,
+        outstanding: Mapping[int, int],
+        cached: Mapping[int, int] | None = None,
+        cache_sizes: Mapping[int, int] | None = None,
+    ) -> int:
         groups = sorted(outstanding)
         choice = groups[self._turn % len(groups)]
         self._turn += 1
@@ -57,7 +68,12 @@ class LeastOutstandingTokens(DispatchPolicy):
     def __init__(self, cache_margin_tokens: int = 0) -> None:
         pass
 
-    def pick(self, outstanding: Mapping[int, int], cached: Mapping[int, int] | None = None) -> int:
+    def pick(
+        self,
+        outstanding: Mapping[int, int],
+        cached: Mapping[int, int] | None = None,
+        cache_sizes: Mapping[int, int] | None = None,
+    ) -> int:
         return min(sorted(outstanding), key=lambda g: outstanding[g])
 
 
@@ -65,11 +81,13 @@ class LeastOutstandingTokens(DispatchPolicy):
 class CacheAware(DispatchPolicy):
     """The group whose cache holds the longest prefix of the prompt, among the groups whose
     outstanding tokens exceed the least-loaded group's by at most ``margin`` tokens; ties (no
-    group holding any of it included) go to the least loaded, then to the lowest index.
+    group holding any of it included) go to the least loaded, then to the smallest cache, then
+    to the lowest index.
 
     SGLang's cache-aware router idea: a hit saves the prefix's prefill, but a hot prefix must
     not pile every request onto one group; past the margin, load wins, and the less loaded
-    group then caches the prefix too.
+    group then caches the prefix too. The smallest cache breaks ties so that new prefixes
+    spread over idle groups instead of all starting in the first.
     """
 
     uses_cache = True
@@ -79,8 +97,13 @@ class CacheAware(DispatchPolicy):
             raise ValueError(f"the cache-aware margin must be >= 0 tokens, got {cache_margin_tokens}")
         self.margin = cache_margin_tokens
 
-    def pick(self, outstanding: Mapping[int, int], cached: Mapping[int, int] | None = None) -> int:
-        cached = cached or {}
+    def pick(
+        self,
+        outstanding: Mapping[int, int],
+        cached: Mapping[int, int] | None = None,
+        cache_sizes: Mapping[int, int] | None = None,
+    ) -> int:
+        cached, sizes = cached or {}, cache_sizes or {}
         ceiling = min(outstanding.values()) + self.margin
         candidates = [g for g in sorted(outstanding) if outstanding[g] <= ceiling]
-        return min(candidates, key=lambda g: (-cached.get(g, 0), outstanding[g]))
+        return min(candidates, key=lambda g: (-cached.get(g, 0), outstanding[g], sizes.get(g, 0)))

@@ -42,6 +42,10 @@ class PrefixIndex:
         if group in self._cached:
             self._cached[group].clear()
 
+    def sizes(self) -> dict[int, int]:
+        """Blocks each group's cache holds, as its events said."""
+        return {group: len(cached) for group, cached in self._cached.items()}
+
     def cached(self, group: int) -> set[int]:
         """The block hashes ``group``'s cache holds, as its events said (a copy)."""
         return set(self._cached[group])

@@ -277,12 +277,13 @@ class Router:
             return
         request_id = f"{next(self._ids)}"
         outstanding = len(token_ids) + params.max_tokens
-        cached, hashes = None, []
+        cached, sizes, hashes = None, None, []
         if self.prefix_index is not None:
             hashes = self.prefix_index.hashes(token_ids)
             # The engine computes a prompt's last token whatever it caches: a block ending with it never hits.
             cached = self.prefix_index.matched_tokens(hashes[: (len(token_ids) - 1) // self.prefix_index.block_size])
-        entry = self.entry_policy.pick(self.entry_load, cached)
+            sizes = self.prefix_index.sizes()
+        entry = self.entry_policy.pick(self.entry_load, cached, sizes)
         if self.prefix_index is not None:
             self.prefix_index.dispatched(request_id, entry, hashes)
         decode_group = self.decode_policy.pick(self.decode_load) if self.decode_load else None

@@ -52,6 +52,11 @@ def test_cache_aware_picks_the_longest_cached_prefix_within_the_margin() -> None
     assert policy.pick({0: 0, 1: 50, 2: 100}, cached) == 2  # exactly at the margin: still the cache
     assert policy.pick({0: 0, 1: 50, 2: 101}, cached) == 1  # past it: the next longest within it
     assert policy.pick({0: 0, 1: 101, 2: 101}, cached) == 0  # only the least loaded is left
+    # A miss everywhere at equal loads: the group whose cache holds least, so new prefixes spread.
+    assert index.sizes() == {0: 0, 1: 2, 2: 4}
+    missed = index.matched_tokens(index.hashes(tokens(20, 4)))
+    assert policy.pick({0: 5, 1: 5, 2: 5}, missed, {0: 9, 1: 2, 2: 4}) == 1
+    assert policy.pick({0: 5, 1: 6, 2: 5}, missed, {0: 9, 1: 2, 2: 4}) == 2  # load before cache size
     # Nothing cached anywhere: the least loaded, ties to the lowest index.
     other = index.matched_tokens(index.hashes(tokens(20, 3)))
     assert other == {0: 0, 1: 0, 2: 0}

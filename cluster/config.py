@@ -69,8 +69,10 @@ class ClusterConfig:
         default_text="off",
     )
     dispatch: str = setting(
-        "round-robin",
-        help="How the router picks a group for each request.",
+        "cache-aware",
+        help="How the router picks a group for each request. cache-aware: the prefill (or colocated) group "
+        "whose prefix cache holds most of the prompt, within --cache-aware-margin of the least loaded, and the "
+        "least-loaded decode group.",
         section="Serving",
         choices=DISPATCH_POLICIES,
     )

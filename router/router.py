@@ -31,6 +31,7 @@ from pdserve.cluster.auth import secure_server
 from pdserve.cluster.config import Addresses, ClusterConfig
 from pdserve.cluster.protocol import (
     Abort,
+    CacheEvents,
     Chunk,
     Chunks,
     Error,
@@ -55,6 +56,7 @@ from pdserve.engine.sampling import RequestError, validate_request
 from pdserve.engine.timings import RequestTimings
 from pdserve.engine.tokenization import encode_prompt
 from pdserve.router.policy import create_policy
+from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.rejection_log import RejectionLog, shorten
 
 logger = logging.getLogger(__name__)
@@ -117,8 +119,15 @@ class Router:
         self.entry_load = {g: 0 for r, g, _ in config.groups() if r == entry_role}
         self.decode_load = {g: 0 for r, g, _ in config.groups() if r == "decode"}
         self.entry_role = entry_role
-        self.entry_policy = create_policy(config.dispatch)
-        self.decode_policy = create_policy(config.dispatch)
+        self.entry_policy = create_policy(config.dispatch, config.cache_aware_margin)
+        self.decode_policy = create_policy(config.dispatch, config.cache_aware_margin)
+        # What each entry group's prefix cache holds, from its own events: for cache-aware dispatch.
+        cache = config.engine.cache
+        self.prefix_index = (
+            PrefixIndex(self.entry_load, cache.block_size)
+            if self.entry_policy.uses_cache and cache.enable_prefix_caching
+            else None
+        )
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.client_load: dict[bytes, int] = {}  # requests in flight by client
@@ -287,7 +296,15 @@ class Router:
             return
         request_id = f"{next(self._ids)}"
         outstanding = len(token_ids) + params.max_tokens
-        entry = self.entry_policy.pick(self.entry_load)
+        cached, sizes, hashes = None, None, []
+        if self.prefix_index is not None:
+            hashes = self.prefix_index.hashes(token_ids)
+            # The engine computes a prompt's last token whatever it caches: a block ending with it never hits.
+            cached = self.prefix_index.matched_tokens(hashes[: (len(token_ids) - 1) // self.prefix_index.block_size])
+            sizes = self.prefix_index.sizes()
+        entry = self.entry_policy.pick(self.entry_load, cached, sizes)
+        if self.prefix_index is not None:
+            self.prefix_index.dispatched(request_id, entry, hashes)
         decode_group = self.decode_policy.pick(self.decode_load) if self.decode_load else None
         self.entry_load[entry] += outstanding
         if decode_group is not None:
@@ -346,11 +363,16 @@ class Router:
             if message.request_id in self.requests:
                 self._abort_workers(message.request_id)
                 self._terminal_error(message.request_id, message.code, message.message)
+        elif isinstance(message, CacheEvents):
+            if self.prefix_index is not None and message.role == self.entry_role:
+                self.prefix_index.apply(message.group, message.hashes)
         elif isinstance(message, WorkerStats):
             stats = dataclasses.asdict(message)
             self.worker_stats[f"{stats.pop('role')}{stats.pop('group')}"] = stats
         elif isinstance(message, Ready):
             self.ready.add((message.role, message.group))
+            if self.prefix_index is not None and message.role == self.entry_role:
+                self.prefix_index.reset(message.group)  # a group (re)starts with an empty cache
             logger.info("%s group %d ready (%d KV blocks)", message.role, message.group, message.num_blocks)
 
     def _on_tokens(self, output: TokenOutput) -> None:
@@ -362,6 +384,8 @@ class Router:
             current = state.pending.pop(len(state.token_ids))
             if state.first_token is None:
                 state.first_token = time.monotonic()
+                if self.prefix_index is not None:
+                    self.prefix_index.settled(output.request_id)
             state.token_ids.extend(current.token_ids)
             delta = state.detokenizer.add(current.token_ids) if state.detokenizer else ""
             if current.finished and state.detokenizer:
@@ -384,6 +408,8 @@ class Router:
     def _release(self, request_id: str) -> RequestState:
         state = self.requests.pop(request_id)
         self.by_client.pop((state.client, state.client_request_id), None)
+        if self.prefix_index is not None:
+            self.prefix_index.settled(request_id)
         if self.client_load[state.client] > 1:
             self.client_load[state.client] -= 1
         else:

@@ -197,6 +197,7 @@ def describe_workload(config: BenchConfig) -> str:
         "mixed": f"short {lengths}; {config.long_fraction:.0%} long prompts of {config.long_len[0]}-"
         f"{config.long_len[1]} tokens",
         "shared-prefix": f"{config.num_prefixes} prefixes of {config.prefix_len} tokens + questions of {lengths}",
+        "multi-turn": f"sessions of {config.num_turns} turns: {config.prefix_len} tokens, then the answer + {lengths}",
         "text": f"prompts of {Path(config.prompts_file).name}, at most {config.output_len} tokens out",
     }[config.workload]
     load = f"rates {', '.join(rate_label(r) for r in config.rates)} req/s"

@@ -124,6 +124,15 @@ def duration(records: Sequence[RequestRecord]) -> float:
     return max(ends) - min(r.sent for r in records)
 
 
+def prefix_hit_rate(records: Sequence[RequestRecord]) -> float | None:
+    """The share of the records' prompt tokens that the prefix cache served (their final
+    messages' ``cached_tokens``); None when no record reports it (the cache off, or HTTP)."""
+    reported = [r for r in records if "cached_tokens" in r.timings and r.prompt_tokens]
+    if not reported:
+        return None
+    return sum(r.timings["cached_tokens"] for r in reported) / sum(r.prompt_tokens or 0 for r in reported)
+
+
 def compute_metrics(
     records: Sequence[RequestRecord], slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None
 ) -> dict[str, Any]:
@@ -152,6 +161,7 @@ def compute_metrics(
         "itl_ms": summarize([gap for r in done for gap in itls(r)]),
         "e2e_ms": summarize([e2e(r) for r in done]),
         "transfer_ms": summarize([r.timings["transfer"] for r in done if "transfer" in r.timings]),
+        "prefix_hit_rate": prefix_hit_rate(done),
         "slo_ttft_ms": slo_ttft_ms,
         "slo_tpot_ms": slo_tpot_ms,
         "goodput": per_second(good) if has_slo else None,

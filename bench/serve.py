@@ -31,14 +31,21 @@ Workloads (token ids drawn uniformly from ``[0, --vocab-size)``):
   the short ones decode, the interference disaggregation removes.
 * ``shared-prefix``: ``--num-prefixes`` system prompts of ``--prefix-len`` tokens, each request
   one of them followed by a question of ``--input-len`` tokens, prefixes interleaved.
+* ``multi-turn``: chat sessions of ``--num-turns`` turns: a session's first prompt is
+  ``--prefix-len`` tokens of its own, each later one the previous prompt, the answer it got and
+  ``--input-len`` new tokens. Sessions interleave (request ``i`` is turn ``i // S`` of session
+  ``i % S``); a turn is sent at its arrival time or when its session's previous turn ends,
+  whichever is later (ZMQ backend only: it needs the answers' token ids).
 * ``text``: prompts from ``--prompts-file`` (``bench/prompts.txt``), sent as text (chat
   template applied by the router), stopping at the model's end of sequence or ``--output-len``.
 
-Metric definitions are in ``bench/metrics.py``. The JSON (``--out``) holds the config, each
-rate's metrics (also per request kind when there are several) and every request's record. Each
-point also carries vLLM ``bench serve``'s flat keys (``request_throughput``, ``mean_ttft_ms``,
-``median_itl_ms``, ``std_e2el_ms``, ``p99_tpot_ms``, ...: see :func:`vllm_keys`), and so does the
-document itself when it has one point, so that tools reading vLLM's result files read it too.
+Metric definitions are in ``bench/metrics.py``; ``hit %`` is the share of prompt tokens the
+prefix cache served (the final messages' ``cached_tokens``; ``-`` with the cache off). The JSON
+(``--out``) holds the config, each rate's metrics (also per request kind when there are several)
+and every request's record. Each point also carries vLLM ``bench serve``'s flat keys
+(``request_throughput``, ``mean_ttft_ms``, ``median_itl_ms``, ``std_e2el_ms``, ``p99_tpot_ms``,
+...: see :func:`vllm_keys`), and so does the document itself when it has one point, so that
+tools reading vLLM's result files read it too.
 """
 
 from __future__ import annotations
@@ -68,7 +75,7 @@ from pdserve.bench.metrics import RequestRecord, compute_metrics, duration, e2e,
 from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable
 from pdserve.cluster.protocol import Chunk
 
-WORKLOADS = ("random", "mixed", "shared-prefix", "text")
+WORKLOADS = ("random", "mixed", "shared-prefix", "multi-turn", "text")
 BACKENDS = ("zmq", "openai")
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 LEN_DISTS = ("fixed", "uniform", "lognormal")
@@ -83,8 +90,9 @@ class RequestSpec:
 
     kind: str
     max_tokens: int
-    token_ids: list[int] | None = None
+    token_ids: list[int] | None = None  # multi-turn: this turn's new tokens, after the session's history
     prompt: str | None = None
+    session: int | None = None  # multi-turn: the chat session it continues
 
     @property
     def ignore_eos(self) -> bool:
@@ -109,6 +117,7 @@ class BenchConfig:
     long_len: tuple[int, int] = (4096, 8192)
     num_prefixes: int = 4
     prefix_len: int = 1024
+    num_turns: int = 4
     prompts_file: str = str(PROMPTS_FILE)
     vocab_size: int = DEFAULT_VOCAB_SIZE
     max_model_len: int | None = None  # cut prompts so that prompt + output fits
@@ -121,7 +130,15 @@ class BenchConfig:
             raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
         if self.len_dist not in LEN_DISTS:
             raise ValueError(f"len_dist must be one of {', '.join(LEN_DISTS)}, got {self.len_dist!r}")
-        for name in ("num_requests", "input_len", "output_len", "num_prefixes", "prefix_len", "vocab_size"):
+        for name in (
+            "num_requests",
+            "input_len",
+            "output_len",
+            "num_prefixes",
+            "prefix_len",
+            "num_turns",
+            "vocab_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
@@ -198,6 +215,15 @@ def build_requests(config: BenchConfig, count: int) -> list[RequestSpec]:
         for group in groups:
             question = tokens(input_len())
             specs.append(RequestSpec("shared-prefix", output_len(), token_ids=prefixes[group] + question))
+    elif config.workload == "multi-turn":
+        sessions = -(-count // config.num_turns)
+        for i in range(count):
+            turn = i // sessions
+            new = tokens(config.prefix_len if turn == 0 else input_len())
+            specs.append(
+                RequestSpec("first turn" if turn == 0 else "later turn", output_len(), new, session=i % sessions)
+            )
+        return specs  # cut to max_model_len when sent, with the session's history
     elif config.workload == "mixed":
         long = set(rng.sample(range(count), round(count * config.long_fraction)))
         for i in range(count):
@@ -211,6 +237,18 @@ def build_requests(config: BenchConfig, count: int) -> list[RequestSpec]:
         limit = config.max_model_len
         specs = [dataclasses.replace(s, token_ids=s.token_ids[: limit - s.max_tokens]) for s in specs]
     return specs
+
+
+def workload_requests(config: BenchConfig) -> tuple[list[RequestSpec], list[RequestSpec]]:
+    """The warm-up requests and the measured ones. A multi-turn warm-up gets sessions of its
+    own (another seed): a session split between the two would lose its history."""
+    if config.workload == "multi-turn":
+        warmup = (
+            build_requests(dataclasses.replace(config, seed=config.seed + 1), config.warmup) if config.warmup else []
+        )
+        return warmup, build_requests(config, config.num_requests)
+    specs = build_requests(config, config.warmup + config.num_requests)
+    return specs[: config.warmup], specs[config.warmup :]
 
 
 def arrival_times(count: int, rate: float | None, seed: int) -> list[float]:
@@ -231,8 +269,10 @@ def arrival_times(count: int, rate: float | None, seed: int) -> list[float]:
 # -- load generation ------------------------------------------------------------------------
 
 
-async def stream_one(client: AsyncClient, spec: RequestSpec, record: RequestRecord, start: float) -> None:
-    """Send one request and fill ``record`` with what arrives, timestamped on arrival."""
+async def stream_one(client: AsyncClient, spec: RequestSpec, record: RequestRecord, start: float) -> list[int]:
+    """Send one request and fill ``record`` with what arrives, timestamped on arrival; returns
+    the generated token ids."""
+    output: list[int] = []
     record.sent = time.perf_counter() - start
     try:
         async for message in client.stream(
@@ -253,9 +293,11 @@ async def stream_one(client: AsyncClient, spec: RequestSpec, record: RequestReco
                 record.prompt_tokens = message.usage.get("prompt_tokens")
                 record.output_tokens = len(message.token_ids)
                 record.timings = dict(message.timings)
+                output = message.token_ids
     except (ClusterError, ClusterUnavailable) as e:
         record.finished = time.perf_counter() - start
         record.error = str(e)
+    return output
 
 
 class OpenAIBackend:
@@ -344,9 +386,20 @@ async def run_requests(
     seed: int,
     tag: str,
     warmup: bool = False,
+    max_model_len: int | None = None,
 ) -> list[RequestRecord]:
-    """Send ``specs`` at ``rate`` (at most ``concurrency`` in flight); wait for every one to end."""
+    """Send ``specs`` at ``rate`` (at most ``concurrency`` in flight); wait for every one to end.
+    A multi-turn request waits for its session's previous turn and is sent after its history
+    (the previous prompt and answer), cut to ``max_model_len`` if given."""
     slots: Any = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
+    history: dict[int, list[int]] = {}  # session -> its last prompt and answer
+    turn_done: list[asyncio.Event] = [asyncio.Event() for _ in specs]
+    previous_turn: list[int | None] = []
+    last: dict[int, int] = {}
+    for i, spec in enumerate(specs):
+        previous_turn.append(last.get(spec.session) if spec.session is not None else None)
+        if spec.session is not None:
+            last[spec.session] = i
     records = [
         RequestRecord(
             f"{tag}/{i}",
@@ -362,16 +415,28 @@ async def run_requests(
     start = time.perf_counter()
     with tqdm(total=len(specs), desc=tag, unit="req", file=sys.stderr, dynamic_ncols=True) as progress:
 
-        async def one(spec: RequestSpec, record: RequestRecord) -> None:
+        async def one(i: int, spec: RequestSpec, record: RequestRecord) -> None:
             await asyncio.sleep(max(0.0, record.scheduled - (time.perf_counter() - start)))
+            before = previous_turn[i]
+            if before is not None:
+                await turn_done[before].wait()
+            if spec.session is not None:
+                prompt = history.get(spec.session, []) + (spec.token_ids or [])
+                if max_model_len is not None:
+                    prompt = prompt[: max_model_len - spec.max_tokens]
+                spec = dataclasses.replace(spec, token_ids=prompt)
+                record.prompt_len = len(prompt)
             async with slots:
                 if isinstance(client, OpenAIBackend):
                     await client.stream_one(spec, record, start)
                 else:
-                    await stream_one(client, spec, record, start)
+                    answer = await stream_one(client, spec, record, start)
+                    if spec.session is not None:
+                        history[spec.session] = (spec.token_ids or []) + answer
+            turn_done[i].set()
             progress.update()
 
-        await asyncio.gather(*(one(spec, record) for spec, record in zip(specs, records)))
+        await asyncio.gather(*(one(i, spec, record) for i, (spec, record) in enumerate(zip(specs, records))))
     return records
 
 
@@ -454,8 +519,7 @@ async def run_benchmark(
     ``backend`` "openai" sends them to ``base_url`` (``endpoint`` is then unused)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    specs = build_requests(config, config.warmup + config.num_requests)
-    warmup, measured = specs[: config.warmup], specs[config.warmup :]
+    warmup, measured = workload_requests(config)
     client: AsyncClient | OpenAIBackend
     if backend == "openai":
         client = OpenAIBackend(base_url or DEFAULT_BASE_URL, model_name, config.timeout)
@@ -464,12 +528,25 @@ async def run_benchmark(
         client = AsyncClient(endpoint, timeout=config.timeout)
     try:
         warmup_records = await run_requests(
-            client, warmup, None, config.concurrency, config.seed, "warmup", warmup=True
+            client,
+            warmup,
+            None,
+            config.concurrency,
+            config.seed,
+            "warmup",
+            warmup=True,
+            max_model_len=config.max_model_len,
         )
         points = []
         for rate in config.rates:
             records = await run_requests(
-                client, measured, rate, config.concurrency, config.seed, f"rate {rate_label(rate, config.concurrency)}"
+                client,
+                measured,
+                rate,
+                config.concurrency,
+                config.seed,
+                f"rate {rate_label(rate, config.concurrency)}",
+                max_model_len=config.max_model_len,
             )
             points.append(point_result(rate, config, records))
     finally:
@@ -510,6 +587,7 @@ TABLE_HEADERS = (
     "E2E p99",
     "goodput",
     "xfer mean",
+    "hit %",
 )
 
 
@@ -533,6 +611,7 @@ def metrics_row(metrics: dict[str, Any]) -> list[str]:
         *latencies,
         _num(metrics["goodput"], 2),
         _num(metrics["transfer_ms"]["mean"], 2),
+        _num(None if metrics["prefix_hit_rate"] is None else 100 * metrics["prefix_hit_rate"]),
     ]
 
 
@@ -705,7 +784,8 @@ LOAD_OPTIONS = (
         "--input-len",
         type=int,
         default=128,
-        help="Prompt tokens (mean) of random/short requests; shared-prefix: the question after the prefix.",
+        help="Prompt tokens (mean) of random/short requests; shared-prefix: the question after the prefix; "
+        "multi-turn: each later turn's new tokens.",
     ),
     click.option("--output-len", type=int, default=128, help="Output tokens (mean; text: the most)."),
     click.option(
@@ -717,7 +797,10 @@ LOAD_OPTIONS = (
     click.option("--long-fraction", type=float, default=0.1, help="mixed: fraction of long-prompt requests."),
     click.option("--long-len", default="4096-8192", help="mixed: long prompt length range in tokens (LOW-HIGH)."),
     click.option("--num-prefixes", type=int, default=4, help="shared-prefix: number of system prompts."),
-    click.option("--prefix-len", type=int, default=1024, help="shared-prefix: system prompt tokens."),
+    click.option(
+        "--prefix-len", type=int, default=1024, help="shared-prefix: system prompt tokens; multi-turn: first prompt's."
+    ),
+    click.option("--num-turns", type=int, default=4, help="multi-turn: turns of each chat session."),
     click.option(
         "--prompts-file",
         type=click.Path(exists=True, dir_okay=False),
@@ -799,10 +882,12 @@ def main(
     """Stream a workload at a cluster (or an OpenAI-compatible server) at one or more request rates
     and report its latencies."""
     config = config_from_options(vocab_size=vocab_size or vocab_size_of(model_dir), **options)
+    if backend == "openai" and config.workload == "multi-turn":
+        raise click.UsageError("multi-turn needs --backend zmq: a turn's prompt holds the previous answer's token ids")
     results = asyncio.run(run_benchmark(config, endpoint, backend, base_url, model_name))
     click.echo(
         f"{config.workload}, {config.num_requests} requests per rate, latencies in ms, "
-        f"goodput in req/s, xfer = mean KV transfer (ms)"
+        f"goodput in req/s, xfer = mean KV transfer (ms), hit = prompt tokens the prefix cache served"
     )
     click.echo(results_table(results["points"]))
     for line in failure_summary(results["points"]):

@@ -28,7 +28,7 @@ from pdserve.kvtransfer.base import TransferConfig
 
 ROLES = ("prefill", "decode", "colocated")
 MODES = ("disagg", "colocated")
-DISPATCH_POLICIES = ("round-robin", "least-tokens")
+DISPATCH_POLICIES = ("round-robin", "least-tokens", "cache-aware")
 _DISAGG_ONLY = ("prefill_tp", "decode_tp", "prefill_groups", "decode_groups")
 _DISAGG_GPU = (
     "prefill_gpu_memory_utilization",
@@ -101,10 +101,18 @@ class ClusterConfig:
         default_text="off",
     )
     dispatch: str = setting(
-        "round-robin",
-        help="How the router picks a group for each request.",
+        "cache-aware",
+        help="How the router picks a group for each request. cache-aware: the prefill (or colocated) group "
+        "whose prefix cache holds most of the prompt, within --cache-aware-margin of the least loaded, and the "
+        "least-loaded decode group.",
         section="Serving",
         choices=DISPATCH_POLICIES,
+    )
+    cache_aware_margin: int = setting(
+        4096,
+        help="cache-aware: outstanding tokens the group caching a prompt's longest prefix may carry beyond "
+        "the least-loaded group and still get the request.",
+        section="Serving",
     )
     max_message_mib: float = setting(
         4.0,
@@ -182,6 +190,8 @@ class ClusterConfig:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.dispatch not in DISPATCH_POLICIES:
             raise ValueError(f"dispatch must be one of {', '.join(DISPATCH_POLICIES)}, got {self.dispatch!r}")
+        if self.cache_aware_margin < 0:
+            raise ValueError(f"cache_aware_margin must be >= 0, got {self.cache_aware_margin}")
         for name in (*_DISAGG_ONLY, *_COLOCATED_ONLY):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -18,7 +18,9 @@ import zmq
 
 from pdserve.cluster.config import Addresses
 from pdserve.cluster.protocol import (
+    ROOT_HASH,
     Abort,
+    CacheEvents,
     Message,
     PeerFailed,
     PeerRestarted,
@@ -30,10 +32,11 @@ from pdserve.cluster.protocol import (
     WorkerError,
     WorkerStats,
     WorkRequest,
+    block_hash,
     decode,
     encode,
 )
-from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine import CacheEvent, LLMEngine, RequestOutput
 from pdserve.engine.sampling import RequestError
 from pdserve.engine.timings import RequestTimings
 
@@ -41,6 +44,27 @@ logger = logging.getLogger(__name__)
 
 _STATS_INTERVAL_S = 0.2
 _NO_TIMINGS = RequestTimings()
+
+
+class CacheEventHashes:
+    """An engine cache listener that keeps the events as signed block hashes, in order:
+    ``h`` for a block inserted, ``-h`` for one evicted. ``take`` hands them over."""
+
+    def __init__(self) -> None:
+        self._hash_of: dict[int, int] = {}  # cached node id -> its prefix's hash
+        self._pending: list[int] = []
+
+    def __call__(self, event: CacheEvent) -> None:
+        if event.kind == "insert":
+            value = block_hash(self._hash_of.get(event.parent_id, ROOT_HASH), event.token_ids)
+            self._hash_of[event.node_id] = value
+            self._pending.append(value)
+        else:
+            self._pending.append(-self._hash_of.pop(event.node_id))
+
+    def take(self) -> list[int]:
+        pending, self._pending = self._pending, []
+        return pending
 
 
 class GroupLeader:
@@ -63,6 +87,10 @@ class GroupLeader:
         # A role's KV transfers that failed or were given up (refusals are kv_refused, not these).
         self.kv_transfer_failures = 0
         self._outputs: list[TokenOutput] = []
+        # The router routes by what each group's prefix cache holds: it learns that from here.
+        self._cache_events: CacheEventHashes | None = CacheEventHashes()
+        if not engine.set_cache_listener(self._cache_events):
+            self._cache_events = None
 
     def _push(self, address: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.PUSH)
@@ -93,6 +121,7 @@ class GroupLeader:
                 self.background()
                 if self.engine.has_unfinished() and not self.stopping:
                     self.send_outputs(self.engine.step(emit=self.send_outputs))
+                self.flush_cache_events()  # those of aborts and releases, which no step sends
                 if time.monotonic() >= next_stats:
                     self.send_router(self.stats())
                     next_stats = time.monotonic() + _STATS_INTERVAL_S
@@ -209,8 +238,17 @@ class GroupLeader:
         """One message per step for every request's tokens: per-request messages cost more than
         the decode step itself at large batch sizes."""
         if self._outputs:
+            # A prompt's blocks reach the router's cache view before its first token does.
+            self.flush_cache_events()
             self.send_router(TokenOutputs(self._outputs))
             self._outputs = []
+
+    def flush_cache_events(self) -> None:
+        """The prefix cache's inserts and evictions since the last call, to the router."""
+        if self._cache_events is not None:
+            hashes = self._cache_events.take()
+            if hashes:
+                self.send_router(CacheEvents(self.role, self.group, hashes))
 
     def close(self) -> None:
         self.engine.abort_all()

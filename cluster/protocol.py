@@ -453,6 +453,18 @@ class WorkerStats(Message):
 
 
 @dataclass
+class CacheEvents(Message):
+    """Worker leader -> router: blocks the group's prefix cache took in or evicted since the
+    last such message, in order, each named by its block hash (``block_hash``): ``h`` inserted,
+    ``-h`` evicted. The router's view of which group holds which prefix."""
+
+    type: ClassVar[str] = "cache_events"
+    role: str
+    group: int
+    hashes: list[int]
+
+
+@dataclass
 class Ready(Message):
     """Worker leader -> router: the group is up."""
 
@@ -499,3 +511,31 @@ class PeerRestarted(Message):
     role: str
     group: int
     generation: int
+
+
+# -- block hashes: the names of cached prefixes in ``cache_events`` ----------------------------
+
+_HASH_MASK = (1 << 63) - 1
+ROOT_HASH = 0  # the empty prefix; never the hash of a block
+
+
+def block_hash(parent: int, block: typing.Sequence[int]) -> int:
+    """The name of the prefix that ends with ``block`` (a full KV block's token ids) after the
+    prefix named ``parent``: one number for the whole prefix, positive and below 2**63 so that
+    its negation can mean an eviction.
+
+    Python's tuple hash over ints, which is not salted (``PYTHONHASHSEED`` only affects str and
+    bytes): the router and the leaders run one interpreter build on one host, so they agree. A
+    collision can only mislead a routing choice, never a result: the engines match token ids.
+    """
+    return (hash((parent, tuple(block))) & _HASH_MASK) or 1
+
+
+def prefix_hashes(token_ids: typing.Sequence[int], block_size: int) -> list[int]:
+    """The hashes of every full block of ``token_ids``, in order."""
+    hashes: list[int] = []
+    parent = ROOT_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes

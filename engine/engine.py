@@ -18,7 +18,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.model_runner import SINGLE_RANK, ModelRunner
 from pdserve.engine.parallel import TensorParallel
-from pdserve.engine.prefix_cache import PrefixCache, PrefixCacheStats
+from pdserve.engine.prefix_cache import CacheEvent, CacheListener, PrefixCache, PrefixCacheStats
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling import RequestError, SamplingParams, validate_request
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -26,6 +26,8 @@ from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.step_channel import StepSender
 from pdserve.engine.step_plan import StepPlan, build_plan, pending_token
 from pdserve.engine.timings import RequestTimings
+
+__all__ = ["CacheEvent", "CacheListener", "EngineStats", "LLMEngine", "RequestOutput"]
 
 
 @dataclass
@@ -228,6 +230,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         """Requests to step, or a launched step whose tokens are still to be read back."""
         return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    def set_cache_listener(self, listener: CacheListener | None) -> bool:
+        """Report every block the prefix cache takes in or evicts, in order, to ``listener``
+        (a leader forwards them to the router). False, and nothing reported, without a cache."""
+        cache = self.block_manager.prefix_cache
+        if cache is None:
+            return False
+        cache.listener = listener
+        return True
 
     def close(self) -> None:
         """Release the TP peers (if any) from their step loop."""

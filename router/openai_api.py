@@ -165,17 +165,19 @@ class GenerationRequest:
             "choices": [choice],
         }
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, int], cached_tokens: int | None = None) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": self.chunk_object,
             "created": self.created,
             "model": self.model,
             "choices": [],
-            "usage": usage_body(usage),
+            "usage": usage_body(usage, cached_tokens),
         }
 
-    def response(self, text: str, finish_reason: str, usage: dict[str, int]) -> dict[str, Any]:
+    def response(
+        self, text: str, finish_reason: str, usage: dict[str, int], cached_tokens: int | None = None
+    ) -> dict[str, Any]:
         """The whole (non-streaming) response."""
         if self.kind == "completion":
             choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
@@ -194,13 +196,22 @@ class GenerationRequest:
             "created": self.created,
             "model": self.model,
             "choices": [choice],
-            "usage": usage_body(usage),
+            "usage": usage_body(usage, cached_tokens),
         }
 
 
-def usage_body(usage: dict[str, int]) -> dict[str, int]:
+def usage_body(usage: dict[str, int], cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` where the cluster reported
+    the prompt tokens its prefix cache served (absent with the cache off)."""
     prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    body: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def parse_request(

@@ -53,6 +53,7 @@ STATS_TIMEOUT = 2.0  # seconds a health check or scrape waits for the router's s
 class Outcome:
     finish_reason: str
     usage: dict[str, int]
+    cached_tokens: int | None = None  # prompt tokens the prefix cache served; None with it off
 
 
 class Frontend:
@@ -247,7 +248,9 @@ class Frontend:
     async def _whole(self, gen: GenerationRequest, run: _Run, texts: AsyncIterator[str]) -> JSONResponse:
         parts = [text async for text in texts]
         assert run.outcome is not None
-        return JSONResponse(gen.response("".join(parts), run.outcome.finish_reason, run.outcome.usage))
+        return JSONResponse(
+            gen.response("".join(parts), run.outcome.finish_reason, run.outcome.usage, run.outcome.cached_tokens)
+        )
 
     async def _events(
         self, gen: GenerationRequest, run: _Run, texts: AsyncIterator[str], first: str | None
@@ -269,7 +272,7 @@ class Frontend:
         assert run.outcome is not None
         yield _event(gen.chunk(None if gen.kind == "chat" else "", run.outcome.finish_reason, first=not sent))
         if gen.include_usage:
-            yield _event(gen.usage_chunk(run.outcome.usage))
+            yield _event(gen.usage_chunk(run.outcome.usage, run.outcome.cached_tokens))
         yield DONE
 
     def next_request_id(self) -> str:
@@ -341,7 +344,8 @@ class _Run:
                 frontend._spawn(client.abort(self.request_id))
 
     def _finish(self, reason: str, final: Final, now: float) -> None:
-        self.outcome = Outcome(reason, final.usage)
+        cached = final.timings.get("cached_tokens")
+        self.outcome = Outcome(reason, final.usage, None if cached is None else int(cached))
         self.frontend.metrics.e2e.observe(now - self.arrival)
         self.frontend.metrics.observe_final(reason, final.usage, final.timings)
 

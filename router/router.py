@@ -38,6 +38,7 @@ from pdserve.cluster.auth import secure_server
 from pdserve.cluster.config import Addresses, ClusterConfig
 from pdserve.cluster.protocol import (
     Abort,
+    CacheEvents,
     Chunk,
     Chunks,
     Error,
@@ -66,6 +67,7 @@ from pdserve.engine.sampling import RequestError, validate_request
 from pdserve.engine.timings import RequestTimings
 from pdserve.engine.tokenization import encode_prompt
 from pdserve.router.policy import create_policy
+from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.rejection_log import RejectionLog, shorten
 
 logger = logging.getLogger(__name__)
@@ -140,8 +142,15 @@ class Router:
         self.entry_load = {g: 0 for r, g, _ in config.groups() if r == entry_role}
         self.decode_load = {g: 0 for r, g, _ in config.groups() if r == "decode"}
         self.entry_role = entry_role
-        self.entry_policy = create_policy(config.dispatch)
-        self.decode_policy = create_policy(config.dispatch)
+        self.entry_policy = create_policy(config.dispatch, config.cache_aware_margin)
+        self.decode_policy = create_policy(config.dispatch, config.cache_aware_margin)
+        # What each entry group's prefix cache holds, from its own events: for cache-aware dispatch.
+        cache = config.engine.cache
+        self.prefix_index = (
+            PrefixIndex(self.entry_load, cache.block_size)
+            if self.entry_policy.uses_cache and cache.enable_prefix_caching
+            else None
+        )
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.client_load: dict[bytes, int] = {}  # requests in flight by client
@@ -270,17 +279,26 @@ class Router:
         if not entries or (self.decode_load and not decodes):
             self.parked.append(request_id)
             return
-        entry = self.entry_policy.pick(entries)
+        prompt = state.prompt_ids + state.token_ids  # a moved request continues after what its client has
+        cached, sizes, hashes = None, None, []
+        if self.prefix_index is not None:
+            hashes = self.prefix_index.hashes(prompt)
+            # The engine computes a prompt's last token whatever it caches: a block ending with it never hits.
+            matched = self.prefix_index.matched_tokens(hashes[: (len(prompt) - 1) // self.prefix_index.block_size])
+            cached = {g: n for g, n in matched.items() if g in entries}
+            sizes = {g: n for g, n in self.prefix_index.sizes().items() if g in entries}
+        entry = self.entry_policy.pick(entries, cached, sizes)
+        if self.prefix_index is not None:
+            self.prefix_index.dispatched(request_id, entry, hashes)
         decode_group = self.decode_policy.pick(decodes) if decodes else None
         state.entry_group, state.decode_group = (self.entry_role, entry), decode_group
         self.entry_load[entry] += state.outstanding_tokens
         if decode_group is not None:
             self.decode_load[decode_group] += state.outstanding_tokens
-        generated = state.token_ids  # a moved request continues after what its client already has
-        sampling = dataclasses.replace(state.sampling, max_tokens=state.sampling.max_tokens - len(generated))
+        sampling = dataclasses.replace(state.sampling, max_tokens=state.sampling.max_tokens - len(state.token_ids))
         work = WorkRequest(
             request_id,
-            state.prompt_ids + generated,
+            prompt,
             sampling,
             decode_group if decode_group is not None else -1,
         )
@@ -504,6 +522,9 @@ class Router:
                 else:
                     self._abort_workers(message.request_id)
                     self._terminal_error(message.request_id, message.code, message.message)
+        elif isinstance(message, CacheEvents):
+            if self.prefix_index is not None and message.role == self.entry_role:
+                self.prefix_index.apply(message.group, message.hashes)
         elif isinstance(message, WorkerStats):
             # A leader reports after its ``ready``: a report from a group that is not ready is a
             # dead generation's, still queued.
@@ -522,6 +543,8 @@ class Router:
             now = time.monotonic()
             for rank in range(self.tp_sizes[key]):
                 self.last_beat[(*key, rank)] = now
+            if self.prefix_index is not None and message.role == self.entry_role:
+                self.prefix_index.reset(message.group)  # a group (re)starts with an empty cache
             logger.info("%s group %d ready (%d KV blocks)", message.role, message.group, message.num_blocks)
             self._dispatch_parked()
 
@@ -534,6 +557,8 @@ class Router:
             current = state.pending.pop(len(state.token_ids))
             if state.first_token is None:
                 state.first_token = time.monotonic()
+                if self.prefix_index is not None:
+                    self.prefix_index.settled(output.request_id)
             state.token_ids.extend(current.token_ids)
             delta = state.detokenizer.add(current.token_ids) if state.detokenizer else ""
             if current.finished and state.detokenizer:
@@ -556,6 +581,8 @@ class Router:
     def _release(self, request_id: str) -> RequestState:
         state = self.requests.pop(request_id)
         self.by_client.pop((state.client, state.client_request_id), None)
+        if self.prefix_index is not None:
+            self.prefix_index.settled(request_id)
         if self.client_load[state.client] > 1:
             self.client_load[state.client] -= 1
         else:

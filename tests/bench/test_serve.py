@@ -3,6 +3,8 @@ short end-to-end run of ``python -m pdserve.bench.serve`` against a real CPU clu
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -20,11 +22,22 @@ from pdserve.bench.metrics import (
     itls,
     meets_slo,
     percentile,
+    prefix_hit_rate,
     summarize,
     tpot,
     ttft,
 )
-from pdserve.bench.serve import BenchConfig, RequestSpec, arrival_times, build_requests, vllm_keys, write_plots
+from pdserve.bench.serve import (
+    BenchConfig,
+    RequestSpec,
+    arrival_times,
+    build_requests,
+    run_requests,
+    vllm_keys,
+    workload_requests,
+    write_plots,
+)
+from pdserve.cluster.protocol import Chunk, Final
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -188,6 +201,64 @@ def test_workloads_lengths_vocabulary_and_arrivals() -> None:
 
     assert required_model_len([RequestSpec("x", 10, token_ids=[1] * 300)], 8192) == 512
     assert required_model_len([RequestSpec("x", 10, token_ids=[1] * 300)], 400) == 400
+
+
+def test_prefix_hit_rate_weighs_requests_by_prompt_tokens() -> None:
+    records = [
+        record(0.0, [(0.1, 1)], finished=0.1, prompt_tokens=100, timings={"cached_tokens": 96.0}),
+        record(0.0, [(0.1, 1)], finished=0.1, prompt_tokens=300, timings={"cached_tokens": 0.0}),
+        record(0.0, [(0.1, 1)], finished=0.1, prompt_tokens=50),  # the cache did not report: left out
+    ]
+    assert prefix_hit_rate(records) == pytest.approx(96 / 400)
+    assert compute_metrics(records)["prefix_hit_rate"] == pytest.approx(96 / 400)
+    assert prefix_hit_rate(records[2:]) is None
+
+
+class EchoCluster:
+    """Stands in for ``AsyncClient``: answers a prompt of n tokens with ``max_tokens`` tokens
+    from n on, and keeps each request's prompt."""
+
+    def __init__(self) -> None:
+        self.prompts: dict[str, list[int]] = {}
+
+    @staticmethod
+    def answer(prompt: list[int], max_tokens: int) -> list[int]:
+        return [len(prompt) + i for i in range(max_tokens)]
+
+    async def stream(self, prompt: None, *, token_ids: list[int], request_id: str, max_tokens: int, **_: object):
+        self.prompts[request_id] = list(token_ids)
+        answer = self.answer(token_ids, max_tokens)
+        await asyncio.sleep(0.01)
+        yield Chunk(request_id, answer, "")
+        yield Final(request_id, "length", answer, "", {"prompt_tokens": len(token_ids)}, {})
+
+
+def test_multi_turn_sessions_carry_their_history() -> None:
+    config = BenchConfig(workload="multi-turn", num_turns=3, prefix_len=20, input_len=5, output_len=4, warmup=2)
+    specs = build_requests(config, 12)  # 4 sessions of 3 turns, interleaved
+    assert [s.session for s in specs] == [0, 1, 2, 3] * 3
+    assert [len(s.token_ids or []) for s in specs] == [20] * 4 + [5] * 8
+    assert [s.kind for s in specs] == ["first turn"] * 4 + ["later turn"] * 8
+    warmup, measured = workload_requests(dataclasses.replace(config, num_requests=12))
+    assert len(warmup) == 2 and measured == specs and warmup[0].token_ids != specs[0].token_ids
+
+    cluster = EchoCluster()
+    records = asyncio.run(run_requests(cluster, specs, None, None, 0, "t", max_model_len=40))  # type: ignore[arg-type]
+    assert all(r.ok for r in records)
+    last: dict[int, tuple[list[int], float]] = {}  # session -> its last turn's prompt and end
+    for spec, rec in zip(specs, records):
+        prompt = cluster.prompts[rec.request_id]
+        assert rec.prompt_len == len(prompt)
+        assert spec.session is not None
+        if spec.session in last:
+            before, finished = last[spec.session]
+            history = before + EchoCluster.answer(before, spec.max_tokens)
+            assert prompt == (history + (spec.token_ids or []))[: 40 - spec.max_tokens]  # cut to fit 40
+            assert rec.sent >= finished  # a turn waits for the one before
+        else:
+            assert prompt == spec.token_ids
+        last[spec.session] = (prompt, rec.finished or 0.0)
+    assert max(len(p) for p in cluster.prompts.values()) == 36  # the third turns were cut
 
 
 def test_plots_are_skipped_with_a_warning_without_matplotlib(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

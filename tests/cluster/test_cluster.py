@@ -175,6 +175,50 @@ def test_decode_back_pressure_makes_prefill_wait(
 
 
 @pytest.mark.slow
+def test_cache_aware_dispatch_sends_a_shared_prefix_to_the_group_that_caches_it(
+    cluster_factory, tiny_model_dirs: dict[str, Path]
+) -> None:
+    """Two prefill groups, cache-aware dispatch: two system prompts sent together start one in
+    each group; every later request goes to the group whose cache holds its system prompt (it is
+    looked up there and nowhere else, and hits its full blocks), and the tokens are the single
+    engine's. Round-robin would send half of them to the other group."""
+    model_dir = tiny_model_dirs["tiny-llama"]
+    cluster = cluster_factory(
+        "--model", str(model_dir), "--prefill-groups", "2", "--dispatch", "cache-aware", "--num-blocks", "200"
+    )
+    rng = random.Random(3)
+    systems = [[rng.randrange(500) for _ in range(40)] for _ in range(2)]  # two full blocks and 8 tokens each
+
+    def prompt(system: int) -> list[int]:
+        return systems[system] + [rng.randrange(500) for _ in range(rng.randrange(3, 12))]
+
+    first = [prompt(0), prompt(1)]
+    later_systems = [0, 0, 1, 1, 0, 1]
+    later = [prompt(s) for s in later_systems]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = oracle(model_dir, first + later, [params] * 8)
+    # Group 0 gets the first request (no load, no cache anywhere), group 1 the second (less load).
+    looked_up = {f"prefill{g}": len(first[g]) - 1 for g in (0, 1)}
+    hits = {"prefill0": 0, "prefill1": 0}
+    for system, p in zip(later_systems, later):
+        looked_up[f"prefill{system}"] += len(p) - 1
+        hits[f"prefill{system}"] += 32
+    with Client(cluster.endpoint, timeout=120) as client:
+        finals = run_concurrently(client, first, [params] * 2)
+        wait_until_idle(client)
+        for p in later:  # one at a time: the load is even, only the caches differ
+            finals += run_concurrently(client, [p], [params])
+        assert [f.token_ids for f in finals] == expected
+        groups = wait_until_idle(
+            client,
+            also=lambda g: sum(g[name]["prefix_queried_tokens"] for name in looked_up) >= sum(looked_up.values()),
+        )
+        assert {name: groups[name]["prefix_queried_tokens"] for name in looked_up} == looked_up
+        assert {name: groups[name]["prefix_hit_tokens"] for name in hits} == hits
+    assert cluster.stop() == 0
+
+
+@pytest.mark.slow
 def test_demo_model_text_prompts_and_colocated_mode_agree(cluster_factory, demo_model_dir: Path) -> None:
     """Text in, text out, on the real demo model: disaggregated (2p1d, async) and colocated
     (chunked prefill) give the single-process engine's greedy tokens."""

@@ -98,6 +98,7 @@ MESSAGES: list[Message] = [
     KVReply("7", accepted=True),
     KVReply("7", accepted=False),
     Ready("prefill", 0, 1024),
+    protocol.CacheEvents("prefill", 1, [2**63 - 1, 12345, -12345, -(2**63 - 1)]),
     Shutdown(),
     Heartbeat("decode", 1, 2),
     PeerFailed("prefill", 0),

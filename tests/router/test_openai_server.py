@@ -258,6 +258,10 @@ def test_official_client_gets_the_zmq_clients_greedy_text(served: Served) -> Non
     )
     assert reply.choices[0].message.content == chat.text and reply.choices[0].message.role == "assistant"
     assert reply.usage is not None and reply.usage.prompt_tokens == chat.usage["prompt_tokens"]
+    # The ZMQ request before it left the prompt's full blocks (16 tokens) in the prefix cache,
+    # but for the last token, which is always computed.
+    assert reply.usage.prompt_tokens_details is not None
+    assert reply.usage.prompt_tokens_details.cached_tokens == (reply.usage.prompt_tokens - 1) // 16 * 16 > 0
 
     chunks = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=8, temperature=0, stream=True

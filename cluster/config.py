@@ -414,6 +414,3 @@ class GroupLayout:
             ranks[role].append(tuple(range(first, first + tp)))
             first += tp
         return cls(ranks)
-
-    def all_groups(self) -> tuple[tuple[int, ...], ...]:
-        return tuple(g for role in ROLES for g in self.ranks[role])

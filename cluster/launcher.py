@@ -74,7 +74,7 @@ class Cluster:
         self.require_tokenizer = require_tokenizer
         self._stop_requested = False
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-")
-        self._reaper = reaper.spawn(self._tmp.name)  # removes the run directory even if this process is killed
+        self._reaper: subprocess.Popen[bytes] | None = None
         self.addresses = Addresses(self._tmp.name, f"tcp://{config.host}:{config.port}")
         self.groups: dict[tuple[str, int], _Group] = {}
         self.router: Router | None = None
@@ -125,6 +125,7 @@ class Cluster:
             )
         self._engine = engine
         self._layout = GroupLayout.of(c)
+        self._reaper = reaper.spawn(self._tmp.name)  # removes the run directory even if this process is killed
         # The rendezvous of every group's world and every KV pair group: served here, so that it
         # outlives any worker.
         self._store_address = f"tcp://127.0.0.1:{free_port()}"
@@ -352,9 +353,9 @@ class Cluster:
         if self.mps is not None:
             self.mps.stop()
         self._tmp.cleanup()
-        if self._reaper.stdin is not None:
+        if self._reaper is not None and self._reaper.stdin is not None:
             self._reaper.stdin.close()  # the reaper finds the directory gone, and exits
-        self._reaper.wait()
+            self._reaper.wait()
 
     def _abandon(self) -> None:
         if self.http is not None and self.http.poll() is None:

@@ -148,7 +148,9 @@ class IpcBackend(TransferBackend):
             raise TransferFailed(f"cannot open the peer group's KV pools: {self._open_error}")
 
     def abandon(self) -> None:
-        self._copiers = []  # unmaps the dead group's pools once no copy holds them
+        if self._stream is not None:
+            self._stream.synchronize()  # no queued copy may read a pool that is unmapped now
+        self._copiers = []
 
     def _open_pools(self) -> None:
         """The decode leader maps every pool it copies between (each waits until published)."""

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.bench.common import fill_kv_random
-from pdserve.cluster.group import RankProcesses, RankSpec, free_port, group_specs, init_distributed
+from pdserve.cluster.group import RankProcesses, RankSpec, connect_store, free_port, group_specs, init_distributed
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
@@ -56,13 +56,11 @@ def _spawn_group(
 ) -> Any:
     """Run ``lead(leader's config, tp, payload)`` on the leader of a new group; its result."""
     with tempfile.TemporaryDirectory(prefix="pdserve-tp-") as run_dir:
-        specs = group_specs(
-            engine,
-            tp_size,
-            init_method=f"tcp://127.0.0.1:{free_port()}",
-            devices=devices,
-            step_address=f"ipc://{run_dir}/steps",
-        )
+        # The rendezvous store lives here, as the launcher's does: a rank that served it would
+        # take it down with the first rank to exit (an abort in a peer still connected).
+        address = f"tcp://127.0.0.1:{free_port()}"
+        _store = connect_store(address, serve=True)  # served while the ranks run
+        specs = group_specs(engine, tp_size, address, devices, f"ipc://{run_dir}/steps")
         result = Path(run_dir) / "result.pt"
         RankProcesses(_rank_main, [(spec, lead, payload, random_kv, str(result)) for spec in specs]).wait(timeout)
         return torch.load(result, weights_only=True)

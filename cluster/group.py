@@ -52,10 +52,9 @@ class RankSpec:
     """Everything a rank process needs to join its group's world and build its engine."""
 
     engine: EngineConfig  # this rank's copy: parallel.tp_rank, tp_size and device already set
-    init_method: str  # the store's address, tcp://127.0.0.1:PORT
+    init_method: str  # the store's address, tcp://127.0.0.1:PORT, served by the spawning process
     backend: str  # nccl on CUDA, gloo on CPU
     store_prefix: str = ""  # the group and its generation, e.g. "tp/decode1.g2/"
-    hosts_store: bool = True  # TP rank 0 serves the store (a group alone); False: the launcher does
     threads: int = 1  # torch CPU threads per process (oversubscribing 2 cores makes gloo crawl)
 
 
@@ -66,7 +65,6 @@ def group_specs(
     devices: Sequence[int] | None,
     step_address: str,
     store_prefix: str = "",
-    hosts_store: bool = True,
 ) -> list[RankSpec]:
     """Per-rank specs of one TP group.
 
@@ -78,7 +76,7 @@ def group_specs(
         parallel = ParallelConfig(tp_size=tp_size, tp_rank=tp_rank, step_address=step_address)
         device = f"cuda:{devices[tp_rank]}" if devices is not None else "cpu"
         rank_engine = dataclasses.replace(engine, parallel=parallel, device=device)
-        specs.append(RankSpec(rank_engine, init_method, backend, store_prefix, hosts_store))
+        specs.append(RankSpec(rank_engine, init_method, backend, store_prefix))
     return specs
 
 
@@ -88,7 +86,7 @@ def init_distributed(spec: RankSpec) -> TensorParallel:
     if spec.backend == "nccl":
         torch.cuda.set_device(torch.device(spec.engine.device))
     tp = spec.engine.parallel
-    store = connect_store(spec.init_method, serve=spec.hosts_store and tp.is_leader, clients=tp.tp_size)
+    store = connect_store(spec.init_method)
     if spec.store_prefix:
         store = dist.PrefixStore(spec.store_prefix, store)
     dist.init_process_group(spec.backend, store=store, world_size=tp.tp_size, rank=tp.tp_rank)

@@ -188,7 +188,6 @@ class Cluster:
                 group.devices,
                 self.addresses.steps(group.role, group.index),
                 store_prefix=f"tp/{group.role}{group.index}.g{group.generation}/",
-                hosts_store=False,
             )
         ]
         group.processes = RankProcesses(worker_main, [(spec,) for spec in specs])

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -217,7 +218,14 @@ def test_compare_greedy_flags_divergence_away_from_a_near_tie(tiny_runner: Model
     assert (record.request, record.step, record.got, record.want) == (0, 0, ranked[-1], ranked[0])
     assert record.top_ids == ranked[:3] and not record.near_tie
     assert record.gap == pytest.approx((logits[ranked[0]] - logits[ranked[-1]]).item())
-    assert record.as_dict() == {**vars(record), "gap": record.gap, "near_tie": False}  # the JSON record
+    best = abs(record.top_logits[0])
+    assert record.bf16_steps == pytest.approx(record.gap / 2.0 ** (math.floor(math.log2(best)) - 7))
+    assert record.as_dict() == {  # the JSON record
+        **vars(record),
+        "gap": record.gap,
+        "bf16_steps": record.bf16_steps,
+        "near_tie": False,
+    }
     # Outputs that stop early are flagged without a logit comparison.
     assert compare_greedy(tiny_runner, [prompt], [[]], want)[1] == ["request 0: 0 tokens against 1"]
 

@@ -9,8 +9,6 @@ V, of every listed block: no staging buffer between the pools.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -27,13 +25,14 @@ def paged_kv_copy_ref(
     dst_heads: slice,
 ) -> None:
     """``dst[:, :, dst_blocks, :, dst_heads] = src[:, :, src_blocks, :, src_heads]`` in place."""
-    _check(src, dst, src_blocks, dst_blocks, src_heads, dst_heads)
+    _check_pools(src, dst, src_heads, dst_heads)
+    _check_blocks(src_blocks, dst_blocks)
     gathered = src[:, :, :, :, src_heads].index_select(2, src_blocks.to(src.device))
     dst[:, :, :, :, dst_heads].index_copy_(2, dst_blocks.to(dst.device), gathered.to(dst.device))
 
 
-# One program copies one block of PLANES (layer, K|V) planes: per plane, block_size rows of the
-# piece's heads, each row contiguous in both pools, so loads and stores are wide and coalesced.
+# One program copies one block of one (layer, K|V) plane: block_size rows of the piece's heads,
+# each row contiguous in both pools, so loads and stores are wide and coalesced.
 
 
 @triton.jit
@@ -53,21 +52,18 @@ def _paged_kv_copy_kernel(
     row_elems,
     BLOCK_SIZE: tl.constexpr,
     ROW: tl.constexpr,
-    PLANES: tl.constexpr,
 ):
     block = tl.program_id(0)
-    first_plane = tl.program_id(1) * PLANES
+    plane = tl.program_id(1).to(tl.int64)
     src_block = tl.load(src_blocks_ptr + block).to(tl.int64)
     dst_block = tl.load(dst_blocks_ptr + block).to(tl.int64)
     tokens = tl.arange(0, BLOCK_SIZE)[:, None]
     cols = tl.arange(0, ROW)[None, :]
     mask = cols < row_elems
-    src = src_ptr + src_block * stride_src_block + src_offset + tokens * stride_src_token + cols
-    dst = dst_ptr + dst_block * stride_dst_block + dst_offset + tokens * stride_dst_token + cols
-    for i in tl.static_range(PLANES):
-        plane = (first_plane + i).to(tl.int64)
-        values = tl.load(src + plane * stride_src_plane, mask=mask)
-        tl.store(dst + plane * stride_dst_plane, values, mask=mask)
+    src = src_ptr + plane * stride_src_plane + src_block * stride_src_block + src_offset
+    dst = dst_ptr + plane * stride_dst_plane + dst_block * stride_dst_block + dst_offset
+    values = tl.load(src + tokens * stride_src_token + cols, mask=mask)
+    tl.store(dst + tokens * stride_dst_token + cols, values, mask=mask)
 
 
 class PagedKVCopy:
@@ -82,16 +78,13 @@ class PagedKVCopy:
         dst: torch.Tensor,
         src_heads: slice,
         dst_heads: slice,
-        planes: int = 1,
-        num_warps: int = 4,
     ) -> None:
         _check_pools(src, dst, src_heads, dst_heads)
         self.src, self.dst = src, dst
         layers, _, _, block_size, _, head_dim = src.shape
         heads = range(src.shape[4])[src_heads]
         row_elems = len(heads) * head_dim
-        self.planes = math.gcd(planes, 2 * layers)  # a whole number of programs per block
-        self._programs_per_block = 2 * layers // self.planes
+        self._planes = 2 * layers
         self._args = (
             src.stride(1),
             src.stride(2),
@@ -106,8 +99,7 @@ class PagedKVCopy:
         self._meta = {
             "BLOCK_SIZE": block_size,
             "ROW": triton.next_power_of_2(row_elems),
-            "PLANES": self.planes,
-            "num_warps": num_warps,
+            "num_warps": 4,
         }
         self._device = torch.device("cuda", torch.cuda.current_device()) if dst.is_cuda else dst.device
 
@@ -118,7 +110,7 @@ class PagedKVCopy:
             raise ValueError(f"block ids must be on the launching device {self._device}")
         if src_blocks.numel() == 0:
             return
-        grid = (src_blocks.numel(), self._programs_per_block)
+        grid = (src_blocks.numel(), self._planes)
         _paged_kv_copy_kernel[grid](self.src, self.dst, src_blocks, dst_blocks, *self._args, **self._meta)
 
 
@@ -129,24 +121,10 @@ def paged_kv_copy(
     dst_blocks: torch.Tensor,
     src_heads: slice,
     dst_heads: slice,
-    planes: int = 1,
-    num_warps: int = 4,
 ) -> None:
     """The Triton kernel behind ``paged_kv_copy_ref``'s signature (see ``PagedKVCopy``, which a
     caller that copies between the same pools again and again keeps instead)."""
-    PagedKVCopy(src, dst, src_heads, dst_heads, planes, num_warps)(src_blocks, dst_blocks)
-
-
-def _check(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    src_blocks: torch.Tensor,
-    dst_blocks: torch.Tensor,
-    src_heads: slice,
-    dst_heads: slice,
-) -> None:
-    _check_pools(src, dst, src_heads, dst_heads)
-    _check_blocks(src_blocks, dst_blocks)
+    PagedKVCopy(src, dst, src_heads, dst_heads)(src_blocks, dst_blocks)
 
 
 def _check_pools(src: torch.Tensor, dst: torch.Tensor, src_heads: slice, dst_heads: slice) -> None:

@@ -60,7 +60,7 @@ PIECES = [
 def test_paged_kv_copy_interpreted(
     interpreter: None, src_heads: tuple[int, slice], dst_heads: tuple[int, slice], dtype: torch.dtype
 ) -> None:
-    check_paged_kv_copy(3, 4, 8, src_heads, dst_heads, 3, dtype, CPU)  # 6 planes: 3 programs a block
+    check_paged_kv_copy(3, 4, 8, src_heads, dst_heads, 3, dtype, CPU)
 
 
 def test_paged_kv_copy_checks() -> None:

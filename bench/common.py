@@ -135,6 +135,11 @@ def model_dir(preset: str, model: str | None, dtype: str, device: torch.device) 
 # -- plans on a runner's pool -------------------------------------------------------------
 
 
+def bit_pattern(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as integers of its width: bitwise comparisons in which NaN equals itself."""
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 

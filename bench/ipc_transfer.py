@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from pdserve.bench.common import write_json
+from pdserve.bench.common import bit_pattern, write_json
 from pdserve.cluster.group import RankProcesses, free_port
 from pdserve.cluster.protocol import KVAnnounce, Sampling, decode, encode
 from pdserve.engine.config import ModelConfig
@@ -81,10 +81,6 @@ def _pool(model: ModelConfig, num_blocks: int, device: str, dtype: torch.dtype) 
 def _blocks(count: int, num_blocks: int, seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randperm(num_blocks, generator=gen)[:count].tolist()
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
 def _event_ms(fn: Any, device: torch.device) -> float:
@@ -178,7 +174,7 @@ def _decode(
         transfer_id = f"m{i}"
         agent.recv(transfer_id, dst, 0, src)
         moved = agent.wait(transfer_id)
-        if i == 0 and not torch.equal(_bits(pool[:, :, dst]), _bits(source[:, :, src])):
+        if i == 0 and not torch.equal(bit_pattern(pool[:, :, dst]), bit_pattern(source[:, :, src])):
             raise AssertionError("the pulled blocks differ from the prefill pool's")
         copy_ms = _event_ms(lambda: b.copy_(a), device)
         if i >= options["warmup"]:

@@ -84,6 +84,7 @@ import torch.distributed as dist
 import zmq
 from tqdm import tqdm
 
+from pdserve.bench.common import bit_pattern
 from pdserve.cluster.group import RankProcesses, free_port, join_world
 from pdserve.cluster.protocol import KVAnnounce, KVReply, Sampling
 from pdserve.cluster.protocol import decode as decode_message
@@ -187,10 +188,6 @@ def fill_pattern(tensor: torch.Tensor, seed: int) -> torch.Tensor:
         h = h ^ (h >> 16)
         flat[start:end] = ((h & 0xFFFF).to(torch.float32) - 32767.5) / 8192.0
     return tensor
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def block_ids(seed: int, case: Case, side: str, num_blocks: int) -> list[list[int]]:
@@ -326,8 +323,8 @@ class _Rank:
             for request, (src_ids, dst_ids) in enumerate(zip(src, dst)):
                 want = reference[:, :, src_ids][:, :, :, :, theirs]
                 got = self.pool[:, :, dst_ids][:, :, :, :, mine]
-                if not torch.equal(_bits(got), _bits(want)):
-                    bad = (_bits(got) != _bits(want)).sum().item()
+                if not torch.equal(bit_pattern(got), bit_pattern(want)):
+                    bad = (bit_pattern(got) != bit_pattern(want)).sum().item()
                     raise AssertionError(
                         f"{case.name}: request {request} from rank {peer} differs on decode rank "
                         f"{self.rank} ({bad} of {got.numel()} elements)"

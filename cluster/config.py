@@ -342,9 +342,13 @@ class ClusterConfig:
         """The GPUs that ranks of ``role`` run on."""
         return {d for (r, _, _), placed in zip(self.groups(), placement) if r == role for d in placed or ()}
 
+    def shared_gpus(self, placement: list[tuple[int, ...] | None]) -> list[int]:
+        """The GPUs that run both prefill and decode ranks."""
+        return sorted(self.role_gpus(placement, "prefill") & self.role_gpus(placement, "decode"))
+
     def check_shared_gpus(self, placement: list[tuple[int, ...] | None], backend: str) -> None:
         """Refuse a prefill and a decode rank on one GPU with NCCL between them."""
-        shared = sorted(self.role_gpus(placement, "prefill") & self.role_gpus(placement, "decode"))
+        shared = self.shared_gpus(placement)
         if shared and backend.startswith("nccl"):
             raise ValueError(
                 f"prefill and decode ranks share GPU {shared[0]}, and --transfer {backend} cannot connect two "

@@ -372,7 +372,7 @@ class Cluster:
         """CUDA MPS where roles share a GPU (without it their kernels take turns on the GPU in
         time slices, and decoding stalls while a prompt runs) or SM shares are asked for."""
         c = self.config
-        shared = sorted(c.role_gpus(self.placement, "prefill") & c.role_gpus(self.placement, "decode"))
+        shared = c.shared_gpus(self.placement)
         asked = c.prefill_sm_percent is not None or c.decode_sm_percent is not None
         if not on_gpu or not (shared or asked):
             return

@@ -143,26 +143,28 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, **flags: Any
         cluster.start()
     except (ClusterError, ValueError, FileNotFoundError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"ready in {time.monotonic() - started:.1f} s: {cluster.summary()}", err=True)
-    if cluster.http_url is not None:
-        click.echo(f"http {cluster.http_url}/v1 (OpenAI-compatible)", err=True)
-    click.echo(f"run directory {cluster.addresses.run_dir}", err=True)
-    click.echo(f"endpoint {cluster.endpoint}", err=True)
     finished = threading.Event()
     demo_failure: list[BaseException] = []
-    if demo:
 
-        def demo_thread() -> None:
-            try:
-                run_demo(cluster.endpoint, DEMO_PROMPTS, demo_max_tokens)
-            except Exception as e:  # reported after the cluster has shut down, with exit status 1
-                demo_failure.append(e)
-            finally:
-                finished.set()
+    def serving() -> None:
+        click.echo(f"ready in {time.monotonic() - started:.1f} s: {cluster.summary()}", err=True)
+        if cluster.http_url is not None:
+            click.echo(f"http {cluster.http_url}/v1 (OpenAI-compatible)", err=True)
+        click.echo(f"run directory {cluster.addresses.run_dir}", err=True)
+        click.echo(f"endpoint {cluster.endpoint}", err=True)
+        if demo:
+            threading.Thread(target=demo_thread, daemon=True).start()
 
-        threading.Thread(target=demo_thread, daemon=True).start()
+    def demo_thread() -> None:
+        try:
+            run_demo(cluster.endpoint, DEMO_PROMPTS, demo_max_tokens)
+        except Exception as e:  # reported after the cluster has shut down, with exit status 1
+            demo_failure.append(e)
+        finally:
+            finished.set()
+
     try:
-        cluster.serve(until=finished.is_set)
+        cluster.serve(until=finished.is_set, serving=serving)
     except ClusterError as e:
         raise click.ClickException(str(e)) from None
     if demo_failure:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,14 +238,17 @@ class Cluster:
             logger.warning("already draining: in-flight requests end within the drain timeout")
         self._stop_requested = True
 
-    def serve(self, until: object = None) -> None:
+    def serve(self, until: Callable[[], bool] | None = None, serving: Callable[[], None] | None = None) -> None:
         """Route requests until a stop is requested (signal, or ``until()`` returning True), then
-        drain. The handlers stay installed through the drain: a repeated signal must not kill the
-        process while requests are still finishing."""
+        drain. ``serving()`` runs once the signal handlers are in place, so whoever it tells the
+        endpoint to may stop the cluster at once. The handlers stay installed through the drain: a
+        repeated signal must not kill the process while requests are still finishing."""
         assert self.router is not None
         previous = {sig: signal.signal(sig, self.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            while not self._stop_requested and not (callable(until) and until()):
+            if serving is not None:
+                serving()
+            while not self._stop_requested and not (until is not None and until()):
                 self.router.poll(50)
                 self._check_workers()
             self.shutdown()

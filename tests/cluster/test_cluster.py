@@ -171,7 +171,7 @@ def test_decode_back_pressure_makes_prefill_wait(
         groups = wait_until_idle(client)
         refused = groups["prefill0"]["kv_refused"] + groups["prefill1"]["kv_refused"]
         assert refused > 0, "the decode side never refused: no back-pressure tested"
-    assert cluster.stop() == 0
+    assert cluster.stop() == 0, cluster.output()[-4000:]
 
 
 @pytest.mark.slow
@@ -215,7 +215,7 @@ def test_cache_aware_dispatch_sends_a_shared_prefix_to_the_group_that_caches_it(
         )
         assert {name: groups[name]["prefix_queried_tokens"] for name in looked_up} == looked_up
         assert {name: groups[name]["prefix_hit_tokens"] for name in hits} == hits
-    assert cluster.stop() == 0
+    assert cluster.stop() == 0, cluster.output()[-4000:]
 
 
 @pytest.mark.slow
@@ -242,7 +242,7 @@ def test_demo_model_text_prompts_and_colocated_mode_agree(cluster_factory, demo_
             assert [f.token_ids for f in finals] == expected, mode_args
             assert [f.text for f in finals] == [tokenizer.decode(t, skip_special_tokens=True) for t in expected]
             wait_until_idle(client)
-        assert cluster.stop() == 0
+        assert cluster.stop() == 0, cluster.output()[-4000:]
 
 
 @pytest.mark.slow

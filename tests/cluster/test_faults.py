@@ -254,4 +254,4 @@ def test_kv_no_decode_group_accepts_is_freed_when_its_lease_expires(cluster_fact
         assert len(client.result(hog).token_ids) == 100
         groups = wait_until_idle(client, also=lambda groups: groups["prefill0"]["kv_transfer_failures"] >= 1)
         assert groups["prefill0"]["kv_transfer_failures"] == 1  # the expired lease, and nothing else
-    assert cluster.stop() == 0
+    assert cluster.stop() == 0, cluster.output()[-4000:]

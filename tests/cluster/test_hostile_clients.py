@@ -76,7 +76,7 @@ def test_aborts_right_after_submit_free_every_block_and_decode_nothing(
             time.sleep(0.1)
         assert most_running <= len(busy), f"aborted requests were decoded ({most_running} running at once)"
         assert [len(client.result(r).token_ids) for r in busy] == [100] * len(busy)
-    assert cluster.stop() == 0
+    assert cluster.stop() == 0, cluster.output()[-4000:]
 
 
 @pytest.mark.slow
@@ -207,7 +207,7 @@ def test_size_limits_and_admission(cluster_factory, tiny_model_dirs: dict[str, P
             assert time.monotonic() < deadline, f"a gone client's requests still run: {stats}"
             time.sleep(0.2)
         assert "a client disconnected; aborted its 3 request(s)" in cluster.output()
-    assert cluster.stop() == 0
+    assert cluster.stop() == 0, cluster.output()[-4000:]
 
 
 @pytest.mark.slow
@@ -221,7 +221,7 @@ def test_every_listener_binds_loopback(cluster_factory, tiny_model_dirs: dict[st
     ours = [line.split()[3] for line in listening if any(f"pid={pid}," in line for pid in pids)]
     assert len(ours) >= 4, listening  # the client port, the store, gloo's pairs
     assert all(address.startswith("127.0.0.1:") for address in ours), ours
-    assert cluster.stop() == 0
+    assert cluster.stop() == 0, cluster.output()[-4000:]
     assert exposure_warning("127.0.0.1") is None and exposure_warning("localhost") is None
     assert exposure_warning("::1") is None
     for host in ("0.0.0.0", "10.1.2.3", "::", "example.org"):
@@ -307,7 +307,7 @@ def test_demo_cluster_tiny_temperatures_special_tokens_and_queue_time(cluster_fa
         assert long["prefill"] > 0.6, long  # long enough for the short request to wait behind it
         assert short["queue"] > 0.5 * (long["prefill"] - 0.3), (short, long)
         assert short["queue"] + short["prefill"] <= short["first_token"] + 1e-3
-    assert cluster.stop() == 0
+    assert cluster.stop() == 0, cluster.output()[-4000:]
 
 
 @pytest.mark.slow
@@ -334,5 +334,5 @@ def test_curve_authentication_refuses_keyless_and_unknown_clients(
     assert "no tokenizer" in served.stderr, served.stderr  # the router's answer: it got through
     keyless = subprocess.run(cli, capture_output=True, text=True)
     assert "no answer from a cluster" in keyless.stderr, keyless.stderr
-    assert cluster.stop() == 0
+    assert cluster.stop() == 0, cluster.output()[-4000:]
     assert "not authenticated" not in cluster.output()

@@ -223,6 +223,10 @@ class Cluster:
             str(c.drain_timeout),
             "--log-level",
             "warning",
+            "--max-message-mib",
+            str(c.max_message_mib),
+            "--max-prompt-chars",
+            str(c.max_prompt_chars),
             *(["--auth-keys", c.auth_keys] if c.auth_keys is not None else []),
         ]
         self.http = subprocess.Popen(command, preexec_fn=die_with_parent)

@@ -215,9 +215,15 @@ def usage_body(usage: dict[str, int], cached_tokens: int | None = None) -> dict[
 
 
 def parse_request(
-    kind: Literal["completion", "chat"], body: bytes, served_model: str, tokenizer: Any, max_model_len: int
+    kind: Literal["completion", "chat"],
+    body: bytes,
+    served_model: str,
+    tokenizer: Any,
+    max_model_len: int,
+    max_prompt_chars: int,
 ) -> GenerationRequest:
-    """Check a request body (raw JSON) and tokenize its prompt; raises APIError (400)."""
+    """Check a request body (raw JSON) and tokenize its prompt; raises APIError (400). A text
+    prompt over ``max_prompt_chars`` (a chat's messages together) is refused before tokenizing."""
     try:
         request = (CompletionRequest if kind == "completion" else ChatRequest).model_validate_json(body)
     except ValidationError as e:
@@ -240,10 +246,10 @@ def parse_request(
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
 
     if isinstance(request, CompletionRequest):
-        token_ids, prompt_param = _completion_prompt(request, tokenizer), "prompt"
+        token_ids, prompt_param = _completion_prompt(request, tokenizer, max_prompt_chars), "prompt"
         max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's default
     else:
-        token_ids, prompt_param = _chat_prompt(request, tokenizer), "messages"
+        token_ids, prompt_param = _chat_prompt(request, tokenizer, max_prompt_chars), "messages"
         max_tokens = request.max_completion_tokens or request.max_tokens or max_model_len - len(token_ids)
     total = len(token_ids) + max_tokens
     if total > max_model_len or max_tokens < 1:
@@ -272,7 +278,15 @@ def parse_request(
     )
 
 
-def _completion_prompt(request: CompletionRequest, tokenizer: Any) -> list[int]:
+def _prompt_too_long(chars: int, max_prompt_chars: int, param: str) -> APIError:
+    return bad_request(
+        f"The {param} has {chars} characters, more than this server accepts ({max_prompt_chars})",
+        param,
+        "prompt_too_long",
+    )
+
+
+def _completion_prompt(request: CompletionRequest, tokenizer: Any, max_prompt_chars: int) -> list[int]:
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) > 1:
@@ -285,13 +299,15 @@ def _completion_prompt(request: CompletionRequest, tokenizer: Any) -> list[int]:
     if not prompt:
         raise bad_request("prompt is empty", "prompt")
     if isinstance(prompt, str):
+        if len(prompt) > max_prompt_chars:
+            raise _prompt_too_long(len(prompt), max_prompt_chars, "prompt")
         if tokenizer is None:
             raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
         return encode_prompt(tokenizer, prompt, chat=False)
     return list(prompt)
 
 
-def _chat_prompt(request: ChatRequest, tokenizer: Any) -> list[int]:
+def _chat_prompt(request: ChatRequest, tokenizer: Any, max_prompt_chars: int) -> list[int]:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template: use /v1/completions", "messages")
     messages = []
@@ -303,6 +319,9 @@ def _chat_prompt(request: ChatRequest, tokenizer: Any) -> list[int]:
         if message.name is not None:
             entry["name"] = message.name
         messages.append(entry)
+    chars = sum(len(m["content"]) for m in messages)
+    if chars > max_prompt_chars:
+        raise _prompt_too_long(chars, max_prompt_chars, "messages")
     try:
         # As engine.tokenization.encode_prompt does for one user turn: the same ids as the ZMQ client's.
         return encode_chat(tokenizer, messages)

@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable
+from pdserve.cluster.config import cluster_settings
 from pdserve.cluster.protocol import Chunk, Final, Stats
 from pdserve.engine.tokenization import load_tokenizer
 from pdserve.router.metrics import FrontendMetrics
@@ -46,6 +47,8 @@ from pdserve.router.stop_strings import StopStringMatcher
 logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
+# The router's limits on what one client may send, under the same names and defaults.
+LIMITS = {s.key: s for s in cluster_settings() if s.key in ("max_message_mib", "max_prompt_chars")}
 STATS_TIMEOUT = 2.0  # seconds a health check or scrape waits for the router's stats
 
 
@@ -67,8 +70,12 @@ class Frontend:
         timeout: float = 600.0,
         drain_timeout: float = 30.0,
         auth_keys: str | None = None,
+        max_message_mib: float = LIMITS["max_message_mib"].default,
+        max_prompt_chars: int = LIMITS["max_prompt_chars"].default,
     ) -> None:
         self.endpoint = endpoint
+        self.max_body_bytes = int(max_message_mib * 2**20)
+        self.max_prompt_chars = max_prompt_chars
         self.auth_keys = auth_keys
         self.model_dir = str(model_dir)
         self.model_name = served_model_name or Path(model_dir).name
@@ -231,9 +238,16 @@ class Frontend:
         if self.draining:
             raise APIError(503, "the server is shutting down", "shutting_down")
         max_model_len = await self._model_len()
-        body = await request.body()
+        body = await self._body(request)
         gen = await asyncio.get_running_loop().run_in_executor(
-            self._parser, parse_request, kind, body, self.model_name, self.tokenizer, max_model_len
+            self._parser,
+            parse_request,
+            kind,
+            body,
+            self.model_name,
+            self.tokenizer,
+            max_model_len,
+            self.max_prompt_chars,
         )
         run = _Run(self, gen, arrival)
         texts = run.texts()
@@ -244,6 +258,26 @@ class Frontend:
         except StopAsyncIteration:
             first = None
         return _EventStream(self._events(gen, run, texts, first), texts)
+
+    async def _body(self, request: Request) -> bytes:
+        """The request's body, refused (413) past ``max_body_bytes`` before more of it is read:
+        by its Content-Length when it gives one, else as it streams in."""
+        too_large = APIError(
+            413,
+            f"The request body is larger than this server accepts ({self.max_body_bytes} bytes)",
+            "request_too_large",
+        )
+        with contextlib.suppress(ValueError):  # a malformed length: the stream's count decides
+            if int(request.headers.get("content-length", "0")) > self.max_body_bytes:
+                raise too_large
+        parts: list[bytes] = []
+        size = 0
+        async for part in request.stream():
+            size += len(part)
+            if size > self.max_body_bytes:
+                raise too_large
+            parts.append(part)
+        return b"".join(parts)
 
     async def _whole(self, gen: GenerationRequest, run: _Run, texts: AsyncIterator[str]) -> JSONResponse:
         parts = [text async for text in texts]
@@ -442,11 +476,20 @@ def serve_openai(
     timeout: float = 600.0,
     log_level: str = "info",
     auth_keys: str | None = None,
+    max_message_mib: float = LIMITS["max_message_mib"].default,
+    max_prompt_chars: int = LIMITS["max_prompt_chars"].default,
 ) -> None:
     """Serve the OpenAI API for the cluster at ``endpoint`` until SIGTERM/SIGINT (blocking; run it
     in its own process: the router's loop and this one should not share an interpreter lock)."""
     frontend = Frontend(
-        endpoint, model_dir, served_model_name, timeout=timeout, drain_timeout=drain_timeout, auth_keys=auth_keys
+        endpoint,
+        model_dir,
+        served_model_name,
+        timeout=timeout,
+        drain_timeout=drain_timeout,
+        auth_keys=auth_keys,
+        max_message_mib=max_message_mib,
+        max_prompt_chars=max_prompt_chars,
     )
     config = uvicorn.Config(
         frontend.app(), host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
@@ -471,6 +514,18 @@ def serve_openai(
 @click.option("--timeout", type=float, default=600.0, help="Seconds to wait for any one message of a request.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
 @click.option("--auth-keys", default=None, help="The cluster's key directory, when it runs with --auth-keys.")
+@click.option(
+    "--max-message-mib",
+    type=float,
+    default=LIMITS["max_message_mib"].default,
+    help="Largest request body, in MiB: a bigger one is answered 413 unread (launch.py's setting of that name).",
+)
+@click.option(
+    "--max-prompt-chars",
+    type=int,
+    default=LIMITS["max_prompt_chars"].default,
+    help="Longest text prompt (a chat's messages together), in characters (launch.py's setting of that name).",
+)
 def main(
     endpoint: str,
     model: str,
@@ -481,6 +536,8 @@ def main(
     timeout: float,
     log_level: str,
     auth_keys: str | None,
+    max_message_mib: float,
+    max_prompt_chars: int,
 ) -> None:
     """An OpenAI-compatible HTTP server in front of a running cluster."""
     from pdserve.engine.presets import resolve_model
@@ -488,7 +545,17 @@ def main(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model_dir = str(resolve_model(model))
     serve_openai(
-        endpoint, model_dir, host, port, served_model_name or model, drain_timeout, timeout, log_level, auth_keys
+        endpoint,
+        model_dir,
+        host,
+        port,
+        served_model_name or model,
+        drain_timeout,
+        timeout,
+        log_level,
+        auth_keys,
+        max_message_mib,
+        max_prompt_chars,
     )
 
 

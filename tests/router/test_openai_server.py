@@ -435,6 +435,21 @@ BAD_REQUESTS = {
         "context_length_exceeded",
         "messages",
     ),
+    "prompt over max-prompt-chars": (
+        "/v1/completions",
+        {"prompt": "x" * 100_001},
+        400,
+        "prompt_too_long",
+        "prompt",
+    ),
+    "chat over max-prompt-chars": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "system", "content": "x" * 50_000}, {"role": "user", "content": "y" * 50_001}]},
+        400,
+        "prompt_too_long",
+        "messages",
+    ),
+    "body over max-message-mib": ("/v1/completions", b" " * (4 * 2**20 + 1), 413, "request_too_large", None),
     "token outside the vocabulary": ("/v1/completions", {"prompt": [1, 2, 10**6]}, 400, "invalid_request", "prompt"),
     "token outside the vocabulary, streamed": (
         "/v1/completions",
@@ -491,6 +506,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served: Ser
         assert set(error) == {"message", "type", "param", "code"} and error["message"], name
         assert (error["code"], error["param"]) == (code, param), (name, error)
         assert error["type"] == ("invalid_request_error" if status < 500 else "server_error"), name
+
+    # A body without a length (chunked) is counted as it arrives and refused at the limit.
+    chunks = iter([b" " * 2**20] * 5)
+    response = served.http.post("/v1/completions", content=chunks, headers={"Content-Type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
 
     with pytest.raises(openai.BadRequestError) as info:  # what the official client makes of one
         served.client.completions.create(model=MODEL, prompt="hi", n=2)

@@ -16,7 +16,15 @@ import torch
 import torch.distributed as dist
 
 from pdserve.bench.common import fill_kv_random
-from pdserve.cluster.group import RankProcesses, RankSpec, connect_store, free_port, group_specs, init_distributed
+from pdserve.cluster.group import (
+    RankProcesses,
+    RankSpec,
+    connect_store,
+    free_port,
+    group_specs,
+    init_distributed,
+    leave_process,
+)
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
@@ -43,6 +51,7 @@ def _rank_main(spec: RankSpec, lead: _LeaderTask, payload: Any, random_kv: bool,
             _runner(spec.engine, tp, random_kv).run_peer()
     finally:
         dist.destroy_process_group()
+    leave_process()
 
 
 def _spawn_group(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import datetime
+import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -21,6 +22,7 @@ import signal
 import socket
 import sys
 import time
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlparse
@@ -39,6 +41,17 @@ def die_with_parent() -> None:
     no rank or front end is orphaned."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def leave_process() -> typing.NoReturn:
+    """End a rank process that finished cleanly, without interpreter finalization: a thread
+    still inside a C++ call (a pair group still forming, gloo's workers) must not be torn down
+    under it, which aborts the process or hangs it at exit. Everything that matters is done by
+    then; the streams are flushed here."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def free_port() -> int:

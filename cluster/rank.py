@@ -24,7 +24,7 @@ import zmq
 
 from pdserve.cluster.colocated import ColocatedLeader
 from pdserve.cluster.config import Addresses, GroupLayout
-from pdserve.cluster.group import RankSpec, die_with_parent, init_distributed
+from pdserve.cluster.group import RankSpec, die_with_parent, init_distributed, leave_process
 from pdserve.cluster.protocol import Heartbeat, encode
 from pdserve.decode_worker.leader import DecodeLeader
 from pdserve.engine.config import ModelConfig
@@ -132,3 +132,5 @@ def worker_main(spec: WorkerSpec) -> None:
             runner.run_peer(None if spec.role == "colocated" else _transfers(spec, runner.kv_cache, model))
     finally:
         dist.destroy_process_group()
+    logging.info("rank down")
+    leave_process()

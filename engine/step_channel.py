@@ -78,6 +78,7 @@ def decode_message(data: bytes) -> PeerMessage:
 
 
 _SHUTDOWN = b"shutdown"
+_LINGER_MS = 5000  # how long a closing leader waits for a peer to take its last messages
 
 
 def peer_address(base: str, rank: int) -> str:
@@ -86,14 +87,17 @@ def peer_address(base: str, rank: int) -> str:
 
 
 class StepSender:
-    """Leader side: one PUSH socket per peer."""
+    """Leader side: one PUSH socket per peer, on a ZMQ context of its own: ``shutdown`` ends
+    that context, which waits until the peers have their shutdown message. A process that
+    exits right after sending it would otherwise take the unsent message down with it, and a
+    peer would wait for it forever."""
 
     def __init__(self, base_address: str, tp_size: int) -> None:
-        self._ctx = zmq.Context.instance()
+        self._ctx = zmq.Context()
         self._sockets = []
         for rank in range(1, tp_size):
             sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.LINGER, _LINGER_MS)
             sock.connect(peer_address(base_address, rank))
             self._sockets.append(sock)
 
@@ -103,11 +107,12 @@ class StepSender:
             sock.send(data, copy=False)
 
     def shutdown(self) -> None:
-        """Tell every peer to leave its loop, then close."""
+        """Tell every peer to leave its loop; return once they have it (or ``_LINGER_MS`` passed)."""
         for sock in self._sockets:
             sock.send(_SHUTDOWN)
             sock.close()
         self._sockets = []
+        self._ctx.term()
 
 
 class StepReceiver:

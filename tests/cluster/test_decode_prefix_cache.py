@@ -30,29 +30,47 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("prefill_tp", "decode_tp", "transfer", "cache"),
+    ("prefill_tp", "decode_tp", "decode_groups", "transfer", "cache"),
     [
-        (1, 1, "gloo", True),
-        (1, 1, "gloo-async", True),
-        (1, 1, "shm", True),
-        (2, 1, "gloo-async", True),
-        (1, 2, "shm", True),
-        (1, 1, "gloo", False),
+        (1, 1, 1, "gloo", True),
+        (1, 1, 1, "gloo-async", True),
+        (1, 1, 1, "shm", True),
+        (2, 1, 1, "gloo-async", True),
+        (1, 2, 1, "shm", True),
+        (1, 1, 2, "gloo-async", True),
+        (1, 1, 1, "gloo", False),
     ],
-    ids=["1p1d-gloo", "1p1d-gloo-async", "1p1d-shm", "2p1d-gloo-async", "1p2d-shm", "1p1d-gloo-no-cache"],
+    ids=[
+        "1p1d-gloo",
+        "1p1d-gloo-async",
+        "1p1d-shm",
+        "2p1d-gloo-async",
+        "1p2d-shm",
+        "two-decode-groups",
+        "1p1d-gloo-no-cache",
+    ],
 )
 def test_later_turns_move_only_the_kv_the_decode_group_lacks(
-    cluster_factory, tiny_model_dirs: dict[str, Path], prefill_tp: int, decode_tp: int, transfer: str, cache: bool
+    cluster_factory,
+    tiny_model_dirs: dict[str, Path],
+    prefill_tp: int,
+    decode_tp: int,
+    decode_groups: int,
+    transfer: str,
+    cache: bool,
 ) -> None:
     """Three chats of three turns, each turn's prompt the last one, its answer and a few new
     tokens; the chats' turns run together. Each final's tokens are the single engine's; its
     ``decode_cached_tokens`` is the longest block-aligned prefix of its prompt that the decode
     group computed for the chat's earlier turn (prompt and answer but the last token), the
     prompt's last token left out; and ``transfer_bytes`` is the KV of the other blocks alone.
-    An abort of a later turn mid-stream leaves every block free or cached."""
+    With two decode groups the chats' first turns spread over both by load, and cache-aware
+    dispatch (the default) sends each later turn to the group holding its chat. An abort of a
+    later turn mid-stream leaves every block free or cached."""
     model_dir = tiny_model_dirs["tiny-llama-odd"]  # 9 query / 3 KV heads: TP 2 splits them unevenly
     args = ["--model", str(model_dir), "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp)]
-    args += ["--transfer", transfer, "--num-blocks", "200", *([] if cache else ["--no-prefix-cache"])]
+    args += ["--decode-groups", str(decode_groups), "--transfer", transfer, "--num-blocks", "200"]
+    args += [] if cache else ["--no-prefix-cache"]
     cluster = cluster_factory(*args)
     model = ModelConfig.from_pretrained(model_dir)
     # A block's KV, every head: what a decode leader of TP 1 receives, or a pulling one copies for
@@ -90,7 +108,10 @@ def test_later_turns_move_only_the_kv_the_decode_group_lacks(
         client.abort(request_id)
         tail = list(chunks)
         assert isinstance(tail[-1], Final) and tail[-1].finish_reason == "abort"
-        groups = wait_until_idle(client, also=lambda g: g["decode0"]["prefix_hit_tokens"] >= decode_hits)
+        decodes = [f"decode{d}" for d in range(decode_groups)]
+        groups = wait_until_idle(client, also=lambda g: sum(g[d]["prefix_hit_tokens"] for d in decodes) >= decode_hits)
+        if decode_groups > 1:  # the chats did spread
+            assert all(groups[d]["prefix_hit_tokens"] > 0 for d in decodes)
         if not cache:
             assert groups["decode0"]["prefix_queried_tokens"] == 0
     assert cluster.stop() == 0, cluster.output()[-4000:]

@@ -248,7 +248,7 @@ def write_report(out_dir: Path, results: dict[str, dict[str, Any]], setup: dict[
         "## All requests",
         "",
         "Latencies in ms (client-side), throughput and goodput in req/s, tok/s = output tokens/s, "
-        "xfer mean = mean KV transfer (ms). Definitions: `bench/metrics.py`.",
+        "xfer mean = mean KV transfer (ms), xfer KiB its mean size. Definitions: `bench/metrics.py`.",
         "",
         comparison_table(results),
     ]

@@ -16,7 +16,11 @@ Definitions (times are client-side, seconds from the start of a run; reported in
   TPOT <= ``slo_tpot_ms``; a request of one output token has no TPOT and meets that SLO. An SLO
   left as None is not checked. Failed requests never count.
 * Transfer: the server's ``timings["transfer"]`` of the final message (disaggregated requests
-  that reached a decode group).
+  that reached a decode group); its KV bytes, ``timings["transfer_bytes"]``, averaged over the
+  same requests.
+* Prefix hit rates: the share of the prompt tokens whose KV a prefix cache held, over the
+  requests whose final reports it: the prefill (or colocated) group's ``cached_tokens``, the
+  decode group's ``decode_cached_tokens`` (KV that did not move).
 
 Percentiles interpolate linearly between order statistics (numpy's default, as vLLM reports).
 """
@@ -124,13 +128,20 @@ def duration(records: Sequence[RequestRecord]) -> float:
     return max(ends) - min(r.sent for r in records)
 
 
-def prefix_hit_rate(records: Sequence[RequestRecord]) -> float | None:
-    """The share of the records' prompt tokens that the prefix cache served (their final
-    messages' ``cached_tokens``); None when no record reports it (the cache off, or HTTP)."""
-    reported = [r for r in records if "cached_tokens" in r.timings and r.prompt_tokens]
+def prefix_hit_rate(records: Sequence[RequestRecord], key: str = "cached_tokens") -> float | None:
+    """The share of the records' prompt tokens that a prefix cache held (their final messages'
+    ``key``: ``cached_tokens``, or ``decode_cached_tokens`` for the decode group's); None when
+    no record reports it (the cache off, colocated for the decode group's, or HTTP)."""
+    reported = [r for r in records if key in r.timings and r.prompt_tokens]
     if not reported:
         return None
-    return sum(r.timings["cached_tokens"] for r in reported) / sum(r.prompt_tokens or 0 for r in reported)
+    return sum(r.timings[key] for r in reported) / sum(r.prompt_tokens or 0 for r in reported)
+
+
+def mean_transfer_bytes(records: Sequence[RequestRecord]) -> float | None:
+    """KV bytes moved per request, over the records whose final reports it; None if none does."""
+    moved = [r.timings["transfer_bytes"] for r in records if "transfer_bytes" in r.timings]
+    return sum(moved) / len(moved) if moved else None
 
 
 def compute_metrics(
@@ -161,7 +172,9 @@ def compute_metrics(
         "itl_ms": summarize([gap for r in done for gap in itls(r)]),
         "e2e_ms": summarize([e2e(r) for r in done]),
         "transfer_ms": summarize([r.timings["transfer"] for r in done if "transfer" in r.timings]),
+        "transfer_bytes": mean_transfer_bytes(done),
         "prefix_hit_rate": prefix_hit_rate(done),
+        "decode_prefix_hit_rate": prefix_hit_rate(done, "decode_cached_tokens"),
         "slo_ttft_ms": slo_ttft_ms,
         "slo_tpot_ms": slo_tpot_ms,
         "goodput": per_second(good) if has_slo else None,

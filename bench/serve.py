@@ -39,8 +39,13 @@ Workloads (token ids drawn uniformly from ``[0, --vocab-size)``):
 * ``text``: prompts from ``--prompts-file`` (``bench/prompts.txt``), sent as text (chat
   template applied by the router), stopping at the model's end of sequence or ``--output-len``.
 
-Metric definitions are in ``bench/metrics.py``; ``hit %`` is the share of prompt tokens the
-prefix cache served (the final messages' ``cached_tokens``; ``-`` with the cache off). The JSON
+Metric definitions are in ``bench/metrics.py``; ``xfer KiB`` is the mean KV a request moved
+from its prefill group to its decode group, ``hit %`` the share of prompt tokens the prefill
+(or colocated) group's prefix cache served (the final messages' ``cached_tokens``), ``dec hit %``
+the share whose KV the decode group's cache held, so that it did not move
+(``decode_cached_tokens``); ``-`` where nothing reports it (the cache off, colocated). Run a
+multi-turn workload against a cluster with the prefix cache and one with ``--no-prefix-cache``
+to see the KV a chat's later turns no longer move. The JSON
 (``--out``) holds the config, each rate's metrics (also per request kind when there are several)
 and every request's record. Each point also carries vLLM ``bench serve``'s flat keys
 (``request_throughput``, ``mean_ttft_ms``, ``median_itl_ms``, ``std_e2el_ms``, ``p99_tpot_ms``,
@@ -587,7 +592,9 @@ TABLE_HEADERS = (
     "E2E p99",
     "goodput",
     "xfer mean",
+    "xfer KiB",
     "hit %",
+    "dec hit %",
 )
 
 
@@ -611,7 +618,9 @@ def metrics_row(metrics: dict[str, Any]) -> list[str]:
         *latencies,
         _num(metrics["goodput"], 2),
         _num(metrics["transfer_ms"]["mean"], 2),
+        _num(None if metrics["transfer_bytes"] is None else metrics["transfer_bytes"] / 1024),
         _num(None if metrics["prefix_hit_rate"] is None else 100 * metrics["prefix_hit_rate"]),
+        _num(None if metrics["decode_prefix_hit_rate"] is None else 100 * metrics["decode_prefix_hit_rate"]),
     ]
 
 
@@ -634,6 +643,17 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown
 
 def results_table(points: Sequence[dict[str, Any]]) -> str:
     return format_table(TABLE_HEADERS, [point_row(p) for p in points])
+
+
+def kinds_table(points: Sequence[dict[str, Any]]) -> str | None:
+    """Each load point's metrics per request kind (a multi-turn chat's first and later turns,
+    mixed's short and long); None for a workload of one kind."""
+    rows = [
+        [rate_label(p["rate"], p["concurrency"]), kind, *metrics_row(metrics)]
+        for p in points
+        for kind, metrics in p["by_kind"].items()
+    ]
+    return format_table((TABLE_HEADERS[0], "kind", *TABLE_HEADERS[1:]), rows, labels=2) if rows else None
 
 
 def failure_summary(points: Sequence[dict[str, Any]]) -> list[str]:
@@ -887,9 +907,13 @@ def main(
     results = asyncio.run(run_benchmark(config, endpoint, backend, base_url, model_name))
     click.echo(
         f"{config.workload}, {config.num_requests} requests per rate, latencies in ms, "
-        f"goodput in req/s, xfer = mean KV transfer (ms), hit = prompt tokens the prefix cache served"
+        f"goodput in req/s, xfer = mean KV transfer (ms, KiB), hit = prompt tokens the prefix cache "
+        f"served, dec hit = prompt tokens whose KV the decode group held"
     )
     click.echo(results_table(results["points"]))
+    by_kind = kinds_table(results["points"])
+    if by_kind is not None:
+        click.echo(by_kind)
     for line in failure_summary(results["points"]):
         click.echo(f"warning: {line}", err=True)
     if out is not None:

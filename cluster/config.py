@@ -104,7 +104,7 @@ class ClusterConfig:
         "cache-aware",
         help="How the router picks a group for each request. cache-aware: the prefill (or colocated) group "
         "whose prefix cache holds most of the prompt, within --cache-aware-margin of the least loaded, and the "
-        "least-loaded decode group.",
+        "decode group likewise (its cache holds the requests it decoded: a chat's earlier turns).",
         section="Serving",
         choices=DISPATCH_POLICIES,
     )

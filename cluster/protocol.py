@@ -424,11 +424,13 @@ class KVAnnounce(Message):
 class KVReply(Message):
     """Decode leader -> prefill leader: ``accepted`` or refused (no blocks). Accepted means the
     receive is posted (push backends) or, where the decode side pulls the KV, that the pull is
-    complete: the prefill side may then free the blocks."""
+    complete: the prefill side may then free the blocks. The decode group's prefix cache held
+    the KV of the announce's first ``cached_blocks`` blocks already: only the others move."""
 
     type: ClassVar[str] = "kv_reply"
     request_id: str
     accepted: bool
+    cached_blocks: int = 0
 
 
 @dataclass

@@ -1,12 +1,15 @@
 """The decode role: receive prefilled requests' KV, then decode them with continuous batching.
 
 Lifecycle of a request here:
-1. ``KVAnnounce`` from a prefill leader -> reserve blocks for the prompt's KV. None free, or its
-   receive buffers would take the leader's buffers in flight past ``max_staging_bytes``: reply
-   refused (the prefill side keeps the KV and retries). Otherwise reply accepted, then every
-   rank of the group posts its receive (the command rides the step channel, in order). A
-   pulling backend (``TransferBackend.pulls``) copies from the prefill pool instead, and the
-   reply waits until that copy is complete: it tells the prefill side to free the blocks.
+1. ``KVAnnounce`` from a prefill leader -> reserve blocks for the prompt's KV, starting with the
+   longest prefix of its full blocks that this group's prefix cache holds (the KV of requests
+   it decoded before: a chat's earlier turns). None free, or its receive buffers would take
+   the leader's buffers in flight past ``max_staging_bytes``: reply refused (the prefill side
+   keeps the KV and retries). Otherwise reply accepted, naming the ``cached_blocks`` it held,
+   then every rank of the group posts its receive of the other blocks (the command rides the
+   step channel, in order). A pulling backend (``TransferBackend.pulls``) copies those from
+   the prefill pool instead, and the reply waits until that copy is complete: it tells the
+   prefill side to free the blocks.
 2. Receive complete (sync: at once; async: polled between steps, so several are in flight while
    the group keeps decoding) -> the request joins continuous batching; its first decode step
    makes each peer wait for its own part first (``StepPlan.kv_ready``).
@@ -30,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import OrderedDict
+from typing import NamedTuple
 
 from pdserve.cluster.config import Addresses
 from pdserve.cluster.leader import GroupLeader
@@ -43,6 +47,14 @@ from pdserve.kvtransfer.base import TransferFailed, TransferStats
 # Long enough for any announcement still on its way, short and bounded so the memory stays small.
 _ABORTED_TTL_S = 120.0
 _ABORTED_MAX = 100_000
+
+
+class _Receive(NamedTuple):
+    """A request whose KV is arriving: its announce, and the leading blocks this group's
+    prefix cache held already (not transferred)."""
+
+    announce: KVAnnounce
+    cached_blocks: int
 
 
 class DecodeLeader(GroupLeader):
@@ -59,7 +71,7 @@ class DecodeLeader(GroupLeader):
         super().__init__(group, addresses, engine)
         self.transfers = transfers  # from every prefill group
         self.kv_lease_timeout = kv_lease_timeout
-        self.receiving: dict[str, KVAnnounce] = {}
+        self.receiving: dict[str, _Receive] = {}
         self.receive_started: dict[str, float] = {}
         self.aborted_in_flight: set[str] = set()
         self.aborted: OrderedDict[str, float] = OrderedDict()  # request -> when its abort came, oldest first
@@ -86,20 +98,26 @@ class DecodeLeader(GroupLeader):
             self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
             return
         try:
-            blocks = self.engine.reserve(
+            reservation = self.engine.reserve(
                 request_id, announce.token_ids, announce.first_token, announce.sampling.to_params()
             )
         except RequestError as e:
             self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
             self.send_router(WorkerError(request_id, "invalid_request", str(e)))
             return
-        if blocks is None:
+        if reservation is None:
             self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
             return
+        # Only the blocks after those this group's prefix cache already holds move.
+        cached = reservation.num_cached_blocks
         if not self.transfers.pulls(announce.prefill_group):
-            self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=True))
-        self.transfers.recv(request_id, blocks, announce.prefill_group, announce.block_ids)
-        self.receiving[request_id] = announce
+            self.send_leader(
+                "prefill", announce.prefill_group, KVReply(request_id, accepted=True, cached_blocks=cached)
+            )
+        self.transfers.recv(
+            request_id, reservation.block_ids[cached:], announce.prefill_group, announce.block_ids[cached:]
+        )
+        self.receiving[request_id] = _Receive(announce, cached)
         self.receive_started[request_id] = time.monotonic()
         self.next_index[request_id] = 1
 
@@ -112,7 +130,7 @@ class DecodeLeader(GroupLeader):
             self.transfers.discard(request_id)
             self._give_up(request_id, "kv_lease_expired", f"its KV did not arrive in {self.kv_lease_timeout:g} s")
         for request_id in [r for r in self.receiving if self.transfers.done(r)]:
-            announce = self.receiving.pop(request_id)
+            announce, cached = self.receiving.pop(request_id)
             self.receive_started.pop(request_id, None)
             try:
                 stats = self.transfers.wait(request_id)
@@ -120,7 +138,7 @@ class DecodeLeader(GroupLeader):
                 self._give_up(request_id, "kv_transfer_failed", str(e))
                 continue
             if self.transfers.pulls(announce.prefill_group):  # the copy is done: the prefill side may free
-                self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=True))
+                self.send_leader("prefill", announce.prefill_group, KVReply(request_id, True, cached))
             if request_id in self.aborted_in_flight:
                 self.aborted_in_flight.discard(request_id)
                 self.engine.abort(request_id)
@@ -143,7 +161,7 @@ class DecodeLeader(GroupLeader):
 
     def peer_failed(self, group: int) -> None:
         self.transfers.drop(group)
-        for request_id in [r for r, a in self.receiving.items() if a.prefill_group == group]:
+        for request_id in [r for r, a in self.receiving.items() if a.announce.prefill_group == group]:
             self.receiving.pop(request_id)
             self.receive_started.pop(request_id, None)
             self.aborted_in_flight.discard(request_id)
@@ -165,7 +183,9 @@ class DecodeLeader(GroupLeader):
         if out.finished:
             # Queue and prefill times come from the prefill group; this group adds the rest.
             prefill_timings, stats = self.handoffs.pop(out.request_id, (RequestTimings(), None))
-            timings = dataclasses.replace(prefill_timings, decode=out.timings.decode)
+            timings = dataclasses.replace(
+                prefill_timings, decode=out.timings.decode, decode_cached_tokens=out.timings.cached_tokens
+            )
             if stats is not None:
                 timings = dataclasses.replace(timings, transfer=stats.seconds, transfer_bytes=float(stats.num_bytes))
             out = dataclasses.replace(out, timings=timings)

@@ -63,14 +63,16 @@ class BlockManager:
         new = np.fromiter((self._free.popleft() for _ in range(needed)), dtype=np.int32, count=needed)
         seq.block_table = np.concatenate([seq.block_table, new])
 
-    def match_prefix(self, seq: Sequence) -> None:
-        """Start ``seq`` (no blocks yet) after its longest cached prefix of full blocks: those
-        blocks, locked, become the head of its block table and count as computed. The last
-        token is always left to compute: its logits give the next token."""
-        if self.prefix_cache is None or not seq.cacheable:
+    def match_prefix(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Start ``seq`` (no blocks yet) after the longest cached prefix of full blocks of its
+        first ``num_tokens`` tokens: those blocks, locked, become the head of its block table
+        and count as computed. By default the last token is left to compute: its logits give
+        the next token."""
+        if self.prefix_cache is None:
             return
         assert len(seq.block_table) == 0 and seq.cache_node is None, f"{seq.request_id} already has blocks"
-        block_ids, node = self.prefix_cache.match(seq.token_ids[: seq.num_tokens - 1])
+        limit = seq.num_tokens - 1 if num_tokens is None else num_tokens
+        block_ids, node = self.prefix_cache.match(seq.token_ids[:limit])
         self.prefix_cache.lock(node)
         seq.cache_node = node
         seq.num_shared_blocks = len(block_ids)
@@ -84,7 +86,7 @@ class BlockManager:
         ``seq``. Where the cache already held the same tokens in another block, ``seq`` switches
         to that block and its own is freed."""
         cache = self.prefix_cache
-        if cache is None or not seq.cacheable or seq.cache_node is None:
+        if cache is None or seq.cache_node is None:
             return
         num_full = seq.num_computed_tokens // self.block_size
         if num_full <= seq.num_shared_blocks:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceType
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -27,7 +28,7 @@ from pdserve.engine.step_channel import StepSender
 from pdserve.engine.step_plan import StepPlan, build_plan, pending_token
 from pdserve.engine.timings import RequestTimings
 
-__all__ = ["CacheEvent", "CacheListener", "EngineStats", "LLMEngine", "RequestOutput"]
+__all__ = ["CacheEvent", "CacheListener", "EngineStats", "LLMEngine", "RequestOutput", "Reservation"]
 
 
 @dataclass
@@ -43,6 +44,14 @@ class RequestOutput:
     timings: RequestTimings = field(default_factory=RequestTimings)
     # finish_reason "prefilled": the blocks holding the prompt's KV, kept until ``release``.
     kv_block_ids: list[int] | None = None
+
+
+class Reservation(NamedTuple):
+    """Decode role: the blocks reserved for a request's prompt KV, in order; the first
+    ``num_cached_blocks`` already hold it (the prefix cache's), the rest await the transfer."""
+
+    block_ids: list[int]
+    num_cached_blocks: int
 
 
 @dataclass(frozen=True)
@@ -164,33 +173,35 @@ class LLMEngine:
 
     def reserve(
         self, request_id: str, prompt_token_ids: SequenceType[int], first_token: int, params: SamplingParams
-    ) -> list[int] | None:
+    ) -> Reservation | None:
         """Decode role: blocks for the prompt's KV, or None if too few are free (try later).
 
-        The request then waits, outside the scheduler, for ``admit`` once its KV is in place.
+        With a prefix cache the reservation starts with the longest cached prefix of the
+        prompt's full blocks (leaving its last token, as a prompt's own match does), locked:
+        only the blocks after it need the prefill group's KV. The request then waits, outside
+        the scheduler, for ``admit`` once that KV is in place.
         """
         self._check_new_id(request_id)
         self.validate(prompt_token_ids, params)
-        seq = Sequence(
-            request_id,
-            [*prompt_token_ids, first_token],
-            params,
-            num_prompt_tokens=len(prompt_token_ids),
-            cacheable=False,
-        )
+        seq = Sequence(request_id, [*prompt_token_ids, first_token], params, num_prompt_tokens=len(prompt_token_ids))
+        self.block_manager.match_prefix(seq, len(prompt_token_ids) - 1)
+        seq.num_cached_tokens = seq.num_computed_tokens
         # Keep one free block per running or arriving sequence for its next tokens: admitting work
         # that would force a preemption right away is worse than asking the prefill side to wait.
         headroom = len(self.scheduler.running) + len(self.reserved)
         if self.block_manager.blocks_needed(seq, len(prompt_token_ids)) + headroom > self.block_manager.num_free_blocks:
+            self.block_manager.free(seq)  # unlocks the matched prefix
             return None
         self.block_manager.allocate(seq, len(prompt_token_ids))
-        seq.num_computed_tokens = len(prompt_token_ids)
+        # Until ``admit`` only the cached prefix counts as computed: an abort before then must
+        # not offer the cache blocks whose KV may never have arrived on every rank.
         self.reserved[request_id] = seq
-        return seq.block_table.tolist()
+        return Reservation(seq.block_table.tolist(), seq.num_shared_blocks)
 
     def admit(self, request_id: str) -> None:
         """Decode role: the reserved request's KV has arrived; decode it from the next step."""
         seq = self.reserved.pop(request_id)
+        seq.num_computed_tokens = seq.num_prompt_tokens
         self.requests[request_id] = seq
         self._admitted.append(request_id)
         seq.milestones.first_scheduled = seq.milestones.first_token = time.monotonic()
@@ -370,7 +381,7 @@ class LLMEngine:
 
     def _timings(self, seq: Sequence) -> RequestTimings:
         timings = seq.milestones.durations()
-        if self.block_manager.prefix_cache is None or not seq.cacheable:
+        if self.block_manager.prefix_cache is None:
             return timings
         return dataclasses.replace(timings, cached_tokens=float(seq.num_cached_tokens))
 

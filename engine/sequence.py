@@ -50,9 +50,6 @@ class Sequence:
     num_shared_blocks: int = 0
     cache_node: CacheNode | None = None
     num_cached_tokens: int = 0  # prompt tokens the cache held when the sequence was first scheduled
-    # Decode role: KV received from another group is not offered to the cache (it may not have
-    # arrived when the request ends).
-    cacheable: bool = True
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class RequestTimings:
     """Seconds a request spent in each phase, the KV bytes it moved and the prompt tokens the
-    prefix cache served; None where a value does not apply. An engine measures ``queue``,
-    ``prefill``, ``decode`` and ``cached_tokens``; a decode group's leader adds ``transfer`` and
-    ``transfer_bytes``; the router ``first_token`` and ``total``, and widens ``queue`` to the
-    whole wait before prefill."""
+    prefix caches served; None where a value does not apply. An engine measures ``queue``,
+    ``prefill``, ``decode`` and ``cached_tokens``; a decode group's leader adds ``transfer``,
+    ``transfer_bytes`` and ``decode_cached_tokens`` (its own engine's ``cached_tokens``: the
+    prompt tokens whose KV it held, which did not move); the router ``first_token`` and
+    ``total``, and widens ``queue`` to the whole wait before prefill."""
 
     queue: float | None = None
     prefill: float | None = None
@@ -25,6 +26,7 @@ class RequestTimings:
     first_token: float | None = None
     total: float | None = None
     cached_tokens: float | None = None  # a count, as transfer_bytes; None with prefix caching off
+    decode_cached_tokens: float | None = None  # likewise, the decode group's cache
 
     def as_dict(self) -> dict[str, float]:
         """The values that apply, by name: the wire form (``timings`` in docs/protocol.md)."""

@@ -4,7 +4,8 @@ Lifecycle of a request here:
 1. ``WorkRequest`` -> the engine, as a prefill-only request.
 2. First token sampled -> sent to the router immediately (this is the TTFT), and the request
    is *announced* to its decode group (``KVAnnounce``) while its KV blocks stay held.
-3. ``KVReply`` accepted -> every rank of the group sends its pieces; the blocks are freed when
+3. ``KVReply`` accepted -> every rank of the group sends its pieces of the blocks after the
+   reply's ``cached_blocks`` (those the decode group holds already); the blocks are freed when
    this rank's send completes (sync: at once; async: polled between steps). Where the decode
    side pulls the KV (``TransferBackend.pulls``), it replies only once its copy is complete:
    the send has nothing left to do and the blocks are freed at once.
@@ -141,7 +142,9 @@ class PrefillLeader(GroupLeader):
             handoff.backoff = min(handoff.backoff * 2, _RETRY_MAX_S)
             self.to_announce.append(handoff)
             return
-        self.sending[reply.request_id] = self.transfers.send(reply.request_id, handoff.block_ids, handoff.decode_group)
+        # The decode group's prefix cache holds the leading blocks already: send only the rest.
+        blocks = handoff.block_ids[reply.cached_blocks :]
+        self.sending[reply.request_id] = self.transfers.send(reply.request_id, blocks, handoff.decode_group)
 
     def _expire(self, handoff: _Handoff) -> None:
         """Its lease ran out before a decode group took the KV: free it, the router decides."""

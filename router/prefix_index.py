@@ -1,4 +1,5 @@
-"""The router's view of each entry group's prefix cache, kept from the groups' own events.
+"""The router's view of each entry (or decode) group's prefix cache, kept from the groups' own
+events.
 
 Each group's leader reports every block its cache takes in or evicts as a block-hash chain
 (``cluster.protocol.block_hash``, ``cache_events`` messages), so the set of hashes held here for a
@@ -12,7 +13,7 @@ arrived: a leader sends them ahead of its tokens.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 from pdserve.cluster.protocol import prefix_hashes
 
@@ -67,6 +68,17 @@ class PrefixIndex:
                 blocks += 1
             out[group] = blocks * self.block_size
         return out
+
+    def lookup(
+        self, hashes: Sequence[int], num_tokens: int, groups: Container[int]
+    ) -> tuple[dict[int, int], dict[int, int]]:
+        """A cache-aware policy's two mappings over ``groups``, for a prompt of ``num_tokens``
+        tokens whose block hashes are ``hashes``: the leading tokens each group holds or is
+        computing, and the blocks it holds in all. The engines compute a prompt's last token
+        whatever they cache, so a block ending with it never counts."""
+        matched = self.matched_tokens(hashes[: (num_tokens - 1) // self.block_size])
+        cached = {g: n for g, n in matched.items() if g in groups}
+        return cached, {g: n for g, n in self.sizes().items() if g in groups}
 
     def dispatched(self, request_id: str, group: int, hashes: list[int]) -> None:
         """``request_id``'s prompt (block hashes ``hashes``) is now computed in ``group``."""

@@ -151,6 +151,13 @@ class Router:
             if self.entry_policy.uses_cache and cache.enable_prefix_caching
             else None
         )
+        # The same of the decode groups, whose caches keep the requests they decoded (a chat's
+        # earlier turns): the KV of a prompt's prefix held there does not move.
+        self.decode_prefix_index = (
+            PrefixIndex(self.decode_load, cache.block_size)
+            if self.decode_policy.uses_cache and cache.enable_prefix_caching and self.decode_load
+            else None
+        )
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.client_load: dict[bytes, int] = {}  # requests in flight by client
@@ -284,13 +291,15 @@ class Router:
         if self.prefix_index is not None:
             hashes = self.prefix_index.hashes(prompt)
             # The engine computes a prompt's last token whatever it caches: a block ending with it never hits.
-            matched = self.prefix_index.matched_tokens(hashes[: (len(prompt) - 1) // self.prefix_index.block_size])
-            cached = {g: n for g, n in matched.items() if g in entries}
-            sizes = {g: n for g, n in self.prefix_index.sizes().items() if g in entries}
+            cached, sizes = self.prefix_index.lookup(hashes, len(prompt), entries)
         entry = self.entry_policy.pick(entries, cached, sizes)
         if self.prefix_index is not None:
             self.prefix_index.dispatched(request_id, entry, hashes)
-        decode_group = self.decode_policy.pick(decodes) if decodes else None
+        decode_cached, decode_sizes = None, None
+        if self.decode_prefix_index is not None and decodes:
+            hashes = hashes or self.decode_prefix_index.hashes(prompt)
+            decode_cached, decode_sizes = self.decode_prefix_index.lookup(hashes, len(prompt), decodes)
+        decode_group = self.decode_policy.pick(decodes, decode_cached, decode_sizes) if decodes else None
         state.entry_group, state.decode_group = (self.entry_role, entry), decode_group
         self.entry_load[entry] += state.outstanding_tokens
         if decode_group is not None:
@@ -523,8 +532,9 @@ class Router:
                     self._abort_workers(message.request_id)
                     self._terminal_error(message.request_id, message.code, message.message)
         elif isinstance(message, CacheEvents):
-            if self.prefix_index is not None and message.role == self.entry_role:
-                self.prefix_index.apply(message.group, message.hashes)
+            index = self._cache_index(message.role)
+            if index is not None:
+                index.apply(message.group, message.hashes)
         elif isinstance(message, WorkerStats):
             # A leader reports after its ``ready``: a report from a group that is not ready is a
             # dead generation's, still queued.
@@ -543,10 +553,17 @@ class Router:
             now = time.monotonic()
             for rank in range(self.tp_sizes[key]):
                 self.last_beat[(*key, rank)] = now
-            if self.prefix_index is not None and message.role == self.entry_role:
-                self.prefix_index.reset(message.group)  # a group (re)starts with an empty cache
+            index = self._cache_index(message.role)
+            if index is not None:
+                index.reset(message.group)  # a group (re)starts with an empty cache
             logger.info("%s group %d ready (%d KV blocks)", message.role, message.group, message.num_blocks)
             self._dispatch_parked()
+
+    def _cache_index(self, role: str) -> PrefixIndex | None:
+        """The view of ``role``'s prefix caches that dispatch reads, if it reads one."""
+        if role == self.entry_role:
+            return self.prefix_index
+        return self.decode_prefix_index if role == "decode" else None
 
     def _on_tokens(self, output: TokenOutput) -> None:
         state = self.requests.get(output.request_id)

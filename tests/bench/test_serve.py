@@ -20,6 +20,7 @@ from pdserve.bench.metrics import (
     compute_metrics,
     e2e,
     itls,
+    mean_transfer_bytes,
     meets_slo,
     percentile,
     prefix_hit_rate,
@@ -32,6 +33,9 @@ from pdserve.bench.serve import (
     RequestSpec,
     arrival_times,
     build_requests,
+    kinds_table,
+    point_result,
+    results_table,
     run_requests,
     vllm_keys,
     workload_requests,
@@ -212,6 +216,32 @@ def test_prefix_hit_rate_weighs_requests_by_prompt_tokens() -> None:
     assert prefix_hit_rate(records) == pytest.approx(96 / 400)
     assert compute_metrics(records)["prefix_hit_rate"] == pytest.approx(96 / 400)
     assert prefix_hit_rate(records[2:]) is None
+
+
+def test_decode_hit_rate_and_kv_bytes_per_request_reach_the_tables() -> None:
+    """A chat's first turn moves its whole KV; a later one only what the decode group lacked:
+    the mean bytes, and the decode cache's share of the prompt tokens, per kind and overall."""
+    first = record(0.0, [(0.1, 1)], finished=0.2, prompt_tokens=64, timings={"transfer_bytes": 4096.0})
+    later = {"transfer_bytes": 1024.0, "decode_cached_tokens": 96.0, "cached_tokens": 0.0}
+    second = record(0.0, [(0.1, 1)], finished=0.2, prompt_tokens=128, timings=later)
+    first.kind, second.kind = "first turn", "later turn"
+    first.output_tokens = second.output_tokens = 1
+    first.finish_reason = second.finish_reason = "length"
+    assert mean_transfer_bytes([first, second]) == 2560.0 and mean_transfer_bytes([]) is None
+    assert prefix_hit_rate([first, second], "decode_cached_tokens") == pytest.approx(96 / 128)
+    point = point_result(None, BenchConfig(), [first, second])
+    m = point["metrics"]
+    assert m["transfer_bytes"] == 2560.0 and m["decode_prefix_hit_rate"] == pytest.approx(0.75)
+    assert point["by_kind"]["later turn"]["transfer_bytes"] == 1024.0
+    header, _, row = results_table([point]).splitlines()
+    assert header.endswith("xfer KiB  hit %  dec hit %")
+    assert row.split()[-3:] == ["2.5", "0.0", "75.0"]  # xfer KiB, hit %, dec hit %
+    by_kind = kinds_table([point])
+    assert by_kind is not None
+    rows = by_kind.splitlines()[2:]
+    assert [r.split()[1:3] for r in rows] == [["first", "turn"], ["later", "turn"]]
+    assert rows[0].split()[-3:] == ["4.0", "-", "-"] and rows[1].split()[-3:] == ["1.0", "0.0", "75.0"]
+    assert kinds_table([point_result(None, BenchConfig(), [first])]) is None
 
 
 class EchoCluster:

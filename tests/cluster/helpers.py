@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-from pdserve.cluster.client import Client
+from pdserve.cluster.client import Chunk, Client, Final
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling import SamplingParams
 
 # Every test cluster's --max-model-len: short, so that the CPU's KV pools stay small.
 MAX_MODEL_LEN = 512
@@ -29,3 +33,29 @@ def wait_until_idle(
             return groups
         assert time.monotonic() < deadline, f"cluster not idle: {stats}"
         time.sleep(0.3)
+
+
+def oracle(model_dir: Path, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), device="cpu", max_model_len=MAX_MODEL_LEN, cache=CacheConfig(num_blocks=256))
+    )
+    return engine.generate(prompts, params)
+
+
+def run_concurrently(client: Client, prompts: list[list[int]], params: list[SamplingParams]) -> list[Final]:
+    """Submit every request at once (streaming), then check each stream and return its Final."""
+    ids = [
+        client.submit(token_ids=p, stream=True, max_tokens=sp.max_tokens, temperature=0.0, ignore_eos=sp.ignore_eos)
+        for p, sp in zip(prompts, params)
+    ]
+    finals = []
+    for request_id in ids:
+        chunks: list[Chunk] = []
+        for message in client.chunks(request_id):
+            if isinstance(message, Chunk):
+                chunks.append(message)
+            else:
+                assert [t for c in chunks for t in c.token_ids] == message.token_ids, "chunks out of order"
+                assert "".join(c.text for c in chunks) == message.text
+                finals.append(message)
+    return finals

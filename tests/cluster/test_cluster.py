@@ -14,19 +14,10 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from pdserve.cluster.client import Chunk, Client, ClusterError, Final
+from pdserve.cluster.client import Client, ClusterError, Final
 from pdserve.cluster.group import free_port
-from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
-from pdserve.tests.cluster.helpers import MAX_MODEL_LEN, wait_until_idle
-
-
-def oracle(model_dir: Path, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    engine = LLMEngine(
-        EngineConfig(model=str(model_dir), device="cpu", max_model_len=MAX_MODEL_LEN, cache=CacheConfig(num_blocks=256))
-    )
-    return engine.generate(prompts, params)
+from pdserve.tests.cluster.helpers import MAX_MODEL_LEN, oracle, run_concurrently, wait_until_idle
 
 
 def mixed_requests(vocab: int, n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -34,25 +25,6 @@ def mixed_requests(vocab: int, n: int, seed: int) -> tuple[list[list[int]], list
     prompts = [[rng.randrange(vocab) for _ in range(rng.choice([1, 5, 16, 17, 40, 90]))] for _ in range(n)]
     params = [SamplingParams(max_tokens=rng.randrange(1, 30), temperature=0.0, ignore_eos=True) for _ in range(n)]
     return prompts, params
-
-
-def run_concurrently(client: Client, prompts: list[list[int]], params: list[SamplingParams]) -> list[Final]:
-    """Submit every request at once (streaming), then check each stream and return its Final."""
-    ids = [
-        client.submit(token_ids=p, stream=True, max_tokens=sp.max_tokens, temperature=0.0, ignore_eos=sp.ignore_eos)
-        for p, sp in zip(prompts, params)
-    ]
-    finals = []
-    for request_id in ids:
-        chunks: list[Chunk] = []
-        for message in client.chunks(request_id):
-            if isinstance(message, Chunk):
-                chunks.append(message)
-            else:
-                assert [t for c in chunks for t in c.token_ids] == message.token_ids, "chunks out of order"
-                assert "".join(c.text for c in chunks) == message.text
-                finals.append(message)
-    return finals
 
 
 @pytest.mark.slow

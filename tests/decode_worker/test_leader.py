@@ -29,6 +29,7 @@ class StandInTransfers:
     def __init__(self, pulling: bool = False) -> None:
         self.pulling = pulling
         self.posted: dict[str, list[int]] = {}
+        self.sources: dict[str, list[int]] = {}  # the prefill blocks named in each receive
         self.landed: set[str] = set()
 
     def has_staging_room(self, peer_group: int, num_blocks: int) -> bool:
@@ -39,6 +40,7 @@ class StandInTransfers:
 
     def recv(self, request_id: str, block_ids: list[int], peer_group: int, src_block_ids: list[int]) -> None:
         self.posted[request_id] = list(block_ids)
+        self.sources[request_id] = list(src_block_ids)
 
     def land(self, request_id: str) -> None:
         assert request_id in self.posted
@@ -69,8 +71,20 @@ class Setup:
             out.append(decode(self.prefill_inbox.recv()))
         return out
 
-    def announce(self, request_id: str) -> None:
-        self.leader.handle(KVAnnounce(request_id, 0, PROMPT, 7, Sampling(max_tokens=8, temperature=0.0)))
+    def announce(self, request_id: str, prompt: list[int] = PROMPT) -> None:
+        src_blocks = list(range(100, 100 + self.engine.blocks_for(len(prompt))))
+        self.leader.handle(
+            KVAnnounce(request_id, 0, prompt, 7, Sampling(max_tokens=8, temperature=0.0), block_ids=src_blocks)
+        )
+
+    def decode_all(self) -> list[int]:
+        """Step the engine until it is idle; the tokens it generated."""
+        tokens = []
+        while self.engine.has_unfinished():
+            outputs = self.engine.step()
+            tokens += [t for out in outputs for t in out.new_token_ids]
+            self.leader.send_outputs(outputs)
+        return tokens
 
     def free_blocks(self) -> int:
         return self.engine.stats().free_blocks
@@ -171,3 +185,50 @@ def test_a_pulled_receive_is_accepted_only_once_it_has_landed(setup: Setup) -> N
     setup.leader.background()
     assert setup.replies() == [KVReply("gone", accepted=True)]  # the prefill side frees its copy
     assert setup.free_blocks() == NUM_BLOCKS - 3  # only "r" holds blocks
+
+
+@pytest.mark.parametrize("setup", [False, True], indirect=True, ids=["push", "pull"])
+def test_a_later_turn_receives_only_the_blocks_the_cache_lacks(setup: Setup) -> None:
+    """A request decoded here leaves its full blocks (prompt and output) in the prefix cache; a
+    later one whose prompt extends it (a chat's next turn) reserves them, the reply names how
+    many (``cached_blocks``), and only the rest is received, from the matching prefill blocks.
+    A pulled receive's reply, sent once the copy landed, names them too."""
+    pulling = setup.transfers.pulling
+    setup.announce("t0")
+    setup.transfers.land("t0")
+    setup.leader.background()
+    assert setup.replies() == [KVReply("t0", accepted=True, cached_blocks=0)]
+    answer = [7, *setup.decode_all()]
+    assert len(answer) == 8
+    # Its 47 computed tokens (the last output's KV is never computed) fill two blocks.
+    prompt = PROMPT + answer + list(range(200, 210))  # 58 tokens: 4 blocks, the first two cached
+    setup.announce("t1", prompt)
+    assert len(setup.transfers.posted["t1"]) == 2 and setup.transfers.sources["t1"] == [102, 103]
+    assert setup.replies() == ([] if pulling else [KVReply("t1", accepted=True, cached_blocks=2)])
+    setup.transfers.land("t1")
+    setup.leader.background()
+    if pulling:
+        assert setup.replies() == [KVReply("t1", accepted=True, cached_blocks=2)]
+    assert setup.free_blocks() == NUM_BLOCKS - 4
+    setup.decode_all()
+    stats = setup.leader.stats()
+    assert stats.prefix_hit_tokens == 2 * 16 and stats.free_blocks == NUM_BLOCKS
+
+
+def test_an_abort_during_a_partial_receive_caches_nothing_that_was_arriving(setup: Setup) -> None:
+    """Aborted while the blocks after its cached prefix are still arriving: once they land every
+    block is free again, and the cache holds only what it held before."""
+    setup.announce("t0")
+    setup.transfers.land("t0")
+    setup.leader.background()
+    answer = [7, *setup.decode_all()]
+    cached_before = setup.engine.stats().prefix_cache.cached_blocks  # type: ignore[union-attr]
+    setup.replies()
+    setup.announce("t1", PROMPT + answer + list(range(200, 230)))
+    assert setup.replies() == [KVReply("t1", accepted=True, cached_blocks=2)]
+    setup.leader.handle(Abort("t1"))
+    setup.transfers.land("t1")
+    setup.leader.background()
+    stats = setup.engine.stats()
+    assert stats.free_blocks == NUM_BLOCKS and not setup.engine.has_unfinished()
+    assert stats.prefix_cache is not None and stats.prefix_cache.cached_blocks == cached_before

@@ -363,8 +363,9 @@ def test_hand_off_api_counts_and_frees_every_block(tiny_model_dirs: dict[str, Pa
     engine.release("p")
     engine.release("p")
     assert pool_and_queues(engine) == EngineStats(num_blocks=32, free_blocks=32, running=0, waiting=0, kv_held=0)
-    blocks = engine.reserve("d", prompt, out.new_token_ids[0], params)
-    assert blocks is not None and len(blocks) == 3
+    reservation = engine.reserve("d", prompt, out.new_token_ids[0], params)
+    # The prompt's two full blocks stayed in the prefix cache: the reservation starts with them.
+    assert reservation is not None and len(reservation.block_ids) == 3 and reservation.num_cached_blocks == 2
     assert pool_and_queues(engine) == EngineStats(num_blocks=32, free_blocks=29, running=0, waiting=0, kv_held=1)
     engine.admit("d")
     engine.add_request("q", prompt, params)

@@ -203,3 +203,93 @@ def test_the_cache_is_a_setting_on_by_default() -> None:
     off = ClusterConfig.from_settings({"prefix_cache": False}).engine_config("m", model)
     assert not off.cache.enable_prefix_caching
     assert any("--no-prefix-cache" in p.secondary_opts for p in main.params)
+
+
+def _hand_off(
+    prefill: LLMEngine, decode: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams
+) -> tuple[RequestOutput, int]:
+    """One disaggregated request in one process: ``prefill`` computes the prompt, ``decode``
+    reserves it, gets only the blocks its cache lacks (copied pool to pool, as a transfer
+    would) and decodes it. Its final output (every token) and the blocks that did not move."""
+    prefill.add_request(request_id, prompt, params, prefill_only=True)
+    [prefilled] = [o for step in prefill.drain() for o in step]
+    assert prefilled.finish_reason == "prefilled" and prefilled.kv_block_ids is not None
+    first = prefilled.new_token_ids[0]
+    reservation = decode.reserve(request_id, prompt, first, params)
+    assert reservation is not None
+    cached = reservation.num_cached_blocks
+    src, dst = prefilled.kv_block_ids[cached:], reservation.block_ids[cached:]
+    decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, src]
+    prefill.release(request_id)
+    decode.admit(request_id)
+    [final] = run_admitted(decode, request_id)
+    final.new_token_ids = [first, *final.new_token_ids]
+    return final, cached
+
+
+def run_admitted(engine: LLMEngine, request_id: str) -> list[RequestOutput]:
+    tokens: list[int] = []
+    finals = []
+    for outputs in engine.drain():
+        for out in outputs:
+            assert out.request_id == request_id
+            tokens += out.new_token_ids
+            if out.finished:
+                out.new_token_ids = tokens
+                finals.append(out)
+    return finals
+
+
+@pytest.mark.parametrize(
+    ("first_len", "new_len"),
+    [(2 * BLOCK, BLOCK // 2), (2 * BLOCK + 5, 3)],
+    ids=["block-aligned", "unaligned"],
+)
+def test_decode_role_keeps_finished_requests_kv_and_receives_only_the_rest(
+    tiny_model_dirs: dict[str, Path], first_len: int, new_len: int
+) -> None:
+    """A chat's turns through a prefill engine and a decode engine: each turn's prompt is the
+    last one, its answer and a few new tokens. The decode engine's reservation starts with the
+    longest prefix of full blocks it computed for an earlier turn (prompt and answer but its
+    last token; the prompt's last token left out), only the other blocks are copied from the
+    prefill pool, and the greedy tokens are the single engine's without any cache."""
+    model_dir = tiny_model_dirs["tiny-llama-odd"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prefill = make_engine(model_dir, False)
+    decode = make_engine(model_dir, True, num_blocks=32)
+    oracle = make_engine(model_dir, False)
+    prompt = random_tokens(first_len, seed=20)
+    computed: list[int] = []  # what the decode engine computed for the previous turn
+    for turn in range(4):
+        final, cached = _hand_off(prefill, decode, f"t{turn}", prompt, params)
+        assert final.new_token_ids == oracle.generate([prompt], params)[0]
+        expected = min(_common_prefix(prompt, computed), len(prompt) - 1) // BLOCK
+        assert cached == expected and (turn == 0 or cached > 0)
+        assert final.timings.cached_tokens == cached * BLOCK
+        computed = prompt + final.new_token_ids[:-1]
+        prompt = prompt + final.new_token_ids + random_tokens(new_len, seed=21 + turn)
+    stats = decode.stats()
+    assert stats.free_blocks == 32 and stats.prefix_cache is not None and stats.prefix_cache.pinned_blocks == 0
+
+
+def test_a_decode_reservation_given_up_caches_only_what_it_held(tiny_model_dirs: dict[str, Path]) -> None:
+    """A reservation refused (too few blocks) or aborted before its KV arrived gives back every
+    block, and the prefix cache keeps only the blocks it held before: KV that was still arriving
+    is never cached."""
+    engine = make_engine(tiny_model_dirs["tiny-qwen2"], True, num_blocks=8)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt = random_tokens(3 * BLOCK + 2, seed=30)
+    engine.add_request("a", prompt, params)
+    run_admitted(engine, "a")
+    cache = engine.stats().prefix_cache
+    assert cache is not None and cache.cached_blocks == 3  # the full blocks of its 53 computed tokens
+    longer = prompt + random_tokens(3 * BLOCK, seed=31)  # 7 blocks, the first 3 cached
+    reservation = engine.reserve("b", longer, 1, params)
+    assert reservation is not None and reservation.num_cached_blocks == 3 and len(reservation.block_ids) == 7
+    assert engine.stats().free_blocks == 1
+    assert engine.reserve("c", prompt + [5], 1, params) is None  # needs 1 block beyond the cached 3, + headroom
+    assert engine.stats().free_blocks == 1 and engine.stats().prefix_cache.pinned_blocks == 3  # type: ignore[union-attr]
+    engine.abort("b")
+    stats = engine.stats()
+    assert stats.free_blocks == 8 and stats.prefix_cache is not None
+    assert stats.prefix_cache.cached_blocks == 3 and stats.prefix_cache.pinned_blocks == 0

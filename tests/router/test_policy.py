@@ -94,6 +94,20 @@ def test_the_index_follows_evictions_restarts_and_prompts_in_flight() -> None:
     assert index.cached(0) == set() and index.cached(1) == set()
 
 
+def test_lookup_gives_a_policy_both_mappings_over_the_groups_it_may_pick() -> None:
+    """What dispatch hands a cache-aware policy, for the entry groups or the decode groups: the
+    cached prefix in each (a block ending with the prompt's last token never counts: the
+    engines compute that token whatever they hold) and each cache's size, for the groups asked."""
+    index = PrefixIndex([0, 1, 2], BLOCK)
+    system = tokens(12, 1)
+    index.apply(1, inserted(system))
+    index.apply(2, inserted(system[:4]))
+    cached, sizes = index.lookup(index.hashes(system), len(system), {1, 2})
+    assert cached == {1: 8, 2: 4} and sizes == {1: 3, 2: 1}
+    cached, sizes = index.lookup(index.hashes(system + [9]), len(system) + 1, {0, 1})
+    assert cached == {0: 0, 1: 12} and sizes == {0: 0, 1: 3}
+
+
 @pytest.mark.parametrize("name", ["round-robin", "least-tokens", "cache-aware"])
 def test_every_policy_picks_a_group_without_cache_information(name: str) -> None:
     policy = create_policy(name)

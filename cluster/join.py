@@ -201,6 +201,9 @@ class GroupNode:
                     return self._abandon(
                         f"{self.name} failed: {failure}; the router removes it when its heartbeats stop"
                     )
+                if not self.processes.alive():  # every rank exited 0: the router shut the cluster down
+                    logger.info("%s stopped: the cluster shut down", self.name)
+                    return 0
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + (_POLL_S if not admitted else _STORE_CHECK_S)
                     try:

@@ -387,7 +387,10 @@ class Cluster:
         self.router.group_failed(group.role, group.index, cause)
         if group.restarts >= c.max_restarts:
             logger.error("%s group %d: %d restarts already, it stays down", group.role, group.index, group.restarts)
-            if all(g.processes is None and g.restart_at is None for g in self.groups.values() if g.role == group.role):
+            down = all(
+                g.processes is None and g.restart_at is None for g in self.groups.values() if g.role == group.role
+            )
+            if down and not c.joinable:  # where groups join, one may yet come
                 failure = f"every {group.role} group failed for good (last: {cause})"
                 self.router.fail_all("worker_failed", failure)
                 self._abandon()

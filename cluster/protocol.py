@@ -557,8 +557,9 @@ def block_hash(parent: int, block: typing.Sequence[int]) -> int:
     its negation can mean an eviction.
 
     Python's tuple hash over ints, which is not salted (``PYTHONHASHSEED`` only affects str and
-    bytes): the router and the leaders run one interpreter build on one host, so they agree. A
-    collision can only mislead a routing choice, never a result: the engines match token ids.
+    bytes) and is one function on every 64-bit CPython since 3.8: the router and the leaders, on
+    one machine or several, agree. A group node on another interpreter (32-bit, PyPy) would only
+    mislead routing choices, as a collision can, never a result: the engines match token ids.
     """
     return (hash((parent, tuple(block))) & _HASH_MASK) or 1
 

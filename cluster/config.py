@@ -312,16 +312,6 @@ class ClusterConfig:
         if self.join_tp < 1:
             raise ValueError(f"--tp must be >= 1, got {self.join_tp}")
 
-    def flat_settings(self) -> dict[str, Any]:
-        """Every setting's value by its flat key (what ``from_settings`` takes), in plain types."""
-        out = {}
-        for spec in cluster_settings():
-            value: Any = self
-            for name in spec.path:
-                value = getattr(value, name)
-            out[spec.key] = list(value) if isinstance(value, tuple) else value
-        return out
-
     @classmethod
     def from_settings(cls, settings: dict[str, Any], origin: str = "settings") -> ClusterConfig:
         """Built from flat ``{key: value}`` settings (see the module docstring)."""

@@ -120,7 +120,8 @@ def group_tp_key(role: str, group: int) -> str:
 
 def group_state_key(role: str, group: int) -> str:
     """The store key of a joining group's state: starting, then joined (admitted by the router's
-    node) or left (its node stopped first), whichever comes first."""
+    node) or left (its node stopped first), whichever comes first; removed once the router's
+    node gave up on its heartbeats."""
     return f"group/{role}{group}/state"
 
 

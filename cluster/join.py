@@ -12,7 +12,8 @@ Leaving: SIGTERM (or Ctrl-C) sends the router ``drain``; the router stops giving
 requests, shuts it down once it holds none, and the ranks exit. A node that stops before its
 group was admitted says so in the store (``compare_set``) and the group never joins. A node
 killed outright takes its ranks with it (they die with their parent); the router removes the
-group when its heartbeats stop.
+group when its heartbeats stop, and marks it ``removed`` in the store: a node that still runs
+(its heartbeats lost on the way) then stops its ranks.
 """
 
 from __future__ import annotations
@@ -210,6 +211,8 @@ class GroupNode:
                         state = self.store.get(group_state_key(self.role, self.index))
                     except RuntimeError:
                         return self._abandon(f"the router node at {self.join} is gone")
+                    if state == b"removed":
+                        return self._abandon(f"the router removed {self.name}: its heartbeats stopped reaching it")
                     if not admitted and state == b"joined":
                         admitted = True
                         if joined is not None:

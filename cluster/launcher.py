@@ -48,7 +48,7 @@ from pdserve.cluster.group import (
 from pdserve.cluster.mps import MpsDaemon, MpsError
 from pdserve.cluster.protocol import Ready
 from pdserve.cluster.rank import WorkerSpec, worker_main
-from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.config import EngineConfig, ModelConfig, flatten_config
 from pdserve.engine.parallel import check_tp_size
 from pdserve.engine.presets import resolve_model
 from pdserve.engine.tokenization import load_tokenizer
@@ -208,7 +208,7 @@ class Cluster:
     def _publish(self, engine: EngineConfig, model: ModelConfig) -> None:
         """What a group node reads from the store to join (``cluster.join``)."""
         c = self.config
-        settings = c.flat_settings()
+        settings = {k: list(v) if isinstance(v, tuple) else v for k, v in flatten_config(c).items()}
         for key in ("master_addr", "master_port"):  # the router node's own
             settings.pop(key)
         # With no group here, each group node resolves auto for its own devices.
@@ -365,6 +365,7 @@ class Cluster:
             if group is None:  # joined from another node, which supervises it: removed, not restarted
                 logger.error("%s group %d (joined at run time) failed: %s; it leaves the cluster", role, index, cause)
                 self.router.group_failed(role, index, cause)
+                self._store.set(group_state_key(role, index), "removed")  # if its node still runs, it stops it
             elif group.processes is not None:
                 self._group_failed(group, cause)
         if self.http is not None and self.http.poll() is not None and not (self._stopping or self._stop_requested):

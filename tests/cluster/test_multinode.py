@@ -1,61 +1,169 @@
 """A cluster over two (and more) nodes, as real processes on the CPU: the router node
-(``launch.py --master-addr 127.0.0.2``) runs the router and a prefill group, group nodes
-(``launch.py --join 127.0.0.2:PORT --advertise-addr 127.0.0.3``) each run a decode group. Each
-node has its own run directory; they reach each other only over TCP, on distinct loopback
-addresses (Linux routes all of 127/8 to lo). Groups join under load, leave with SIGTERM (drained)
-or die with SIGKILL (removed after the heartbeat timeout); every request ends once, with the
-single engine's greedy tokens.
+(``launch.py --master-addr``) runs the router and a prefill group, group nodes (``launch.py
+--join``) each run a decode group. Each node has its own run directory, and they reach each
+other only over TCP: where the test may (root, with ``ip``), the router node and the group nodes
+run in network namespaces of their own, joined by a veth pair (the test reaches the router's
+client endpoint over a second one); elsewhere on distinct loopback addresses (Linux routes all
+of 127/8 to lo). Groups join under load, leave with SIGTERM (drained) or die with SIGKILL
+(removed after the heartbeat timeout); every request ends once, with the single engine's greedy
+tokens.
 
 The tests of this module run in order on one cluster: each starts from where the last left it.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import zmq
 
-from pdserve.bench.compare import REPO, LaunchedCluster
+from pdserve.bench.compare import REPO
 from pdserve.cluster.client import Chunk, Client, Error, Final
-from pdserve.cluster.group import connect_store, free_port
-from pdserve.cluster.protocol import GroupInfo, Ready, encode
+from pdserve.cluster.group import free_port
+from pdserve.cluster.protocol import GroupInfo
 from pdserve.engine.sampling import SamplingParams
-from pdserve.tests.cluster.helpers import wait_until_idle
+from pdserve.tests.cluster.helpers import MAX_MODEL_LEN, wait_until_idle
 from pdserve.tests.cluster.test_cluster import mixed_requests, oracle, run_concurrently
 
-ROUTER_NODE = "127.0.0.2"
-GROUP_NODES = ("127.0.0.3", "127.0.0.4", "127.0.0.5")
 HEARTBEAT_TIMEOUT = 3.0
+# A process that reads the rendezvous like a group node, then claims a group index it never got.
+STRANGER = """
+import json, zmq
+from pdserve.cluster.group import connect_store
+from pdserve.cluster.protocol import Ready, encode
+store = connect_store("tcp://{master}", timeout_s=10)
+settings = json.loads(store.get("cluster/settings"))
+assert settings["decode_groups"] == 0 and "master_addr" not in settings, settings
+sock = zmq.Context.instance().socket(zmq.PUSH)
+sock.connect(store.get("cluster/router").decode())
+sock.send(encode(Ready("decode", 99, 100, tp=1, address="tcp://{address}:9")))
+sock.close(linger=2000)
+"""
 MAX_TOKENS = 40
 PROMPTS = [[17 + i] * (12 + 3 * i) + [42, 7, 99] for i in range(8)]
 
 
-class GroupNodeProcess:
-    """``launch.py --join ...`` in a subprocess, its output in a log file; started on construction,
-    returns once its group has joined."""
+@dataclass
+class Topology:
+    """Where the nodes run: their addresses, and the namespace (if any) each kind of node runs in."""
 
-    def __init__(self, master: str, advertise: str, log_path: Path, *args: str, timeout: float = 180.0) -> None:
+    router_addr: str  # the router node's --master-addr
+    client_host: str  # its --host: where the test reaches the client endpoint
+    group_addrs: tuple[str, ...]  # one --advertise-addr per group node
+    namespaces: dict[str, str] = field(default_factory=dict)  # "router" | "group" -> netns
+    interfaces: dict[str, str] = field(default_factory=dict)  # "router" | "group" -> gloo's interface there
+
+    def command(self, node: str, *argv: str) -> list[str]:
+        """``python ARGV`` on a node of this kind."""
+        netns = self.namespaces.get(node)
+        return [*(["ip", "netns", "exec", netns] if netns else []), sys.executable, *argv]
+
+    def env(self, node: str) -> dict[str, str]:
+        interface = self.interfaces.get(node)
+        return {**os.environ, **({"GLOO_SOCKET_IFNAME": interface} if interface else {})}
+
+    def free_port(self) -> int:
+        """A port nothing listens on at the router node's address (a fresh namespace has all
+        free; below the range ZMQ and the OS hand out)."""
+        return 29400 if self.namespaces else free_port(self.router_addr)
+
+
+def _network_namespaces(tag: str) -> Topology | None:
+    """Two namespaces, router and group, joined by a veth pair, and the router's reachable from
+    here over another; None where the machine does not allow it."""
+    if os.geteuid() != 0 or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
+        return None
+    router, group = f"pdmn-r{tag}", f"pdmn-g{tag}"
+    steps = [
+        f"netns add {router}",
+        f"netns add {group}",
+        f"link add pr{tag} type veth peer name pg{tag}",
+        f"link set pr{tag} netns {router}",
+        f"link set pg{tag} netns {group}",
+        f"link add pc{tag} type veth peer name ph{tag}",
+        f"link set pc{tag} netns {router}",
+        f"-n {router} addr add 10.78.0.1/24 dev pr{tag}",
+        f"-n {group} addr add 10.78.0.2/24 dev pg{tag}",
+        f"-n {group} addr add 10.78.0.3/24 dev pg{tag}",
+        f"-n {group} addr add 10.78.0.4/24 dev pg{tag}",
+        f"-n {router} addr add 10.79.0.1/24 dev pc{tag}",
+        f"addr add 10.79.0.254/24 dev ph{tag}",
+        f"-n {router} link set pr{tag} up",
+        f"-n {router} link set pc{tag} up",
+        f"-n {router} link set lo up",
+        f"-n {group} link set pg{tag} up",
+        f"-n {group} link set lo up",
+        f"link set ph{tag} up",
+    ]
+    for step in steps:
+        if subprocess.run(["ip", *step.split()], capture_output=True).returncode != 0:
+            _remove_namespaces(tag)
+            return None
+    return Topology(
+        "10.78.0.1",
+        "10.79.0.1",
+        ("10.78.0.2", "10.78.0.3", "10.78.0.4"),
+        {"router": router, "group": group},
+        {"router": f"pr{tag}", "group": f"pg{tag}"},
+    )
+
+
+def _remove_namespaces(tag: str) -> None:
+    """Deleting a namespace deletes the veth pairs with an end in it."""
+    for netns in (f"pdmn-r{tag}", f"pdmn-g{tag}"):
+        subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def topology() -> Iterator[Topology]:
+    tag = str(os.getpid() % 100_000)
+    namespaces = _network_namespaces(tag)
+    if namespaces is None:
+        yield Topology("127.0.0.2", "127.0.0.1", ("127.0.0.3", "127.0.0.4", "127.0.0.5"))
+        return
+    try:
+        yield namespaces
+    finally:
+        _remove_namespaces(tag)
+
+
+class NodeProcess:
+    """``launch.py ARGS`` on a node, its output in a log file; started on construction, returns
+    once ``ready`` (a regex) matches the output."""
+
+    def __init__(
+        self, topology: Topology, node: str, args: list[str], log_path: Path, ready: str, timeout: float = 300.0
+    ) -> None:
         self.log_path = log_path
-        command = [sys.executable, "launch.py", "--join", master, "--advertise-addr", advertise, *args]
         with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                topology.command(node, "launch.py", *args),
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=topology.env(node),
+            )
         deadline = time.monotonic() + timeout
-        while (found := re.search(r"joined: \w+ group (\d+) at (\S+)", self.output())) is None:
-            assert self.proc.poll() is None, f"the group node exited with {self.proc.returncode}:\n{self.output()}"
-            assert time.monotonic() < deadline, f"the group did not join in {timeout} s:\n{self.output()}"
+        while (found := re.search(ready, self.output())) is None:
+            assert self.proc.poll() is None, f"{args[:2]} exited with {self.proc.returncode}:\n{self.output()}"
+            assert time.monotonic() < deadline, f"{args[:2]}: not ready in {timeout} s:\n{self.output()}"
             time.sleep(0.2)
-        self.index, self.address = int(found.group(1)), found.group(2)
+        self.ready = found
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 120.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -68,58 +176,62 @@ def model_dir(tiny_model_dirs: dict[str, Path]) -> Path:
     return tiny_model_dirs["tiny-llama-odd"]  # 9 query / 3 KV heads: prefill tp 2 splits them unevenly
 
 
-@pytest.fixture(scope="module")
-def master_port() -> int:
-    return free_port(ROUTER_NODE)
+@dataclass
+class RouterNode:
+    process: NodeProcess
+    endpoint: str
+    master: str  # its rendezvous, HOST:PORT
+
+    def output(self) -> str:
+        return self.process.output()
 
 
 @pytest.fixture(scope="module")
-def router_node(cluster_factory, model_dir: Path, master_port: int) -> LaunchedCluster:
+def router_node(topology: Topology, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterNode]:
     """The router and one prefill group (tp 2); no decode group until one joins."""
-    return cluster_factory(
-        "--model",
-        str(model_dir),
-        "--master-addr",
-        ROUTER_NODE,
-        "--master-port",
-        str(master_port),
-        "--prefill-tp",
-        "2",
-        "--decode-groups",
-        "0",
-        "--num-blocks",
-        "200",
-        "--heartbeat-timeout",
-        str(HEARTBEAT_TIMEOUT),
-        "--drain-timeout",
-        "60",
-    )
+    master_port = 29500 if topology.namespaces else free_port(topology.router_addr)
+    port = 5555 if topology.namespaces else free_port(topology.client_host)
+    args = ["--model", str(model_dir), "--max-model-len", str(MAX_MODEL_LEN), "--host", topology.client_host]
+    args += ["--port", str(port), "--master-addr", topology.router_addr, "--master-port", str(master_port)]
+    args += ["--prefill-tp", "2", "--decode-groups", "0", "--num-blocks", "200"]
+    args += ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--drain-timeout", "60"]
+    log = tmp_path_factory.mktemp("router-node") / "launch.log"
+    process = NodeProcess(topology, "router", args, log, r"(?m)^endpoint (tcp://\S+)")
+    try:
+        yield RouterNode(process, process.ready.group(1), f"{topology.router_addr}:{master_port}")
+    finally:
+        process.kill()
 
 
 class GroupNodes:
     """The decode group nodes (tp 1) of the module's cluster."""
 
-    def __init__(self, master: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    def __init__(self, topology: Topology, master: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.topology = topology
         self.master = master
         self.tmp_path_factory = tmp_path_factory
-        self.started: list[GroupNodeProcess] = []
+        self.started: list[NodeProcess] = []
 
-    def start(self, advertise: str) -> GroupNodeProcess:
-        log = self.tmp_path_factory.mktemp("node") / "node.log"
-        node = GroupNodeProcess(self.master, advertise, log, "--role", "decode", "--tp", "1")
+    def start(self, number: int) -> NodeProcess:
+        """Start group node ``number`` (its address is the topology's ``group_addrs[number]``)."""
+        log = self.tmp_path_factory.mktemp("group-node") / "launch.log"
+        advertise = self.topology.group_addrs[number]
+        args = ["--join", self.master, "--advertise-addr", advertise, "--role", "decode", "--tp", "1"]
+        node = NodeProcess(self.topology, "group", args, log, r"joined: \w+ group (\d+) at (\S+)")
+        node.index, node.address = int(node.ready.group(1)), node.ready.group(2)
         self.started.append(node)
         return node
 
-    def running(self) -> list[GroupNodeProcess]:
+    def running(self) -> list[NodeProcess]:
         return [n for n in self.started if n.proc.poll() is None]
 
 
 @pytest.fixture(scope="module")
 def nodes(
-    router_node: LaunchedCluster, master_port: int, tmp_path_factory: pytest.TempPathFactory
+    topology: Topology, router_node: RouterNode, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GroupNodes]:
     """Every group node a test starts is killed when the module ends."""
-    nodes = GroupNodes(f"{ROUTER_NODE}:{master_port}", tmp_path_factory)
+    nodes = GroupNodes(topology, router_node.master, tmp_path_factory)
     yield nodes
     for node in nodes.started:
         node.kill()
@@ -178,13 +290,13 @@ def token_ids(terminal: list[Final | Error]) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_prefill_on_one_node_and_decode_on_another_match_the_single_engine(
-    router_node: LaunchedCluster, nodes: GroupNodes, model_dir: Path, reference: list[list[int]]
+    topology: Topology, router_node: RouterNode, nodes: GroupNodes, model_dir: Path, reference: list[list[int]]
 ) -> None:
     """A decode group joins from its own node: requests are prefilled on the router node (tp 2),
     their KV crosses to the other node (tp 1) over a pair group formed at run time, and the tokens
     are the single engine's. ``--status`` lists both groups with their role, TP, devices, address."""
-    node = nodes.start(GROUP_NODES[0])
-    assert node.address.startswith(f"tcp://{GROUP_NODES[0]}:")
+    node = nodes.start(0)
+    assert node.address.startswith(f"tcp://{topology.group_addrs[0]}:")
     with Client(router_node.endpoint, timeout=120) as client:
         prompts, params = mixed_requests(500, 12, seed=4)
         finals = run_concurrently(client, prompts, params)
@@ -195,7 +307,7 @@ def test_prefill_on_one_node_and_decode_on_another_match_the_single_engine(
     assert set(groups) == {"prefill0", f"decode{node.index}"}
     prefill, decode = groups["prefill0"], groups[f"decode{node.index}"]
     assert (prefill.tp, prefill.devices, prefill.joined, prefill.state) == (2, ["cpu", "cpu"], False, "ready")
-    assert prefill.address.startswith(f"tcp://{ROUTER_NODE}:")
+    assert prefill.address.startswith(f"tcp://{topology.router_addr}:")
     assert (decode.tp, decode.devices, decode.joined, decode.state) == (1, ["cpu"], True, "ready")
     assert decode.address == node.address
     assert decode.dispatched == prefill.dispatched == 12 + len(PROMPTS)
@@ -215,13 +327,13 @@ def test_prefill_on_one_node_and_decode_on_another_match_the_single_engine(
 
 @pytest.mark.slow
 def test_a_decode_group_that_joins_under_load_starts_taking_requests(
-    router_node: LaunchedCluster, nodes: GroupNodes, reference: list[list[int]]
+    router_node: RouterNode, nodes: GroupNodes, reference: list[list[int]]
 ) -> None:
     """Requests keep coming while a second decode group joins: once it is ready the router sends
     it some, and every request, before, during and after the join, gets the single engine's tokens."""
-    joined: list[GroupNodeProcess] = []
+    joined: list[NodeProcess] = []
     with Client(router_node.endpoint, timeout=120) as client:
-        assert token_ids(stream_all(client, lambda: joined.append(nodes.start(GROUP_NODES[1])))) == reference
+        assert token_ids(stream_all(client, lambda: joined.append(nodes.start(1)))) == reference
         (node,) = joined
         deadline = time.monotonic() + 120
         while members(client)[f"decode{node.index}"].dispatched == 0:
@@ -232,7 +344,7 @@ def test_a_decode_group_that_joins_under_load_starts_taking_requests(
 
 @pytest.mark.slow
 def test_a_group_drained_with_sigterm_under_load_loses_no_request(
-    router_node: LaunchedCluster, reference: list[list[int]], nodes: GroupNodes
+    router_node: RouterNode, reference: list[list[int]], nodes: GroupNodes
 ) -> None:
     """SIGTERM on the newest group node while that group decodes requests: the router sends it no
     new ones, it finishes those it holds (none moves: no migration), then it leaves and its node
@@ -260,12 +372,12 @@ def test_a_group_drained_with_sigterm_under_load_loses_no_request(
 
 @pytest.mark.slow
 def test_a_group_killed_with_sigkill_is_removed_within_the_heartbeat_timeout(
-    router_node: LaunchedCluster, reference: list[list[int]], nodes: GroupNodes
+    router_node: RouterNode, reference: list[list[int]], nodes: GroupNodes
 ) -> None:
     """kill -9 of a group node mid-stream (its ranks die with it): the router removes the group
     when its heartbeats stop, within the heartbeat timeout, moves its requests to the decode group
     left, and every request still gets the single engine's tokens."""
-    node = nodes.start(GROUP_NODES[2])
+    node = nodes.start(2)
     victim = f"decode{node.index}"
     with Client(router_node.endpoint, timeout=120) as client, Client(router_node.endpoint, timeout=60) as watcher:
         wait_for("the new group to be ready", lambda: members(watcher)[victim].state == "ready", 30)
@@ -292,33 +404,31 @@ def test_a_group_killed_with_sigkill_is_removed_within_the_heartbeat_timeout(
 
 @pytest.mark.slow
 def test_bad_joins_get_one_line_errors_and_change_nothing(
-    router_node: LaunchedCluster, master_port: int, reference: list[list[int]], tmp_path: Path
+    topology: Topology, router_node: RouterNode, nodes: GroupNodes, reference: list[list[int]]
 ) -> None:
     """A group node pointed at no router node, or with a TP the model cannot split, stops with one
-    line; a ready message from a group the rendezvous never handed an index (a stranger) is
-    refused with one line in the router node's log; the cluster serves on."""
+    line; a ready message from a group the rendezvous never handed an index (a stranger on a group
+    node's machine) is refused with one line in the router node's log; the cluster serves on. Runs
+    last: then SIGTERM on the router node stops the whole cluster, the group nodes with exit 0."""
 
-    def join(*args: str) -> subprocess.CompletedProcess[str]:
-        command = [sys.executable, "launch.py", "--join", *args]
-        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    def on_group_node(*argv: str) -> subprocess.CompletedProcess[str]:
+        command = topology.command("group", *argv)
+        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120, env=topology.env("group"))
 
-    nobody = join(f"{ROUTER_NODE}:{free_port(ROUTER_NODE)}", "--role", "decode")
+    nobody = on_group_node("launch.py", "--join", f"{topology.router_addr}:{topology.free_port()}", "--role", "decode")
     assert nobody.returncode != 0
     assert nobody.stderr.strip().splitlines()[-1].startswith("Error: no pdserve router node answers at"), nobody.stderr
-    too_wide = join(f"{ROUTER_NODE}:{master_port}", "--role", "decode", "--tp", "16")
+    too_wide = on_group_node("launch.py", "--join", router_node.master, "--role", "decode", "--tp", "16")
     assert too_wide.returncode != 0
     assert too_wide.stderr.strip().splitlines()[-1].startswith("Error: --tp 16:"), too_wide.stderr
-    wrong_role = join(f"{ROUTER_NODE}:{master_port}", "--role", "colocated")
+    wrong_role = on_group_node("launch.py", "--join", router_node.master, "--role", "colocated")
     assert "runs --mode disagg" in wrong_role.stderr.strip().splitlines()[-1], wrong_role.stderr
-    router = connect_store(f"tcp://{ROUTER_NODE}:{master_port}", timeout_s=10).get("cluster/router").decode()
-    stranger = zmq.Context.instance().socket(zmq.PUSH)
-    stranger.connect(router)
-    stranger.send(encode(Ready("decode", 99, 100, tp=1, address="tcp://127.0.0.9:9")))
-    stranger.close(linger=1000)
-    settings = json.loads(connect_store(f"tcp://{ROUTER_NODE}:{master_port}", timeout_s=10).get("cluster/settings"))
-    assert settings["decode_groups"] == 0 and "master_addr" not in settings
+    stranger = on_group_node("-c", STRANGER.format(master=router_node.master, address=topology.group_addrs[0]))
+    assert stranger.returncode == 0, stranger.stderr
     with Client(router_node.endpoint, timeout=120) as client:
         wait_for("the refusal in the log", lambda: "refused decode group 99" in router_node.output(), 10)
         assert "decode99" not in members(client)
         assert token_ids(stream_all(client)) == reference
-    assert router_node.stop() == 0, router_node.output()[-4000:]
+    assert router_node.process.stop() == 0, router_node.output()[-4000:]
+    for node in nodes.running():  # the router's shutdown stopped their groups too
+        assert node.proc.wait(timeout=60) == 0, node.output()[-3000:]

@@ -215,6 +215,11 @@ class ClusterConfig:
     join_tp: int = setting(
         1, help="Group node: the tensor-parallel degree of its group.", section="Multi-node", key="tp"
     )
+    join_timeout: float = setting(
+        60.0,
+        help="Group node: seconds to wait for the router node's rendezvous to answer (it may start later).",
+        section="Multi-node",
+    )
     advertise_addr: str | None = setting(
         None,
         help="Group node: the address its group listens on, as the other machines reach it.",
@@ -302,6 +307,7 @@ class ClusterConfig:
                 ("--role", self.join_role, None),
                 ("--tp", self.join_tp, 1),
                 ("--advertise-addr", self.advertise_addr, None),
+                ("--join-timeout", self.join_timeout, 60.0),
             ):
                 if value != default:
                     raise ValueError(f"{flag} applies to a group node (--join HOST:PORT)")
@@ -311,6 +317,8 @@ class ClusterConfig:
             raise ValueError("--join needs --role (prefill or decode; colocated in a colocated cluster)")
         if self.join_tp < 1:
             raise ValueError(f"--tp must be >= 1, got {self.join_tp}")
+        if not self.join_timeout > 0:
+            raise ValueError(f"--join-timeout must be positive, got {self.join_timeout}")
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any], origin: str = "settings") -> ClusterConfig:

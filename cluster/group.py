@@ -114,7 +114,7 @@ def connect_store(address: str, serve: bool = False, clients: int = 1, timeout_s
 
 
 def group_tp_key(role: str, group: int) -> str:
-    """The store key that holds the TP degree of a group that joined at run time."""
+    """The store key that holds a group's TP degree, for the ranks of groups that meet it at run time."""
     return f"group/{role}{group}/tp"
 
 

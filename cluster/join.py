@@ -57,6 +57,7 @@ NODE_SETTINGS = frozenset(
         "role",
         "tp",
         "advertise_addr",
+        "join_timeout",
         "model",
         "devices",
         "num_blocks",
@@ -67,7 +68,6 @@ NODE_SETTINGS = frozenset(
         "decode_sm_percent",
     }
 )
-_CONNECT_TIMEOUT_S = 20.0
 _POLL_S = 0.2
 _STORE_CHECK_S = 2.0
 
@@ -88,6 +88,7 @@ class GroupNode:
         self.join = str(given["join"])
         self.role = str(given["role"])
         self.tp = int(given.get("tp", 1))
+        self.join_timeout = float(given.get("join_timeout", 60.0))
         self.index = -1
         self.processes: RankProcesses | None = None
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-node-")
@@ -105,13 +106,13 @@ class GroupNode:
         host, port = split_host_port(self.join, "--join")
         self._store_address = f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
         try:
-            self.store = connect_store(self._store_address, timeout_s=_CONNECT_TIMEOUT_S)
+            self.store = connect_store(self._store_address, timeout_s=self.join_timeout)
             settings = json.loads(self.store.get("cluster/settings"))
             shape = json.loads(self.store.get("cluster/model"))
             router = self.store.get("cluster/router").decode()
         except (RuntimeError, ValueError) as e:  # torch's store errors are RuntimeErrors
             raise ClusterError(
-                f"no pdserve router node answers at {self.join} within {_CONNECT_TIMEOUT_S:.0f} s "
+                f"no pdserve router node answers at {self.join} within {self.join_timeout:g} s "
                 f"(its --master-addr:--master-port?): {str(e).splitlines()[0]}"
             ) from None
         settings.update(self.given)

@@ -147,6 +147,8 @@ def test_multi_node_settings_are_checked_before_anything_starts() -> None:
         "--join 'h:99999': expected HOST:PORT": {"join": "h:99999", "role": "decode"},
         "--join needs --role": {"join": "10.0.0.1:29500"},
         "--tp must be >= 1": {"join": "10.0.0.1:29500", "role": "decode", "tp": 0},
+        "--join-timeout must be positive": {"join": "10.0.0.1:29500", "role": "decode", "join_timeout": 0},
+        "--join-timeout applies to a group node": {"join_timeout": 5},
         "master_port must be in 1..65535": {"master_addr": "10.0.0.1", "master_port": 0},
     }
     for message, settings in refused.items():

@@ -70,6 +70,7 @@ NODE_SETTINGS = frozenset(
 )
 _POLL_S = 0.2
 _STORE_CHECK_S = 2.0
+_SHUTDOWN_GRACE_S = 10.0
 
 
 class GroupNode:
@@ -94,6 +95,7 @@ class GroupNode:
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-node-")
         self._reaper: subprocess.Popen[bytes] | None = None
         self._stop_requested = False
+        self._handlers: dict[int, Any] = {}
 
     @property
     def name(self) -> str:
@@ -103,6 +105,8 @@ class GroupNode:
         """Read the cluster's settings from its rendezvous, check this node can serve them, take
         an index and spawn the ranks. Every mistake raises ``ValueError`` or ``ClusterError``
         with one line, before any rank starts."""
+        # From here a stop is a request that ``serve`` honours: the ranks must not be orphaned half-way.
+        self._handlers = {sig: signal.signal(sig, self.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         host, port = split_host_port(self.join, "--join")
         self._store_address = f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
         try:
@@ -136,6 +140,8 @@ class GroupNode:
         if on_gpu:
             engine = config.rank_engine(engine, self.role, 1)
         advertise = config.advertise_addr or _route_to(host, port)
+        if self._stop_requested:  # stopped while it waited for the router node: nothing to undo
+            return
         self.index = int(self.store.add(f"next/{self.role}", 1)) - 1
         self.store.set(group_tp_key(self.role, self.index), str(self.tp))
         self.store.set(group_state_key(self.role, self.index), "starting")
@@ -187,13 +193,16 @@ class GroupNode:
         return devices[: self.tp]
 
     def request_stop(self, *_: object) -> None:
+        if self._stop_requested:
+            logger.warning("already stopping: the group leaves once the router lets it go")
         self._stop_requested = True
 
     def serve(self, joined: Callable[[], None] | None = None) -> int:
         """Supervise the ranks until a stop is requested, then leave the cluster; the exit status.
         ``joined()`` runs once the router has admitted the group."""
-        assert self.processes is not None
-        previous = {sig: signal.signal(sig, self.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        if self.processes is None:  # stopped before it spawned anything
+            self._cleanup()
+            return 0
         admitted = False
         next_check = 0.0
         try:
@@ -211,7 +220,7 @@ class GroupNode:
                     try:
                         state = self.store.get(group_state_key(self.role, self.index))
                     except RuntimeError:
-                        return self._abandon(f"the router node at {self.join} is gone")
+                        return self._router_gone()
                     if state == b"removed":
                         return self._abandon(f"the router removed {self.name}: its heartbeats stopped reaching it")
                     if not admitted and state == b"joined":
@@ -221,8 +230,6 @@ class GroupNode:
                 time.sleep(_POLL_S)
             return self._leave()
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
             self._cleanup()
 
     def _leave(self) -> int:
@@ -249,6 +256,17 @@ class GroupNode:
         logger.info("%s left the cluster", self.name)
         return 0
 
+    def _router_gone(self) -> int:
+        """The store went away with the router node: if it shut the cluster down, the group was
+        told to stop and its ranks exit on their own; if it died, they would wait for ever."""
+        assert self.processes is not None
+        try:
+            self.processes.wait(timeout=_SHUTDOWN_GRACE_S)
+        except (TimeoutError, RuntimeError):
+            return self._abandon(f"the router node at {self.join} is gone")
+        logger.info("%s stopped: the cluster shut down", self.name)
+        return 0
+
     def _abandon(self, why: str) -> int:
         logger.error(why)
         if self.processes is not None:
@@ -256,6 +274,8 @@ class GroupNode:
         return 1
 
     def _cleanup(self) -> None:
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
         self._tmp.cleanup()
         if self._reaper is not None and self._reaper.stdin is not None:
             self._reaper.stdin.close()

@@ -82,6 +82,7 @@ def _network_namespaces(tag: str) -> Topology | None:
     if os.geteuid() != 0 or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
         return None
     router, group = f"pdmn-r{tag}", f"pdmn-g{tag}"
+    client_net = f"10.79.{int(tag) % 250}"  # apart from a namespace of an earlier run the kernel has yet to free
     steps = [
         f"netns add {router}",
         f"netns add {group}",
@@ -94,8 +95,8 @@ def _network_namespaces(tag: str) -> Topology | None:
         f"-n {group} addr add 10.78.0.2/24 dev pg{tag}",
         f"-n {group} addr add 10.78.0.3/24 dev pg{tag}",
         f"-n {group} addr add 10.78.0.4/24 dev pg{tag}",
-        f"-n {router} addr add 10.79.0.1/24 dev pc{tag}",
-        f"addr add 10.79.0.254/24 dev ph{tag}",
+        f"-n {router} addr add {client_net}.1/24 dev pc{tag}",
+        f"addr add {client_net}.254/24 dev ph{tag}",
         f"-n {router} link set pr{tag} up",
         f"-n {router} link set pc{tag} up",
         f"-n {router} link set lo up",
@@ -109,7 +110,7 @@ def _network_namespaces(tag: str) -> Topology | None:
             return None
     return Topology(
         "10.78.0.1",
-        "10.79.0.1",
+        f"{client_net}.1",
         ("10.78.0.2", "10.78.0.3", "10.78.0.4"),
         {"router": router, "group": group},
         {"router": f"pr{tag}", "group": f"pg{tag}"},
@@ -117,7 +118,9 @@ def _network_namespaces(tag: str) -> Topology | None:
 
 
 def _remove_namespaces(tag: str) -> None:
-    """Deleting a namespace deletes the veth pairs with an end in it."""
+    """The veth pair with an end here first: a deleted namespace, and the pairs with an end in it,
+    go only when the kernel gets round to it (seconds later, or more)."""
+    subprocess.run(["ip", "link", "del", f"ph{tag}"], capture_output=True)
     for netns in (f"pdmn-r{tag}", f"pdmn-g{tag}"):
         subprocess.run(["ip", "netns", "del", netns], capture_output=True)
 
@@ -194,7 +197,7 @@ def router_node(topology: Topology, model_dir: Path, tmp_path_factory: pytest.Te
     args = ["--model", str(model_dir), "--max-model-len", str(MAX_MODEL_LEN), "--host", topology.client_host]
     args += ["--port", str(port), "--master-addr", topology.router_addr, "--master-port", str(master_port)]
     args += ["--prefill-tp", "2", "--decode-groups", "0", "--num-blocks", "200"]
-    args += ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--drain-timeout", "60"]
+    args += ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--drain-timeout", "60", "--restart-backoff", "0.5"]
     log = tmp_path_factory.mktemp("router-node") / "launch.log"
     process = NodeProcess(topology, "router", args, log, r"(?m)^endpoint (tcp://\S+)")
     try:
@@ -400,6 +403,24 @@ def test_a_group_killed_with_sigkill_is_removed_within_the_heartbeat_timeout(
         assert after["group_failures"] == before["group_failures"] + 1 and after["migrated"] > before["migrated"]
         assert after["restarts"] == before["restarts"], "a joined group is not the router node's to restart"
         assert token_ids(stream_all(client)) == reference
+
+
+@pytest.mark.slow
+def test_a_restarted_group_of_the_router_node_meets_the_joined_groups_again(
+    router_node: RouterNode, reference: list[list[int]]
+) -> None:
+    """A prefill rank on the router node is killed mid-stream: its group restarts as generation 1,
+    and at its ready the router introduces it to the joined decode group (their first pair group
+    died with it), so requests flow across the nodes again; every request, moved or not, gets the
+    single engine's tokens."""
+    (pid,) = [int(p) for p in re.findall(r" prefill0\.1 INFO rank up: pid (\d+), generation 0", router_node.output())]
+    with Client(router_node.endpoint, timeout=120) as client, Client(router_node.endpoint, timeout=60) as watcher:
+        before = watcher.stats().faults
+        assert token_ids(stream_all(client, lambda: os.kill(pid, signal.SIGKILL), after_chunks=4)) == reference
+        wait_for("the restart", lambda: watcher.stats().faults["restarts"] == before["restarts"] + 1, 60)
+        wait_for("the prefill group back", lambda: members(watcher)["prefill0"].state == "ready", 90)
+        assert token_ids(stream_all(client)) == reference
+        assert [m.state for m in members(watcher).values()] == ["ready", "ready"]
 
 
 @pytest.mark.slow

@@ -221,7 +221,10 @@ def print_status(endpoint: str, auth_keys: str | None) -> None:
             stats = client.stats()
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--status") from None
-    except (ClusterUnavailable, FileNotFoundError) as e:
+    except ClusterUnavailable as e:
+        hint = " (--status takes the client endpoint, the router node's --host:--port, not its --master-port)"
+        raise click.ClickException(f"{e}{hint}") from None
+    except FileNotFoundError as e:
         raise click.ClickException(str(e)) from None
     rows = [("GROUP", "ROLE", "TP", "STATE", "DEVICES", "ADDRESS", "REQUESTS", "LOAD", "RUNNING", "WAITING", "KV USED")]
     for m in stats.members:

@@ -64,8 +64,6 @@ NODE_SETTINGS = frozenset(
         "gpu_memory_utilization",
         "prefill_gpu_memory_utilization",
         "decode_gpu_memory_utilization",
-        "prefill_sm_percent",
-        "decode_sm_percent",
     }
 )
 _POLL_S = 0.2
@@ -119,6 +117,7 @@ class GroupNode:
                 f"no pdserve router node answers at {self.join} within {self.join_timeout:g} s "
                 f"(its --master-addr:--master-port?): {str(e).splitlines()[0]}"
             ) from None
+        settings.pop("devices")  # the router node's GPUs: this machine has its own
         settings.update(self.given)
         config = ClusterConfig.from_settings(settings, origin=f"the cluster at {self.join}")
         roles = ("colocated",) if config.mode == "colocated" else ("prefill", "decode")

@@ -271,11 +271,12 @@ class Router:
     def _join(self, ready: Ready) -> None:
         """A group the config does not name says it is ready: admit it, or log why not."""
         key = (ready.role, ready.group)
-        why = "this cluster takes no joins (its router node runs without --master-addr)"
-        if self.admit is not None:
-            why = self.admit(ready) or ""
         if key in self.gone:
             why = "it left the cluster before; a group that joins again takes a new index"
+        elif self.admit is None:
+            why = "this cluster takes no joins (its router node runs without --master-addr)"
+        else:
+            why = self.admit(ready) or ""
         if why:
             self.rejections.warning(
                 "join_refused", "router: refused %s group %d (%s): %s", ready.role, ready.group, ready.address, why

@@ -59,10 +59,12 @@ class ClusterConfig:
     )
     prefill_tp: int = _topology(1, "Tensor-parallel degree of each prefill group (disagg).")
     decode_tp: int = _topology(1, "Tensor-parallel degree of each decode group (disagg).")
-    prefill_groups: int = _topology(1, "Number of prefill groups (disagg).")
-    decode_groups: int = _topology(1, "Number of decode groups (disagg).")
+    prefill_groups: int = _topology(1, "Number of prefill groups on this node (disagg; 0 allowed with --master-addr).")
+    decode_groups: int = _topology(1, "Number of decode groups on this node (disagg; 0 allowed with --master-addr).")
     colocated_tp: int = _topology(1, "Tensor-parallel degree of each colocated group (colocated).")
-    colocated_groups: int = _topology(1, "Number of colocated groups (colocated).")
+    colocated_groups: int = _topology(
+        1, "Number of colocated groups on this node (colocated; 0 allowed with --master-addr)."
+    )
     devices: tuple[int, ...] | None = setting(
         None,
         help="Comma-separated GPU ids, one per rank in group order; a prefill and a decode rank may "

@@ -4,11 +4,20 @@
     python launch.py --prefill-tp 2 --decode-tp 1 --demo     # answer a few prompts, then stop
     python launch.py --config configs/2p1d.yaml --port 6000  # a preset; flags override it
 
-Ctrl-C or SIGTERM drains in-flight requests and exits 0.
+Across machines (README, "Two machines"): the router node opens the cluster to joins,
+group nodes join it and leave it while it serves, and ``--status`` lists the groups.
+
+    python launch.py --master-addr 10.0.0.1 --decode-groups 0          # router node (+ a prefill group)
+    python launch.py --join 10.0.0.1:29500 --role decode --tp 2        # a group node
+    python launch.py --status tcp://10.0.0.1:5555                      # the groups, their load and KV
+
+Ctrl-C or SIGTERM drains in-flight requests and exits 0; on a group node it drains that group
+and removes it from the cluster.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import sys
 import threading
@@ -60,7 +69,7 @@ def run_demo(endpoint: str, prompts: tuple[str, ...], max_tokens: int) -> None:
                     )
 
 
-_SECTIONS = ("Launcher", "Model", "Topology", "Serving", "Engine", "KV transfer", "GPU")
+_SECTIONS = ("Launcher", "Model", "Topology", "Multi-node", "Serving", "Engine", "KV transfer", "GPU")
 
 
 class SectionedCommand(click.Command):
@@ -129,14 +138,28 @@ def setting_options(function: Callable[..., Any]) -> Callable[..., Any]:
 )
 @click.option("--demo", is_flag=True, help="Answer a few prompts through the client, then shut down.")
 @click.option("--demo-max-tokens", type=int, default=48, show_default=True, help="Tokens per demo answer.")
+@click.option(
+    "--status",
+    "status_endpoint",
+    metavar="ENDPOINT",
+    help="Print the groups of the running cluster whose client endpoint is ENDPOINT (tcp://HOST:PORT): "
+    "role, TP, devices, load and KV use; then exit.",
+)
 @setting_options
-def main(config_path: str | None, demo: bool, demo_max_tokens: int, **flags: Any) -> None:
+def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpoint: str | None, **flags: Any) -> None:
     """Serve a disaggregated prefill/decode cluster (or a colocated baseline) until Ctrl-C."""
     given = {k: v for k, v in flags.items() if v is not None}
+    if status_endpoint is not None:
+        print_status(status_endpoint, given.get("auth_keys"))
+        return
     try:
         config = ClusterConfig.from_yaml(config_path, **given) if config_path else ClusterConfig.from_settings(given)
     except (TypeError, ValueError) as e:
         raise click.UsageError(str(e)) from None
+    if config.join is not None:
+        if config_path:
+            raise click.UsageError("--config applies to the router node: a group node (--join) takes the cluster's")
+        sys.exit(run_group_node(given))
     cluster = Cluster(config, require_tokenizer=demo)
     started = time.monotonic()
     try:
@@ -170,6 +193,64 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, **flags: Any
     if demo_failure:
         raise click.ClickException(f"the demo failed: {demo_failure[0]}")
     click.echo("stopped: every process exited cleanly", err=True)
+
+
+def run_group_node(given: dict[str, Any]) -> int:
+    """``--join``: this machine's group joins the cluster, serves until SIGTERM, then leaves it."""
+    from pdserve.cluster.join import GroupNode
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s node %(levelname)s %(message)s")
+    try:
+        node = GroupNode(given)
+        node.start()
+    except (ClusterError, ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+
+    def joined() -> None:
+        click.echo(f"joined: {node.name} at {node.address}", err=True)
+
+    return node.serve(joined)
+
+
+def print_status(endpoint: str, auth_keys: str | None) -> None:
+    """``--status``: one line per group of the cluster at ``endpoint``."""
+    from pdserve.cluster.client import Client, ClusterUnavailable, normalize_endpoint
+
+    try:
+        with Client(normalize_endpoint(endpoint), timeout=10, auth_keys=auth_keys) as client:
+            stats = client.stats()
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--status") from None
+    except ClusterUnavailable as e:
+        hint = " (--status takes the client endpoint, the router node's --host:--port, not its --master-port)"
+        raise click.ClickException(f"{e}{hint}") from None
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e)) from None
+    rows = [("GROUP", "ROLE", "TP", "STATE", "DEVICES", "ADDRESS", "REQUESTS", "LOAD", "RUNNING", "WAITING", "KV USED")]
+    for m in stats.members:
+        report = stats.groups.get(f"{m.role}{m.group}", {})
+        total, free = report.get("num_blocks", 0), report.get("free_blocks", 0)
+        kv = f"{total - free}/{total} ({(total - free) / total:.0%})" if total else "-"
+        rows.append(
+            (
+                f"{m.role}{m.group}" + (" (joined)" if m.joined else ""),
+                m.role,
+                str(m.tp),
+                m.state,
+                ",".join(d or "?" for d in m.devices),
+                m.address,
+                str(m.requests),
+                str(m.load),
+                str(report.get("running", "-")),
+                str(report.get("waiting", "-")),
+                kv,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    state = "ready" if stats.ready else "not ready"
+    click.echo(f"{stats.requests_in_flight} request(s) in flight; {state}; faults {stats.faults}")
 
 
 if __name__ == "__main__":

@@ -8,12 +8,15 @@ dashes, its ``launch.py`` flag (``--max-model-len``). See ``pdserve.engine.confi
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import yaml
 
+from pdserve.cluster.group import free_port
 from pdserve.engine.config import (
     EngineConfig,
     ModelConfig,
@@ -56,10 +59,12 @@ class ClusterConfig:
     )
     prefill_tp: int = _topology(1, "Tensor-parallel degree of each prefill group (disagg).")
     decode_tp: int = _topology(1, "Tensor-parallel degree of each decode group (disagg).")
-    prefill_groups: int = _topology(1, "Number of prefill groups (disagg).")
-    decode_groups: int = _topology(1, "Number of decode groups (disagg).")
+    prefill_groups: int = _topology(1, "Number of prefill groups on this node (disagg; 0 allowed with --master-addr).")
+    decode_groups: int = _topology(1, "Number of decode groups on this node (disagg; 0 allowed with --master-addr).")
     colocated_tp: int = _topology(1, "Tensor-parallel degree of each colocated group (colocated).")
-    colocated_groups: int = _topology(1, "Number of colocated groups (colocated).")
+    colocated_groups: int = _topology(
+        1, "Number of colocated groups on this node (colocated; 0 allowed with --master-addr)."
+    )
     devices: tuple[int, ...] | None = setting(
         None,
         help="Comma-separated GPU ids, one per rank in group order; a prefill and a decode rank may "
@@ -182,6 +187,47 @@ class ClusterConfig:
         "clients learn of a dead router within their own heartbeat timeout.",
         section="Fault tolerance",
     )
+    master_addr: str | None = setting(
+        None,
+        help="Router node of a cluster that spans machines: this machine's address as the others reach it. "
+        "The rendezvous store listens on it (--master-port), and the router and the groups here take their "
+        "control messages over TCP on it, so that groups on other machines can join (--join).",
+        section="Multi-node",
+        default_text="off: one machine, ipc sockets",
+    )
+    master_port: int = setting(
+        29500, help="Router node: TCP port of the rendezvous store on --master-addr.", section="Multi-node"
+    )
+    join: str | None = setting(
+        None,
+        help="Group node: run one worker group on this machine that joins the cluster whose router node serves "
+        "its rendezvous at HOST:PORT (its --master-addr:--master-port); the other settings come from the router "
+        "node. SIGTERM drains the group and removes it from the cluster.",
+        section="Multi-node",
+        default_text="off",
+    )
+    join_role: str | None = setting(
+        None,
+        help="Group node: the role of its group (prefill or decode; colocated in a colocated cluster).",
+        section="Multi-node",
+        key="role",
+        choices=ROLES,
+        default_text="none",
+    )
+    join_tp: int = setting(
+        1, help="Group node: the tensor-parallel degree of its group.", section="Multi-node", key="tp"
+    )
+    join_timeout: float = setting(
+        60.0,
+        help="Group node: seconds to wait for the router node's rendezvous to answer (it may start later).",
+        section="Multi-node",
+    )
+    advertise_addr: str | None = setting(
+        None,
+        help="Group node: the address its group listens on, as the other machines reach it.",
+        section="Multi-node",
+        default_text="this machine's address on the route to the router node",
+    )
     engine: EngineConfig = subtree(EngineConfig)
     transfer: TransferConfig = subtree(TransferConfig, prefix="transfer_")
 
@@ -193,8 +239,11 @@ class ClusterConfig:
         if self.cache_aware_margin < 0:
             raise ValueError(f"cache_aware_margin must be >= 0, got {self.cache_aware_margin}")
         for name in (*_DISAGG_ONLY, *_COLOCATED_ONLY):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            # Groups may all live on other machines when they can join.
+            least = 0 if name.endswith("_groups") and self.joinable else 1
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
+        self._check_multi_node()
         # A flag of the other mode would be silently ignored: say so instead.
         unused = _COLOCATED_ONLY if self.mode == "disagg" else _DISAGG_ONLY
         for name in unused:
@@ -243,6 +292,35 @@ class ClusterConfig:
         for name in ("max_restarts", "migration_limit"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def joinable(self) -> bool:
+        """Whether groups may join at run time: on the router node of a multi-node cluster, or
+        on a group node (whose copy of the cluster's settings may count no local group)."""
+        return self.master_addr is not None or self.join is not None
+
+    def _check_multi_node(self) -> None:
+        if self.master_addr is not None and self.join is not None:
+            raise ValueError("--master-addr (a router node) and --join (a group node) exclude each other")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in 1..65535, got {self.master_port}")
+        if self.join is None:
+            for flag, value, default in (
+                ("--role", self.join_role, None),
+                ("--tp", self.join_tp, 1),
+                ("--advertise-addr", self.advertise_addr, None),
+                ("--join-timeout", self.join_timeout, 60.0),
+            ):
+                if value != default:
+                    raise ValueError(f"{flag} applies to a group node (--join HOST:PORT)")
+            return
+        split_host_port(self.join, "--join")
+        if self.join_role is None:
+            raise ValueError("--join needs --role (prefill or decode; colocated in a colocated cluster)")
+        if self.join_tp < 1:
+            raise ValueError(f"--tp must be >= 1, got {self.join_tp}")
+        if not self.join_timeout > 0:
+            raise ValueError(f"--join-timeout must be positive, got {self.join_timeout}")
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any], origin: str = "settings") -> ClusterConfig:
@@ -386,22 +464,47 @@ def cluster_settings() -> list[SettingSpec]:
     return settings_of(ClusterConfig)
 
 
+def split_host_port(address: str, what: str) -> tuple[str, int]:
+    """``HOST:PORT`` (or ``tcp://HOST:PORT``, ``[v6]:PORT``) as a pair; a clear error otherwise."""
+    url = urlparse(address if "://" in address else f"tcp://{address}")
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    if url.scheme != "tcp" or not url.hostname or port is None or not 0 < port < 65536:
+        raise ValueError(f"{what} {address!r}: expected HOST:PORT, such as 10.0.0.1:29500")
+    return url.hostname, port
+
+
 @dataclass(frozen=True)
 class Addresses:
-    """ZMQ endpoints of one cluster run: ipc sockets in the run directory, plus the client port."""
+    """ZMQ endpoints of one node's part of a cluster run: ipc sockets in the node's own run
+    directory, plus the client port. Endpoints named in ``tcp`` (``router``, ``prefill0``...)
+    are TCP instead: those other machines must reach, in a cluster that spans them. A group's
+    step channel (leader to TP peers) always stays on its node."""
 
     run_dir: str
     client: str
+    tcp: dict[str, str] = field(default_factory=dict)
 
     @property
     def router(self) -> str:
-        return f"ipc://{self.run_dir}/router"
+        return self.tcp.get("router", f"ipc://{self.run_dir}/router")
 
     def leader(self, role: str, group: int) -> str:
-        return f"ipc://{self.run_dir}/{role}{group}"
+        return self.tcp.get(f"{role}{group}", f"ipc://{self.run_dir}/{role}{group}")
 
     def steps(self, role: str, group: int) -> str:
         return f"ipc://{self.run_dir}/{role}{group}-steps"
+
+    def over_tcp(self, host: str, names: Iterable[str]) -> Addresses:
+        """These addresses with ``names`` (``router``, ``decode1``) on TCP ports of ``host`` that
+        are free now."""
+        tcp = dict(self.tcp)
+        for name in names:
+            endpoint_host = f"[{host}]" if ":" in host else host
+            tcp[name] = f"tcp://{endpoint_host}:{free_port(host)}"
+        return dataclasses.replace(self, tcp=tcp)
 
 
 @dataclass(frozen=True)

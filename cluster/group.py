@@ -54,9 +54,10 @@ def leave_process() -> typing.NoReturn:
     os._exit(0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port of ``host`` that nothing listens on now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -106,12 +107,14 @@ def init_distributed(spec: RankSpec) -> TensorParallel:
     return TensorParallel(rank=tp.tp_rank, size=tp.tp_size, group=dist.group.WORLD if tp.tp_size > 1 else None)
 
 
-def connect_store(address: str, serve: bool = False, clients: int = 1) -> dist.TCPStore:
+def connect_store(address: str, serve: bool = False, clients: int = 1, timeout_s: float = 1800.0) -> dist.TCPStore:
     """A TCPStore at ``tcp://HOST:PORT``: a client of it, or (``serve``) its server, listening on
-    that address only (a TCPStore that opens its own socket listens on every interface)."""
+    that address only (a TCPStore that opens its own socket listens on every interface).
+    ``timeout_s`` bounds the connection and every wait on a key (default: torch.distributed's
+    own for gloo)."""
     url = urlparse(address)
     host, port = url.hostname or "127.0.0.1", url.port or 0
-    timeout = datetime.timedelta(minutes=30)  # torch.distributed's own default for gloo
+    timeout = datetime.timedelta(seconds=timeout_s)
     if not serve:
         return dist.TCPStore(host, port, is_master=False, timeout=timeout)
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -121,6 +124,18 @@ def connect_store(address: str, serve: bool = False, clients: int = 1) -> dist.T
     return dist.TCPStore(
         host, port, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=listener.detach()
     )
+
+
+def group_tp_key(role: str, group: int) -> str:
+    """The store key that holds a group's TP degree, for the ranks of groups that meet it at run time."""
+    return f"group/{role}{group}/tp"
+
+
+def group_state_key(role: str, group: int) -> str:
+    """The store key of a joining group's state: starting, then joined (admitted by the router's
+    node) or left (its node stopped first), whichever comes first; removed once the router's
+    node gave up on its heartbeats."""
+    return f"group/{role}{group}/state"
 
 
 def join_world(backend: str, init_method: str, world_size: int, rank: int) -> dist.TCPStore:

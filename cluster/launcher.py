@@ -5,11 +5,21 @@ check) is failed: all its ranks are killed, the router moves its requests, and t
 spawned again after a back-off as its next generation (a new TP world, new KV pair groups with
 the survivors, who keep serving). A group that fails ``max_restarts`` times stays down; when a
 role has no group left the cluster stops.
+
+Multi-node (``--master-addr``): this node is the router node. The rendezvous store listens on
+``--master-addr:--master-port`` and holds what a group node needs to join (``cluster.join``): the
+router's control endpoint, the cluster's settings, the model's shape, and a counter per role that
+hands out group indices. The router and the groups started here take their control messages over
+TCP on that address. A joined group is admitted by ``_admit`` (its index handed out by the store,
+a TP degree the model allows) and is removed, never restarted, when its heartbeats stop: its own
+node supervises it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
+import json
 import logging
 import signal
 import socket
@@ -26,12 +36,23 @@ import zmq
 
 from pdserve.cluster import reaper
 from pdserve.cluster.config import Addresses, ClusterConfig, GroupLayout
-from pdserve.cluster.group import RankProcesses, connect_store, die_with_parent, free_port, group_specs
+from pdserve.cluster.group import (
+    RankProcesses,
+    connect_store,
+    die_with_parent,
+    free_port,
+    group_specs,
+    group_state_key,
+    group_tp_key,
+)
 from pdserve.cluster.mps import MpsDaemon, MpsError
+from pdserve.cluster.protocol import Ready
 from pdserve.cluster.rank import WorkerSpec, worker_main
-from pdserve.engine.config import ModelConfig
+from pdserve.engine.config import EngineConfig, ModelConfig, flatten_config
+from pdserve.engine.parallel import check_tp_size
 from pdserve.engine.presets import resolve_model
 from pdserve.engine.tokenization import load_tokenizer
+from pdserve.kvtransfer.base import TransferConfig
 from pdserve.router.router import Router
 
 logger = logging.getLogger(__name__)
@@ -96,8 +117,9 @@ class Cluster:
                 f"{c.prefill_groups} prefill x tp{c.prefill_tp} -> {c.decode_groups} decode x tp{c.decode_tp}"
                 f", transfer {self.transfer.backend}"
             )
-        where = "GPUs " + ",".join(str(d) for p in self.placement for d in (p or ())) if self.placement[0] else "CPU"
-        return f"{Path(self.model_dir).name}: {groups} on {where}, dispatch {c.dispatch}"
+        where = "GPUs " + ",".join(str(d) for p in self.placement for d in (p or ())) if self._on_gpu else "CPU"
+        joins = f", groups join at {c.master_addr}:{c.master_port}" if c.master_addr is not None else ""
+        return f"{Path(self.model_dir).name}: {groups} on {where}, dispatch {c.dispatch}{joins}"
 
     def start(self) -> None:
         """Check everything a user can get wrong, then spawn the ranks and wait until every group
@@ -109,13 +131,21 @@ class Cluster:
         for port in (c.port, c.http_port):
             if port is not None:
                 _check_port_free(c.host, port)
+        if c.master_addr is not None:
+            _check_port_free(c.master_addr, c.master_port, "--master-addr/--master-port")
+            if not _is_loopback(c.master_addr):
+                logger.warning(
+                    "--master-addr %s: the rendezvous store and the control sockets of the router and the groups "
+                    "listen there unauthenticated: keep it on a network only the cluster's machines reach",
+                    c.master_addr,
+                )
         self.model_dir = str(resolve_model(c.engine.model))
         model = ModelConfig.from_pretrained(self.model_dir)
         c.check_model(model)
         visible = torch.cuda.device_count()
         self.placement = c.placement(visible)
-        on_gpu = self.placement[0] is not None
-        self.transfer = c.transfer.resolved(on_gpu, _peer_access(c, self.placement))
+        on_gpu = self._on_gpu = any(p is not None for p in self.placement) or (not self.placement and visible > 0)
+        self.transfer = resolve_transfer(c.transfer, on_gpu, _peer_access(c, self.placement), c.joinable)
         c.check_shared_gpus(self.placement, self.transfer.backend)
         engine = c.engine_config(self.model_dir, model)
         tokenizer = load_tokenizer(self.model_dir)
@@ -125,24 +155,40 @@ class Cluster:
                 "answer text prompts; use --model demo or a Hugging Face directory with one"
             )
         self._engine = engine
+        self._model = model
         self._layout = GroupLayout.of(c)
         self._reaper = reaper.spawn(self._tmp.name)  # removes the run directory even if this process is killed
         # The rendezvous of every group's world and every KV pair group: served here, so that it
         # outlives any worker.
-        self._store_address = f"tcp://127.0.0.1:{free_port()}"
+        if c.master_addr is None:
+            self._store_address = f"tcp://127.0.0.1:{free_port()}"
+        else:
+            self._store_address = f"tcp://{_endpoint_host(c.master_addr)}:{c.master_port}"
+            self.addresses = self.addresses.over_tcp(
+                c.master_addr, ["router", *(f"{role}{index}" for role, index, _ in c.groups())]
+            )
         self._store = connect_store(self._store_address, serve=True)
+        if c.master_addr is not None:
+            self._publish(engine, model)
         self._start_mps(on_gpu)
         for (role, index, tp), devices in zip(c.groups(), self.placement):
             self.groups[(role, index)] = _Group(role, index, tp, devices)
         try:
-            self.router = Router(c, self.addresses, tokenizer, model.vocab_size, engine.max_model_len)
+            self.router = Router(
+                c,
+                self.addresses,
+                tokenizer,
+                model.vocab_size,
+                engine.max_model_len,
+                admit=self._admit if c.master_addr is not None else None,
+            )
         except zmq.ZMQError as e:
             self._cleanup()
             raise ClusterError(f"cannot listen on {self.endpoint}: {e.strerror}") from None
         for group in self.groups.values():
             self._spawn(group)
         deadline = time.monotonic() + c.start_timeout
-        while not self.router.all_ready():
+        while not all(self.router.is_ready(key) for key in self.groups):
             self.router.poll(100)
             failure = next(
                 (f"{g.role} group {g.index}: {f}" for g in self.groups.values() if (f := self._failure(g))), None
@@ -158,6 +204,47 @@ class Cluster:
             group.ready_since = now
         if c.http_port is not None:
             self._start_http(c.http_port)
+
+    def _publish(self, engine: EngineConfig, model: ModelConfig) -> None:
+        """What a group node reads from the store to join (``cluster.join``)."""
+        c = self.config
+        settings = {k: list(v) if isinstance(v, tuple) else v for k, v in flatten_config(c).items()}
+        for key in ("master_addr", "master_port"):  # the router node's own
+            settings.pop(key)
+        # With no group here, each group node resolves auto for its own devices.
+        settings["transfer"] = self.transfer.backend if c.groups() else c.transfer.backend
+        settings["max_model_len"] = engine.max_model_len
+        self._store.set("cluster/settings", json.dumps(settings))
+        self._store.set("cluster/model", json.dumps(model_shape(model)))
+        self._store.set("cluster/router", self.addresses.router)
+        for role in ("prefill", "decode", "colocated"):
+            self._store.add(f"next/{role}", sum(r == role for r, _, _ in c.groups()))
+        for role, index, tp in c.groups():
+            self._store.set(group_tp_key(role, index), str(tp))
+
+    def _admit(self, ready: Ready) -> str | None:
+        """Whether a group that says it is ready may join (None), or why not."""
+        c = self.config
+        roles = ("colocated",) if c.mode == "colocated" else ("prefill", "decode")
+        if ready.role not in roles:
+            return f"a {ready.role} group cannot join a {c.mode} cluster"
+        first = sum(r == ready.role for r, _, _ in c.groups())
+        if not first <= ready.group < int(self._store.add(f"next/{ready.role}", 0)):
+            return f"this cluster's rendezvous never handed out {ready.role} group index {ready.group}"
+        try:
+            check_tp_size(self._model.num_heads, self._model.num_kv_heads, ready.tp)
+        except ValueError as e:
+            return f"TP {ready.tp}: {e}"
+        key = group_tp_key(ready.role, ready.group)
+        if not self._store.check([key]) or int(self._store.get(key)) != ready.tp:
+            return f"TP {ready.tp} is not the one its node registered"
+        if not ready.address.startswith("tcp://"):
+            return f"its address {ready.address!r} is not a TCP endpoint"
+        # The node may have stopped before its group got here: then the group stays out.
+        state = self._store.compare_set(group_state_key(ready.role, ready.group), "starting", "joined")
+        if state != b"joined":
+            return "its node stopped before the group was ready"
+        return None
 
     def _spawn(self, group: _Group) -> None:
         """Start every rank of a group as its current generation."""
@@ -278,8 +365,13 @@ class Cluster:
             if failure is not None:
                 self._group_failed(group, failure)
         for role, index, cause in self.router.check_heartbeats(c.heartbeat_timeout):
-            if self.groups[(role, index)].processes is not None:
-                self._group_failed(self.groups[(role, index)], cause)
+            group = self.groups.get((role, index))
+            if group is None:  # joined from another node, which supervises it: removed, not restarted
+                logger.error("%s group %d (joined at run time) failed: %s; it leaves the cluster", role, index, cause)
+                self.router.group_failed(role, index, cause)
+                self._store.set(group_state_key(role, index), "removed")  # if its node still runs, it stops it
+            elif group.processes is not None:
+                self._group_failed(group, cause)
         if self.http is not None and self.http.poll() is not None and not (self._stopping or self._stop_requested):
             failure = f"the HTTP front end exited with status {self.http.returncode}"
             self.router.fail_all("worker_failed", failure)
@@ -300,7 +392,10 @@ class Cluster:
         self.router.group_failed(group.role, group.index, cause)
         if group.restarts >= c.max_restarts:
             logger.error("%s group %d: %d restarts already, it stays down", group.role, group.index, group.restarts)
-            if all(g.processes is None and g.restart_at is None for g in self.groups.values() if g.role == group.role):
+            down = all(
+                g.processes is None and g.restart_at is None for g in self.groups.values() if g.role == group.role
+            )
+            if down and not c.joinable:  # where groups join, one may yet come
                 failure = f"every {group.role} group failed for good (last: {cause})"
                 self.router.fail_all("worker_failed", failure)
                 self._abandon()
@@ -398,20 +493,44 @@ class Cluster:
             )
 
 
+def resolve_transfer(transfer: TransferConfig, on_gpu: bool, peer_access: bool, joinable: bool) -> TransferConfig:
+    """The KV transfer backend for this node's groups: in a cluster that spans machines, one
+    that crosses hosts (groups on other machines share no memory with these)."""
+    if joinable and transfer.backend in ("cuda-ipc", "shm"):
+        raise ClusterError(
+            f"--transfer {transfer.backend} moves KV within one host; groups on other machines need "
+            "nccl-async or nccl (GPUs), gloo or gloo-async (CPU)"
+        )
+    return transfer.resolved(on_gpu, peer_access and not joinable)
+
+
 def _peer_access(config: ClusterConfig, placement: list[tuple[int, ...] | None]) -> bool:
     """Whether every GPU of a decode rank can map the memory of every GPU of a prefill rank."""
     prefill, decode = config.role_gpus(placement, "prefill"), config.role_gpus(placement, "decode")
     return all(p == d or torch.cuda.can_device_access_peer(d, p) for p in prefill for d in decode)
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _endpoint_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def model_shape(model: ModelConfig) -> dict[str, object]:
+    """What must match between the nodes' copies of the model (its path may differ)."""
+    shape = dataclasses.asdict(model)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in shape.items()}
+
+
 def exposure_warning(host: str) -> str | None:
     """What to tell an operator who binds the client endpoints beyond this machine; None for a
     loopback address."""
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    if loopback:
+    if _is_loopback(host):
         return None
     return (
         f"--host {host}: the client endpoint (and the HTTP API, if on) can be reached from other machines, "
@@ -425,13 +544,14 @@ def _listening(host: str, port: int) -> bool:
         return probe.connect_ex((host, port)) == 0
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """One clear line, before anything starts, when the client port is taken."""
-    with socket.socket() as probe:
+def _check_port_free(host: str, port: int, flag: str = "--port") -> None:
+    """One clear line, before anything starts, when a port is taken (or the address is not this
+    machine's)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZMQ binds
         try:
             probe.bind((host, port))
         except OSError as e:
             raise ClusterError(
-                f"cannot listen on {host}:{port}: {e.strerror} (another pdserve running? choose another --port)"
+                f"cannot listen on {host}:{port}: {e.strerror} (another pdserve running? choose another {flag})"
             ) from None

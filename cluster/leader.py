@@ -81,6 +81,8 @@ class GroupLeader:
         self.inbox.bind(addresses.leader(self.role, group))
         self.to_router = self._push(addresses.router)
         self._leaders: dict[tuple[str, int], zmq.Socket] = {}
+        # Leaders that joined at run time, or live on other machines: where the router said they listen.
+        self._peer_addresses: dict[tuple[str, int], str] = {}
         self.next_index: dict[str, int] = {}  # request -> index of its next output token
         self.stopping = False
         self.kv_refused = 0
@@ -104,13 +106,15 @@ class GroupLeader:
     def send_leader(self, role: str, group: int, message: Message) -> None:
         key = (role, group)
         if key not in self._leaders:
-            self._leaders[key] = self._push(self.addresses.leader(role, group))
+            self._leaders[key] = self._push(self._peer_addresses.get(key) or self.addresses.leader(role, group))
         self._leaders[key].send(encode(message))
 
     # -- loop ----------------------------------------------------------------------------
 
     def run(self) -> None:
-        self.send_router(Ready(self.role, self.group, self.engine.stats().num_blocks))
+        tp = self.engine.config.parallel.tp_size
+        address = self.addresses.leader(self.role, self.group)
+        self.send_router(Ready(self.role, self.group, self.engine.stats().num_blocks, tp, address))
         next_stats = 0.0
         try:
             while not self.stopping or self.transfers_pending():
@@ -171,12 +175,24 @@ class GroupLeader:
         elif isinstance(message, Shutdown):
             self.stopping = True
         elif isinstance(message, PeerFailed):
-            logger.warning("%s%d: %s group %d failed", self.role, self.group, message.role, message.group)
+            logger.warning(
+                "%s%d: %s group %d is gone (failed, or left the cluster)",
+                self.role,
+                self.group,
+                message.role,
+                message.group,
+            )
             sock = self._leaders.pop((message.role, message.group), None)
             if sock is not None:  # what was queued for the dead group must not reach its successor
                 sock.close(linger=0)
             self.peer_failed(message.group)
         elif isinstance(message, PeerRestarted):
+            if message.address:
+                key = (message.role, message.group)
+                self._peer_addresses[key] = message.address
+                sock = self._leaders.pop(key, None)
+                if sock is not None:
+                    sock.close(linger=0)
             self.peer_restarted(message.group, message.generation)
         else:
             logger.error("%s%d: unexpected %s", self.role, self.group, message.type)

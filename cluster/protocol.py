@@ -349,6 +349,24 @@ class Stats(Message):
     # Since start: group_failures, restarts, migrated (request moves), worker_failed (requests
     # ended past the migration limit).
     faults: dict[str, int] = field(default_factory=dict)
+    members: list[GroupInfo] = field(default_factory=list)  # every group the router knows of
+
+
+@dataclass
+class GroupInfo(Message):
+    """One worker group as the router sees it (in ``stats``): where it runs and what it holds."""
+
+    type: ClassVar[str] = "group_info"
+    role: str
+    group: int
+    tp: int
+    state: str  # starting | ready | draining
+    address: str  # its leader's control endpoint (ipc:// on the router's node, tcp:// beyond it)
+    devices: list[str]  # each TP rank's device, from its heartbeats ("cpu", "cuda:0")
+    joined: bool  # joined at run time from a group node (not started by the router's node)
+    requests: int  # requests it holds now
+    load: int  # tokens those requests may still occupy it with (the dispatch policies' load)
+    dispatched: int  # requests sent to it since it became ready, cumulative
 
 
 @dataclass
@@ -474,6 +492,8 @@ class Ready(Message):
     role: str
     group: int
     num_blocks: int
+    tp: int = 0  # its TP degree (0: as the router's node started it)
+    address: str = ""  # where its leader listens ("": where the router's node told it to)
 
 
 @dataclass
@@ -492,12 +512,23 @@ class Heartbeat(Message):
     role: str
     group: int
     tp_rank: int
+    device: str = ""  # where the rank runs: "cpu", "cuda:0"
+
+
+@dataclass
+class Drain(Message):
+    """Group node -> router: the node is stopping (SIGTERM). Send the group no more requests,
+    let it finish those it holds, then shut it down and forget it."""
+
+    type: ClassVar[str] = "drain"
+    role: str
+    group: int
 
 
 @dataclass
 class PeerFailed(Message):
-    """Router -> leaders of the other role: group ``group`` of ``role`` failed; give up every
-    KV hand-off with it."""
+    """Router -> leaders of the other role: group ``group`` of ``role`` failed (or left the
+    cluster); give up every KV hand-off with it."""
 
     type: ClassVar[str] = "peer_failed"
     role: str
@@ -507,12 +538,13 @@ class PeerFailed(Message):
 @dataclass
 class PeerRestarted(Message):
     """Router -> leaders of the other role: group ``group`` of ``role`` was restarted as
-    ``generation``; form a new KV pair group with it."""
+    ``generation``, or joined the cluster; form a new KV pair group with it."""
 
     type: ClassVar[str] = "peer_restarted"
     role: str
     group: int
     generation: int
+    address: str = ""  # where its leader listens ("": the address the receiver's node knows)
 
 
 # -- block hashes: the names of cached prefixes in ``cache_events`` ----------------------------
@@ -527,8 +559,9 @@ def block_hash(parent: int, block: typing.Sequence[int]) -> int:
     its negation can mean an eviction.
 
     Python's tuple hash over ints, which is not salted (``PYTHONHASHSEED`` only affects str and
-    bytes): the router and the leaders run one interpreter build on one host, so they agree. A
-    collision can only mislead a routing choice, never a result: the engines match token ids.
+    bytes) and is one function on every 64-bit CPython since 3.8: the router and the leaders, on
+    one machine or several, agree. A group node on another interpreter (32-bit, PyPy) would only
+    mislead routing choices, as a collision can, never a result: the engines match token ids.
     """
     return (hash((parent, tuple(block))) & _HASH_MASK) or 1
 

@@ -24,7 +24,14 @@ import zmq
 
 from pdserve.cluster.colocated import ColocatedLeader
 from pdserve.cluster.config import Addresses, GroupLayout
-from pdserve.cluster.group import RankSpec, die_with_parent, init_distributed, leave_process
+from pdserve.cluster.group import (
+    RankSpec,
+    connect_store,
+    die_with_parent,
+    group_tp_key,
+    init_distributed,
+    leave_process,
+)
 from pdserve.cluster.protocol import Heartbeat, encode
 from pdserve.decode_worker.leader import DecodeLeader
 from pdserve.engine.config import ModelConfig
@@ -69,6 +76,15 @@ def _transfers(
         pair = f"{mine}-{peer}" if spec.role == "prefill" else f"{peer}-{mine}"
         return PairRendezvous(store.hostname or "127.0.0.1", store.port or 0, f"kv/{pair}/", spec.rendezvous_timeout)
 
+    started = [len(ranks) for ranks in spec.layout.ranks[other]]
+
+    def peer_size(peer_group: int) -> int:
+        """The TP degree of a group of the other role: in the layout when the router's node
+        started it, else (a group that joined at run time) in the store, written before it started."""
+        if peer_group < len(started):
+            return started[peer_group]
+        return int(connect_store(spec.rank.init_method).get(group_tp_key(other, peer_group)))
+
     parallel = spec.rank.engine.parallel
     return connect_groups(
         spec.transfer,
@@ -76,7 +92,7 @@ def _transfers(
         model.num_heads,
         model.num_kv_heads,
         parallel.tp_size,
-        [len(ranks) for ranks in spec.layout.ranks[other]],
+        peer_size,
         spec.role == "prefill",
         parallel.tp_rank,
         rendezvous,
@@ -93,7 +109,7 @@ def _heartbeats(spec: WorkerSpec) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 4)  # a router that stopped reading gets no backlog of them
     sock.connect(spec.addresses.router)
-    beat = encode(Heartbeat(spec.role, spec.group, spec.rank.engine.parallel.tp_rank))
+    beat = encode(Heartbeat(spec.role, spec.group, spec.rank.engine.parallel.tp_rank, spec.rank.engine.device))
     while True:
         with contextlib.suppress(zmq.Again):
             sock.send(beat, zmq.NOBLOCK)

@@ -178,7 +178,7 @@ def connect_groups(
     num_heads: int,
     num_kv_heads: int,
     own_size: int,
-    peer_sizes: Sequence[int],
+    peer_size: Callable[[int], int],
     is_prefill: bool,
     tp_rank: int,
     rendezvous: Callable[[int, int], PairRendezvous],
@@ -186,13 +186,14 @@ def connect_groups(
     channel: CommandChannel | None = None,
 ) -> KVTransferAgent:
     """This rank's agent for a group of one role (``own_size`` ranks, this one ``tp_rank``): a
-    backend to each group of the other role (``peer_sizes`` ranks each, keyed by index), over a
+    backend to each group of the other role (``peer_size(group)`` ranks each, keyed by index), over a
     process group of that pair alone, met at ``rendezvous(peer group, its generation)``.
     Each pair forms in the background; every rank of both groups takes part. ``channel``: the
     leader's step channel to its peers."""
 
     def backend(peer_group: int, generation: int) -> TransferBackend:
-        prefill, decode = (own_size, peer_sizes[peer_group]) if is_prefill else (peer_sizes[peer_group], own_size)
+        peer = peer_size(peer_group)
+        prefill, decode = (own_size, peer) if is_prefill else (peer, own_size)
         me = tp_rank if is_prefill else prefill + tp_rank
         topology = TransferTopology(
             num_heads,

@@ -229,11 +229,14 @@ class TorchDistributedBackend(TransferBackend):
         start = self._start_event()
         blocks = self._index(block_ids)
         buffers, works = [], []
-        for peer, heads, _ in self._pieces:
-            for layers in self._layer_ranges:
-                packed = self.kv_cache[layers, :, :, :, heads].index_select(2, blocks)  # contiguous
-                buffers.append(packed)
-                works.append(self._isend(packed, peer))
+        try:
+            for peer, heads, _ in self._pieces:
+                for layers in self._layer_ranges:
+                    packed = self.kv_cache[layers, :, :, :, heads].index_select(2, blocks)  # contiguous
+                    buffers.append(packed)
+                    works.append(self._isend(packed, peer))
+        except RuntimeError as e:
+            return self._cut_off(e)
         return self._finish(_TorchTransfer(works, buffers, [], self.kv_cache, self._release, start))
 
     def recv(self, block_ids: list[int], src_block_ids: list[int]) -> Transfer:
@@ -242,22 +245,32 @@ class TorchDistributedBackend(TransferBackend):
         blocks = self._index(block_ids)
         _, _, _, block_size, _, head_dim = self.kv_cache.shape
         buffers, works, scatters = [], [], []
-        for peer, heads, num_heads in self._pieces:
-            for layer_range in self._layer_ranges:
-                buffer = torch.empty(
-                    layer_range.stop - layer_range.start,
-                    2,
-                    len(block_ids),
-                    block_size,
-                    num_heads,
-                    head_dim,
-                    dtype=self.kv_cache.dtype,
-                    device=self.kv_cache.device,
-                )
-                buffers.append(buffer)
-                works.append(self._irecv(buffer, peer))
-                scatters.append((buffer, layer_range, heads, blocks))
+        try:
+            for peer, heads, num_heads in self._pieces:
+                for layer_range in self._layer_ranges:
+                    buffer = torch.empty(
+                        layer_range.stop - layer_range.start,
+                        2,
+                        len(block_ids),
+                        block_size,
+                        num_heads,
+                        head_dim,
+                        dtype=self.kv_cache.dtype,
+                        device=self.kv_cache.device,
+                    )
+                    buffers.append(buffer)
+                    works.append(self._irecv(buffer, peer))
+                    scatters.append((buffer, layer_range, heads, blocks))
+        except RuntimeError as e:
+            return self._cut_off(e)
         return self._finish(_TorchTransfer(works, buffers, scatters, self.kv_cache, self._release, start))
+
+    def _cut_off(self, error: RuntimeError) -> Transfer:
+        """A transfer whose post failed (gloo: the peer's connection is already reset, before the
+        router's ``peer_failed`` got here): failed at once, like one cut off in flight."""
+        transfer = _TorchTransfer([], [], [], self.kv_cache, self._release, None)
+        transfer.fail(f"KV transfer cut off: {error}")
+        return transfer
 
     def _finish(self, transfer: _TorchTransfer) -> Transfer:
         self._staging += transfer.num_bytes  # released by the transfer's wait()

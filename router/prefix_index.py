@@ -38,6 +38,16 @@ class PrefixIndex:
             else:
                 cached.discard(-value)
 
+    def add_group(self, group: int) -> None:
+        """A group joined the cluster, its cache empty."""
+        self._cached.setdefault(group, set())
+        self._computing.setdefault(group, Counter())
+
+    def remove_group(self, group: int) -> None:
+        """A group left the cluster: no prompt goes there for its cache any more."""
+        self._cached.pop(group, None)
+        self._computing.pop(group, None)
+
     def reset(self, group: int) -> None:
         """The group (re)started: its cache is empty."""
         if group in self._cached:
@@ -90,7 +100,7 @@ class PrefixIndex:
         """``request_id``'s prompt is done (first token) or abandoned: its group's events tell
         the rest."""
         entry = self._in_flight.pop(request_id, None)
-        if entry is not None:
+        if entry is not None and entry[0] in self._computing:
             group, hashes = entry
             computing = self._computing[group]
             for value in hashes:

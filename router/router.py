@@ -15,6 +15,13 @@ read (ZMQ drops the connection), a text prompt over ``max_prompt_chars`` is refu
 tokenized, and requests beyond ``max_requests_per_client`` or ``max_requests`` get ``overloaded``.
 Each refusal is logged at WARNING with the client's address, rate-limited per error code.
 
+Membership: the groups the router's node starts are known from the config; a group on another
+machine joins at run time (``cluster.join``) by its ``ready`` (role, TP, address), which the
+``admit`` check of the router's node accepts or refuses, and the router then introduces it to
+every group of the other role (``peer_restarted``, both ways) so that their KV pair groups form.
+A joined group leaves by ``drain`` (no new requests; shut down once it holds none, or after
+``drain_timeout`` with the rest moved), or is removed when its heartbeats stop; it never restarts.
+
 Failures: the router dispatches only to ready groups (a request waits while a role has none),
 watches every ready group's heartbeats (``check_heartbeats``), and when a group fails
 (``group_failed``, from the launcher) moves each request it held: prefilled again on live groups
@@ -28,7 +35,8 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,9 +49,11 @@ from pdserve.cluster.protocol import (
     CacheEvents,
     Chunk,
     Chunks,
+    Drain,
     Error,
     Final,
     Generate,
+    GroupInfo,
     Heartbeat,
     Message,
     PeerFailed,
@@ -106,9 +116,18 @@ class RequestState:
 
 class Router:
     def __init__(
-        self, config: ClusterConfig, addresses: Addresses, tokenizer: Any, vocab_size: int, max_model_len: int
+        self,
+        config: ClusterConfig,
+        addresses: Addresses,
+        tokenizer: Any,
+        vocab_size: int,
+        max_model_len: int,
+        admit: Callable[[Ready], str | None] | None = None,
     ) -> None:
+        """``admit``: whether a group the config does not name may join (None: it may; else why
+        not); without it no group joins."""
         self.config = config
+        self.admit = admit
         self.addresses = addresses
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -135,9 +154,16 @@ class Router:
         self._poller.register(self.frontend, zmq.POLLIN)
         self._poller.register(self.inbox, zmq.POLLIN)
         self.leaders: dict[tuple[str, int], zmq.Socket] = {}
+        self.leader_addresses: dict[tuple[str, int], str] = {}
         self.tp_sizes = {(role, group): tp for role, group, tp in config.groups()}
         for key in self.tp_sizes:
             self._connect_leader(key)
+        self.generations = dict.fromkeys(self.tp_sizes, 0)
+        self.joined: set[tuple[str, int]] = set()  # groups that joined at run time
+        self.gone: set[tuple[str, int]] = set()  # joined groups that left or failed: never back
+        self.draining: dict[tuple[str, int], float] = {}  # group -> when its drain times out
+        self.devices: dict[tuple[str, int, int], str] = {}  # (role, group, tp rank) -> its device
+        self.dispatched: Counter[tuple[str, int]] = Counter()
         entry_role = "colocated" if config.mode == "colocated" else "prefill"
         self.entry_load = {g: 0 for r, g, _ in config.groups() if r == entry_role}
         self.decode_load = {g: 0 for r, g, _ in config.groups() if r == "decode"}
@@ -177,16 +203,20 @@ class Router:
     # -- start-up and shutdown -----------------------------------------------------------
 
     def all_ready(self) -> bool:
-        return len(self.ready) == len(self.tp_sizes)
+        """Every group known is ready, and every role has one that takes requests."""
+        roles = {self.entry_role} | ({"decode"} if self.entry_role == "prefill" else set())
+        serving = {role for role, group in self.ready - set(self.draining)}
+        return len(self.ready) == len(self.tp_sizes) and roles <= serving
 
     def is_ready(self, key: tuple[str, int]) -> bool:
         return key in self.ready
 
-    def _connect_leader(self, key: tuple[str, int]) -> None:
+    def _connect_leader(self, key: tuple[str, int], address: str | None = None) -> None:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.SNDHWM, 0)  # never block the router on a group that stopped reading
-        sock.connect(self.addresses.leader(*key))
+        self.leader_addresses[key] = address or self.addresses.leader(*key)
+        sock.connect(self.leader_addresses[key])
         self.leaders[key] = sock
 
     # -- failures ------------------------------------------------------------------------
@@ -224,15 +254,133 @@ class Router:
         for request_id in [r for r, state in self.requests.items() if self._held_by(state, key)]:
             if request_id in self.requests:
                 self._migrate(request_id, f"{role} group {group} failed: {cause}")
+        if key in self.joined:  # its node supervises it, not the router's: it never comes back
+            self._forget(key)
 
     def group_restarting(self, role: str, group: int, generation: int) -> None:
-        """A failed group was spawned again as ``generation``: the other role's leaders connect to it."""
+        """A failed group was spawned again as ``generation``: the other role's leaders connect to it
+        (those that joined at run time once it is ready: it was spawned knowing only the others)."""
         self._connect_leader((role, group))
         self.starting.add((role, group))
+        self.generations[(role, group)] = generation
         other = _OTHER_ROLE.get(role)
-        for (peer_role, _), peer in self.leaders.items():
-            if peer_role == other:
+        for key, peer in self.leaders.items():
+            if key[0] == other and key not in self.joined:
                 peer.send(encode(PeerRestarted(role, group, generation)))
+
+    def _introduce(self, key: tuple[str, int], peers: list[tuple[str, int]]) -> None:
+        """Have group ``key`` and each of ``peers`` (of the other role) form their KV pair group."""
+        for peer in peers:
+            for to, of in ((key, peer), (peer, key)):
+                message = PeerRestarted(of[0], of[1], self.generations[of], self.leader_addresses[of])
+                self.leaders[to].send(encode(message))
+
+    def _join(self, ready: Ready) -> None:
+        """A group the config does not name says it is ready: admit it, or log why not."""
+        key = (ready.role, ready.group)
+        if key in self.gone:
+            why = "it left the cluster before; a group that joins again takes a new index"
+        elif self.admit is None:
+            why = "this cluster takes no joins (its router node runs without --master-addr)"
+        else:
+            why = self.admit(ready) or ""
+        if why:
+            self.rejections.warning(
+                "join_refused", "router: refused %s group %d (%s): %s", ready.role, ready.group, ready.address, why
+            )
+            return
+        self.tp_sizes[key] = ready.tp
+        self.generations[key] = 0
+        self.joined.add(key)
+        self._connect_leader(key, ready.address)
+        (self.entry_load if ready.role == self.entry_role else self.decode_load)[ready.group] = 0
+        if self.prefix_index is not None and ready.role == self.entry_role:
+            self.prefix_index.add_group(ready.group)
+        self.starting.add(key)
+
+    def _forget(self, key: tuple[str, int]) -> None:
+        """A joined group left or failed: no trace of it stays but its requests' history."""
+        role, group = key
+        self.gone.add(key)
+        self.joined.discard(key)
+        for table in (self.tp_sizes, self.generations, self.leader_addresses, self.draining):
+            table.pop(key, None)
+        (self.entry_load if role == self.entry_role else self.decode_load).pop(group, None)
+        if self.prefix_index is not None and role == self.entry_role:
+            self.prefix_index.remove_group(group)
+        self.ready.discard(key)
+        self.starting.discard(key)
+        self.worker_stats.pop(f"{role}{group}", None)
+        for rank in [r for r in self.devices if r[:2] == key]:
+            del self.devices[rank]
+        for beat in [b for b in self.last_beat if b[:2] == key]:
+            del self.last_beat[beat]
+        sock = self.leaders.pop(key, None)
+        if sock is not None:
+            sock.close(linger=1000)  # its shutdown still goes out
+
+    def _drain(self, message: Drain) -> None:
+        key = (message.role, message.group)
+        if key not in self.joined or key not in self.ready:
+            self.rejections.warning(
+                "drain_refused",
+                "router: refused to drain %s group %d: it is not a ready group that joined at run time",
+                message.role,
+                message.group,
+            )
+            return
+        if key not in self.draining:
+            self.draining[key] = time.monotonic() + self.config.drain_timeout
+            logger.info("%s group %d drains: no new requests, it leaves once it holds none", *key)
+
+    def _check_drains(self) -> None:
+        """Retire each draining group that holds no request; past its drain timeout, move what
+        it still holds first."""
+        now = time.monotonic()
+        for key, deadline in list(self.draining.items()):
+            held = [r for r, state in self.requests.items() if self._held_by(state, key)]
+            if held and now < deadline:
+                continue
+            for request_id in held:
+                if request_id in self.requests:
+                    self._migrate(request_id, f"{key[0]} group {key[1]} left before the request finished")
+            self.leaders[key].send(encode(Shutdown()))
+            other = _OTHER_ROLE.get(key[0])
+            for peer_key, peer in self.leaders.items():
+                if peer_key[0] == other:
+                    peer.send(encode(PeerFailed(*key)))
+            self._forget(key)
+            logger.info("%s group %d left the cluster", *key)
+
+    def members(self) -> list[GroupInfo]:
+        """Every group known, for ``stats``."""
+        out = []
+        for (role, group), tp in sorted(self.tp_sizes.items(), key=lambda item: (item[0][0] == "decode", item[0])):
+            key = (role, group)
+            state = "draining" if key in self.draining else "ready" if key in self.ready else "starting"
+            if key not in self.ready and key not in self.starting:
+                state = "down"
+            held = [
+                s
+                for s in self.requests.values()
+                if s.entry_group == key or (role == "decode" and s.decode_group == group)
+            ]
+            load = (self.entry_load if role == self.entry_role else self.decode_load).get(group, 0)
+            out.append(
+                GroupInfo(
+                    role,
+                    group,
+                    tp,
+                    state,
+                    self.leader_addresses.get(key, ""),
+                    [self.devices.get((role, group, rank), "") for rank in range(tp)],
+                    key in self.joined,
+                    len(held),
+                    load,
+                    self.dispatched[key],
+                )
+            )
+        return out
 
     def _held_by(self, state: RequestState, key: tuple[str, int]) -> bool:
         """Whether a failure of group ``key`` loses this request's state: its decode group, its
@@ -271,9 +419,10 @@ class Router:
         self._dispatch(new_id)
 
     def _unassign(self, state: RequestState) -> None:
-        if state.entry_group is not None:
+        # A group that left the cluster has no load to take back.
+        if state.entry_group is not None and state.entry_group[1] in self.entry_load:
             self.entry_load[state.entry_group[1]] -= state.outstanding_tokens
-        if state.decode_group is not None:
+        if state.decode_group is not None and state.decode_group in self.decode_load:
             self.decode_load[state.decode_group] -= state.outstanding_tokens
         state.entry_group, state.decode_group = None, None
 
@@ -281,9 +430,10 @@ class Router:
         """Send a request to a ready prefill (or colocated) group, naming a ready decode group;
         park it while a role has none."""
         state = self.requests[request_id]
-        entries = {g: load for g, load in self.entry_load.items() if (self.entry_role, g) in self.ready}
-        decodes = {g: load for g, load in self.decode_load.items() if ("decode", g) in self.ready}
-        if not entries or (self.decode_load and not decodes):
+        taking = self.ready - set(self.draining)
+        entries = {g: load for g, load in self.entry_load.items() if (self.entry_role, g) in taking}
+        decodes = {g: load for g, load in self.decode_load.items() if ("decode", g) in taking}
+        if not entries or (self.entry_role == "prefill" and not decodes):
             self.parked.append(request_id)
             return
         prompt = state.prompt_ids + state.token_ids  # a moved request continues after what its client has
@@ -302,8 +452,10 @@ class Router:
         decode_group = self.decode_policy.pick(decodes, decode_cached, decode_sizes) if decodes else None
         state.entry_group, state.decode_group = (self.entry_role, entry), decode_group
         self.entry_load[entry] += state.outstanding_tokens
+        self.dispatched[state.entry_group] += 1
         if decode_group is not None:
             self.decode_load[decode_group] += state.outstanding_tokens
+            self.dispatched[("decode", decode_group)] += 1
         sampling = dataclasses.replace(state.sampling, max_tokens=state.sampling.max_tokens - len(state.token_ids))
         work = WorkRequest(
             request_id,
@@ -331,6 +483,8 @@ class Router:
                     self._peer = _peer_address(frames[1])
                     self._on_client(frames[0].bytes, frames[1].bytes)
             events = dict(self._poller.poll(0))
+        if self.draining:
+            self._check_drains()
 
     def stop_accepting(self) -> None:
         self.accepting = False
@@ -437,6 +591,7 @@ class Router:
                     self.accepting,
                     self.max_model_len,
                     dict(self.faults),
+                    self.members(),
                 ),
             )
         else:
@@ -542,10 +697,17 @@ class Router:
                 stats = dataclasses.asdict(message)
                 self.worker_stats[f"{stats.pop('role')}{stats.pop('group')}"] = stats
         elif isinstance(message, Heartbeat):
-            if (message.role, message.group) in self.ready:
-                self.last_beat[(message.role, message.group, message.tp_rank)] = time.monotonic()
+            key = (message.role, message.group)
+            if key in self.ready:
+                self.last_beat[(*key, message.tp_rank)] = time.monotonic()
+            if key in self.tp_sizes and 0 <= message.tp_rank < self.tp_sizes[key]:
+                self.devices[(*key, message.tp_rank)] = message.device
+        elif isinstance(message, Drain):
+            self._drain(message)
         elif isinstance(message, Ready):
             key = (message.role, message.group)
+            if key not in self.tp_sizes:
+                self._join(message)
             if key not in self.starting:
                 return
             self.starting.discard(key)
@@ -557,6 +719,12 @@ class Router:
             if index is not None:
                 index.reset(message.group)  # a group (re)starts with an empty cache
             logger.info("%s group %d ready (%d KV blocks)", message.role, message.group, message.num_blocks)
+            # Pairs the router's node did not arrange at spawn (a joined group on either side) form now.
+            other = _OTHER_ROLE.get(message.role)
+            self._introduce(
+                key,
+                [k for k in sorted(self.ready) if k[0] == other and (key in self.joined or k in self.joined)],
+            )
             self._dispatch_parked()
 
     def _cache_index(self, role: str) -> PrefixIndex | None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 
 from pdserve.cluster.config import ClusterConfig, cluster_settings
+from pdserve.cluster.launcher import ClusterError, resolve_transfer
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, flatten_config
 from pdserve.kvtransfer.base import TransferConfig
 
@@ -128,6 +130,40 @@ def test_gpu_sharing_that_cannot_work_is_refused_before_any_rank_starts() -> Non
         ClusterConfig(decode_sm_percent=0)
     with pytest.raises(ValueError, match="applies to --mode disagg"):
         ClusterConfig(mode="colocated", prefill_sm_percent=50)
+
+
+def test_multi_node_settings_are_checked_before_anything_starts() -> None:
+    router_node = ClusterConfig.from_settings({"master_addr": "10.0.0.1", "decode_groups": 0})
+    assert router_node.joinable and router_node.decode_groups == 0 and router_node.groups() == [("prefill", 0, 1)]
+    group_node = ClusterConfig.from_settings({"join": "10.0.0.1:29500", "role": "decode", "tp": 2})
+    assert (group_node.join_role, group_node.join_tp, group_node.joinable) == ("decode", 2, True)
+    refused = {
+        "decode_groups must be >= 1": {"decode_groups": 0},  # no group could ever join
+        "--tp applies to a group node": {"tp": 2},
+        "--role applies to a group node": {"role": "decode"},
+        "--advertise-addr applies to a group node": {"advertise_addr": "10.0.0.2"},
+        "exclude each other": {"master_addr": "10.0.0.1", "join": "10.0.0.1:29500", "role": "decode"},
+        "--join 'nowhere': expected HOST:PORT": {"join": "nowhere", "role": "decode"},
+        "--join 'h:99999': expected HOST:PORT": {"join": "h:99999", "role": "decode"},
+        "--join needs --role": {"join": "10.0.0.1:29500"},
+        "--tp must be >= 1": {"join": "10.0.0.1:29500", "role": "decode", "tp": 0},
+        "--join-timeout must be positive": {"join": "10.0.0.1:29500", "role": "decode", "join_timeout": 0},
+        "--join-timeout applies to a group node": {"join_timeout": 5},
+        "master_port must be in 1..65535": {"master_addr": "10.0.0.1", "master_port": 0},
+    }
+    for message, settings in refused.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ClusterConfig.from_settings(settings)
+
+
+def test_across_machines_kv_moves_over_the_network() -> None:
+    auto = TransferConfig()
+    assert resolve_transfer(auto, on_gpu=True, peer_access=True, joinable=True).backend == "nccl-async"
+    assert resolve_transfer(auto, on_gpu=False, peer_access=True, joinable=True).backend == "gloo"
+    assert resolve_transfer(auto, on_gpu=True, peer_access=True, joinable=False).backend == "cuda-ipc"
+    for backend in ("cuda-ipc", "shm"):
+        with pytest.raises(ClusterError, match=f"--transfer {backend} moves KV within one host"):
+            resolve_transfer(TransferConfig(backend), on_gpu=backend == "cuda-ipc", peer_access=True, joinable=True)
 
 
 def test_auto_transfer_pulls_through_cuda_ipc_on_one_host_and_checks_the_device() -> None:

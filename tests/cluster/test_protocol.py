@@ -98,11 +98,15 @@ MESSAGES: list[Message] = [
     KVReply("7", accepted=True),
     KVReply("7", accepted=False),
     Ready("prefill", 0, 1024),
+    Ready("decode", 3, 512, tp=2, address="tcp://10.0.0.2:41000"),
     protocol.CacheEvents("prefill", 1, [2**63 - 1, 12345, -12345, -(2**63 - 1)]),
     Shutdown(),
     Heartbeat("decode", 1, 2),
+    Heartbeat("decode", 1, 0, device="cuda:1"),
+    protocol.Drain("decode", 3),
     PeerFailed("prefill", 0),
     PeerRestarted("decode", 1, 3),
+    PeerRestarted("decode", 4, 0, address="tcp://10.0.0.3:41000"),
 ]
 
 
@@ -125,6 +129,14 @@ if hasattr(protocol, "StatsRequest"):
         ),
         protocol.Stats(0, {}),
         protocol.Stats(1, {}, ready=True, accepting=False, max_model_len=512),
+        protocol.Stats(
+            0,
+            {},
+            members=[
+                protocol.GroupInfo("decode", 2, 2, "ready", "tcp://10.0.0.3:4100", ["cuda:0", "cuda:1"], True, 3, 90, 7)
+            ],
+        ),
+        protocol.GroupInfo("prefill", 0, 1, "starting", "ipc:///tmp/x/prefill0", [""], False, 0, 0, 0),
         protocol.WorkerStats("decode", 0, 64, 10, 3, 1, 2, 0),
         protocol.WorkerStats("prefill", 1, 64, 10, 3, 1, 2, 0, 500, 320, 12),
     ]

@@ -1,0 +1,290 @@
+"""A group node: one worker group on this machine that joins a running cluster, and leaves it.
+
+The router node (``launch.py --master-addr``) serves a TCPStore, torch.distributed's rendezvous,
+with what a group needs to join (``Cluster._publish``). This node reads it there, takes the next
+index of its role from the store's counter (``add``), records its TP degree, and spawns its ranks:
+they form the group's world in the same store (``tp/<role><index>.g0/``), its leader listens on
+TCP at ``--advertise-addr`` and registers with the router through the ready message. The router
+admits it and introduces it to every group of the other role, with which it forms a KV pair
+group in that store as a restarted group would: nothing else restarts.
+
+Leaving: SIGTERM (or Ctrl-C) sends the router ``drain``; the router stops giving the group
+requests, shuts it down once it holds none, and the ranks exit. A node that stops before its
+group was admitted says so in the store (``compare_set``) and the group never joins. A node
+killed outright takes its ranks with it (they die with their parent); the router removes the
+group when its heartbeats stop, and marks it ``removed`` in the store: a node that still runs
+(its heartbeats lost on the way) then stops its ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import zmq
+
+from pdserve.cluster import reaper
+from pdserve.cluster.config import ROLES, Addresses, ClusterConfig, GroupLayout, split_host_port
+from pdserve.cluster.group import (
+    RankProcesses,
+    connect_store,
+    free_port,
+    group_specs,
+    group_state_key,
+    group_tp_key,
+)
+from pdserve.cluster.launcher import ClusterError, model_shape, resolve_transfer
+from pdserve.cluster.protocol import Drain, encode
+from pdserve.cluster.rank import WorkerSpec, worker_main
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.parallel import check_tp_size
+from pdserve.engine.presets import resolve_model
+
+logger = logging.getLogger(__name__)
+
+# Settings a group node may set for itself; the rest are the cluster's, from the router node.
+NODE_SETTINGS = frozenset(
+    {
+        "join",
+        "role",
+        "tp",
+        "advertise_addr",
+        "join_timeout",
+        "model",
+        "devices",
+        "num_blocks",
+        "gpu_memory_utilization",
+        "prefill_gpu_memory_utilization",
+        "decode_gpu_memory_utilization",
+    }
+)
+_POLL_S = 0.2
+_STORE_CHECK_S = 2.0
+_SHUTDOWN_GRACE_S = 10.0
+
+
+class GroupNode:
+    """``start()`` joins the cluster at ``join``; ``serve()`` runs until SIGTERM/SIGINT, then drains."""
+
+    def __init__(self, given: dict[str, Any]) -> None:
+        """``given``: the settings typed on this node's command line (flat keys)."""
+        foreign = sorted(k for k in given if k not in NODE_SETTINGS)
+        if foreign:
+            own = ", ".join("--" + k.replace("_", "-") for k in sorted(NODE_SETTINGS))
+            raise ValueError(
+                f"--{foreign[0].replace('_', '-')} is a setting of the router node: a group node (--join) "
+                f"takes the cluster's; it may set only {own}"
+            )
+        self.given = given
+        self.join = str(given["join"])
+        self.role = str(given["role"])
+        self.tp = int(given.get("tp", 1))
+        self.join_timeout = float(given.get("join_timeout", 60.0))
+        self.index = -1
+        self.processes: RankProcesses | None = None
+        self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-node-")
+        self._reaper: subprocess.Popen[bytes] | None = None
+        self._stop_requested = False
+        self._handlers: dict[int, Any] = {}
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} group {self.index}"
+
+    def start(self) -> None:
+        """Read the cluster's settings from its rendezvous, check this node can serve them, take
+        an index and spawn the ranks. Every mistake raises ``ValueError`` or ``ClusterError``
+        with one line, before any rank starts."""
+        # From here a stop is a request that ``serve`` honours: the ranks must not be orphaned half-way.
+        self._handlers = {sig: signal.signal(sig, self.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        host, port = split_host_port(self.join, "--join")
+        self._store_address = f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
+        try:
+            self.store = connect_store(self._store_address, timeout_s=self.join_timeout)
+            settings = json.loads(self.store.get("cluster/settings"))
+            shape = json.loads(self.store.get("cluster/model"))
+            router = self.store.get("cluster/router").decode()
+        except (RuntimeError, ValueError) as e:  # torch's store errors are RuntimeErrors
+            raise ClusterError(
+                f"no pdserve router node answers at {self.join} within {self.join_timeout:g} s "
+                f"(its --master-addr:--master-port?): {str(e).splitlines()[0]}"
+            ) from None
+        settings.pop("devices")  # the router node's GPUs: this machine has its own
+        settings.update(self.given)
+        config = ClusterConfig.from_settings(settings, origin=f"the cluster at {self.join}")
+        roles = ("colocated",) if config.mode == "colocated" else ("prefill", "decode")
+        if self.role not in roles:
+            raise ValueError(f"--role {self.role}: the cluster at {self.join} runs --mode {config.mode}, roles {roles}")
+        self.config = config
+        model_dir = str(resolve_model(config.engine.model))
+        model = ModelConfig.from_pretrained(model_dir)
+        if model_shape(model) != shape:
+            raise ValueError(f"--model {config.engine.model}: not the model the cluster at {self.join} serves")
+        try:
+            check_tp_size(model.num_heads, model.num_kv_heads, self.tp)
+        except ValueError as e:
+            raise ValueError(f"--tp {self.tp}: {e}") from None
+        devices = self._devices(config)
+        on_gpu = devices is not None
+        transfer = resolve_transfer(config.transfer, on_gpu, peer_access=False, joinable=True)
+        engine = config.engine_config(model_dir, model)
+        if on_gpu:
+            engine = config.rank_engine(engine, self.role, 1)
+        advertise = config.advertise_addr or _route_to(host, port)
+        if self._stop_requested:  # stopped while it waited for the router node: nothing to undo
+            return
+        self.index = int(self.store.add(f"next/{self.role}", 1)) - 1
+        self.store.set(group_tp_key(self.role, self.index), str(self.tp))
+        self.store.set(group_state_key(self.role, self.index), "starting")
+        name = f"{self.role}{self.index}"
+        endpoint_host = f"[{advertise}]" if ":" in advertise else advertise
+        addresses = Addresses(
+            self._tmp.name, "", {"router": router, name: f"tcp://{endpoint_host}:{free_port(advertise)}"}
+        )
+        self.address = addresses.leader(self.role, self.index)
+        self._reaper = reaper.spawn(self._tmp.name)
+        self._router = router
+        specs = [
+            WorkerSpec(
+                rank_spec,
+                self.role,
+                self.index,
+                addresses,
+                GroupLayout({role: [] for role in ROLES}),  # peers come as the router introduces them
+                transfer,
+                heartbeat_interval=config.heartbeat_interval,
+                rendezvous_timeout=config.start_timeout,
+                kv_lease_timeout=config.kv_lease_timeout,
+                generations={role: [] for role in ROLES},
+            )
+            for rank_spec in group_specs(
+                engine,
+                self.tp,
+                self._store_address,
+                devices,
+                addresses.steps(self.role, self.index),
+                store_prefix=f"tp/{name}.g0/",
+            )
+        ]
+        self.processes = RankProcesses(worker_main, [(spec,) for spec in specs])
+        where = "CPU" if devices is None else "GPUs " + ",".join(map(str, devices))
+        logger.info("%s starting on %s, listening on %s, transfer %s", self.name, where, self.address, transfer.backend)
+
+    def _devices(self, config: ClusterConfig) -> tuple[int, ...] | None:
+        visible = torch.cuda.device_count()
+        if visible == 0:
+            if config.devices:
+                raise ValueError(f"--devices {','.join(map(str, config.devices))} given but no GPU is visible")
+            return None
+        devices = tuple(config.devices) if config.devices is not None else tuple(range(visible))
+        if any(not 0 <= d < visible for d in devices):
+            raise ValueError(f"--devices {','.join(map(str, devices))}: {visible} GPU(s) visible")
+        if len(set(devices[: self.tp])) < self.tp:
+            raise ValueError(f"--tp {self.tp} needs {self.tp} distinct GPUs, --devices gives {len(set(devices))}")
+        return devices[: self.tp]
+
+    def request_stop(self, *_: object) -> None:
+        if self._stop_requested:
+            logger.warning("already stopping: the group leaves once the router lets it go")
+        self._stop_requested = True
+
+    def serve(self, joined: Callable[[], None] | None = None) -> int:
+        """Supervise the ranks until a stop is requested, then leave the cluster; the exit status.
+        ``joined()`` runs once the router has admitted the group."""
+        if self.processes is None:  # stopped before it spawned anything
+            self._cleanup()
+            return 0
+        admitted = False
+        next_check = 0.0
+        try:
+            while not self._stop_requested:
+                failure = self.processes.failure()
+                if failure is not None:
+                    return self._abandon(
+                        f"{self.name} failed: {failure}; the router removes it when its heartbeats stop"
+                    )
+                if not self.processes.alive():  # every rank exited 0: the router shut the cluster down
+                    logger.info("%s stopped: the cluster shut down", self.name)
+                    return 0
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + (_POLL_S if not admitted else _STORE_CHECK_S)
+                    try:
+                        state = self.store.get(group_state_key(self.role, self.index))
+                    except RuntimeError:
+                        return self._router_gone()
+                    if state == b"removed":
+                        return self._abandon(f"the router removed {self.name}: its heartbeats stopped reaching it")
+                    if not admitted and state == b"joined":
+                        admitted = True
+                        if joined is not None:
+                            joined()
+                time.sleep(_POLL_S)
+            return self._leave()
+        finally:
+            self._cleanup()
+
+    def _leave(self) -> int:
+        """Drain the group through the router, or, if it was never admitted, keep it out."""
+        assert self.processes is not None
+        try:
+            state = self.store.compare_set(group_state_key(self.role, self.index), "starting", "left")
+        except RuntimeError:
+            return self._abandon(f"the router node at {self.join} is gone")
+        if state != b"joined":
+            self.processes.kill()
+            logger.info("%s stopped before it joined", self.name)
+            return 0
+        logger.info("%s drains: the router sends it no new requests and stops it once it holds none", self.name)
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(self._router)
+        sock.send(encode(Drain(self.role, self.index)))
+        sock.close()
+        try:
+            self.processes.wait(timeout=self.config.drain_timeout + 60)
+        except (TimeoutError, RuntimeError) as e:
+            return self._abandon(f"{self.name} did not leave cleanly: {e}")
+        logger.info("%s left the cluster", self.name)
+        return 0
+
+    def _router_gone(self) -> int:
+        """The store went away with the router node: if it shut the cluster down, the group was
+        told to stop and its ranks exit on their own; if it died, they would wait for ever."""
+        assert self.processes is not None
+        try:
+            self.processes.wait(timeout=_SHUTDOWN_GRACE_S)
+        except (TimeoutError, RuntimeError):
+            return self._abandon(f"the router node at {self.join} is gone")
+        logger.info("%s stopped: the cluster shut down", self.name)
+        return 0
+
+    def _abandon(self, why: str) -> int:
+        logger.error(why)
+        if self.processes is not None:
+            self.processes.kill()
+        return 1
+
+    def _cleanup(self) -> None:
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+        self._tmp.cleanup()
+        if self._reaper is not None and self._reaper.stdin is not None:
+            self._reaper.stdin.close()
+            self._reaper.wait()
+
+
+def _route_to(host: str, port: int) -> str:
+    """This machine's address on the route to ``host`` (no packet is sent: a UDP connect only
+    picks the source address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return str(probe.getsockname()[0])

@@ -1,0 +1,187 @@
+"""Groups that join and leave a running cluster, on the router's side, in one process: stand-in
+leaders are plain sockets, so every message the router sends them is checked (introductions,
+drains, removals)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import zmq
+
+from pdserve.cluster.config import Addresses, ClusterConfig
+from pdserve.cluster.protocol import (
+    Drain,
+    Final,
+    Generate,
+    Message,
+    PeerFailed,
+    PeerRestarted,
+    Ready,
+    Sampling,
+    Shutdown,
+    TokenOutput,
+    TokenOutputs,
+    WorkRequest,
+    decode,
+    encode,
+)
+from pdserve.router.router import Router
+
+
+@dataclass
+class Rig:
+    router: Router
+    client: zmq.Socket
+    to_router: zmq.Socket
+    run_dir: str
+    inboxes: dict[tuple[str, int], zmq.Socket] = field(default_factory=dict)
+    admitted: list[Ready] = field(default_factory=list)
+    refusal: str | None = None
+
+    def admit(self, ready: Ready) -> str | None:
+        self.admitted.append(ready)
+        return self.refusal
+
+    def pump(self, seconds: float = 0.05) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.router.poll(5)
+
+    def inbox(self, role: str, group: int) -> str:
+        """Bind a stand-in leader's inbox; its address."""
+        address = f"ipc://{self.run_dir}/{role}{group}"
+        sock = zmq.Context.instance().socket(zmq.PULL)
+        sock.bind(address)
+        self.inboxes[(role, group)] = sock
+        return address
+
+    def received(self, role: str, group: int) -> list[Message]:
+        self.pump()
+        inbox, out = self.inboxes[(role, group)], []
+        while inbox.poll(50):
+            out.append(decode(inbox.recv()))
+        return out
+
+    def worker(self, message: Message) -> None:
+        self.to_router.send(encode(message))
+        self.pump()
+
+    def join(self, role: str, group: int, tp: int = 1) -> str:
+        address = self.inbox(role, group)
+        self.worker(Ready(role, group, 100, tp=tp, address=address))
+        return address
+
+    def generate(self, request_id: str) -> None:
+        sampling = Sampling(max_tokens=4, temperature=0.0)
+        self.client.send(encode(Generate(request_id=request_id, token_ids=[5, 6, 7], sampling=sampling)))
+        self.pump()
+
+
+@pytest.fixture
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    """A router with one prefill group of its own and no decode group: decode groups join."""
+    config = ClusterConfig.from_settings({"decode_groups": 0, "master_addr": "127.0.0.1", "drain_timeout": 60})
+    run_dir = str(tmp_path_factory.mktemp("run"))
+    addresses = Addresses(run_dir, f"ipc://{run_dir}/client")
+    ctx = zmq.Context.instance()
+    rig = Rig(None, ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH), run_dir)  # type: ignore[arg-type]
+    rig.inbox("prefill", 0)
+    rig.router = Router(config, addresses, None, vocab_size=1000, max_model_len=256, admit=rig.admit)
+    rig.client.connect(addresses.client)
+    rig.to_router.connect(addresses.router)
+    rig.worker(Ready("prefill", 0, 100))
+    try:
+        yield rig
+    finally:
+        for sock in (rig.client, rig.to_router, *rig.inboxes.values()):
+            sock.close(linger=0)
+        rig.router.close()
+
+
+def test_a_group_joins_by_its_ready_and_meets_the_other_role(rig: Rig) -> None:
+    """A request waits while no decode group exists; a decode group's ready (admitted) introduces
+    it to the prefill group and back, with each one's address, and the request goes out naming it."""
+    rig.generate("r1")
+    assert rig.received("prefill", 0) == []
+    assert not rig.router.all_ready()
+    address = rig.join("decode", 5, tp=2)
+    assert [(r.role, r.group, r.tp) for r in rig.admitted] == [("decode", 5, 2)]
+    assert rig.received("decode", 5) == [PeerRestarted("prefill", 0, 0, rig.router.leader_addresses[("prefill", 0)])]
+    introduced, work = rig.received("prefill", 0)
+    assert introduced == PeerRestarted("decode", 5, 0, address)
+    assert isinstance(work, WorkRequest) and work.decode_group == 5
+    assert rig.router.all_ready()
+    (prefill, joined) = rig.router.members()
+    assert (joined.role, joined.group, joined.tp, joined.state, joined.joined) == ("decode", 5, 2, "ready", True)
+    assert (joined.address, joined.requests, joined.dispatched) == (address, 1, 1)
+    assert (prefill.joined, prefill.dispatched) == (False, 1)
+
+
+def test_a_stranger_is_refused_with_one_line(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    rig.refusal = "this cluster's rendezvous never handed out decode group index 9"
+    with caplog.at_level(logging.WARNING):
+        rig.join("decode", 9)
+    assert "refused decode group 9" in caplog.text and "never handed out" in caplog.text
+    assert rig.received("prefill", 0) == [] and rig.received("decode", 9) == []
+    assert [m.group for m in rig.router.members() if m.role == "decode"] == []
+
+
+def test_a_drained_group_takes_no_new_request_and_leaves_once_it_holds_none(rig: Rig) -> None:
+    rig.join("decode", 5)
+    rig.join("decode", 6)
+    for key in (("prefill", 0), ("decode", 5), ("decode", 6)):
+        rig.received(*key)  # the introductions
+    rig.generate("r1")
+    (first,) = rig.received("prefill", 0)
+    draining = first.decode_group
+    other = 11 - draining
+    rig.worker(Drain("decode", draining))
+    assert {m.group: m.state for m in rig.router.members() if m.role == "decode"} == {
+        draining: "draining",
+        other: "ready",
+    }
+    for request_id in ("r2", "r3"):
+        rig.generate(request_id)
+        (work,) = rig.received("prefill", 0)
+        assert work.decode_group == other
+    assert rig.received("decode", draining) == []  # it still holds r1: it stays
+    rig.worker(TokenOutputs([TokenOutput(first.request_id, 0, [11])]))
+    rig.worker(TokenOutputs([TokenOutput(first.request_id, 1, [12], finished=True, finish_reason="length")]))
+    assert rig.received("decode", draining) == [Shutdown()]
+    assert rig.received("prefill", 0) == [PeerFailed("decode", draining)]
+    assert [m.group for m in rig.router.members() if m.role == "decode"] == [other]
+    replies = []
+    while rig.client.poll(50):
+        replies.append(decode(rig.client.recv()))
+    assert [r.request_id for r in replies if isinstance(r, Final)] == ["r1"]
+    assert rig.router.faults["migrated"] == 0
+
+
+def test_a_joined_group_that_fails_is_forgotten_and_cannot_come_back_under_its_index(rig: Rig) -> None:
+    rig.join("decode", 5)
+    rig.received("prefill", 0)
+    rig.router.group_failed("decode", 5, "rank 0 sent no heartbeat for 3.1 s")
+    assert rig.received("prefill", 0) == [PeerFailed("decode", 5)]
+    assert rig.router.members()[-1].role == "prefill"
+    rig.worker(Ready("decode", 5, 100, tp=1, address=rig.router.addresses.leader("decode", 5)))
+    assert ("decode", 5) not in rig.router.tp_sizes and rig.received("prefill", 0) == []
+
+
+def test_a_restarted_group_meets_the_joined_groups_at_its_ready(rig: Rig) -> None:
+    """The router's own group restarts: the joined decode group hears of its failure, not of its
+    spawn (the new generation knows only the router node's groups), and both are introduced when
+    it is ready."""
+    address = rig.join("decode", 5)
+    rig.received("prefill", 0)
+    rig.received("decode", 5)
+    rig.router.group_failed("prefill", 0, "killed")
+    assert rig.received("decode", 5) == [PeerFailed("prefill", 0)]
+    rig.router.group_restarting("prefill", 0, 1)
+    assert rig.received("decode", 5) == []
+    rig.worker(Ready("prefill", 0, 100))
+    assert rig.received("decode", 5) == [PeerRestarted("prefill", 0, 1, rig.router.leader_addresses[("prefill", 0)])]
+    assert rig.received("prefill", 0) == [PeerRestarted("decode", 5, 0, address)]

@@ -181,6 +181,12 @@ class ClusterConfig:
         "for a transfer that does not arrive; then it is freed and the request moves.",
         section="Fault tolerance",
     )
+    dispatch_timeout: float = setting(
+        120.0,
+        help="Seconds a request may wait for a ready group of a role it needs (every group of the role "
+        "restarting, or none joined yet); then it ends with the error no_group.",
+        section="Fault tolerance",
+    )
     client_heartbeat_timeout: float = setting(
         10.0,
         help="A client connection silent this long (ZMQ heartbeats) is closed and its requests aborted; "
@@ -280,6 +286,7 @@ class ClusterConfig:
             "heartbeat_timeout",
             "restart_backoff",
             "kv_lease_timeout",
+            "dispatch_timeout",
             "client_heartbeat_timeout",
         ):
             if not getattr(self, name) > 0:

@@ -389,7 +389,7 @@ def _cluster_error(error: ClusterError) -> APIError:
     if error.code == "invalid_request":
         field = error.error.message.partition(":")[0]
         return APIError(400, error.error.message, "invalid_request", "prompt" if field == "token_ids" else field)
-    if error.code in ("shutting_down", "shutdown", "worker_failed"):
+    if error.code in ("shutting_down", "shutdown", "worker_failed", "no_group"):
         return APIError(503, error.error.message, error.code)
     return APIError(500, f"{error.code}: {error.error.message}", error.code)
 

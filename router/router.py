@@ -22,11 +22,12 @@ every group of the other role (``peer_restarted``, both ways) so that their KV p
 A joined group leaves by ``drain`` (no new requests; shut down once it holds none, or after
 ``drain_timeout`` with the rest moved), or is removed when its heartbeats stop; it never restarts.
 
-Failures: the router dispatches only to ready groups (a request waits while a role has none),
-watches every ready group's heartbeats (``check_heartbeats``), and when a group fails
-(``group_failed``, from the launcher) moves each request it held: prefilled again on live groups
-with its tokens so far (``_migrate``), under a new internal id so that nothing the dead group
-still sends is applied, up to ``migration_limit`` moves, then ``worker_failed``.
+Failures: the router dispatches only to ready groups (a request waits while a role has none, up
+to ``dispatch_timeout``), watches every ready group's heartbeats (``check_heartbeats``), and
+when a group fails (``group_failed``, from the launcher) moves each request it held: prefilled
+again on live groups with its tokens so far (``_migrate``), under a new internal id so that
+nothing the dead group still sends is applied, up to ``migration_limit`` moves, then
+``worker_failed``.
 """
 
 from __future__ import annotations
@@ -192,6 +193,7 @@ class Router:
         self.starting: set[tuple[str, int]] = set(self.tp_sizes)
         self.last_beat: dict[tuple[str, int, int], float] = {}  # (role, group, tp rank) -> when
         self.parked: deque[str] = deque()  # requests waiting for a ready group of a role
+        self.parked_since: dict[str, float] = {}  # request -> when it began to wait, for dispatch_timeout
         self.faults = {"group_failures": 0, "restarts": 0, "migrated": 0, "worker_failed": 0}
         self.worker_stats: dict[str, dict[str, int]] = {}
         self.accepting = True
@@ -426,16 +428,22 @@ class Router:
             self.decode_load[state.decode_group] -= state.outstanding_tokens
         state.entry_group, state.decode_group = None, None
 
+    def _taking(self, role: str) -> dict[int, int]:
+        """The groups of ``role`` that take new requests (ready, not draining), with their loads."""
+        loads = self.decode_load if role == "decode" else self.entry_load
+        taking = self.ready - set(self.draining)
+        return {g: load for g, load in loads.items() if (role, g) in taking}
+
     def _dispatch(self, request_id: str) -> None:
         """Send a request to a ready prefill (or colocated) group, naming a ready decode group;
         park it while a role has none."""
         state = self.requests[request_id]
-        taking = self.ready - set(self.draining)
-        entries = {g: load for g, load in self.entry_load.items() if (self.entry_role, g) in taking}
-        decodes = {g: load for g, load in self.decode_load.items() if ("decode", g) in taking}
+        entries, decodes = self._taking(self.entry_role), self._taking("decode")
         if not entries or (self.entry_role == "prefill" and not decodes):
             self.parked.append(request_id)
+            self.parked_since.setdefault(request_id, time.monotonic())
             return
+        self.parked_since.pop(request_id, None)
         prompt = state.prompt_ids + state.token_ids  # a moved request continues after what its client has
         cached, sizes, hashes = None, None, []
         if self.prefix_index is not None:
@@ -470,6 +478,32 @@ class Router:
             request_id = self.parked.popleft()
             if request_id in self.requests and self.requests[request_id].entry_group is None:
                 self._dispatch(request_id)
+            else:
+                self.parked_since.pop(request_id, None)
+
+    def _expire_parked(self) -> None:
+        """End the requests that waited ``dispatch_timeout`` for a ready group of a role: a
+        cluster with no group of a role must not hold its clients forever."""
+        timeout = self.config.dispatch_timeout
+        now = time.monotonic()
+        if not self.parked or now - min(self.parked_since.values(), default=now) <= timeout:
+            return
+        waiting: deque[str] = deque()
+        for request_id in self.parked:
+            since = self.parked_since.get(request_id, now)
+            if request_id not in self.requests or self.requests[request_id].entry_group is not None:
+                self.parked_since.pop(request_id, None)
+            elif now - since > timeout:
+                self.parked_since.pop(request_id)
+                missing = self.entry_role if not self._taking(self.entry_role) else "decode"
+                self._terminal_error(
+                    request_id,
+                    "no_group",
+                    f"no {missing} group was ready to serve it for {timeout:g} s (--dispatch-timeout)",
+                )
+            else:
+                waiting.append(request_id)
+        self.parked = waiting
 
     def poll(self, timeout_ms: int) -> None:
         """Handle whatever arrives within ``timeout_ms`` (then everything already queued)."""
@@ -485,6 +519,8 @@ class Router:
             events = dict(self._poller.poll(0))
         if self.draining:
             self._check_drains()
+        if self.parked:
+            self._expire_parked()
 
     def stop_accepting(self) -> None:
         self.accepting = False

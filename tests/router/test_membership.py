@@ -15,6 +15,7 @@ import zmq
 from pdserve.cluster.config import Addresses, ClusterConfig
 from pdserve.cluster.protocol import (
     Drain,
+    Error,
     Final,
     Generate,
     Message,
@@ -185,3 +186,38 @@ def test_a_restarted_group_meets_the_joined_groups_at_its_ready(rig: Rig) -> Non
     rig.worker(Ready("prefill", 0, 100))
     assert rig.received("decode", 5) == [PeerRestarted("prefill", 0, 1, rig.router.leader_addresses[("prefill", 0)])]
     assert rig.received("prefill", 0) == [PeerRestarted("decode", 5, 0, address)]
+
+
+def test_a_request_no_group_could_take_ends_after_the_dispatch_timeout(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """With no decode group at all, a request waits dispatch_timeout, then ends with no_group
+    (once, naming the missing role); one that a group joins in time is served."""
+    config = ClusterConfig.from_settings({"decode_groups": 0, "master_addr": "127.0.0.1", "dispatch_timeout": 0.5})
+    run_dir = str(tmp_path_factory.mktemp("run"))
+    addresses = Addresses(run_dir, f"ipc://{run_dir}/client")
+    ctx = zmq.Context.instance()
+    rig = Rig(None, ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH), run_dir)  # type: ignore[arg-type]
+    rig.inbox("prefill", 0)
+    rig.router = Router(config, addresses, None, vocab_size=1000, max_model_len=256, admit=rig.admit)
+    rig.client.connect(addresses.client)
+    rig.to_router.connect(addresses.router)
+    try:
+        rig.worker(Ready("prefill", 0, 100))
+        rig.generate("early")
+        rig.pump(0.3)
+        rig.generate("late")
+        rig.pump(0.35)  # "early" has waited 0.65 s, "late" 0.35 s
+        replies = []
+        while rig.client.poll(50):
+            replies.append(decode(rig.client.recv()))
+        assert [(r.request_id, r.code) for r in replies] == [("early", "no_group")]
+        assert isinstance(replies[0], Error) and "no decode group" in replies[0].message
+        rig.join("decode", 3)
+        (_, work) = rig.received("prefill", 0)  # the introduction, then the request that waited
+        assert isinstance(work, WorkRequest) and work.decode_group == 3
+        assert list(rig.router.requests) == [work.request_id] and not rig.router.parked
+    finally:
+        for sock in (rig.client, rig.to_router, *rig.inboxes.values()):
+            sock.close(linger=0)
+        rig.router.close()

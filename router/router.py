@@ -36,7 +36,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,8 +192,8 @@ class Router:
         # Groups spawned and not yet ready: a ``ready`` from any other is a dead generation's.
         self.starting: set[tuple[str, int]] = set(self.tp_sizes)
         self.last_beat: dict[tuple[str, int, int], float] = {}  # (role, group, tp rank) -> when
-        self.parked: deque[str] = deque()  # requests waiting for a ready group of a role
-        self.parked_since: dict[str, float] = {}  # request -> when it began to wait, for dispatch_timeout
+        # Requests waiting for a ready group of a role -> since when; in that order (dispatch_timeout).
+        self.parked: dict[str, float] = {}
         self.faults = {"group_failures": 0, "restarts": 0, "migrated": 0, "worker_failed": 0}
         self.worker_stats: dict[str, dict[str, int]] = {}
         self.accepting = True
@@ -440,10 +440,9 @@ class Router:
         state = self.requests[request_id]
         entries, decodes = self._taking(self.entry_role), self._taking("decode")
         if not entries or (self.entry_role == "prefill" and not decodes):
-            self.parked.append(request_id)
-            self.parked_since.setdefault(request_id, time.monotonic())
+            self.parked.setdefault(request_id, time.monotonic())
             return
-        self.parked_since.pop(request_id, None)
+        self.parked.pop(request_id, None)
         prompt = state.prompt_ids + state.token_ids  # a moved request continues after what its client has
         cached, sizes, hashes = None, None, []
         if self.prefix_index is not None:
@@ -474,36 +473,28 @@ class Router:
         self.leaders[state.entry_group].send(encode(work))
 
     def _dispatch_parked(self) -> None:
-        for _ in range(len(self.parked)):
-            request_id = self.parked.popleft()
+        for request_id in list(self.parked):
             if request_id in self.requests and self.requests[request_id].entry_group is None:
-                self._dispatch(request_id)
+                self._dispatch(request_id)  # taken, or parked on with its first wait's time
             else:
-                self.parked_since.pop(request_id, None)
+                del self.parked[request_id]
 
     def _expire_parked(self) -> None:
         """End the requests that waited ``dispatch_timeout`` for a ready group of a role: a
         cluster with no group of a role must not hold its clients forever."""
         timeout = self.config.dispatch_timeout
         now = time.monotonic()
-        if not self.parked or now - min(self.parked_since.values(), default=now) <= timeout:
-            return
-        waiting: deque[str] = deque()
-        for request_id in self.parked:
-            since = self.parked_since.get(request_id, now)
-            if request_id not in self.requests or self.requests[request_id].entry_group is not None:
-                self.parked_since.pop(request_id, None)
-            elif now - since > timeout:
-                self.parked_since.pop(request_id)
+        for request_id, since in list(self.parked.items()):
+            if now - since <= timeout:
+                break  # the rest began to wait later
+            del self.parked[request_id]
+            if request_id in self.requests and self.requests[request_id].entry_group is None:
                 missing = self.entry_role if not self._taking(self.entry_role) else "decode"
                 self._terminal_error(
                     request_id,
                     "no_group",
                     f"no {missing} group was ready to serve it for {timeout:g} s (--dispatch-timeout)",
                 )
-            else:
-                waiting.append(request_id)
-        self.parked = waiting
 
     def poll(self, timeout_ms: int) -> None:
         """Handle whatever arrives within ``timeout_ms`` (then everything already queued)."""

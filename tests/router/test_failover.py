@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 import zmq
@@ -18,7 +17,6 @@ from pdserve.cluster.protocol import (
     Final,
     Generate,
     Heartbeat,
-    Message,
     PeerFailed,
     PeerRestarted,
     Ready,
@@ -29,45 +27,15 @@ from pdserve.cluster.protocol import (
     WorkerError,
     WorkerStats,
     WorkRequest,
-    decode,
     encode,
 )
 from pdserve.router.router import Router
+from pdserve.tests.router.helpers import RouterRig
 
 PROMPT = [5, 6, 7]
 
 
-@dataclass
-class Rig:
-    router: Router
-    client: zmq.Socket
-    to_router: zmq.Socket
-    inboxes: dict[tuple[str, int], zmq.Socket]
-
-    def pump(self, seconds: float = 0.05) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            self.router.poll(5)
-
-    def received(self, role: str, group: int) -> list[Message]:
-        """What the router sent this leader since the last call."""
-        self.pump()
-        inbox, out = self.inboxes[(role, group)], []
-        while inbox.poll(50):
-            out.append(decode(inbox.recv()))
-        return out
-
-    def worker(self, message: Message) -> None:
-        self.to_router.send(encode(message))
-        self.pump()
-
-    def replies(self) -> list[Message]:
-        self.pump()
-        out = []
-        while self.client.poll(50):
-            out.append(decode(self.client.recv()))
-        return out
-
+class Rig(RouterRig):
     def ready(self, role: str, group: int) -> None:
         self.worker(Ready(role, group, 100))
 
@@ -93,9 +61,7 @@ def _rig(tmp_path_factory: pytest.TempPathFactory, **settings: object) -> Iterat
     try:
         yield rig
     finally:
-        for sock in (client, to_router, *inboxes.values()):
-            sock.close(linger=0)
-        router.close()
+        rig.close()
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ drains, removals)."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -18,7 +17,6 @@ from pdserve.cluster.protocol import (
     Error,
     Final,
     Generate,
-    Message,
     PeerFailed,
     PeerRestarted,
     Ready,
@@ -27,30 +25,21 @@ from pdserve.cluster.protocol import (
     TokenOutput,
     TokenOutputs,
     WorkRequest,
-    decode,
     encode,
 )
 from pdserve.router.router import Router
+from pdserve.tests.router.helpers import RouterRig
 
 
 @dataclass
-class Rig:
-    router: Router
-    client: zmq.Socket
-    to_router: zmq.Socket
-    run_dir: str
-    inboxes: dict[tuple[str, int], zmq.Socket] = field(default_factory=dict)
+class Rig(RouterRig):
+    run_dir: str = ""
     admitted: list[Ready] = field(default_factory=list)
     refusal: str | None = None
 
     def admit(self, ready: Ready) -> str | None:
         self.admitted.append(ready)
         return self.refusal
-
-    def pump(self, seconds: float = 0.05) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            self.router.poll(5)
 
     def inbox(self, role: str, group: int) -> str:
         """Bind a stand-in leader's inbox; its address."""
@@ -59,17 +48,6 @@ class Rig:
         sock.bind(address)
         self.inboxes[(role, group)] = sock
         return address
-
-    def received(self, role: str, group: int) -> list[Message]:
-        self.pump()
-        inbox, out = self.inboxes[(role, group)], []
-        while inbox.poll(50):
-            out.append(decode(inbox.recv()))
-        return out
-
-    def worker(self, message: Message) -> None:
-        self.to_router.send(encode(message))
-        self.pump()
 
     def join(self, role: str, group: int, tp: int = 1) -> str:
         address = self.inbox(role, group)
@@ -82,14 +60,13 @@ class Rig:
         self.pump()
 
 
-@pytest.fixture
-def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+def _rig(tmp_path_factory: pytest.TempPathFactory, **settings: object) -> Iterator[Rig]:
     """A router with one prefill group of its own and no decode group: decode groups join."""
-    config = ClusterConfig.from_settings({"decode_groups": 0, "master_addr": "127.0.0.1", "drain_timeout": 60})
+    config = ClusterConfig.from_settings({"decode_groups": 0, "master_addr": "127.0.0.1", **settings})
     run_dir = str(tmp_path_factory.mktemp("run"))
     addresses = Addresses(run_dir, f"ipc://{run_dir}/client")
     ctx = zmq.Context.instance()
-    rig = Rig(None, ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH), run_dir)  # type: ignore[arg-type]
+    rig = Rig(None, ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH), {}, run_dir)  # type: ignore[arg-type]
     rig.inbox("prefill", 0)
     rig.router = Router(config, addresses, None, vocab_size=1000, max_model_len=256, admit=rig.admit)
     rig.client.connect(addresses.client)
@@ -98,9 +75,17 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     try:
         yield rig
     finally:
-        for sock in (rig.client, rig.to_router, *rig.inboxes.values()):
-            sock.close(linger=0)
-        rig.router.close()
+        rig.close()
+
+
+@pytest.fixture
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    yield from _rig(tmp_path_factory, drain_timeout=60)
+
+
+@pytest.fixture
+def impatient_rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    yield from _rig(tmp_path_factory, dispatch_timeout=2.0)
 
 
 def test_a_group_joins_by_its_ready_and_meets_the_other_role(rig: Rig) -> None:
@@ -155,10 +140,7 @@ def test_a_drained_group_takes_no_new_request_and_leaves_once_it_holds_none(rig:
     assert rig.received("decode", draining) == [Shutdown()]
     assert rig.received("prefill", 0) == [PeerFailed("decode", draining)]
     assert [m.group for m in rig.router.members() if m.role == "decode"] == [other]
-    replies = []
-    while rig.client.poll(50):
-        replies.append(decode(rig.client.recv()))
-    assert [r.request_id for r in replies if isinstance(r, Final)] == ["r1"]
+    assert [r.request_id for r in rig.replies() if isinstance(r, Final)] == ["r1"]
     assert rig.router.faults["migrated"] == 0
 
 
@@ -188,36 +170,18 @@ def test_a_restarted_group_meets_the_joined_groups_at_its_ready(rig: Rig) -> Non
     assert rig.received("prefill", 0) == [PeerRestarted("decode", 5, 0, address)]
 
 
-def test_a_request_no_group_could_take_ends_after_the_dispatch_timeout(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
+def test_a_request_no_group_could_take_ends_after_the_dispatch_timeout(impatient_rig: Rig) -> None:
     """With no decode group at all, a request waits dispatch_timeout, then ends with no_group
     (once, naming the missing role); one that a group joins in time is served."""
-    config = ClusterConfig.from_settings({"decode_groups": 0, "master_addr": "127.0.0.1", "dispatch_timeout": 0.5})
-    run_dir = str(tmp_path_factory.mktemp("run"))
-    addresses = Addresses(run_dir, f"ipc://{run_dir}/client")
-    ctx = zmq.Context.instance()
-    rig = Rig(None, ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH), run_dir)  # type: ignore[arg-type]
-    rig.inbox("prefill", 0)
-    rig.router = Router(config, addresses, None, vocab_size=1000, max_model_len=256, admit=rig.admit)
-    rig.client.connect(addresses.client)
-    rig.to_router.connect(addresses.router)
-    try:
-        rig.worker(Ready("prefill", 0, 100))
-        rig.generate("early")
-        rig.pump(0.3)
-        rig.generate("late")
-        rig.pump(0.35)  # "early" has waited 0.65 s, "late" 0.35 s
-        replies = []
-        while rig.client.poll(50):
-            replies.append(decode(rig.client.recv()))
-        assert [(r.request_id, r.code) for r in replies] == [("early", "no_group")]
-        assert isinstance(replies[0], Error) and "no decode group" in replies[0].message
-        rig.join("decode", 3)
-        (_, work) = rig.received("prefill", 0)  # the introduction, then the request that waited
-        assert isinstance(work, WorkRequest) and work.decode_group == 3
-        assert list(rig.router.requests) == [work.request_id] and not rig.router.parked
-    finally:
-        for sock in (rig.client, rig.to_router, *rig.inboxes.values()):
-            sock.close(linger=0)
-        rig.router.close()
+    rig = impatient_rig
+    rig.generate("early")
+    rig.pump(1.2)
+    rig.generate("late")
+    rig.pump(1.0)  # "early" has waited 2.2 s, "late" 1 s
+    replies = rig.replies()
+    assert [(r.request_id, r.code) for r in replies] == [("early", "no_group")]
+    assert isinstance(replies[0], Error) and "no decode group" in replies[0].message
+    rig.join("decode", 3)
+    (_, work) = rig.received("prefill", 0)  # the introduction, then the request that waited
+    assert isinstance(work, WorkRequest) and work.decode_group == 3
+    assert list(rig.router.requests) == [work.request_id] and not rig.router.parked

@@ -516,13 +516,13 @@ def serve_openai(
 @click.option("--auth-keys", default=None, help="The cluster's key directory, when it runs with --auth-keys.")
 @click.option(
     "--max-message-mib",
-    type=float,
+    type=click.FloatRange(min=0, min_open=True),
     default=LIMITS["max_message_mib"].default,
     help="Largest request body, in MiB: a bigger one is answered 413 unread (launch.py's setting of that name).",
 )
 @click.option(
     "--max-prompt-chars",
-    type=int,
+    type=click.IntRange(min=1),
     default=LIMITS["max_prompt_chars"].default,
     help="Longest text prompt (a chat's messages together), in characters (launch.py's setting of that name).",
 )

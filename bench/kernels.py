@@ -289,6 +289,7 @@ MIXED_STEP = ([1] * 255 + [256], [512] * 255 + [256])
 PREFILL_SHAPES = [
     ([2048], [2048]),
     ([512], [2048]),
+    ([128], [2048]),  # a short chunk over a long cached prefix: the split-KV path
     ([512] * 4, [512] * 4),
     ([1, 300, 1000, 17], [1, 800, 3000, 529]),
     MIXED_STEP,
@@ -302,7 +303,8 @@ def bench_prefill(
     label: str = "",
 ) -> Iterator[Row]:
     """Triton timed as graph replays (GPU time) and eagerly (with the host's launch cost);
-    the reference eagerly; SDPA, for a single prompt without prefix, as graph replays."""
+    the reference eagerly; SDPA, for a single prompt without prefix, as graph replays; where the
+    kernel splits the keys, the unsplit kernel too (graph replays), its baseline."""
     for query_lens, context_lens in shapes:
         k_cache, v_cache, tables, lens = paged_cache(context_lens, dtype, gen)
         q = torch.randn(sum(query_lens), HQ, HEAD_DIM, device="cuda", dtype=dtype)
@@ -315,6 +317,10 @@ def bench_prefill(
             return prefill_attention.paged_prefill_attention(*args)
 
         extra: dict[str, Any] = {"triton_eager_us": eager_us(kernel)}
+        extra["splits"] = prefill_attention.num_splits(q.shape[0], HQ // HKV, HKV, HEAD_DIM, q.device)
+        if not label and extra["splits"] > 1:
+            with patched(prefill_attention, "_MAX_SPLITS", 1):
+                extra["unsplit_us"] = graph_us(kernel)
         if not label and len(query_lens) == 1 and query_lens == context_lens:
             # SDPA on contiguous K/V with the KV heads expanded outside the timing: its best case
             group = HQ // HKV
@@ -361,6 +367,15 @@ def sweep_prefill(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:
         with patched(prefill_attention, "_tile_config", lambda head_dim, tiles=tiles: tiles):
             shapes = [([2048], [2048]), ([1, 300, 1000, 17], [1, 800, 3000, 529]), MIXED_STEP]
             yield from bench_prefill(dtype, gen, shapes, label=f" tiles={tiles}")
+    # The split-KV path: how full a wave it aims at, and how short a partition may be.
+    shapes = [([128], [2048]), ([128], [8192]), ([512], [4096]), ([16, 100, 3], [16, 3000, 40])]
+    for per_sm in (1, 2, 4):
+        for min_tiles in (1, 2, 4):
+            with (
+                patched(prefill_attention, "_SPLIT_PROGRAMS_PER_SM", per_sm),
+                patched(prefill_attention, "_MIN_SPLIT_TILES", min_tiles),
+            ):
+                yield from bench_prefill(dtype, gen, shapes, label=f" split {per_sm}/SM min_tiles={min_tiles}")
 
 
 def sweep_decode(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.checks import dot_precision
-from pdserve.kernels.decode_attention import _LOG2E, _check_paged_cache, _online_softmax_step, gather_kv
+from pdserve.kernels.decode_attention import _LOG2E, _check_paged_cache, _num_sms, _online_softmax_step, gather_kv
 
 
 def paged_prefill_attention_ref(
@@ -52,6 +52,25 @@ def paged_prefill_attention_ref(
 # KV head): sequence b owns tiles [cu_seqlens_q[b] * G // BLOCK_M + b, cu_seqlens_q[b + 1] * G //
 # BLOCK_M + b + 1), so the grid depends on T and B alone (CUDA-graph safe) and spare tiles exit.
 # Tiles run from the end, heaviest first. Keys below full_end need no causal mask.
+#
+# Split-KV: when the row tiles fill few programs (a short chunk over a long cached context), a
+# third grid axis splits each tile's keys into partitions of whole key tiles; every partition
+# writes its unnormalized partial (m, l, acc) and the reduce kernel merges them. The split count
+# depends on T alone, so the grid still depends on T and B alone.
+
+
+@triton.jit
+def _guarded_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """:func:`_online_softmax_step` for rows that may have seen no key yet (m_i and s all -inf):
+    a partition past a row's position masks every key of that row, which must then stay at
+    m -inf, l 0, acc 0 instead of NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -75,9 +94,11 @@ def _attend_tile(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
+    GUARDED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One key tile's update of the online softmax state (m_i, l_i, acc) of a row tile."""
+    """One key tile's update of the online softmax state (m_i, l_i, acc) of a row tile; GUARDED
+    when a row may have seen no key yet (a split's partition past its position)."""
     n = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
         n_mask = n < context_len
@@ -92,7 +113,9 @@ def _attend_tile(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N], log2 units
     if MASKED:
         s = tl.where((n[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
-    # Every row sees key 0 in the first tile it processes, so m_new is finite from then on.
+    if GUARDED:
+        return _guarded_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+    # Unsplit, every row sees key 0 in the first tile it processes, so m_new is finite from then on.
     return _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
@@ -113,7 +136,7 @@ def _find_sequence(cu_seqlens_ptr, tile, num_seqs, group, BLOCK_M: tl.constexpr)
 
 
 # Not specialized (they change between steps), so a new shape never triggers a compile.
-@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs", "num_rows", "num_splits"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -122,6 +145,9 @@ def _prefill_kernel(
     block_tables_ptr,
     context_lens_ptr,
     out_ptr,
+    m_ptr,
+    l_ptr,
+    part_ptr,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -131,17 +157,23 @@ def _prefill_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
+    num_heads,
     group,
     head_dim,
     num_seqs,
+    num_rows,
+    num_splits,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq_idx = _find_sequence(cu_seqlens_ptr, tile, num_seqs, group, BLOCK_M)
     q_start = tl.load(cu_seqlens_ptr + seq_idx)
     m_tile = tile - (q_start * group // BLOCK_M + seq_idx)  # the tile's index within its sequence
@@ -173,7 +205,14 @@ def _prefill_kernel(
         last_pos = tl.minimum(context_len - q_len + (m_tile * BLOCK_M + BLOCK_M - 1) // group, context_len - 1)
         full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
         end = last_pos + 1
-        for n0 in range(0, full_end, BLOCK_N):
+        lo = 0
+        if SPLIT:
+            # This split's keys: whole key tiles, at least MIN_SPLIT_TILES of them, so that a short
+            # context uses fewer partitions instead of many near-empty ones.
+            partition = tl.maximum(tl.cdiv(tl.cdiv(end, num_splits), BLOCK_N), MIN_SPLIT_TILES) * BLOCK_N
+            lo = split * partition
+            end = tl.minimum(lo + partition, end)
+        for n0 in range(lo, tl.minimum(full_end, end), BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q,
                 m_i,
@@ -194,9 +233,10 @@ def _prefill_kernel(
                 BLOCK_SIZE,
                 BLOCK_N,
                 False,
+                False,  # every row sees these keys: m turns finite at the first
                 DOT_PRECISION,
             )
-        for n0 in range(full_end, end, BLOCK_N):
+        for n0 in range(tl.maximum(lo, full_end), end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q,
                 m_i,
@@ -217,11 +257,67 @@ def _prefill_kernel(
                 BLOCK_SIZE,
                 BLOCK_N,
                 True,
+                SPLIT,  # a partition's masked keys may be all a row sees in it
                 DOT_PRECISION,
             )
-        out = acc / l_i[:, None]
-        out_offsets = q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
-        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        if SPLIT:
+            # Partials are fp32, row = token * Hq + head: m, l [S, num_rows]; acc [S, num_rows, D],
+            # unnormalized. Rows that saw no key here (m -inf) write no acc: the reduce skips them.
+            idx = split * num_rows + q_rows * num_heads + heads
+            tl.store(m_ptr + idx, m_i, mask=r_mask)
+            tl.store(l_ptr + idx, l_i, mask=r_mask)
+            seen = q_mask & (m_i > float("-inf"))[:, None]
+            tl.store(part_ptr + idx[:, None] * head_dim + d[None, :], acc, mask=seen)
+        else:
+            out = acc / l_i[:, None]
+            out_offsets = q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
+            tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_splits"])
+def _prefill_reduce_kernel(
+    m_ptr,
+    l_ptr,
+    part_ptr,
+    cu_seqlens_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    head_dim,
+    num_seqs,
+    num_rows,
+    num_splits,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Merges the split partials of BLOCK_R rows (token * Hq + head) into the output; rows of
+    padding tokens (past cu_seqlens_q[-1]) are left alone."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = r < tl.load(cu_seqlens_ptr + num_seqs) * num_heads
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    m_run = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for split in range(num_splits):
+        idx = split * num_rows + r.to(tl.int64)
+        m = tl.load(m_ptr + idx, mask=r_mask, other=float("-inf"))
+        l = tl.load(l_ptr + idx, mask=r_mask, other=0.0)
+        seen = r_mask & (m > float("-inf"))
+        o = tl.load(part_ptr + idx[:, None] * head_dim + d[None, :], mask=seen[:, None] & d_mask[None, :], other=0.0)
+        m_new = tl.maximum(m_run, m)
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # finite for padding rows too
+        alpha = tl.exp2(m_run - m_use)
+        w = tl.where(seen, tl.exp2(m - m_use), 0.0)
+        l_run = l_run * alpha + l * w
+        acc = acc * alpha[:, None] + o * w[:, None]
+        m_run = m_new
+    out = acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
+    token = r // num_heads
+    head = r % num_heads
+    offsets = token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
 
 def _tile_config(head_dim: int) -> tuple[int, int, int, int]:
@@ -231,6 +327,22 @@ def _tile_config(head_dim: int) -> tuple[int, int, int, int]:
     if head_dim <= 128:
         return 64, 64, 4, 2
     return 64, 32, 4, 2
+
+
+_SPLIT_PROGRAMS_PER_SM = 2  # a split grid aims at this many programs an SM: one wave
+_MAX_SPLITS = 16
+_MIN_SPLIT_TILES = 2  # key tiles a partition holds at least
+_REDUCE_ROWS = 16  # (token, head) rows a reduce program merges
+
+
+def num_splits(num_tokens: int, group: int, num_kv_heads: int, head_dim: int, device: torch.device) -> int:
+    """Key partitions per row tile of a step of T tokens: 1 while the row tiles fill the GPU,
+    else as many as fill one wave, at most _MAX_SPLITS. Each sequence's spare tile is not
+    counted: a graph's padding sequences own one each and exit at once. From host ints only, so a
+    CUDA graph captured for T tokens splits every context its replays bring."""
+    block_m = _tile_config(head_dim)[0]
+    busy_programs = (num_tokens * group // block_m + 1) * num_kv_heads
+    return max(1, min(_MAX_SPLITS, _SPLIT_PROGRAMS_PER_SM * _num_sms(device) // busy_programs))
 
 
 def paged_prefill_attention(
@@ -262,8 +374,17 @@ def paged_prefill_attention(
     block_m, block_n, num_warps, num_stages = _tile_config(head_dim)
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    grid = (num_tokens * group // block_m + batch, num_kv_heads)
-    _prefill_kernel[grid](
+    tiles = num_tokens * group // block_m + batch
+    splits = num_splits(num_tokens, group, num_kv_heads, head_dim, q.device)
+    num_rows = num_tokens * num_heads
+    if splits == 1:
+        m = l = partials = out  # unused by the unsplit variant
+    else:
+        m = torch.empty((splits, num_rows), dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)
+        partials = torch.empty((splits, num_rows, head_dim), dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    _prefill_kernel[(tiles, num_kv_heads, splits)](
         q,
         k_cache,
         v_cache,
@@ -271,6 +392,9 @@ def paged_prefill_attention(
         block_tables,
         context_lens,
         out,
+        m,
+        l,
+        partials,
         scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -280,15 +404,37 @@ def paged_prefill_attention(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        num_heads,
         group,
         head_dim,
         batch,
+        num_rows,
+        splits,
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=block_d,
+        MIN_SPLIT_TILES=_MIN_SPLIT_TILES,
+        SPLIT=splits > 1,
         DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if splits > 1:
+        _prefill_reduce_kernel[(triton.cdiv(num_rows, _REDUCE_ROWS),)](
+            m,
+            l,
+            partials,
+            cu_seqlens_q,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            head_dim,
+            batch,
+            num_rows,
+            splits,
+            BLOCK_R=_REDUCE_ROWS,
+            BLOCK_D=block_d,
+        )
     return out

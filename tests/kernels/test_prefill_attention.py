@@ -43,26 +43,39 @@ PREFILL_CPU_CASES = {
 }
 
 
+def force_splits(monkeypatch: pytest.MonkeyPatch, splits: int) -> None:
+    """Split every row tile's keys into ``splits`` partitions of one key tile or more, whatever
+    the grid's size."""
+    monkeypatch.setattr(prefill_attention, "num_splits", lambda *shape_and_device: splits)
+    monkeypatch.setattr(prefill_attention, "_MIN_SPLIT_TILES", 1)
+
+
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("case", list(PREFILL_CPU_CASES))
 def test_paged_prefill_attention_interpreted(
-    interpreter: None, monkeypatch: pytest.MonkeyPatch, case: str, dtype: torch.dtype
+    interpreter: None, monkeypatch: pytest.MonkeyPatch, case: str, splits: int, dtype: torch.dtype
 ) -> None:
+    """Unsplit, and with each tile's keys in three partitions: partitions past some rows'
+    positions (every key masked for them), empty partitions of short contexts, and the reduce."""
     spec = dict(PREFILL_CPU_CASES[case])
     tiles = spec.pop("tiles")
     num_heads, num_kv_heads = spec.pop("heads", (4, 2))
     if tiles is not None:
         monkeypatch.setattr(prefill_attention, "_tile_config", lambda head_dim: tiles)
+    force_splits(monkeypatch, splits)
     check_prefill(
         **spec, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=16, block_size=4, dtype=dtype, device=CPU
     )
 
 
-def test_prefill_grid_padding_changes_no_bits(interpreter: None, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("splits", [1, 3])
+def test_prefill_grid_padding_changes_no_bits(interpreter: None, monkeypatch: pytest.MonkeyPatch, splits: int) -> None:
     """The grid depends on T and B alone: the batch inside a larger one (padding token rows
     past cu_seqlens_q[-1], empty padding sequences, as a CUDA graph captured for more tokens and
-    sequences runs it) gives the same bits on its own rows."""
+    sequences runs it) gives the same bits on its own rows, split as often."""
     monkeypatch.setattr(prefill_attention, "_tile_config", lambda head_dim: (16, 16, 4, 1))
+    force_splits(monkeypatch, splits)
     gen = torch.Generator().manual_seed(6)
     context_lens = [5, 29]  # query lens 5 and 20: cu below
     k_cache, v_cache, _, _, tables = make_paged_cache(context_lens, 4, 2, 16, torch.float32, CPU, gen)
@@ -84,6 +97,8 @@ PREFILL_GPU_CASES = {
     "one-2048": ([2048], [2048]),
     "mixed-prefix": ([1, 300, 1000, 17], [1, 800, 3000, 529]),
     "chunk-of-long": ([512], [4096]),
+    "short-chunk-of-long": ([128], [2048]),  # few row tiles: the split-KV path
+    "short-chunks": ([16, 100, 3], [16, 3000, 40]),  # split, with partitions only some rows fill
     "mixed-step": ([1] * 200 + [256], [512] * 200 + [256]),  # 200 decodes beside a prompt
 }
 

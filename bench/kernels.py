@@ -367,7 +367,10 @@ def sweep_prefill(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:
         with patched(prefill_attention, "_tile_config", lambda head_dim, tiles=tiles: tiles):
             shapes = [([2048], [2048]), ([1, 300, 1000, 17], [1, 800, 3000, 529]), MIXED_STEP]
             yield from bench_prefill(dtype, gen, shapes, label=f" tiles={tiles}")
-    # The split-KV path: how full a wave it aims at, and how short a partition may be.
+
+
+def sweep_split(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:
+    """Prefill attention's split-KV path: how full a wave it aims at, how short a partition may be."""
     shapes = [([128], [2048]), ([128], [8192]), ([512], [4096]), ([16, 100, 3], [16, 3000, 40])]
     for per_sm in (1, 2, 4):
         for min_tiles in (1, 2, 4):
@@ -410,7 +413,7 @@ def sweep_linear(dtype: torch.dtype, gen: torch.Generator) -> Iterator[Row]:
                     yield {**r, "op": f"{r['op']} config={tuple(config)}"}
 
 
-SWEEPS = {"prefill": sweep_prefill, "decode": sweep_decode, "linear": sweep_linear}
+SWEEPS = {"prefill": sweep_prefill, "split": sweep_split, "decode": sweep_decode, "linear": sweep_linear}
 
 
 def print_table(rows: list[Row]) -> None:
@@ -440,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         choices=sorted(SWEEPS),
         default=[],
-        help="also time alternative prefill tiles / decode partitions / linear tiles (repeatable)",
+        help="also time alternative prefill tiles / prefill splits / decode partitions / linear tiles (repeatable)",
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Coroutine
@@ -30,7 +31,7 @@ from typing import Any, Literal
 import click
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
@@ -289,6 +290,8 @@ class Frontend:
     async def _events(
         self, gen: GenerationRequest, run: _Run, texts: AsyncIterator[str], first: str | None
     ) -> AsyncIterator[bytes]:
+        """The stream's events; the last item holds every event after the text (the final chunk,
+        usage, ``[DONE]``), so that they leave in one write."""
         sent = False  # chat: the first chunk carries the assistant's role
         delta = _DeltaEvents(gen)
         try:
@@ -300,14 +303,13 @@ class Frontend:
                 sent = True
         except APIError as error:  # the status is sent: the error goes in the stream, as OpenAI does
             self.metrics.observe_error(error.code)
-            yield _event(error.body())
-            yield DONE
+            yield _event(error.body()) + DONE
             return
         assert run.outcome is not None
-        yield _event(gen.chunk(None if gen.kind == "chat" else "", run.outcome.finish_reason, first=not sent))
+        tail = _event(gen.chunk(None if gen.kind == "chat" else "", run.outcome.finish_reason, first=not sent))
         if gen.include_usage:
-            yield _event(gen.usage_chunk(run.outcome.usage, run.outcome.cached_tokens))
-        yield DONE
+            tail += _event(gen.usage_chunk(run.outcome.usage, run.outcome.cached_tokens))
+        yield tail + DONE
 
     def next_request_id(self) -> str:
         return f"http-{next(self._ids)}"
@@ -411,18 +413,50 @@ class _DeltaEvents:
         return self.head + json.dumps(text, ensure_ascii=False).encode() + self.tail
 
 
-class _EventStream(StreamingResponse):
-    """A server-sent event stream that closes its request's run however the response ends (a
-    client that disconnects cancels the stream, possibly before it started)."""
+class _EventStream(Response):
+    """A server-sent event stream that closes its request's run however the response ends. A
+    client that disconnects cancels the stream (possibly before it started), as Starlette's
+    ``StreamingResponse`` does, but with one watcher task rather than an anyio task group; and
+    the last event goes out with the end of the body, in one write."""
+
+    media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[bytes], texts: AsyncIterator[str]) -> None:
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache"})
+        self.events = events
         self.texts = texts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.current_task()
+        assert streaming is not None
+        state = {"ended": False, "gone": False}
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not state["ended"]:  # the client went away: stop streaming
+                state["gone"] = True
+                streaming.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            more = True
+            async for event in self.events:
+                more = not event.endswith(DONE)
+                await send({"type": "http.response.body", "body": event, "more_body": more})
+            if more:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not state["gone"]:
+                raise
+            if sys.version_info >= (3, 11):  # later awaits of this task must not see the cancel
+                streaming.uncancel()
         finally:
+            state["ended"] = True
+            watcher.cancel()
             await self.texts.aclose()  # type: ignore[attr-defined]
 
 

@@ -20,6 +20,7 @@ import itertools
 import json
 import logging
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Coroutine
@@ -51,6 +52,9 @@ DONE = b"data: [DONE]\n\n"
 # The router's limits on what one client may send, under the same names and defaults.
 LIMITS = {s.key: s for s in cluster_settings() if s.key in ("max_message_mib", "max_prompt_chars")}
 STATS_TIMEOUT = 2.0  # seconds a health check or scrape waits for the router's stats
+# Bodies up to this size are parsed on the event loop (docs/decisions.md: the worker thread's
+# round trip costs more than tokenizing a prompt this short).
+INLINE_BODY_BYTES = 1024
 
 
 @dataclass
@@ -92,10 +96,12 @@ class Frontend:
         self.created = int(time.time())
         self._ids = itertools.count()
         self._background: set[asyncio.Task[Any]] = set()
-        # Bodies are checked and tokenized on one thread of their own: a long prompt then holds up
-        # the next requests' parsing, not every stream's tokens; one, as a tokenizer is not
-        # safe to call from several threads at once.
+        # Bodies past INLINE_BODY_BYTES are checked and tokenized on one thread of their own: a
+        # long prompt then holds up the next requests' parsing, not every stream's tokens. The
+        # lock keeps the tokenizer to one caller at a time (it is not safe to call from several
+        # threads at once), the loop's small bodies and the thread's large ones.
         self._parser = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="parse")
+        self._tokenizing = threading.Lock()
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -240,16 +246,7 @@ class Frontend:
             raise APIError(503, "the server is shutting down", "shutting_down")
         max_model_len = await self._model_len()
         body = await self._body(request)
-        gen = await asyncio.get_running_loop().run_in_executor(
-            self._parser,
-            parse_request,
-            kind,
-            body,
-            self.model_name,
-            self.tokenizer,
-            max_model_len,
-            self.max_prompt_chars,
-        )
+        gen = await self._parse(kind, body, max_model_len)
         run = _Run(self, gen, arrival)
         texts = run.texts()
         if not gen.stream:
@@ -259,6 +256,21 @@ class Frontend:
         except StopAsyncIteration:
             first = None
         return _EventStream(self._events(gen, run, texts, first), texts)
+
+    async def _parse(self, kind: Literal["completion", "chat"], body: bytes, max_model_len: int) -> GenerationRequest:
+        """``parse_request`` of a body: a small one here, as handing it to the parsing thread and
+        back costs more than its parse; a larger one, or any while the thread tokenizes, there."""
+        args = (kind, body, self.model_name, self.tokenizer, max_model_len, self.max_prompt_chars)
+        if len(body) <= INLINE_BODY_BYTES and self._tokenizing.acquire(blocking=False):
+            try:
+                return parse_request(*args)
+            finally:
+                self._tokenizing.release()
+        return await asyncio.get_running_loop().run_in_executor(self._parser, self._parse_locked, *args)
+
+    def _parse_locked(self, *args: Any) -> GenerationRequest:
+        with self._tokenizing:
+            return parse_request(*args)
 
     async def _body(self, request: Request) -> bytes:
         """The request's body, refused (413) past ``max_body_bytes`` before more of it is read:

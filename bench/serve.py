@@ -309,22 +309,35 @@ class OpenAIBackend:
     """Streams requests to an OpenAI-compatible server (see the module's docstring)."""
 
     def __init__(self, base_url: str, model: str | None, timeout: float) -> None:
-        import httpx  # the bench extra's: the ZMQ path does without it
+        # aiohttp (the bench extra's; the ZMQ path does without it), as vLLM's ``bench serve``:
+        # its client costs less per request than httpx's, and the load generator's own time
+        # counts in every TTFT it measures.
+        import aiohttp
 
-        self.httpx = httpx
-        # No connection limit: every request in flight holds its own stream.
-        self.http = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
-            timeout=timeout,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-        )
+        self.aiohttp = aiohttp
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
         self.model = model
+        self._session: Any = None  # made in the event loop, on first use
+
+    @property
+    def http(self) -> Any:
+        """The session: no connection limit, as every request in flight holds its own stream;
+        ``timeout`` bounds connecting and each read, not a whole stream."""
+        if self._session is None:
+            aiohttp = self.aiohttp
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=None, connect=self.timeout, sock_read=self.timeout),
+                read_bufsize=2**20,  # the longest line (one event) it reads
+            )
+        return self._session
 
     async def model_name(self) -> str:
         if self.model is None:
-            response = await self.http.get("/v1/models")
-            response.raise_for_status()
-            self.model = str(response.json()["data"][0]["id"])
+            async with self.http.get(f"{self.base_url}/v1/models") as response:
+                response.raise_for_status()
+                self.model = str((await response.json())["data"][0]["id"])
         return self.model
 
     def request(self, spec: RequestSpec, model: str) -> tuple[str, dict[str, Any]]:
@@ -344,20 +357,20 @@ class OpenAIBackend:
         path, body = self.request(spec, await self.model_name())
         record.sent = time.perf_counter() - start
         try:
-            async with self.http.stream("POST", path, json=body) as response:
-                if response.status_code != 200:
-                    record.error = (
-                        f"HTTP {response.status_code}: {(await response.aread())[:500].decode(errors='replace')}"
-                    )
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:") or record.error is not None:
+            async with self.http.post(self.base_url + path, json=body) as response:
+                if response.status != 200:
+                    record.error = f"HTTP {response.status}: {(await response.read())[:500].decode(errors='replace')}"
+                done = False
+                async for line in response.content:  # to the body's end: a connection left mid-body is closed
+                    if done or not line.startswith(b"data:") or record.error is not None:
                         continue
                     data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
+                    if data == b"[DONE]":
+                        done = True
+                        continue
                     self._on_event(json.loads(data), record, time.perf_counter() - start)
             record.finished = time.perf_counter() - start
-        except (self.httpx.HTTPError, ValueError) as e:
+        except (self.aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             record.finished = time.perf_counter() - start
             record.error = f"{type(e).__name__}: {e}"
         if record.error is None and record.finish_reason is not None and not record.output_tokens:
@@ -380,7 +393,8 @@ class OpenAIBackend:
                 record.finish_reason = choice["finish_reason"]
 
     async def close(self) -> None:
-        await self.http.aclose()
+        if self._session is not None:
+            await self._session.close()
 
 
 async def run_requests(

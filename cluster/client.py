@@ -268,10 +268,52 @@ class Client:
             self._buffered.setdefault(getattr(message, "request_id", None) or "", []).append(message)
 
 
+class _Inbox:
+    """One request's replies in arrival order, and the future its reader waits on while none is
+    there: the reader callback resolves it directly, with no queue or task in between."""
+
+    __slots__ = ("messages", "waiter")
+
+    def __init__(self) -> None:
+        self.messages: collections.deque[Message | BaseException] = collections.deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, message: Message | BaseException) -> None:
+        self.messages.append(message)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def get(self, timeout: float) -> Message | BaseException:
+        """The next reply; ``asyncio.TimeoutError`` after ``timeout`` seconds without one."""
+        if not self.messages:
+            loop = asyncio.get_running_loop()
+            self.waiter = waiter = loop.create_future()
+            timer = loop.call_later(timeout, _expire, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self.waiter = None
+        return self.messages.popleft()
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(asyncio.TimeoutError())
+
+
+_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+
+
 class AsyncClient:
     """asyncio client: many concurrent requests over one socket. Its streams ask for batched
     chunks (``Generate.batch_chunks``, unless ``batch_chunks=False``): one message a worker step
-    for all of them."""
+    for all of them.
+
+    The socket is a plain (blocking-API) one read from the event loop: a reader callback on its
+    file descriptor takes every message waiting and hands each to its request's inbox, and sends
+    do not block (a full queue waits for the socket to take more). That costs a few loop passes
+    a message fewer than ``zmq.asyncio``'s future per receive."""
 
     def __init__(
         self,
@@ -284,61 +326,95 @@ class AsyncClient:
         self.endpoint = endpoint = normalize_endpoint(endpoint)
         self.timeout = timeout
         self.batch_chunks = batch_chunks
-        self._ctx = zmq.asyncio.Context.instance()
-        self._socket = self._ctx.socket(zmq.DEALER)
+        self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         if auth_keys is not None:
             secure_client(self._socket, auth_keys)
         self._monitor = _keep_alive(self._socket, heartbeat_timeout)
         self._socket.connect(endpoint)
-        self._queues: dict[str, asyncio.Queue[Message | BaseException]] = {}
+        self._inboxes: dict[str, _Inbox] = {}
         self._stats_waiters: collections.deque[asyncio.Future[Stats]] = collections.deque()  # in send order
-        self._reader: asyncio.Task | None = None
+        self._send_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._loop: asyncio.AbstractEventLoop | None = None  # where the reader callback runs
+        self._fd = -1  # the socket's descriptor, while the loop watches it
         self._watcher: asyncio.Task | None = None
 
-    async def _read(self) -> None:
-        """Route replies to their request's queue. A frame that does not decode is dropped (the
-        router never sends one); a socket failure is handed to every waiting request."""
+    def _on_events(self) -> None:
+        """The socket's descriptor is readable, or a send may have used up its signal: take every
+        message waiting (reading ``EVENTS`` re-arms the descriptor) and wake a blocked send. A
+        frame that does not decode is dropped (the router never sends one); a socket failure is
+        handed to every waiting request."""
+        sock = self._socket
         try:
-            while True:
+            while (events := sock.get(zmq.EVENTS)) & _POLLIN:
                 try:
-                    message: Message = decode(await self._socket.recv())
+                    message: Message = decode(sock.recv(zmq.NOBLOCK))
                 except ProtocolError:
                     continue
-                if isinstance(message, Stats):  # replies to stats requests come in the order they were sent
-                    if self._stats_waiters and not (waiter := self._stats_waiters.popleft()).done():
-                        waiter.set_result(message)
-                    continue
-                for reply in message.chunks if isinstance(message, Chunks) else (message,):
-                    queue = self._queues.get(getattr(reply, "request_id", None) or "")
-                    if queue is not None:
-                        queue.put_nowait(reply)
-        except (zmq.ZMQError, OSError) as e:
+                self._dispatch(message)
+        except zmq.ZMQError as e:
             self._fail_waiting(e)
-            self._reader = None
+            self._stop_reading()
+            return
+        if events & _POLLOUT:
+            while self._send_waiters:
+                waiter = self._send_waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    def _dispatch(self, message: Message) -> None:
+        if isinstance(message, Stats):  # replies to stats requests come in the order they were sent
+            if self._stats_waiters and not (waiter := self._stats_waiters.popleft()).done():
+                waiter.set_result(message)
+            return
+        for reply in message.chunks if isinstance(message, Chunks) else (message,):
+            inbox = self._inboxes.get(getattr(reply, "request_id", None) or "")
+            if inbox is not None:
+                inbox.put(reply)
+
+    async def _send(self, data: bytes) -> None:
+        """Send without blocking the loop: past the socket's queue limit, wait until it takes more."""
+        self._start_reader()
+        assert self._loop is not None
+        while True:
+            try:
+                self._socket.send(data, zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                waiter = self._loop.create_future()
+                self._send_waiters.append(waiter)
+                self._loop.call_soon(self._on_events)  # POLLOUT may have come before the wait began
+                await waiter
+        # The send may have consumed the descriptor's signal of a message that came meanwhile.
+        self._loop.call_soon(self._on_events)
 
     async def _watch(self) -> None:
         """Fail every waiting request once the connection breaks."""
         link = _Link()
+        monitor = zmq.asyncio.Socket.from_socket(self._monitor)
         while True:
-            link.update(zmq.utils.monitor.parse_monitor_message(await self._monitor.recv_multipart()))
+            link.update(zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart()))
             if link.broken:
                 self._fail_waiting(ClusterGone(self.endpoint))
 
     def _fail_waiting(self, error: BaseException) -> None:
-        for queue in self._queues.values():
-            queue.put_nowait(error)
+        for inbox in self._inboxes.values():
+            inbox.put(error)
         while self._stats_waiters:
             waiter = self._stats_waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(error)
 
     def _start_reader(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._reader is None:
-            self._reader = loop.create_task(self._read())
-        if self._watcher is None:
-            self._watcher = loop.create_task(self._watch())
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._fd = self._socket.FD
+            self._loop.add_reader(self._fd, self._on_events)
+            self._watcher = self._loop.create_task(self._watch())
+
+    def _stop_reading(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
 
     async def stream(
         self,
@@ -350,15 +426,13 @@ class AsyncClient:
         **sampling: Any,
     ) -> AsyncIterator[Chunk | Final]:
         """Chunks in order, then the Final; raises ClusterError on an error reply."""
-        self._start_reader()
         request = _request(prompt, token_ids, True, chat, request_id, sampling, batch_chunks=self.batch_chunks)
-        queue: asyncio.Queue[Message | BaseException] = asyncio.Queue()
-        self._queues[request.request_id or ""] = queue
+        inbox = self._inboxes[request.request_id or ""] = _Inbox()
         try:
-            await self._socket.send(encode(request))
+            await self._send(encode(request))
             while True:
-                try:  # a message already queued needs no timer (wait_for costs a task a call)
-                    message = queue.get_nowait() if queue.qsize() else await asyncio.wait_for(queue.get(), self.timeout)
+                try:
+                    message = await inbox.get(self.timeout)
                 except asyncio.TimeoutError:
                     raise ClusterUnavailable(self.endpoint, self.timeout) from None
                 if isinstance(message, BaseException):
@@ -370,7 +444,7 @@ class AsyncClient:
                 if isinstance(message, Final):
                     return
         finally:
-            self._queues.pop(request.request_id or "", None)
+            self._inboxes.pop(request.request_id or "", None)
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Final:
         final = None
@@ -381,16 +455,15 @@ class AsyncClient:
         return final
 
     async def abort(self, request_id: str) -> None:
-        await self._socket.send(encode(Abort(request_id)))
+        await self._send(encode(Abort(request_id)))
 
     async def stats(self, timeout: float | None = None) -> Stats:
         """The cluster's state (see ``Client.stats``); ClusterUnavailable after ``timeout`` seconds
         (default: the client's)."""
-        self._start_reader()
         waiter: asyncio.Future[Stats] = asyncio.get_running_loop().create_future()
         # A waiter that timed out stays queued: the late reply it gets keeps the others in order.
         self._stats_waiters.append(waiter)
-        await self._socket.send(encode(StatsRequest()))
+        await self._send(encode(StatsRequest()))
         wait = self.timeout if timeout is None else timeout
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), wait)
@@ -398,11 +471,11 @@ class AsyncClient:
             raise ClusterUnavailable(self.endpoint, wait) from None
 
     def close(self) -> None:
-        for task in (self._reader, self._watcher):
-            if task is not None:
-                task.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self._socket.closed:
             return
+        self._stop_reading()
         self._socket.disable_monitor()
         self._monitor.close()
         self._socket.close()

@@ -19,6 +19,8 @@ import contextlib
 import itertools
 import json
 import logging
+import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Coroutine
@@ -30,7 +32,7 @@ from typing import Any, Literal
 import click
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
@@ -50,6 +52,9 @@ DONE = b"data: [DONE]\n\n"
 # The router's limits on what one client may send, under the same names and defaults.
 LIMITS = {s.key: s for s in cluster_settings() if s.key in ("max_message_mib", "max_prompt_chars")}
 STATS_TIMEOUT = 2.0  # seconds a health check or scrape waits for the router's stats
+# Bodies up to this size are parsed on the event loop (docs/decisions.md: the worker thread's
+# round trip costs more than tokenizing a prompt this short).
+INLINE_BODY_BYTES = 1024
 
 
 @dataclass
@@ -91,10 +96,12 @@ class Frontend:
         self.created = int(time.time())
         self._ids = itertools.count()
         self._background: set[asyncio.Task[Any]] = set()
-        # Bodies are checked and tokenized on one thread of their own: a long prompt then holds up
-        # the next requests' parsing, not every stream's tokens; one, as a tokenizer is not
-        # safe to call from several threads at once.
+        # Bodies past INLINE_BODY_BYTES are checked and tokenized on one thread of their own: a
+        # long prompt then holds up the next requests' parsing, not every stream's tokens. The
+        # lock keeps the tokenizer to one caller at a time (it is not safe to call from several
+        # threads at once), the loop's small bodies and the thread's large ones.
         self._parser = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="parse")
+        self._tokenizing = threading.Lock()
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -239,16 +246,7 @@ class Frontend:
             raise APIError(503, "the server is shutting down", "shutting_down")
         max_model_len = await self._model_len()
         body = await self._body(request)
-        gen = await asyncio.get_running_loop().run_in_executor(
-            self._parser,
-            parse_request,
-            kind,
-            body,
-            self.model_name,
-            self.tokenizer,
-            max_model_len,
-            self.max_prompt_chars,
-        )
+        gen = await self._parse(kind, body, max_model_len)
         run = _Run(self, gen, arrival)
         texts = run.texts()
         if not gen.stream:
@@ -258,6 +256,21 @@ class Frontend:
         except StopAsyncIteration:
             first = None
         return _EventStream(self._events(gen, run, texts, first), texts)
+
+    async def _parse(self, kind: Literal["completion", "chat"], body: bytes, max_model_len: int) -> GenerationRequest:
+        """``parse_request`` of a body: a small one here, as handing it to the parsing thread and
+        back costs more than its parse; a larger one, or any while the thread tokenizes, there."""
+        args = (kind, body, self.model_name, self.tokenizer, max_model_len, self.max_prompt_chars)
+        if len(body) <= INLINE_BODY_BYTES and self._tokenizing.acquire(blocking=False):
+            try:
+                return parse_request(*args)
+            finally:
+                self._tokenizing.release()
+        return await asyncio.get_running_loop().run_in_executor(self._parser, self._parse_locked, *args)
+
+    def _parse_locked(self, *args: Any) -> GenerationRequest:
+        with self._tokenizing:
+            return parse_request(*args)
 
     async def _body(self, request: Request) -> bytes:
         """The request's body, refused (413) past ``max_body_bytes`` before more of it is read:
@@ -289,6 +302,8 @@ class Frontend:
     async def _events(
         self, gen: GenerationRequest, run: _Run, texts: AsyncIterator[str], first: str | None
     ) -> AsyncIterator[bytes]:
+        """The stream's events; the last item holds every event after the text (the final chunk,
+        usage, ``[DONE]``), so that they leave in one write."""
         sent = False  # chat: the first chunk carries the assistant's role
         delta = _DeltaEvents(gen)
         try:
@@ -300,14 +315,13 @@ class Frontend:
                 sent = True
         except APIError as error:  # the status is sent: the error goes in the stream, as OpenAI does
             self.metrics.observe_error(error.code)
-            yield _event(error.body())
-            yield DONE
+            yield _event(error.body()) + DONE
             return
         assert run.outcome is not None
-        yield _event(gen.chunk(None if gen.kind == "chat" else "", run.outcome.finish_reason, first=not sent))
+        tail = _event(gen.chunk(None if gen.kind == "chat" else "", run.outcome.finish_reason, first=not sent))
         if gen.include_usage:
-            yield _event(gen.usage_chunk(run.outcome.usage, run.outcome.cached_tokens))
-        yield DONE
+            tail += _event(gen.usage_chunk(run.outcome.usage, run.outcome.cached_tokens))
+        yield tail + DONE
 
     def next_request_id(self) -> str:
         return f"http-{next(self._ids)}"
@@ -411,18 +425,50 @@ class _DeltaEvents:
         return self.head + json.dumps(text, ensure_ascii=False).encode() + self.tail
 
 
-class _EventStream(StreamingResponse):
-    """A server-sent event stream that closes its request's run however the response ends (a
-    client that disconnects cancels the stream, possibly before it started)."""
+class _EventStream(Response):
+    """A server-sent event stream that closes its request's run however the response ends. A
+    client that disconnects cancels the stream (possibly before it started), as Starlette's
+    ``StreamingResponse`` does, but with one watcher task rather than an anyio task group; and
+    the last event goes out with the end of the body, in one write."""
+
+    media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[bytes], texts: AsyncIterator[str]) -> None:
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache"})
+        self.events = events
         self.texts = texts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        streaming = asyncio.current_task()
+        assert streaming is not None
+        state = {"ended": False, "gone": False}
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not state["ended"]:  # the client went away: stop streaming
+                state["gone"] = True
+                streaming.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            more = True
+            async for event in self.events:
+                more = not event.endswith(DONE)
+                await send({"type": "http.response.body", "body": event, "more_body": more})
+            if more:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not state["gone"]:
+                raise
+            if sys.version_info >= (3, 11):  # later awaits of this task must not see the cancel
+                streaming.uncancel()
         finally:
+            state["ended"] = True
+            watcher.cancel()
             await self.texts.aclose()  # type: ignore[attr-defined]
 
 

@@ -29,7 +29,7 @@ from typing import Any
 try:
     import click
 
-    from pdserve.cluster.config import ClusterConfig, cluster_settings
+    from pdserve.cluster.config import ClusterConfig, cluster_settings, parse_devices
     from pdserve.cluster.launcher import Cluster, ClusterError
     from pdserve.engine.config import SettingSpec
 except ModuleNotFoundError as missing:  # run from a checkout that was never installed
@@ -97,9 +97,9 @@ def _parse_devices(ctx: click.Context, param: click.Parameter, value: str | None
     if value is None:
         return None
     try:
-        return tuple(int(d) for d in value.split(",") if d.strip())
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated GPU ids such as 0,1, got {value!r}") from None
+        return parse_devices(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e).split(": ", 1)[1]) from None
 
 
 def _setting_option(spec: SettingSpec) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -128,9 +128,9 @@ class Cluster:
         warning = None if c.auth_keys is not None else exposure_warning(c.host)
         if warning is not None:
             logger.warning(warning)
-        for port in (c.port, c.http_port):
+        for port, flag in ((c.port, "--port"), (c.http_port, "--http-port")):
             if port is not None:
-                _check_port_free(c.host, port)
+                _check_port_free(c.host, port, flag)
         if c.master_addr is not None:
             _check_port_free(c.master_addr, c.master_port, "--master-addr/--master-port")
             if not _is_loopback(c.master_addr):

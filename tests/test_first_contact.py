@@ -53,7 +53,8 @@ def busy_port() -> Iterator[int]:
 @pytest.mark.parametrize("flag", ["--port", "--http-port"])
 def test_port_in_use(flag: str, busy_port: int, demo_model_dir: Path) -> None:
     result = launch("--model", str(demo_model_dir), flag, str(busy_port))
-    assert_one_line_error(result, f"127.0.0.1:{busy_port}", "--port")
+    error = assert_one_line_error(result, f"127.0.0.1:{busy_port}")
+    assert error.endswith(f"choose another {flag})"), error
     assert len(result.stderr.splitlines()) <= 2, result.stderr
 
 

@@ -316,7 +316,9 @@ class Cluster:
             str(c.max_prompt_chars),
             *(["--auth-keys", c.auth_keys] if c.auth_keys is not None else []),
         ]
-        self.http = subprocess.Popen(command, preexec_fn=die_with_parent)
+        # A session of its own: Ctrl-C reaches the whole foreground process group, and a front
+        # end that got it besides the launcher's SIGTERM would take the second signal as "exit now".
+        self.http = subprocess.Popen(command, preexec_fn=die_with_parent, start_new_session=True)
         deadline = time.monotonic() + c.start_timeout
         while not _listening(c.host, port):
             self.router.poll(50)  # the front end asks the router for its stats while it starts

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -718,6 +719,44 @@ def test_sigterm_drains_refuses_new_requests_with_503_and_exits_zero(served: Ser
         assert frontend.proc.wait(timeout=60) == 0, (tmp_path / "frontend.log").read_text()[-2000:]
     finally:
         frontend.kill()
+
+
+@pytest.mark.slow
+def test_ctrl_c_drains_the_http_front_end_too(tmp_path: Path, demo_model_dir: Path) -> None:
+    """Ctrl-C in a terminal signals the whole foreground process group: the front end must still
+    drain its streams (one signal, the launcher's), and the launcher exit 0 without a traceback."""
+    http_port = free_port()
+    log_path = tmp_path / "launch.log"
+    command = [
+        sys.executable,
+        "launch.py",
+        "--model",
+        "demo",
+        "--port",
+        str(free_port()),
+        "--http-port",
+        str(http_port),
+    ]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(
+            lambda: "endpoint " in log_path.read_text() or proc.poll() is not None, 300, "the cluster never started"
+        )
+        assert proc.poll() is None, log_path.read_text()
+        body = {"model": MODEL, "prompt": TEXT_PROMPT, "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.killpg(proc.pid, signal.SIGINT)
+            events = [line for line in lines if line]
+        assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=120) == 0, log_path.read_text()[-4000:]
+        assert "Traceback" not in log_path.read_text(), log_path.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.mark.slow

@@ -262,6 +262,38 @@ def test_client_reports_a_missing_cluster_clearly() -> None:
         client.generate(token_ids=[1, 2, 3], max_tokens=2)
 
 
+def test_client_tells_a_silent_cluster_from_a_missing_one() -> None:
+    """A router that holds the request past the timeout (a long prompt on a slow machine) is not
+    reported as missing: the hint is to wait longer, not to start a cluster."""
+    import asyncio
+
+    import zmq
+
+    from pdserve.cluster.client import AsyncClient, ClusterUnavailable
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with (
+            Client(f"tcp://127.0.0.1:{port}", timeout=1) as client,
+            pytest.raises(ClusterUnavailable, match="is up but sent nothing within 1 s") as silent,
+        ):
+            client.generate(token_ids=[1, 2, 3], max_tokens=2)
+        assert "is it running" not in str(silent.value)
+
+        async def run() -> None:
+            client = AsyncClient(f"tcp://127.0.0.1:{port}", timeout=1)
+            try:
+                with pytest.raises(ClusterUnavailable, match="is up but sent nothing"):
+                    await client.generate(token_ids=[1], max_tokens=1)
+            finally:
+                client.close()
+
+        asyncio.run(run())
+    finally:
+        router.close()
+
+
 def test_async_client_skips_an_undecodable_frame_and_gets_its_final() -> None:
     import asyncio
 

@@ -124,6 +124,18 @@ def test_help_explains_every_flag() -> None:
     assert out.count("[default: ") >= len(cluster_settings())
 
 
+def test_the_http_front_ends_help_explains_every_option() -> None:
+    from pdserve.router.openai_server import main
+
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.router.openai_server", "-h"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    for option in main.params:
+        assert option.help, f"--{option.name} has no help text"
+        assert option.opts[0] in result.stdout
+
+
 def test_client_endpoint_forms() -> None:
     assert normalize_endpoint("localhost:5555") == "tcp://localhost:5555"
     assert normalize_endpoint("6000") == "tcp://127.0.0.1:6000"

@@ -52,6 +52,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig, flatten_config
 from pdserve.engine.parallel import check_tp_size
 from pdserve.engine.presets import resolve_model
 from pdserve.engine.tokenization import load_tokenizer
+from pdserve.engine.weights import checkpoint_files
 from pdserve.kvtransfer.base import TransferConfig
 from pdserve.router.router import Router
 
@@ -139,11 +140,13 @@ class Cluster:
                     "listen there unauthenticated: keep it on a network only the cluster's machines reach",
                     c.master_addr,
                 )
-        self.model_dir = str(resolve_model(c.engine.model))
-        model = ModelConfig.from_pretrained(self.model_dir)
-        c.check_model(model)
+        # Devices first: a preset's random weights (gigabytes) are written only where they can run.
         visible = torch.cuda.device_count()
         self.placement = c.placement(visible)
+        self.model_dir = str(resolve_model(c.engine.model))
+        checkpoint_files(Path(self.model_dir))  # no weights: one line here, not a traceback from every rank
+        model = ModelConfig.from_pretrained(self.model_dir)
+        c.check_model(model)
         on_gpu = self._on_gpu = any(p is not None for p in self.placement) or (not self.placement and visible > 0)
         self.transfer = resolve_transfer(c.transfer, on_gpu, _peer_access(c, self.placement), c.joinable)
         c.check_shared_gpus(self.placement, self.transfer.backend)

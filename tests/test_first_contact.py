@@ -77,6 +77,22 @@ def test_a_pool_too_small_for_one_sequence(tiny_model_dirs: dict[str, Path]) -> 
     assert_one_line_error(result, "--num-blocks 3 holds 48 tokens", "max_model_len 64")
 
 
+def test_a_model_directory_without_weights(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    for config_file in tiny_model_dirs["tiny-llama"].glob("*.json"):
+        (tmp_path / config_file.name).write_bytes(config_file.read_bytes())
+    result = launch("--model", str(tmp_path))
+    assert_one_line_error(result, f"no *.safetensors files in {tmp_path}")
+
+
+def test_devices_are_checked_before_a_presets_weights_are_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    result = launch("--model", "tiny-llama", "--devices", "99")
+    assert_one_line_error(result, "99")
+    assert not list(tmp_path.rglob("*.safetensors")), "weights written for a launch that could not run"
+
+
 def test_max_model_len_defaults_to_the_models_own_limit(tiny_model_dirs: dict[str, Path]) -> None:
     model_dir = tiny_model_dirs["tiny-llama"]
     model = ModelConfig.from_pretrained(model_dir)

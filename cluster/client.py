@@ -546,10 +546,15 @@ def main(
                     sys.stdout.flush()
                     mid_line = not text.endswith("\n")
                 if isinstance(message, Final):
-                    t = message.timings
+                    if mid_line:  # the answer ends its line on stdout, where it was written
+                        sys.stdout.write("\n")
+                        sys.stdout.flush()
+                        mid_line = False
+                    t, usage = message.timings, message.usage
                     click.echo(
-                        f"\n[{message.finish_reason}, {message.usage}] TTFT {t.get('first_token', 0) * 1e3:.1f} "
-                        f"ms, total {t.get('total', 0) * 1e3:.1f} ms",
+                        f"[{usage.get('prompt_tokens', 0)} prompt + {usage.get('completion_tokens', 0)} generated, "
+                        f"{message.finish_reason}] TTFT {t.get('first_token', 0) * 1e3:.1f} ms, "
+                        f"total {t.get('total', 0) * 1e3:.1f} ms",
                         err=True,
                     )
         except (ClusterError, ClusterUnavailable) as e:

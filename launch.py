@@ -160,6 +160,8 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
         if config_path:
             raise click.UsageError("--config applies to the router node: a group node (--join) takes the cluster's")
         sys.exit(run_group_node(given))
+    # The router's lines (groups ready, joining, leaving, restarting; refused clients) read as the ranks' do.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")
     cluster = Cluster(config, require_tokenizer=demo)
     started = time.monotonic()
     try:

@@ -14,6 +14,7 @@ import pytest
 
 from pdserve.cluster.client import normalize_endpoint
 from pdserve.cluster.config import ClusterConfig, cluster_settings
+from pdserve.cluster.group import free_port
 from pdserve.engine.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,6 +57,15 @@ def test_port_in_use(flag: str, busy_port: int, demo_model_dir: Path) -> None:
     error = assert_one_line_error(result, f"127.0.0.1:{busy_port}")
     assert error.endswith(f"choose another {flag})"), error
     assert len(result.stderr.splitlines()) <= 2, result.stderr
+
+
+def test_the_launchers_log_lines_carry_a_time_as_the_ranks_do(tmp_path: Path) -> None:
+    """The router node's own lines (here: the warning that the endpoint is open to the network)
+    are stamped like the ranks' lines, not bare text between them."""
+    result = launch("--host", "0.0.0.0", "--port", str(free_port()), "--model", str(tmp_path / "missing"))
+    warning = next(line for line in result.stderr.splitlines() if "WARNING" in line)
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} launcher WARNING ", warning), result.stderr
+    assert_one_line_error(result, "missing")
 
 
 def test_tp_beyond_the_heads(tiny_model_dirs: dict[str, Path]) -> None:

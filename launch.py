@@ -252,7 +252,8 @@ def print_status(endpoint: str, auth_keys: str | None) -> None:
     for row in rows:
         click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     state = "ready" if stats.ready else "not ready"
-    click.echo(f"{stats.requests_in_flight} request(s) in flight; {state}; faults {stats.faults}")
+    faults = ", ".join(f"{name} {count}" for name, count in stats.faults.items()) or "none"
+    click.echo(f"{stats.requests_in_flight} request(s) in flight; {state}; faults: {faults}")
 
 
 if __name__ == "__main__":

@@ -162,6 +162,44 @@ def test_the_http_front_ends_help_explains_every_option() -> None:
         assert option.opts[0] in result.stdout
 
 
+def test_status_prints_a_table_and_the_faults_in_words() -> None:
+    import threading
+
+    import zmq
+
+    from pdserve.cluster.protocol import GroupInfo, Stats, decode, encode
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    report = {"num_blocks": 100, "free_blocks": 75, "running": 2, "waiting": 1}
+    member = GroupInfo("decode", 0, 1, "ready", "ipc:///tmp/x/decode0", ["cpu"], False, 3, 40, 5)
+    faults = {"group_failures": 1, "restarts": 1, "migrated": 2, "worker_failed": 0}
+
+    def answer() -> None:
+        identity, frame = router.recv_multipart()
+        assert decode(frame).type == "stats_request"
+        stats = Stats(3, {"decode0": report}, ready=True, faults=faults, members=[member])
+        router.send_multipart([identity, encode(stats)])
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        result = launch("--status", str(port), timeout=60)
+    finally:
+        thread.join(10)
+        router.close()
+    assert result.returncode == 0, result.stderr
+    header, row, summary = result.stdout.splitlines()
+    assert header.split()[:3] == ["GROUP", "ROLE", "TP"]
+    assert row.split() == ["decode0", "decode", "1", "ready", "cpu", "ipc:///tmp/x/decode0", "3", "40", "2", "1"] + [
+        "25/100",
+        "(25%)",
+    ]
+    assert summary == (
+        "3 request(s) in flight; ready; faults: group_failures 1, restarts 1, migrated 2, worker_failed 0"
+    )
+
+
 def test_client_endpoint_forms() -> None:
     assert normalize_endpoint("localhost:5555") == "tcp://localhost:5555"
     assert normalize_endpoint("6000") == "tcp://127.0.0.1:6000"

@@ -77,6 +77,21 @@ def test_delta_events_are_the_chunk_bodies_events(kind: str) -> None:
         assert json.loads(delta(text).removeprefix(b"data: ")) == gen.chunk(text)
 
 
+def test_an_image_in_a_chat_is_refused_by_name() -> None:
+    """What a chat UI sends for a picture: refused as such, not as pydantic's failed union branch
+    ("messages.0.content.str: Input should be a valid string")."""
+    from pdserve.router.openai_api import APIError, parse_request
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]}
+    with pytest.raises(APIError) as refused:
+        parse_request("chat", json.dumps(body).encode(), MODEL, None, MAX_MODEL_LEN, 1000)
+    assert (refused.value.status, refused.value.code, refused.value.param) == (400, "invalid_value", "messages")
+    assert refused.value.message == (
+        "Invalid value for messages.0.content: only text content parts are supported, got type 'image_url'"
+    )
+
+
 def test_stop_strings_never_send_a_character_of_a_stop_string() -> None:
     matcher = StopStringMatcher(["</end>"])
     sent = [matcher.add(d)[0] for d in ["x<", "/e", "n"]]

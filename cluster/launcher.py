@@ -435,6 +435,12 @@ class Cluster:
         if self.http is not None and self.http.poll() is None:
             self.http.send_signal(signal.SIGTERM)  # it answers 503 from now on and drains its own requests
         self.router.stop_accepting()
+        if self.router.requests:  # Ctrl-C may take a while to act: say why
+            logger.info(
+                "stopping: %d request(s) in flight finish first, for up to %g s (--drain-timeout)",
+                len(self.router.requests),
+                self.config.drain_timeout,
+            )
         deadline = time.monotonic() + self.config.drain_timeout
         while self.router.requests and time.monotonic() < deadline:
             self.router.poll(50)

@@ -767,7 +767,9 @@ def test_ctrl_c_drains_the_http_front_end_too(tmp_path: Path, demo_model_dir: Pa
             events = [line for line in lines if line]
         assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=120) == 0, log_path.read_text()[-4000:]
-        assert "Traceback" not in log_path.read_text(), log_path.read_text()[-4000:]
+        log = log_path.read_text()
+        assert "Traceback" not in log, log[-4000:]
+        assert "stopping: 1 request(s) in flight finish first, for up to 30 s (--drain-timeout)" in log, log[-4000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -29,7 +29,7 @@ from typing import Any
 try:
     import click
 
-    from pdserve.cluster.config import ClusterConfig, cluster_settings
+    from pdserve.cluster.config import ClusterConfig, cluster_settings, parse_devices
     from pdserve.cluster.launcher import Cluster, ClusterError
     from pdserve.engine.config import SettingSpec
 except ModuleNotFoundError as missing:  # run from a checkout that was never installed
@@ -97,9 +97,9 @@ def _parse_devices(ctx: click.Context, param: click.Parameter, value: str | None
     if value is None:
         return None
     try:
-        return tuple(int(d) for d in value.split(",") if d.strip())
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated GPU ids such as 0,1, got {value!r}") from None
+        return parse_devices(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e).split(": ", 1)[1]) from None
 
 
 def _setting_option(spec: SettingSpec) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -160,6 +160,8 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
         if config_path:
             raise click.UsageError("--config applies to the router node: a group node (--join) takes the cluster's")
         sys.exit(run_group_node(given))
+    # The router's lines (groups ready, joining, leaving, restarting; refused clients) read as the ranks' do.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")
     cluster = Cluster(config, require_tokenizer=demo)
     started = time.monotonic()
     try:
@@ -250,7 +252,8 @@ def print_status(endpoint: str, auth_keys: str | None) -> None:
     for row in rows:
         click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     state = "ready" if stats.ready else "not ready"
-    click.echo(f"{stats.requests_in_flight} request(s) in flight; {state}; faults {stats.faults}")
+    faults = ", ".join(f"{name} {count}" for name, count in stats.faults.items()) or "none"
+    click.echo(f"{stats.requests_in_flight} request(s) in flight; {state}; faults: {faults}")
 
 
 if __name__ == "__main__":

@@ -57,11 +57,21 @@ class ClusterError(RuntimeError):
 
 
 class ClusterUnavailable(TimeoutError):
-    def __init__(self, endpoint: str, timeout: float) -> None:
-        super().__init__(
-            f"no answer from a cluster at {endpoint} within {timeout:.0f} s "
-            "(is it running? start one with: python launch.py)"
-        )
+    """No reply within the timeout. ``connected``: the router is there and still holds the
+    request (busy, e.g. prefilling a long prompt), which asks for patience, not for a cluster."""
+
+    def __init__(self, endpoint: str, timeout: float, connected: bool = False) -> None:
+        if connected:
+            message = (
+                f"the cluster at {endpoint} is up but sent nothing within {timeout:.0f} s "
+                "(still busy, e.g. with a long prompt: allow it a longer timeout)"
+            )
+        else:
+            message = (
+                f"no answer from a cluster at {endpoint} within {timeout:.0f} s "
+                "(is it running? start one with: python launch.py)"
+            )
+        super().__init__(message)
 
 
 class ClusterGone(ClusterUnavailable):
@@ -198,7 +208,7 @@ class Client:
             if self._socket in ready:
                 return decode(self._socket.recv())
             if self._monitor not in ready and time.monotonic() >= deadline:
-                raise ClusterUnavailable(self.endpoint, self.timeout)
+                raise ClusterUnavailable(self.endpoint, self.timeout, self._link.up)
 
     def _check_connection(self) -> None:
         while self._monitor.poll(0):
@@ -338,6 +348,7 @@ class AsyncClient:
         self._loop: asyncio.AbstractEventLoop | None = None  # where the reader callback runs
         self._fd = -1  # the socket's descriptor, while the loop watches it
         self._watcher: asyncio.Task | None = None
+        self._link = _Link()
 
     def _on_events(self) -> None:
         """The socket's descriptor is readable, or a send may have used up its signal: take every
@@ -390,11 +401,10 @@ class AsyncClient:
 
     async def _watch(self) -> None:
         """Fail every waiting request once the connection breaks."""
-        link = _Link()
         monitor = zmq.asyncio.Socket.from_socket(self._monitor)
         while True:
-            link.update(zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart()))
-            if link.broken:
+            self._link.update(zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart()))
+            if self._link.broken:
                 self._fail_waiting(ClusterGone(self.endpoint))
 
     def _fail_waiting(self, error: BaseException) -> None:
@@ -434,7 +444,7 @@ class AsyncClient:
                 try:
                     message = await inbox.get(self.timeout)
                 except asyncio.TimeoutError:
-                    raise ClusterUnavailable(self.endpoint, self.timeout) from None
+                    raise ClusterUnavailable(self.endpoint, self.timeout, self._link.up) from None
                 if isinstance(message, BaseException):
                     raise message
                 if isinstance(message, Error):
@@ -468,7 +478,7 @@ class AsyncClient:
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), wait)
         except asyncio.TimeoutError:
-            raise ClusterUnavailable(self.endpoint, wait) from None
+            raise ClusterUnavailable(self.endpoint, wait, self._link.up) from None
 
     def close(self) -> None:
         if self._watcher is not None:
@@ -536,10 +546,15 @@ def main(
                     sys.stdout.flush()
                     mid_line = not text.endswith("\n")
                 if isinstance(message, Final):
-                    t = message.timings
+                    if mid_line:  # the answer ends its line on stdout, where it was written
+                        sys.stdout.write("\n")
+                        sys.stdout.flush()
+                        mid_line = False
+                    t, usage = message.timings, message.usage
                     click.echo(
-                        f"\n[{message.finish_reason}, {message.usage}] TTFT {t.get('first_token', 0) * 1e3:.1f} "
-                        f"ms, total {t.get('total', 0) * 1e3:.1f} ms",
+                        f"[{usage.get('prompt_tokens', 0)} prompt + {usage.get('completion_tokens', 0)} generated, "
+                        f"{message.finish_reason}] TTFT {t.get('first_token', 0) * 1e3:.1f} ms, "
+                        f"total {t.get('total', 0) * 1e3:.1f} ms",
                         err=True,
                     )
         except (ClusterError, ClusterUnavailable) as e:

@@ -334,13 +334,18 @@ class ClusterConfig:
         """Built from flat ``{key: value}`` settings (see the module docstring)."""
         settings = {k.replace("-", "_"): v for k, v in settings.items()}
         if settings.get("devices") is not None:
-            settings["devices"] = tuple(settings["devices"])
+            settings["devices"] = parse_devices(settings["devices"])
         return build_config(cls, settings, origin)
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> ClusterConfig:
         """A YAML preset (flat keys as in ``--help``, dashes allowed), then the given overrides."""
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            raise ValueError(f"{path}: not valid YAML: {getattr(e, 'problem', None) or e}{where}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: a cluster preset must be a mapping of settings")
         data.update({k: v for k, v in overrides.items() if v is not None})
@@ -464,6 +469,21 @@ class ClusterConfig:
             gpu_shared=groups_on_gpu > 1,
         )
         return dataclasses.replace(engine, cache=cache)
+
+
+def parse_devices(value: str | int | Iterable[int]) -> tuple[int, ...]:
+    """GPU ids as ``--devices`` takes them (``0,1``), or as a YAML preset may give them: one id
+    (``devices: 0``) or a list (``devices: [0, 1]``)."""
+    try:
+        if isinstance(value, str):
+            return tuple(int(d) for d in value.split(",") if d.strip())
+        if isinstance(value, int) and not isinstance(value, bool):
+            return (value,)
+        if isinstance(value, Iterable) and all(isinstance(d, int) and not isinstance(d, bool) for d in value):
+            return tuple(value)
+    except ValueError:
+        pass
+    raise ValueError(f"devices: expected comma-separated GPU ids such as 0,1, got {value!r}")
 
 
 def cluster_settings() -> list[SettingSpec]:

@@ -52,6 +52,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig, flatten_config
 from pdserve.engine.parallel import check_tp_size
 from pdserve.engine.presets import resolve_model
 from pdserve.engine.tokenization import load_tokenizer
+from pdserve.engine.weights import checkpoint_files
 from pdserve.kvtransfer.base import TransferConfig
 from pdserve.router.router import Router
 
@@ -128,9 +129,9 @@ class Cluster:
         warning = None if c.auth_keys is not None else exposure_warning(c.host)
         if warning is not None:
             logger.warning(warning)
-        for port in (c.port, c.http_port):
+        for port, flag in ((c.port, "--port"), (c.http_port, "--http-port")):
             if port is not None:
-                _check_port_free(c.host, port)
+                _check_port_free(c.host, port, flag)
         if c.master_addr is not None:
             _check_port_free(c.master_addr, c.master_port, "--master-addr/--master-port")
             if not _is_loopback(c.master_addr):
@@ -139,11 +140,13 @@ class Cluster:
                     "listen there unauthenticated: keep it on a network only the cluster's machines reach",
                     c.master_addr,
                 )
-        self.model_dir = str(resolve_model(c.engine.model))
-        model = ModelConfig.from_pretrained(self.model_dir)
-        c.check_model(model)
+        # Devices first: a preset's random weights (gigabytes) are written only where they can run.
         visible = torch.cuda.device_count()
         self.placement = c.placement(visible)
+        self.model_dir = str(resolve_model(c.engine.model))
+        checkpoint_files(Path(self.model_dir))  # no weights: one line here, not a traceback from every rank
+        model = ModelConfig.from_pretrained(self.model_dir)
+        c.check_model(model)
         on_gpu = self._on_gpu = any(p is not None for p in self.placement) or (not self.placement and visible > 0)
         self.transfer = resolve_transfer(c.transfer, on_gpu, _peer_access(c, self.placement), c.joinable)
         c.check_shared_gpus(self.placement, self.transfer.backend)
@@ -316,7 +319,9 @@ class Cluster:
             str(c.max_prompt_chars),
             *(["--auth-keys", c.auth_keys] if c.auth_keys is not None else []),
         ]
-        self.http = subprocess.Popen(command, preexec_fn=die_with_parent)
+        # A session of its own: Ctrl-C reaches the whole foreground process group, and a front
+        # end that got it besides the launcher's SIGTERM would take the second signal as "exit now".
+        self.http = subprocess.Popen(command, preexec_fn=die_with_parent, start_new_session=True)
         deadline = time.monotonic() + c.start_timeout
         while not _listening(c.host, port):
             self.router.poll(50)  # the front end asks the router for its stats while it starts
@@ -430,6 +435,12 @@ class Cluster:
         if self.http is not None and self.http.poll() is None:
             self.http.send_signal(signal.SIGTERM)  # it answers 503 from now on and drains its own requests
         self.router.stop_accepting()
+        if self.router.requests:  # Ctrl-C may take a while to act: say why
+            logger.info(
+                "stopping: %d request(s) in flight finish first, for up to %g s (--drain-timeout)",
+                len(self.router.requests),
+                self.config.drain_timeout,
+            )
         deadline = time.monotonic() + self.config.drain_timeout
         while self.router.requests and time.monotonic() < deadline:
             self.router.poll(50)

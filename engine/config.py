@@ -122,8 +122,32 @@ def build_config(cls: type, values: Mapping[str, Any], origin: str = "settings")
         node = tree
         for name in spec.path[:-1]:
             node = node.setdefault(name, {})
-        node[spec.path[-1]] = value
+        node[spec.path[-1]] = _typed(spec, value, origin)
     return _construct(cls, tree)
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _typed(spec: SettingSpec, value: Any, origin: str) -> Any:
+    """``value`` as its setting's type (an integer where a number is expected becomes a float).
+    A YAML preset's values arrive untyped: one of the wrong type is refused here, naming its
+    setting, instead of failing later in a comparison that names neither."""
+    args = typing.get_args(spec.type)
+    kind = next(t for t in args or (spec.type,) if t is not type(None))
+    if value is None and type(None) in args:
+        return None
+    if typing.get_origin(kind) is tuple:
+        if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return tuple(value)
+        expected = "a list of integers"
+    else:
+        if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+            return value
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        expected = _TYPE_NAMES.get(kind, kind.__name__)
+    raise ValueError(f"{origin}: {spec.key} must be {expected}, got {value!r}")
 
 
 def _construct(cls: type, tree: Mapping[str, Any]) -> Any:

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pdserve.engine.sampling import RequestError
 from pdserve.engine.tokenization import encode_chat, encode_prompt
@@ -97,6 +97,17 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """Chat UIs send images as content parts: refused by name, not as a union that failed."""
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"only text content parts are supported, got type {kind!r}")
+        return content
 
 
 class ChatRequest(_Sampling):
@@ -345,4 +356,6 @@ def _validation_error(error: ValidationError) -> APIError:
         return bad_request(
             f"Missing required parameter: {'.'.join(map(str, loc))}", param, "missing_required_parameter"
         )
-    return bad_request(f"Invalid value for {'.'.join(map(str, loc))}: {first['msg']}", param, "invalid_value")
+    # A validator's own message, without pydantic's "Value error, " before it.
+    why = str(first["ctx"]["error"]) if first["type"] == "value_error" else first["msg"]
+    return bad_request(f"Invalid value for {'.'.join(map(str, loc))}: {why}", param, "invalid_value")

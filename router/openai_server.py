@@ -543,7 +543,7 @@ def serve_openai(
     _Server(config, frontend).run()
 
 
-@click.command(context_settings={"show_default": True})
+@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option("--endpoint", default=DEFAULT_ENDPOINT, help="The cluster's client endpoint.")
 @click.option(
     "--model",
@@ -554,11 +554,16 @@ def serve_openai(
 @click.option(
     "--served-model-name", default=None, help="The name clients give as 'model' [default: --model as given, as vLLM]."
 )
-@click.option("--host", default="127.0.0.1")
-@click.option("--port", type=int, default=8000)
+@click.option("--host", default="127.0.0.1", help="Address the HTTP server binds.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, help="TCP port of the HTTP server.")
 @click.option("--drain-timeout", type=float, default=30.0, help="Seconds to finish running requests on SIGTERM.")
 @click.option("--timeout", type=float, default=600.0, help="Seconds to wait for any one message of a request.")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    help="Least severe log messages shown (the front end's and uvicorn's).",
+)
 @click.option("--auth-keys", default=None, help="The cluster's key directory, when it runs with --auth-keys.")
 @click.option(
     "--max-message-mib",

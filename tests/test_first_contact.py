@@ -14,6 +14,7 @@ import pytest
 
 from pdserve.cluster.client import normalize_endpoint
 from pdserve.cluster.config import ClusterConfig, cluster_settings
+from pdserve.cluster.group import free_port
 from pdserve.engine.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,8 +54,18 @@ def busy_port() -> Iterator[int]:
 @pytest.mark.parametrize("flag", ["--port", "--http-port"])
 def test_port_in_use(flag: str, busy_port: int, demo_model_dir: Path) -> None:
     result = launch("--model", str(demo_model_dir), flag, str(busy_port))
-    assert_one_line_error(result, f"127.0.0.1:{busy_port}", "--port")
+    error = assert_one_line_error(result, f"127.0.0.1:{busy_port}")
+    assert error.endswith(f"choose another {flag})"), error
     assert len(result.stderr.splitlines()) <= 2, result.stderr
+
+
+def test_the_launchers_log_lines_carry_a_time_as_the_ranks_do(tmp_path: Path) -> None:
+    """The router node's own lines (here: the warning that the endpoint is open to the network)
+    are stamped like the ranks' lines, not bare text between them."""
+    result = launch("--host", "0.0.0.0", "--port", str(free_port()), "--model", str(tmp_path / "missing"))
+    warning = next(line for line in result.stderr.splitlines() if "WARNING" in line)
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} launcher WARNING ", warning), result.stderr
+    assert_one_line_error(result, "missing")
 
 
 def test_tp_beyond_the_heads(tiny_model_dirs: dict[str, Path]) -> None:
@@ -74,6 +85,22 @@ def test_max_model_len_beyond_the_model(tiny_model_dirs: dict[str, Path]) -> Non
 def test_a_pool_too_small_for_one_sequence(tiny_model_dirs: dict[str, Path]) -> None:
     result = launch("--model", str(tiny_model_dirs["tiny-llama"]), "--num-blocks", "3", "--max-model-len", "64")
     assert_one_line_error(result, "--num-blocks 3 holds 48 tokens", "max_model_len 64")
+
+
+def test_a_model_directory_without_weights(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    for config_file in tiny_model_dirs["tiny-llama"].glob("*.json"):
+        (tmp_path / config_file.name).write_bytes(config_file.read_bytes())
+    result = launch("--model", str(tmp_path))
+    assert_one_line_error(result, f"no *.safetensors files in {tmp_path}")
+
+
+def test_devices_are_checked_before_a_presets_weights_are_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    result = launch("--model", "tiny-llama", "--devices", "99")
+    assert_one_line_error(result, "99")
+    assert not list(tmp_path.rglob("*.safetensors")), "weights written for a launch that could not run"
 
 
 def test_max_model_len_defaults_to_the_models_own_limit(tiny_model_dirs: dict[str, Path]) -> None:
@@ -121,6 +148,56 @@ def test_help_explains_every_flag() -> None:
         assert spec.flag in out, spec.flag
         assert spec.help.split()[0] in out
     assert out.count("[default: ") >= len(cluster_settings())
+
+
+def test_the_http_front_ends_help_explains_every_option() -> None:
+    from pdserve.router.openai_server import main
+
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.router.openai_server", "-h"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    for option in main.params:
+        assert option.help, f"--{option.name} has no help text"
+        assert option.opts[0] in result.stdout
+
+
+def test_status_prints_a_table_and_the_faults_in_words() -> None:
+    import threading
+
+    import zmq
+
+    from pdserve.cluster.protocol import GroupInfo, Stats, decode, encode
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    report = {"num_blocks": 100, "free_blocks": 75, "running": 2, "waiting": 1}
+    member = GroupInfo("decode", 0, 1, "ready", "ipc:///tmp/x/decode0", ["cpu"], False, 3, 40, 5)
+    faults = {"group_failures": 1, "restarts": 1, "migrated": 2, "worker_failed": 0}
+
+    def answer() -> None:
+        identity, frame = router.recv_multipart()
+        assert decode(frame).type == "stats_request"
+        stats = Stats(3, {"decode0": report}, ready=True, faults=faults, members=[member])
+        router.send_multipart([identity, encode(stats)])
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        result = launch("--status", str(port), timeout=60)
+    finally:
+        thread.join(10)
+        router.close()
+    assert result.returncode == 0, result.stderr
+    header, row, summary = result.stdout.splitlines()
+    assert header.split()[:3] == ["GROUP", "ROLE", "TP"]
+    assert row.split() == ["decode0", "decode", "1", "ready", "cpu", "ipc:///tmp/x/decode0", "3", "40", "2", "1"] + [
+        "25/100",
+        "(25%)",
+    ]
+    assert summary == (
+        "3 request(s) in flight; ready; faults: group_failures 1, restarts 1, migrated 2, worker_failed 0"
+    )
 
 
 def test_client_endpoint_forms() -> None:

@@ -262,6 +262,72 @@ def test_client_reports_a_missing_cluster_clearly() -> None:
         client.generate(token_ids=[1, 2, 3], max_tokens=2)
 
 
+def test_client_tells_a_silent_cluster_from_a_missing_one() -> None:
+    """A router that holds the request past the timeout (a long prompt on a slow machine) is not
+    reported as missing: the hint is to wait longer, not to start a cluster."""
+    import asyncio
+
+    import zmq
+
+    from pdserve.cluster.client import AsyncClient, ClusterUnavailable
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with (
+            Client(f"tcp://127.0.0.1:{port}", timeout=1) as client,
+            pytest.raises(ClusterUnavailable, match="is up but sent nothing within 1 s") as silent,
+        ):
+            client.generate(token_ids=[1, 2, 3], max_tokens=2)
+        assert "is it running" not in str(silent.value)
+
+        async def run() -> None:
+            client = AsyncClient(f"tcp://127.0.0.1:{port}", timeout=1)
+            try:
+                with pytest.raises(ClusterUnavailable, match="is up but sent nothing"):
+                    await client.generate(token_ids=[1], max_tokens=1)
+            finally:
+                client.close()
+
+        asyncio.run(run())
+    finally:
+        router.close()
+
+
+def test_client_cli_ends_the_answer_on_stdout_and_reports_on_stderr() -> None:
+    """``pdserve-client ... > answer.txt``: the file holds the answer as one finished line; the
+    counts and timings go to stderr in words."""
+    import subprocess
+    import sys
+    import threading
+
+    import zmq
+
+    from pdserve.cluster.protocol import Chunk, decode, encode
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer() -> None:
+        identity, frame = router.recv_multipart()
+        rid = decode(frame).request_id
+        router.send_multipart([identity, encode(Chunk(rid, [7], "Paris."))])
+        usage, timings = {"prompt_tokens": 37, "completion_tokens": 1}, {"first_token": 0.25, "total": 0.5}
+        router.send_multipart([identity, encode(Final(rid, "stop", [7], "Paris.", usage, timings))])
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        cli = [sys.executable, "-m", "pdserve.cluster.client", "hi", "--endpoint", f"tcp://127.0.0.1:{port}"]
+        result = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    finally:
+        thread.join(10)
+        router.close()
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "Paris.\n"
+    assert result.stderr == "[37 prompt + 1 generated, stop] TTFT 250.0 ms, total 500.0 ms\n"
+
+
 def test_async_client_skips_an_undecodable_frame_and_gets_its_final() -> None:
     import asyncio
 

@@ -177,3 +177,31 @@ def test_auto_transfer_pulls_through_cuda_ipc_on_one_host_and_checks_the_device(
         TransferConfig("shm").resolved(on_gpu=True)
     with pytest.raises(ValueError, match="peer access"):
         TransferConfig("cuda-ipc").resolved(on_gpu=True, peer_access=False)
+
+
+def test_a_preset_value_of_the_wrong_type_names_its_setting(tmp_path: Path) -> None:
+    refused = {
+        "max_model_len: abc\n": "max_model_len must be an integer, got 'abc'",
+        'prefill_tp: "2"\n': "prefill_tp must be an integer, got '2'",
+        "prefix_cache: 1\n": "prefix_cache must be true or false, got 1",
+        "dtype: 5\n": "dtype must be a string, got 5",
+        "drain_timeout: [1]\n": "drain_timeout must be a number, got [1]",
+        "devices: a,b\n": "devices: expected comma-separated GPU ids such as 0,1, got 'a,b'",
+        "max_model_len: [\n": "not valid YAML: expected the node content, but found '<stream end>' (line 2, column 1)",
+    }
+    for text, message in refused.items():
+        path = tmp_path / "preset.yaml"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ClusterConfig.from_yaml(path)
+
+
+def test_a_preset_spells_devices_as_the_flag_does_or_as_a_list(tmp_path: Path) -> None:
+    path = tmp_path / "preset.yaml"
+    for text, devices in {"devices: 0,1\n": (0, 1), "devices: [0, 1]\n": (0, 1), "devices: 3\n": (3,)}.items():
+        path.write_text(text)
+        assert ClusterConfig.from_yaml(path).devices == devices
+    path.write_text("drain_timeout: 5\nmax_model_len:\n")
+    config = ClusterConfig.from_yaml(path)
+    assert config.drain_timeout == 5.0 and isinstance(config.drain_timeout, float)
+    assert config.engine.max_model_len is None

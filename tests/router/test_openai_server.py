@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -74,6 +75,21 @@ def test_delta_events_are_the_chunk_bodies_events(kind: str) -> None:
     for text in ["", "Paris", ' "quoted" \\ back', "line\nbreak\t\x00", "é 東京 🚀", gen.id, "data: [DONE]\n\n"]:
         assert delta(text) == _event(gen.chunk(text)), text
         assert json.loads(delta(text).removeprefix(b"data: ")) == gen.chunk(text)
+
+
+def test_an_image_in_a_chat_is_refused_by_name() -> None:
+    """What a chat UI sends for a picture: refused as such, not as pydantic's failed union branch
+    ("messages.0.content.str: Input should be a valid string")."""
+    from pdserve.router.openai_api import APIError, parse_request
+
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]}
+    with pytest.raises(APIError) as refused:
+        parse_request("chat", json.dumps(body).encode(), MODEL, None, MAX_MODEL_LEN, 1000)
+    assert (refused.value.status, refused.value.code, refused.value.param) == (400, "invalid_value", "messages")
+    assert refused.value.message == (
+        "Invalid value for messages.0.content: only text content parts are supported, got type 'image_url'"
+    )
 
 
 def test_stop_strings_never_send_a_character_of_a_stop_string() -> None:
@@ -718,6 +734,46 @@ def test_sigterm_drains_refuses_new_requests_with_503_and_exits_zero(served: Ser
         assert frontend.proc.wait(timeout=60) == 0, (tmp_path / "frontend.log").read_text()[-2000:]
     finally:
         frontend.kill()
+
+
+@pytest.mark.slow
+def test_ctrl_c_drains_the_http_front_end_too(tmp_path: Path, demo_model_dir: Path) -> None:
+    """Ctrl-C in a terminal signals the whole foreground process group: the front end must still
+    drain its streams (one signal, the launcher's), and the launcher exit 0 without a traceback."""
+    http_port = free_port()
+    log_path = tmp_path / "launch.log"
+    command = [
+        sys.executable,
+        "launch.py",
+        "--model",
+        "demo",
+        "--port",
+        str(free_port()),
+        "--http-port",
+        str(http_port),
+    ]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(
+            lambda: "endpoint " in log_path.read_text() or proc.poll() is not None, 300, "the cluster never started"
+        )
+        assert proc.poll() is None, log_path.read_text()
+        body = {"model": MODEL, "prompt": TEXT_PROMPT, "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=120) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.killpg(proc.pid, signal.SIGINT)
+            events = [line for line in lines if line]
+        assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=120) == 0, log_path.read_text()[-4000:]
+        log = log_path.read_text()
+        assert "Traceback" not in log, log[-4000:]
+        assert "stopping: 1 request(s) in flight finish first, for up to 30 s (--drain-timeout)" in log, log[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.mark.slow

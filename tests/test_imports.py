@@ -29,6 +29,7 @@ ENGINE_API = {
     "tokenization",
     "detokenizer",
     "presets",  # resolve_model
+    "weights",  # checkpoint_files: the launcher checks a checkpoint before any rank loads it
 }
 PRODUCT = ("cluster", "decode_worker", "kvtransfer", "prefill_worker", "router")
 

@@ -26,10 +26,11 @@ def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]
     )
 
 
-def client(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pdserve.cluster.client", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+def client(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.cluster.client", *args], cwd=REPO, input=stdin, capture_output=True, timeout=60
     )
+    return subprocess.CompletedProcess(result.args, result.returncode, result.stdout.decode(), result.stderr.decode())
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> str:
@@ -231,3 +232,40 @@ def test_client_cli_errors_are_readable(busy_port: int) -> None:
     # Something listens there but is no cluster: the wait times out with one line saying what to do.
     silent = client("hi", "--endpoint", f"localhost:{busy_port}", "--timeout", "1")
     assert_one_line_error(silent, "no answer from a cluster", "launch.py")
+
+
+def test_client_reads_the_prompt_from_stdin_for_a_dash() -> None:
+    """``cat long.txt | pdserve-client -``: a prompt beyond what one command-line argument may
+    hold (128 KiB on Linux) arrives whole, non-ASCII text included."""
+    import threading
+
+    import zmq
+
+    from pdserve.cluster.protocol import Final, Generate, decode, encode
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    prompt = "Résumé ce texte, s'il te plaît. " * 8000 + "\n"
+    received: list[Generate] = []
+
+    def answer() -> None:
+        identity, frame = router.recv_multipart()
+        request = decode(frame)
+        assert isinstance(request, Generate)
+        received.append(request)
+        final = Final(request.request_id or "", "stop", [7], "Fait.", {"prompt_tokens": 9, "completion_tokens": 1}, {})
+        router.send_multipart([identity, encode(final)])
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        result = client("-", "--endpoint", str(port), "--no-stream", stdin=prompt.encode())
+    finally:
+        thread.join(10)
+        router.close()
+    assert result.returncode == 0, result.stderr
+    assert len(prompt.encode()) > 128 * 1024
+    assert [r.prompt for r in received] == [prompt]
+    assert result.stdout == "Fait.\n"
+    not_text = client("-", "--endpoint", "1", stdin=b"caf\xe9")
+    assert_one_line_error(not_text, "stdin is not UTF-8 text")

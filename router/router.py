@@ -196,6 +196,7 @@ class Router:
         self.parked: dict[str, float] = {}
         self.faults = {"group_failures": 0, "restarts": 0, "migrated": 0, "worker_failed": 0}
         self.worker_stats: dict[str, dict[str, int]] = {}
+        self.stats_time: dict[str, float] = {}  # when each group's ``worker_stats`` came
         self.accepting = True
         self._ids = itertools.count()
         self._chunks: dict[bytes, list[Chunk]] = {}  # batched chunks not yet sent, by client
@@ -244,6 +245,7 @@ class Router:
         self.ready.discard(key)
         self.starting.discard(key)
         self.worker_stats.pop(f"{role}{group}", None)
+        self.stats_time.pop(f"{role}{group}", None)
         for beat in [b for b in self.last_beat if b[:2] == key]:
             del self.last_beat[beat]
         sock = self.leaders.pop(key, None)
@@ -313,6 +315,7 @@ class Router:
         self.ready.discard(key)
         self.starting.discard(key)
         self.worker_stats.pop(f"{role}{group}", None)
+        self.stats_time.pop(f"{role}{group}", None)
         for rank in [r for r in self.devices if r[:2] == key]:
             del self.devices[rank]
         for beat in [b for b in self.last_beat if b[:2] == key]:
@@ -357,6 +360,7 @@ class Router:
     def members(self) -> list[GroupInfo]:
         """Every group known, for ``stats``."""
         out = []
+        now = time.monotonic()
         for (role, group), tp in sorted(self.tp_sizes.items(), key=lambda item: (item[0][0] == "decode", item[0])):
             key = (role, group)
             state = "draining" if key in self.draining else "ready" if key in self.ready else "starting"
@@ -368,6 +372,7 @@ class Router:
                 if s.entry_group == key or (role == "decode" and s.decode_group == group)
             ]
             load = (self.entry_load if role == self.entry_role else self.decode_load).get(group, 0)
+            reported = self.stats_time.get(f"{role}{group}")
             out.append(
                 GroupInfo(
                     role,
@@ -380,6 +385,7 @@ class Router:
                     len(held),
                     load,
                     self.dispatched[key],
+                    None if reported is None else now - reported,
                 )
             )
         return out
@@ -722,7 +728,9 @@ class Router:
             # dead generation's, still queued.
             if (message.role, message.group) in self.ready:
                 stats = dataclasses.asdict(message)
-                self.worker_stats[f"{stats.pop('role')}{stats.pop('group')}"] = stats
+                name = f"{stats.pop('role')}{stats.pop('group')}"
+                self.worker_stats[name] = stats
+                self.stats_time[name] = time.monotonic()
         elif isinstance(message, Heartbeat):
             key = (message.role, message.group)
             if key in self.ready:

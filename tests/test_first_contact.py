@@ -26,10 +26,11 @@ def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]
     )
 
 
-def client(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pdserve.cluster.client", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+def client(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.cluster.client", *args], cwd=REPO, input=stdin, capture_output=True, timeout=60
     )
+    return subprocess.CompletedProcess(result.args, result.returncode, result.stdout.decode(), result.stderr.decode())
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> str:
@@ -163,6 +164,8 @@ def test_the_http_front_ends_help_explains_every_option() -> None:
 
 
 def test_status_prints_a_table_and_the_faults_in_words() -> None:
+    """Each group's row: the router's own count of its requests (current), then its last report,
+    said to be old when a long step (a long prefill) has kept its leader from reporting."""
     import threading
 
     import zmq
@@ -171,14 +174,20 @@ def test_status_prints_a_table_and_the_faults_in_words() -> None:
 
     router = zmq.Context.instance().socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    report = {"num_blocks": 100, "free_blocks": 75, "running": 2, "waiting": 1}
-    member = GroupInfo("decode", 0, 1, "ready", "ipc:///tmp/x/decode0", ["cpu"], False, 3, 40, 5)
+    reports = {
+        "prefill0": {"num_blocks": 100, "free_blocks": 100, "running": 0, "waiting": 0},
+        "decode0": {"num_blocks": 100, "free_blocks": 75, "running": 2, "waiting": 1},
+    }
+    members = [
+        GroupInfo("prefill", 0, 1, "ready", "ipc:///tmp/x/prefill0", ["cpu"], False, 2, 9000, 2, stats_age=93.4),
+        GroupInfo("decode", 0, 1, "ready", "ipc:///tmp/x/decode0", ["cpu"], False, 3, 40, 5, stats_age=0.1),
+    ]
     faults = {"group_failures": 1, "restarts": 1, "migrated": 2, "worker_failed": 0}
 
     def answer() -> None:
         identity, frame = router.recv_multipart()
         assert decode(frame).type == "stats_request"
-        stats = Stats(3, {"decode0": report}, ready=True, faults=faults, members=[member])
+        stats = Stats(3, reports, ready=True, faults=faults, members=members)
         router.send_multipart([identity, encode(stats)])
 
     thread = threading.Thread(target=answer, daemon=True)
@@ -189,15 +198,20 @@ def test_status_prints_a_table_and_the_faults_in_words() -> None:
         thread.join(10)
         router.close()
     assert result.returncode == 0, result.stderr
-    header, row, summary = result.stdout.splitlines()
-    assert header.split()[:3] == ["GROUP", "ROLE", "TP"]
+    header, stale, row, summary, note = result.stdout.splitlines()
+    assert re.split(r"\s{2,}", header) == [
+        *("GROUP", "ROLE", "TP", "STATE", "DEVICES", "ADDRESS"),
+        *("IN FLIGHT", "LOAD", "RUNNING", "WAITING", "KV USED"),
+    ]
     assert row.split() == ["decode0", "decode", "1", "ready", "cpu", "ipc:///tmp/x/decode0", "3", "40", "2", "1"] + [
         "25/100",
         "(25%)",
     ]
+    assert stale.split()[6:] == ["2", "9000", "0", "0", "0/100", "(0%)", "stats", "93", "s", "old"]
     assert summary == (
         "3 request(s) in flight; ready; faults: group_failures 1, restarts 1, migrated 2, worker_failed 0"
     )
+    assert "between engine steps" in note
 
 
 def test_client_endpoint_forms() -> None:
@@ -218,3 +232,40 @@ def test_client_cli_errors_are_readable(busy_port: int) -> None:
     # Something listens there but is no cluster: the wait times out with one line saying what to do.
     silent = client("hi", "--endpoint", f"localhost:{busy_port}", "--timeout", "1")
     assert_one_line_error(silent, "no answer from a cluster", "launch.py")
+
+
+def test_client_reads_the_prompt_from_stdin_for_a_dash() -> None:
+    """``cat long.txt | pdserve-client -``: a prompt beyond what one command-line argument may
+    hold (128 KiB on Linux) arrives whole, non-ASCII text included."""
+    import threading
+
+    import zmq
+
+    from pdserve.cluster.protocol import Final, Generate, decode, encode
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    prompt = "Résumé ce texte, s'il te plaît. " * 8000 + "\n"
+    received: list[Generate] = []
+
+    def answer() -> None:
+        identity, frame = router.recv_multipart()
+        request = decode(frame)
+        assert isinstance(request, Generate)
+        received.append(request)
+        final = Final(request.request_id or "", "stop", [7], "Fait.", {"prompt_tokens": 9, "completion_tokens": 1}, {})
+        router.send_multipart([identity, encode(final)])
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        result = client("-", "--endpoint", str(port), "--no-stream", stdin=prompt.encode())
+    finally:
+        thread.join(10)
+        router.close()
+    assert result.returncode == 0, result.stderr
+    assert len(prompt.encode()) > 128 * 1024
+    assert [r.prompt for r in received] == [prompt]
+    assert result.stdout == "Fait.\n"
+    not_text = client("-", "--endpoint", "1", stdin=b"caf\xe9")
+    assert_one_line_error(not_text, "stdin is not UTF-8 text")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -74,6 +75,20 @@ def test_resolving_the_directory_imports_neither_transformers_nor_torch() -> Non
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_the_command_explains_itself_without_converting(tmp_path: Path) -> None:
+    env = {**os.environ, "PDSERVE_CACHE": str(tmp_path)}
+    for flag in ("--help", "-h"):
+        result = subprocess.run(
+            [sys.executable, "-m", "pdserve.engine.demo", flag], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("Usage: python -m pdserve.engine.demo [OPTIONS]")
+        assert "Convert the demo model (SmolLM2-135M-Instruct) on first use" in result.stdout
+        assert list(tmp_path.iterdir()) == []
+    bad = subprocess.run([sys.executable, "-m", "pdserve.engine.demo", "--force"], env=env, capture_output=True)
+    assert bad.returncode == 2 and b"No such option" in bad.stderr and list(tmp_path.iterdir()) == []
 
 
 def test_second_call_is_a_no_op(demo_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

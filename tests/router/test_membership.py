@@ -17,13 +17,17 @@ from pdserve.cluster.protocol import (
     Error,
     Final,
     Generate,
+    GroupInfo,
     PeerFailed,
     PeerRestarted,
     Ready,
     Sampling,
     Shutdown,
+    Stats,
+    StatsRequest,
     TokenOutput,
     TokenOutputs,
+    WorkerStats,
     WorkRequest,
     encode,
 )
@@ -105,6 +109,35 @@ def test_a_group_joins_by_its_ready_and_meets_the_other_role(rig: Rig) -> None:
     assert (joined.role, joined.group, joined.tp, joined.state, joined.joined) == ("decode", 5, 2, "ready", True)
     assert (joined.address, joined.requests, joined.dispatched) == (address, 1, 1)
     assert (prefill.joined, prefill.dispatched) == (False, 1)
+
+
+def test_stats_count_the_routers_requests_and_age_each_groups_report(rig: Rig) -> None:
+    """A leader reports between engine steps, so during a long step its report is old: ``stats``
+    says how old, beside the requests the router itself has in flight on each group."""
+    rig.join("decode", 5)
+    rig.received("prefill", 0)
+    rig.generate("r1")
+
+    def members() -> list[GroupInfo]:
+        rig.client.send(encode(StatsRequest()))
+        (stats,) = rig.replies()
+        assert isinstance(stats, Stats)
+        return stats.members
+
+    prefill, decode = members()
+    assert (prefill.requests, decode.requests) == (1, 1)
+    assert (prefill.stats_age, decode.stats_age) == (None, None)  # no report yet
+    rig.worker(WorkerStats("decode", 5, 100, 100, 0, 0, 0, 0))
+    rig.pump(0.3)
+    age = members()[1].stats_age
+    assert age is not None and 0.3 <= age < 5
+    rig.pump(0.2)
+    assert members()[1].stats_age >= age + 0.2  # type: ignore[operator]
+    rig.worker(WorkerStats("decode", 5, 100, 90, 1, 0, 0, 0))
+    assert members()[1].stats_age < 0.2  # type: ignore[operator]
+    rig.worker(WorkerStats("prefill", 0, 100, 90, 1, 0, 0, 0))
+    rig.router.group_failed("prefill", 0, "killed")  # its next generation's report starts afresh
+    assert [(m.state, m.stats_age is None) for m in members()] == [("down", True), ("ready", False)]
 
 
 def test_a_stranger_is_refused_with_one_line(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:

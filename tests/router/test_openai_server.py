@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.bench.compare import LaunchedCluster
 from pdserve.cluster.client import Client, Final
 from pdserve.cluster.group import free_port
+from pdserve.router.openai_api import APIError, ChatRequest, parse_request
 from pdserve.router.stop_strings import StopStringMatcher
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,6 +91,47 @@ def test_an_image_in_a_chat_is_refused_by_name() -> None:
     assert refused.value.message == (
         "Invalid value for messages.0.content: only text content parts are supported, got type 'image_url'"
     )
+
+
+def refusal(messages: list[Any]) -> APIError:
+    body = {"model": MODEL, "messages": messages}
+    with pytest.raises(APIError) as refused:
+        parse_request("chat", json.dumps(body).encode(), MODEL, None, MAX_MODEL_LEN, 1000)
+    return refused.value
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user"])
+def test_a_chat_message_without_content_is_refused_unless_an_assistants(role: str) -> None:
+    """OpenAI requires content but for an assistant message (which then carries tool calls)."""
+    hi = {"role": "user", "content": "hi"}
+    for bad in ({"role": role}, {"role": role, "content": None}):
+        refused = refusal([hi, bad])
+        assert (refused.status, refused.code, refused.param) == (400, "missing_required_parameter", "messages")
+        assert refused.message == "Missing required parameter: messages.1.content"
+    request = ChatRequest.model_validate({"model": MODEL, "messages": [hi, {"role": "assistant"}, hi]})
+    assert request.messages[1].content is None
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (5, "expected a string or a list of text parts, got a number"),
+        ({"type": "text", "text": "hi"}, "expected a string or a list of text parts, got an object"),
+        ([{"type": "text", "text": 5}], "part 0 needs its text as a string, got a number"),
+        ([{"type": "text", "text": "a"}, {"type": "text"}], "part 1 has no text"),
+        (["hi"], "part 0 must be an object (a text part), got a string"),
+        (
+            [{"type": "text", "text": "a", "cache_control": {}}],
+            "part 0 has the unrecognized key 'cache_control' (a text part has type and text)",
+        ),
+    ],
+)
+def test_bad_content_is_explained_not_named_by_the_unions_branches(content: Any, why: str) -> None:
+    """Without this, pydantic names the first branch that failed: "messages.0.content.str: Input
+    should be a valid string", which says nothing of the list of text parts also accepted."""
+    refused = refusal([{"role": "user", "content": content}])
+    assert (refused.status, refused.code, refused.param) == (400, "invalid_value", "messages")
+    assert refused.message == f"Invalid value for messages.0.content: {why}"
 
 
 def test_stop_strings_never_send_a_character_of_a_stop_string() -> None:
@@ -499,6 +541,13 @@ BAD_REQUESTS = {
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
         400,
         "invalid_value",
+        "messages",
+    ),
+    "chat message without content": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user"}]},
+        400,
+        "missing_required_parameter",
         "messages",
     ),
     "no such route": ("/v1/embeddings", {"input": "hi"}, 404, "not_found", None),

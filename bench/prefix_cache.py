@@ -11,12 +11,20 @@ second (prefix + suffix B) finds them there. Each request is timed on the wall c
 sampling, everything a request's time to first token pays inside the engine. The cached
 request's first token is checked against an engine with the cache off (same weights), so the
 speed-up is of the same answer.
+
+With ``--profile``, one more cached request runs under ``torch.profiler`` after the timed ones,
+and the report says where its time went: on a GPU, the host's time before the first kernel, the
+device's busy time (the union of its kernels), the gaps between kernels, and the host's time
+after the last one (sync, read-back, output), with the top kernels; on any device, the top CPU
+ops by their own time.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -24,11 +32,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from pdserve.bench.common import command_line, fmt, format_table, metadata, model_dir, resolve_device, write_json
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
+
+_PROFILED = "cached request"  # the profiler annotation around the profiled request
+_TOP = 12  # rows of each top list
 
 _FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -49,7 +61,76 @@ def time_to_first_token(engine: LLMEngine, request_id: str, prompt: list[int]) -
     return (time.perf_counter() - start) * 1e3, tokens[0]
 
 
-def run(config: EngineConfig, prompt_len: int, cached_len: int, reps: int, warmup: int, seed: int) -> dict[str, Any]:
+def time_breakdown(request: tuple[float, float], kernels: Sequence[tuple[str, float, float]]) -> dict[str, Any]:
+    """Where a request's span ``(start, end)`` went, given the device kernels ``(name, start,
+    end)`` that ran in it (one clock, µs): host time before the first kernel, the union of the
+    kernels (device busy), the gaps between them (device idle), host time after the last one;
+    the four add up to the span. Without kernels (a CPU run) only the wall time is known."""
+    start, end = request
+    inside = sorted((k for k in kernels if start <= k[1] and k[2] <= end), key=lambda k: k[1])
+    result: dict[str, Any] = {"wall_ms": (end - start) / 1e3, "kernels": []}
+    if not inside:
+        return {**result, "host_before_ms": None, "device_busy_ms": None, "device_gaps_ms": None, "host_after_ms": None}
+    busy = 0.0
+    covered = inside[0][1]  # busy time is counted up to here
+    per_kernel: dict[str, list[float]] = {}
+    for name, k_start, k_end in inside:
+        busy += max(0.0, k_end - max(k_start, covered))
+        covered = max(covered, k_end)
+        per_kernel.setdefault(name, []).append(k_end - k_start)
+    first, last = inside[0][1], max(k[2] for k in inside)
+    top = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:_TOP]
+    return {
+        **result,
+        "host_before_ms": (first - start) / 1e3,
+        "device_busy_ms": busy / 1e3,
+        "device_gaps_ms": (last - first - busy) / 1e3,
+        "host_after_ms": (end - last) / 1e3,
+        "kernels": [{"name": name, "calls": len(d), "ms": sum(d) / 1e3} for name, d in top],
+    }
+
+
+def profile_cached_request(
+    engine: LLMEngine, prefix: list[int], suffixes: tuple[list[int], list[int]]
+) -> dict[str, Any]:
+    """One more pair: the first request untimed, the second, cached, under the profiler."""
+    time_to_first_token(engine, "profile-cold", prefix + suffixes[0])
+    on_gpu = engine.runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof, record_function(_PROFILED):
+        time_to_first_token(engine, "profile-warm", prefix + suffixes[1])
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    span = next(e for e in events if e.get("name") == _PROFILED and e.get("cat") == "user_annotation")
+    kernels = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"]
+    result = time_breakdown((span["ts"], span["ts"] + span["dur"]), kernels)
+    ops = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:_TOP]
+    result["cpu_ops"] = [{"name": a.key, "calls": a.count, "self_ms": a.self_cpu_time_total / 1e3} for a in ops]
+    return result
+
+
+def print_profile(result: dict[str, Any]) -> None:
+    phases = ["host_before_ms", "device_busy_ms", "device_gaps_ms", "host_after_ms", "wall_ms"]
+    print(format_table(["phase", "ms"], [[p.removesuffix("_ms"), fmt(result[p])] for p in phases]))
+    if result["kernels"]:
+        print(
+            format_table(
+                ["kernel", "calls", "ms"], [[k["name"][:60], str(k["calls"]), fmt(k["ms"])] for k in result["kernels"]]
+            )
+        )
+    print(
+        format_table(
+            ["CPU op", "calls", "self ms"],
+            [[o["name"][:60], str(o["calls"]), fmt(o["self_ms"])] for o in result["cpu_ops"]],
+        )
+    )
+
+
+def run(
+    config: EngineConfig, prompt_len: int, cached_len: int, reps: int, warmup: int, seed: int, profiled: bool = False
+) -> dict[str, Any]:
     cached = LLMEngine(config)
     uncached = LLMEngine(replace(config, cache=replace(config.cache, enable_prefix_caching=False)))
     gen = torch.Generator().manual_seed(seed)
@@ -78,9 +159,14 @@ def run(config: EngineConfig, prompt_len: int, cached_len: int, reps: int, warmu
             )
     uncached_ms = statistics.median(r["uncached_ms"] for r in rows)
     cached_ms = statistics.median(r["cached_ms"] for r in rows)
+    extra = {}
+    if profiled:
+        suffixes = (draw(prompt_len - cached_len), draw(prompt_len - cached_len))
+        extra["profile"] = profile_cached_request(cached, draw(cached_len), suffixes)
     for engine in (cached, uncached):
         engine.close()
     return {
+        **extra,
         "prompt_len": prompt_len,
         "cached_len": cached_len,
         "uncached_ms": uncached_ms,
@@ -104,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overlap", choices=("on", "off"), default="on", help="overlapped engine steps")
+    parser.add_argument("--profile", action="store_true", help="also say where one cached request's time goes")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     if not 0 < args.cached_len < args.prompt_len:
@@ -119,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         overlap_scheduling=args.overlap == "on",
         cache=CacheConfig(num_blocks=4 * (args.prompt_len // 16 + 2) * (args.reps + args.warmup)),
     )
-    result = run(config, args.prompt_len, args.cached_len, args.reps, args.warmup, args.seed)
+    result = run(config, args.prompt_len, args.cached_len, args.reps, args.warmup, args.seed, args.profile)
     print(
         format_table(
             ["prompt", "cached", "uncached ms", "cached ms", "speed-up", "hit tokens", "same first token"],
@@ -136,6 +223,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             ],
         )
     )
+    if "profile" in result:
+        print_profile(result["profile"])
     document = {"metadata": metadata(device, command_line("pdserve.bench.prefix_cache", argv)), "result": result}
     write_json(document, args.out)
     return document

@@ -38,3 +38,27 @@ def test_cached_pairs_hit_their_shared_blocks(
     assert [r["cached_tokens"] for r in result["reps"]] == [expected_hits] * 2  # whole 16-token blocks only
     assert result["same_first_token"] == 2
     assert json.loads(out.read_text())["result"]["prompt_len"] == 128
+
+
+def test_time_breakdown_adds_up_to_the_request() -> None:
+    """Host before, device busy (overlapping kernels counted once), gaps, host after; a kernel
+    outside the request's span is not its own."""
+    kernels = [("a", 10.0, 30.0), ("b", 20.0, 40.0), ("a", 50.0, 60.0), ("late", 150.0, 160.0)]
+    result = prefix_cache.time_breakdown((0.0, 100.0), kernels)
+    assert result["host_before_ms"] == 0.010
+    assert result["device_busy_ms"] == 0.040
+    assert result["device_gaps_ms"] == 0.010
+    assert result["host_after_ms"] == 0.040
+    assert result["wall_ms"] == 0.100
+    assert [(k["name"], k["calls"]) for k in result["kernels"]] == [("a", 2), ("b", 1)]
+
+
+def test_profile_of_a_cached_request_on_the_cpu(tiny_model_dirs: dict[str, Path]) -> None:
+    """On a CPU the profile has the wall time and the top CPU ops, and no device phases."""
+    document = prefix_cache.main(
+        ["--model", str(tiny_model_dirs["tiny-llama"]), "--device", "cpu", "--prompt-len", "64"]
+        + ["--cached-len", "48", "--reps", "1", "--warmup", "0", "--profile"]
+    )
+    profiled = document["result"]["profile"]
+    assert profiled["wall_ms"] > 0 and profiled["device_busy_ms"] is None
+    assert profiled["cpu_ops"] and all(op["calls"] >= 1 for op in profiled["cpu_ops"])

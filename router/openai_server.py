@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -493,6 +493,40 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Resp
     return task.result()
 
 
+class RepeatLimit(logging.Filter):
+    """Lets a record of each of ``messages`` through once per ``interval`` seconds, the next one
+    through saying how many it held back. A client that does not speak HTTP (a ZMQ client
+    pointed at this port retries every 100 ms) would otherwise log a line a try."""
+
+    def __init__(
+        self, messages: tuple[str, ...], interval: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        super().__init__()
+        self.messages = messages
+        self.interval = interval
+        self.clock = clock
+        self._last: dict[str, tuple[float, int]] = {}  # message -> (when it was let through, held back since)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message not in self.messages:
+            return True
+        now = self.clock()
+        last = self._last.get(message)
+        if last is not None and now - last[0] < self.interval:
+            self._last[message] = (last[0], last[1] + 1)
+            return False
+        held = 0 if last is None else last[1]
+        self._last[message] = (now, 0)
+        if held:
+            record.msg, record.args = f"{message} ({held} more since the last such line)", ()
+        return True
+
+
+# uvicorn's line for each connection whose bytes are not HTTP
+_NOT_HTTP = ("Invalid HTTP request received.",)
+
+
 class _Server(uvicorn.Server):
     """uvicorn with a drain: the first SIGTERM/SIGINT refuses new requests (503) and exits once the
     running ones finish; a second exits at once. The signal is not re-raised after the exit (as
@@ -540,6 +574,7 @@ def serve_openai(
     config = uvicorn.Config(
         frontend.app(), host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
     )
+    logging.getLogger("uvicorn.error").addFilter(RepeatLimit(_NOT_HTTP))  # after Config: it sets logging up
     _Server(config, frontend).run()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -31,6 +32,7 @@ from pdserve.bench.compare import LaunchedCluster
 from pdserve.cluster.client import Client, Final
 from pdserve.cluster.group import free_port
 from pdserve.router.openai_api import APIError, ChatRequest, parse_request
+from pdserve.router.openai_server import RepeatLimit
 from pdserve.router.stop_strings import StopStringMatcher
 
 REPO = Path(__file__).resolve().parents[2]
@@ -132,6 +134,29 @@ def test_bad_content_is_explained_not_named_by_the_unions_branches(content: Any,
     refused = refusal([{"role": "user", "content": content}])
     assert (refused.status, refused.code, refused.param) == (400, "invalid_value", "messages")
     assert refused.message == f"Invalid value for messages.0.content: {why}"
+
+
+def test_a_repeated_warning_is_logged_once_a_minute_with_a_count() -> None:
+    """A client that is not HTTP (a ZMQ client on the HTTP port) gets uvicorn's warning once a
+    minute, not once a retry; the next line counts the held ones, other lines pass."""
+    now = [0.0]
+    limit = RepeatLimit(("Invalid HTTP request received.",), interval=60.0, clock=lambda: now[0])
+
+    def passes(message: str) -> str | None:
+        record = logging.LogRecord("uvicorn.error", logging.WARNING, __file__, 1, message, None, None)
+        return record.getMessage() if limit.filter(record) else None
+
+    assert passes("Invalid HTTP request received.") == "Invalid HTTP request received."
+    for t in (0.1, 0.2, 59.9):
+        now[0] = t
+        assert passes("Invalid HTTP request received.") is None
+        assert passes("something else") == "something else"
+    now[0] = 60.5
+    assert (
+        passes("Invalid HTTP request received.") == "Invalid HTTP request received. (3 more since the last such line)"
+    )
+    now[0] = 200.0
+    assert passes("Invalid HTTP request received.") == "Invalid HTTP request received."
 
 
 def test_stop_strings_never_send_a_character_of_a_stop_string() -> None:

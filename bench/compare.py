@@ -46,7 +46,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -83,27 +83,21 @@ class LaunchError(RuntimeError):
     pass
 
 
-class LaunchedCluster:
-    """``launch.py ARGS`` in a subprocess on a free port, its output in ``log_path``.
+_Process = TypeVar("_Process", bound="LoggedProcess")
 
-    Started on construction (returns once the ``endpoint`` line is logged); ``stop()`` sends
-    SIGTERM and returns the exit code; leaving the ``with`` block kills it if still running."""
 
-    def __init__(
-        self, args: list[str], log_path: Path, env: dict[str, str] | None = None, start_timeout: float = 900.0
-    ) -> None:
-        self.port = free_port()
-        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+class LoggedProcess:
+    """A subprocess whose output goes to ``log_path`` (a file, not a pipe: nobody reads a pipe
+    while it runs). ``stop()`` sends SIGTERM and returns the exit code; leaving the ``with``
+    block kills it if still running."""
+
+    log_path: Path
+    proc: subprocess.Popen[bytes]
+
+    def start(self, command: list[str], log_path: Path, env: dict[str, str] | None) -> None:
         self.log_path = log_path
-        self.command = [sys.executable, "launch.py", "--port", str(self.port), *args]
-        with open(log_path, "w") as log:  # a file, not a pipe: nobody reads a pipe while the cluster runs
-            self.proc = subprocess.Popen(self.command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + start_timeout
-        while "endpoint " not in self.output():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise LaunchError(f"cluster did not start ({' '.join(self.command)}):\n{self.output()[-4000:]}")
-            time.sleep(0.2)
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -117,11 +111,30 @@ class LaunchedCluster:
             self.proc.kill()
             self.proc.wait()
 
-    def __enter__(self) -> LaunchedCluster:
+    def __enter__(self: _Process) -> _Process:
         return self
 
-    def __exit__(self, *_: object) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+class LaunchedCluster(LoggedProcess):
+    """``launch.py ARGS`` in a subprocess on a free port, its output in ``log_path``; started on
+    construction (returns once the ``endpoint`` line is logged)."""
+
+    def __init__(
+        self, args: list[str], log_path: Path, env: dict[str, str] | None = None, start_timeout: float = 900.0
+    ) -> None:
+        self.port = free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.command = [sys.executable, "launch.py", "--port", str(self.port), *args]
+        self.start(self.command, log_path, env)
+        deadline = time.monotonic() + start_timeout
+        while "endpoint " not in self.output():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise LaunchError(f"cluster did not start ({' '.join(self.command)}):\n{self.output()[-4000:]}")
+            time.sleep(0.2)
 
 
 def system_args(

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.compare import REPO
+from pdserve.bench.compare import REPO, LoggedProcess
 from pdserve.cluster.client import Chunk, Client, Error, Final
 from pdserve.cluster.group import free_port
 from pdserve.cluster.protocol import GroupInfo
@@ -138,40 +138,20 @@ def topology() -> Iterator[Topology]:
         _remove_namespaces(tag)
 
 
-class NodeProcess:
+class NodeProcess(LoggedProcess):
     """``launch.py ARGS`` on a node, its output in a log file; started on construction, returns
     once ``ready`` (a regex) matches the output."""
 
     def __init__(
         self, topology: Topology, node: str, args: list[str], log_path: Path, ready: str, timeout: float = 300.0
     ) -> None:
-        self.log_path = log_path
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                topology.command(node, "launch.py", *args),
-                cwd=REPO,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=topology.env(node),
-            )
+        self.start(topology.command(node, "launch.py", *args), log_path, topology.env(node))
         deadline = time.monotonic() + timeout
         while (found := re.search(ready, self.output())) is None:
             assert self.proc.poll() is None, f"{args[:2]} exited with {self.proc.returncode}:\n{self.output()}"
             assert time.monotonic() < deadline, f"{args[:2]}: not ready in {timeout} s:\n{self.output()}"
             time.sleep(0.2)
         self.ready = found
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, timeout: float = 120.0) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture(scope="module")

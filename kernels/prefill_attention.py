@@ -9,6 +9,8 @@ import triton.language as tl
 from pdserve.kernels.checks import dot_precision
 from pdserve.kernels.decode_attention import _LOG2E, _check_paged_cache, _num_sms, _online_softmax_step, gather_kv
 
+_REF_SCORES = 1 << 24  # score elements the reference holds at once (64 MiB in fp32)
+
 
 def paged_prefill_attention_ref(
     q: torch.Tensor,
@@ -37,13 +39,19 @@ def paged_prefill_attention_ref(
             continue
         keys = gather_kv(k_cache, block_tables[b : b + 1], context_len)[0].float()  # [L, Hkv, D]
         values = gather_kv(v_cache, block_tables[b : b + 1], context_len)[0].float()
-        qf = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
-        scores = torch.einsum("qkgd,lkd->kgql", qf, keys) * scale
-        q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
-        k_pos = torch.arange(context_len, device=q.device)
-        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-        o = torch.einsum("kgql,lkd->qkgd", scores.softmax(dim=-1), values)
-        out[q_start:q_end] = o.reshape(q_len, num_heads, head_dim).to(q.dtype)
+        # Queries in chunks, each over the keys up to its last position: the scores of a long
+        # prompt stay within _REF_SCORES (this reference is the CPU engine's attention).
+        chunk = max(1, _REF_SCORES // (context_len * num_heads))
+        for c0 in range(0, q_len, chunk):
+            c1 = min(q_len, c0 + chunk)
+            visible = context_len - q_len + c1  # keys the chunk's last query sees
+            qf = q[q_start + c0 : q_start + c1].float().view(c1 - c0, num_kv_heads, group, head_dim)
+            scores = torch.einsum("qkgd,lkd->kgql", qf, keys[:visible]) * scale
+            q_pos = torch.arange(context_len - q_len + c0, visible, device=q.device)
+            k_pos = torch.arange(visible, device=q.device)
+            scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+            o = torch.einsum("kgql,lkd->qkgd", scores.softmax(dim=-1), values[:visible])
+            out[q_start + c0 : q_start + c1] = o.reshape(c1 - c0, num_heads, head_dim).to(q.dtype)
     return out
 
 

@@ -93,6 +93,22 @@ def test_prefill_grid_padding_changes_no_bits(interpreter: None, monkeypatch: py
     assert torch.equal(padded[:25], exact)
 
 
+def test_the_reference_in_query_chunks_gives_the_same_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prompt's scores do not fit at once, so the reference (the CPU engine's attention)
+    takes its queries in chunks, each over the keys up to its last position: the same result as
+    all at once, within fp32 rounding."""
+    gen = torch.Generator().manual_seed(7)
+    query_lens, context_lens = [37, 1, 20], [61, 9, 20]
+    k_cache, v_cache, _, _, tables = make_paged_cache(context_lens, 4, 2, 16, torch.float32, CPU, gen)
+    q = rand(gen, sum(query_lens), 4, 16, dtype=torch.float32, device=CPU)
+    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    args = (q, k_cache, v_cache, cu, tables, torch.tensor(context_lens, dtype=torch.int32), 0.25)
+    whole = prefill_attention.paged_prefill_attention_ref(*args)
+    monkeypatch.setattr(prefill_attention, "_REF_SCORES", 61 * 4 * 5)  # 5 queries a chunk of the first
+    chunked = prefill_attention.paged_prefill_attention_ref(*args)
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
+
+
 PREFILL_GPU_CASES = {
     "one-2048": ([2048], [2048]),
     "mixed-prefix": ([1, 300, 1000, 17], [1, 800, 3000, 529]),

@@ -384,7 +384,8 @@ class AsyncClient:
                 inbox.put(reply)
 
     async def _send(self, data: bytes) -> None:
-        """Send without blocking the loop: past the socket's queue limit, wait until it takes more."""
+        """Send without blocking the loop: past the socket's queue limit, wait until it takes more,
+        at most the client's timeout (ClusterUnavailable) or until the connection breaks."""
         self._start_reader()
         assert self._loop is not None
         while True:
@@ -395,7 +396,10 @@ class AsyncClient:
                 waiter = self._loop.create_future()
                 self._send_waiters.append(waiter)
                 self._loop.call_soon(self._on_events)  # POLLOUT may have come before the wait began
-                await waiter
+                try:
+                    await asyncio.wait_for(waiter, self.timeout)
+                except asyncio.TimeoutError:
+                    raise ClusterUnavailable(self.endpoint, self.timeout, self._link.up) from None
         # The send may have consumed the descriptor's signal of a message that came meanwhile.
         self._loop.call_soon(self._on_events)
 
@@ -410,10 +414,11 @@ class AsyncClient:
     def _fail_waiting(self, error: BaseException) -> None:
         for inbox in self._inboxes.values():
             inbox.put(error)
-        while self._stats_waiters:
-            waiter = self._stats_waiters.popleft()
-            if not waiter.done():
-                waiter.set_exception(error)
+        for waiters in (self._stats_waiters, self._send_waiters):
+            while waiters:
+                waiter = waiters.popleft()
+                if not waiter.done():
+                    waiter.set_exception(error)
 
     def _start_reader(self) -> None:
         if self._loop is None:

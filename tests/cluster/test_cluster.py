@@ -328,6 +328,34 @@ def test_client_cli_ends_the_answer_on_stdout_and_reports_on_stderr() -> None:
     assert result.stderr == "[37 prompt + 1 generated, stop] TTFT 250.0 ms, total 500.0 ms\n"
 
 
+def test_async_client_send_that_cannot_queue_times_out() -> None:
+    """A router that takes nothing (gone, or never there) fills the socket's send queue; a send
+    past it waits the client's timeout, then ClusterUnavailable, instead of forever."""
+    import asyncio
+
+    import zmq
+
+    from pdserve.cluster.client import AsyncClient, ClusterUnavailable
+    from pdserve.cluster.group import free_port
+
+    ctx = zmq.Context.instance()
+    ctx.setsockopt(zmq.SNDHWM, 1)  # the client's socket, made next, queues one message
+    try:
+        client = AsyncClient(f"tcp://127.0.0.1:{free_port()}", timeout=0.5)
+    finally:
+        ctx.setsockopt(zmq.SNDHWM, 1000)
+
+    async def run() -> None:
+        try:
+            with pytest.raises(ClusterUnavailable, match="within 0 s|within 1 s"):
+                for i in range(3):
+                    await asyncio.wait_for(client.abort(f"r{i}"), 10)  # 10 s: fail, not hang
+        finally:
+            client.close()
+
+    asyncio.run(run())
+
+
 def test_async_client_skips_an_undecodable_frame_and_gets_its_final() -> None:
     import asyncio
 

@@ -195,7 +195,8 @@ def test_size_limits_and_admission(cluster_factory, tiny_model_dirs: dict[str, P
             except ClusterError as e:
                 outcomes.append(e.code)
         assert outcomes == ["length"] * 4 + ["overloaded"] * 2
-        assert len(client.generate(token_ids=[9], max_tokens=2).token_ids) == 2  # the slots came back
+        slots_back = client.generate(token_ids=[9], max_tokens=2, temperature=0.0, ignore_eos=True)
+        assert len(slots_back.token_ids) == 2  # the slots came back
 
         # A client that disconnects mid-stream: the router notices at its next chunk and frees everything.
         for _ in range(3):
@@ -325,7 +326,8 @@ def test_curve_authentication_refuses_keyless_and_unknown_clients(
     (stranger / "server.key").write_bytes((keys / "server.key").read_bytes())  # knows the router, is not known
     cluster = cluster_factory("--model", str(tiny_model_dirs["tiny-llama"]), "--auth-keys", str(keys))
     with Client(cluster.endpoint, timeout=30, auth_keys=str(keys)) as client:
-        assert len(client.generate(token_ids=[1, 2, 3], max_tokens=3).token_ids) == 3
+        # ignore_eos: a sampled end-of-sequence token would end the answer early, which is not what this tests
+        assert len(client.generate(token_ids=[1, 2, 3], max_tokens=3, ignore_eos=True).token_ids) == 3
     for refused in (Client(cluster.endpoint, timeout=3), Client(cluster.endpoint, timeout=3, auth_keys=str(stranger))):
         with refused, pytest.raises(ClusterUnavailable):
             refused.stats()

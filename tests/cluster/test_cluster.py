@@ -17,7 +17,7 @@ import pytest
 from pdserve.cluster.client import Client, ClusterError, Final
 from pdserve.cluster.group import free_port
 from pdserve.engine.sampling import SamplingParams
-from pdserve.tests.cluster.helpers import MAX_MODEL_LEN, oracle, run_concurrently, wait_until_idle
+from pdserve.tests.cluster.helpers import MAX_MODEL_LEN, abort_mid_stream, oracle, run_concurrently, wait_until_idle
 
 
 def mixed_requests(vocab: int, n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -56,13 +56,7 @@ def test_2p1d_matches_single_process_then_survives_bad_input_and_aborts(
         assert keys <= set(decoded.timings)
 
         # Abort mid-stream: the client gets an "abort" final; every block on both sides comes back.
-        request_id = client.submit(token_ids=prompts[5], stream=True, max_tokens=400, temperature=0.0, ignore_eos=True)
-        chunks = client.chunks(request_id)
-        next(chunks)
-        next(chunks)
-        client.abort(request_id)
-        tail = list(chunks)
-        assert isinstance(tail[-1], Final) and tail[-1].finish_reason == "abort"
+        abort_mid_stream(client, prompts[5])
         # Its prompt ran before: the prefill group's prefix cache held its full blocks (16 tokens)
         # but for the last token.
         hits = (len(prompts[5]) - 1) // 16 * 16

@@ -12,7 +12,7 @@ import pytest
 from pdserve.cluster.client import Client, Final
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.sampling import SamplingParams
-from pdserve.tests.cluster.helpers import oracle, run_concurrently, wait_until_idle
+from pdserve.tests.cluster.helpers import abort_mid_stream, oracle, run_concurrently, wait_until_idle
 
 BLOCK = 16  # the clusters' default block size
 MAX_TOKENS = 8
@@ -101,13 +101,7 @@ def test_later_turns_move_only_the_kv_the_decode_group_lacks(
                 prompts[chat] = prompt + final.token_ids + [rng.randrange(500) for _ in range(NEW_LENS[chat])]
 
         # A later turn aborted mid-stream, its cached prefix locked meanwhile: every block comes back.
-        request_id = client.submit(token_ids=prompts[0], stream=True, max_tokens=400, temperature=0.0, ignore_eos=True)
-        chunks = client.chunks(request_id)
-        next(chunks)
-        next(chunks)
-        client.abort(request_id)
-        tail = list(chunks)
-        assert isinstance(tail[-1], Final) and tail[-1].finish_reason == "abort"
+        abort_mid_stream(client, prompts[0])
         decodes = [f"decode{d}" for d in range(decode_groups)]
         groups = wait_until_idle(client, also=lambda g: sum(g[d]["prefix_hit_tokens"] for d in decodes) >= decode_hits)
         if decode_groups > 1:  # the chats did spread

@@ -22,9 +22,7 @@ ops by their own time.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -35,6 +33,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from pdserve.bench.common import command_line, fmt, format_table, metadata, model_dir, resolve_device, write_json
+from pdserve.bench.step_profile import KernelSpan, critical_path_rows, kernel_spans, trace_events
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
@@ -61,31 +60,27 @@ def time_to_first_token(engine: LLMEngine, request_id: str, prompt: list[int]) -
     return (time.perf_counter() - start) * 1e3, tokens[0]
 
 
-def time_breakdown(request: tuple[float, float], kernels: Sequence[tuple[str, float, float]]) -> dict[str, Any]:
-    """Where a request's span ``(start, end)`` went, given the device kernels ``(name, start,
-    end)`` that ran in it (one clock, µs): host time before the first kernel, the union of the
-    kernels (device busy), the gaps between them (device idle), host time after the last one;
-    the four add up to the span. Without kernels (a CPU run) only the wall time is known."""
+def time_breakdown(request: tuple[float, float], kernels: Sequence[KernelSpan]) -> dict[str, Any]:
+    """Where a request's span ``(start, end)`` went, given the device kernels that ran in it (one
+    clock, µs): host time before the first kernel, the union of the kernels (device busy), the
+    gaps between them (device idle), host time after the last one; the four add up to the span.
+    Without kernels (a CPU run) only the wall time is known."""
     start, end = request
-    inside = sorted((k for k in kernels if start <= k[1] and k[2] <= end), key=lambda k: k[1])
+    inside = [k for k in kernels if start <= k.start and k.end <= end]
     result: dict[str, Any] = {"wall_ms": (end - start) / 1e3, "kernels": []}
     if not inside:
         return {**result, "host_before_ms": None, "device_busy_ms": None, "device_gaps_ms": None, "host_after_ms": None}
-    busy = 0.0
-    covered = inside[0][1]  # busy time is counted up to here
+    _, busy, gaps = critical_path_rows(inside, steps=1)
     per_kernel: dict[str, list[float]] = {}
-    for name, k_start, k_end in inside:
-        busy += max(0.0, k_end - max(k_start, covered))
-        covered = max(covered, k_end)
-        per_kernel.setdefault(name, []).append(k_end - k_start)
-    first, last = inside[0][1], max(k[2] for k in inside)
+    for k in inside:
+        per_kernel.setdefault(k.name, []).append(k.end - k.start)
     top = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:_TOP]
     return {
         **result,
-        "host_before_ms": (first - start) / 1e3,
+        "host_before_ms": (min(k.start for k in inside) - start) / 1e3,
         "device_busy_ms": busy / 1e3,
-        "device_gaps_ms": (last - first - busy) / 1e3,
-        "host_after_ms": (end - last) / 1e3,
+        "device_gaps_ms": gaps / 1e3,
+        "host_after_ms": (end - max(k.end for k in inside)) / 1e3,
         "kernels": [{"name": name, "calls": len(d), "ms": sum(d) / 1e3} for name, d in top],
     }
 
@@ -99,13 +94,9 @@ def profile_cached_request(
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities) as prof, record_function(_PROFILED):
         time_to_first_token(engine, "profile-warm", prefix + suffixes[1])
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
+    events = trace_events(prof)
     span = next(e for e in events if e.get("name") == _PROFILED and e.get("cat") == "user_annotation")
-    kernels = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"]
-    result = time_breakdown((span["ts"], span["ts"] + span["dur"]), kernels)
+    result = time_breakdown((span["ts"], span["ts"] + span["dur"]), kernel_spans(events))
     ops = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:_TOP]
     result["cpu_ops"] = [{"name": a.key, "calls": a.count, "self_ms": a.self_cpu_time_total / 1e3} for a in ops]
     return result

@@ -141,12 +141,16 @@ def critical_path_rows(kernels: Sequence[KernelSpan], steps: int) -> tuple[list[
     return rows, busy / steps, idle / steps
 
 
-def kernel_spans(prof: profile) -> list[KernelSpan]:
-    """The device kernels in ``prof``'s trace (CUPTI's spans, graph replays included)."""
+def trace_events(prof: profile) -> list[dict[str, Any]]:
+    """The events of ``prof``'s Chrome trace: CPU ops, annotations and device kernels, in µs."""
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
-        events = json.loads(trace.read_text())["traceEvents"]
+        return json.loads(trace.read_text())["traceEvents"]
+
+
+def kernel_spans(events: list[dict[str, Any]]) -> list[KernelSpan]:
+    """The device kernels among a trace's events (CUPTI's spans, graph replays included)."""
     return [KernelSpan(e["name"], e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"]
 
 
@@ -190,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     prof = profiled_steps(runner, args.batch, args.context, args.steps, args.seed)
     runner.close()
     rows, step_us = profile_rows(prof, device.type == "cuda", args.steps)
-    path_rows = critical_path_rows(kernel_spans(prof), args.steps) if args.critical_path else None
+    path_rows = critical_path_rows(kernel_spans(trace_events(prof)), args.steps) if args.critical_path else None
     if pdl.enabled(device):
         print("note: kernels launch with PDL, so their spans overlap; PDSERVE_PDL=0 gives per-kernel times")
     print(

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench import prefix_cache
+from pdserve.bench.step_profile import KernelSpan
 
 
 @pytest.mark.parametrize(("cached_len", "expected_hits"), [(96, 96), (100, 96)])
@@ -43,7 +44,9 @@ def test_cached_pairs_hit_their_shared_blocks(
 def test_time_breakdown_adds_up_to_the_request() -> None:
     """Host before, device busy (overlapping kernels counted once), gaps, host after; a kernel
     outside the request's span is not its own."""
-    kernels = [("a", 10.0, 30.0), ("b", 20.0, 40.0), ("a", 50.0, 60.0), ("late", 150.0, 160.0)]
+    kernels = [
+        KernelSpan(*k) for k in [("a", 10.0, 30.0), ("b", 20.0, 40.0), ("a", 50.0, 60.0), ("late", 150.0, 160.0)]
+    ]
     result = prefix_cache.time_breakdown((0.0, 100.0), kernels)
     assert result["host_before_ms"] == 0.010
     assert result["device_busy_ms"] == 0.040

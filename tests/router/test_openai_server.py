@@ -136,6 +136,200 @@ def test_bad_content_is_explained_not_named_by_the_unions_branches(content: Any,
     assert refused.message == f"Invalid value for messages.0.content: {why}"
 
 
+# What SDKs, frameworks and chat UIs send besides the prompt, each with a value that changes
+# nothing of the output: accepted, and the request checked is the one without them.
+NEUTRAL_FIELDS: dict[str, dict[str, Any]] = {
+    "user": {"user": "user-1234"},
+    "stream_options null": {"stream_options": None},
+    "stream null": {"stream": None},
+    "zero penalties": {"presence_penalty": 0, "frequency_penalty": 0.0},
+    "logit_bias null": {"logit_bias": None},
+    "logit_bias empty": {"logit_bias": {}},
+    "logprobs false": {"logprobs": False},
+    "n 1": {"n": 1},
+    "null sampling": {"temperature": None, "top_p": None, "seed": None, "n": None},
+    "max_tokens null": {"max_tokens": None},
+    "stop null": {"stop": None},
+    "stop empty": {"stop": []},
+}
+CHAT_NEUTRAL_FIELDS: dict[str, dict[str, Any]] = {
+    "response_format text": {"response_format": {"type": "text"}},
+    "parallel_tool_calls true": {"parallel_tool_calls": True},
+    "parallel_tool_calls false": {"parallel_tool_calls": False},
+    "tools empty": {"tools": []},
+    "tool_choice none": {"tool_choice": "none"},
+    "store and metadata": {"store": False, "metadata": {"session": "abc"}},
+    "store true, metadata null": {"store": True, "metadata": None},
+    "top_logprobs 0": {"logprobs": False, "top_logprobs": 0},
+    "max_completion_tokens null": {"max_completion_tokens": None},
+}
+COMPLETION_NEUTRAL_FIELDS: dict[str, dict[str, Any]] = {
+    "echo false": {"echo": False},
+    "suffix null": {"suffix": None},
+    "best_of 1": {"best_of": 1},
+    "logprobs null": {"logprobs": None},
+}
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer(demo_model_dir: Path) -> Any:
+    from pdserve.engine.tokenization import load_tokenizer
+
+    return load_tokenizer(str(demo_model_dir))
+
+
+def parsed(kind: str, body: dict[str, Any], tokenizer: Any) -> Any:
+    return parse_request(kind, json.dumps({"model": MODEL, **body}).encode(), MODEL, tokenizer, MAX_MODEL_LEN, 1000)
+
+
+def same_request(a: Any, b: Any) -> bool:
+    """Two checked requests the cluster would run alike and answer in the same shape."""
+    keys = ("kind", "model", "token_ids", "sampling", "stop", "stream", "include_usage")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra"),
+    [("chat", e) for e in (*NEUTRAL_FIELDS.values(), *CHAT_NEUTRAL_FIELDS.values())]
+    + [("completion", e) for e in (*NEUTRAL_FIELDS.values(), *COMPLETION_NEUTRAL_FIELDS.values())],
+    ids=[f"chat: {n}" for n in (*NEUTRAL_FIELDS, *CHAT_NEUTRAL_FIELDS)]
+    + [f"completion: {n}" for n in (*NEUTRAL_FIELDS, *COMPLETION_NEUTRAL_FIELDS)],
+)
+def test_fields_clients_send_with_their_unused_values_are_accepted_and_change_nothing(
+    kind: str, extra: dict[str, Any], demo_tokenizer: Any
+) -> None:
+    base: dict[str, Any] = (
+        {"prompt": TEXT_PROMPT} if kind == "completion" else {"messages": [{"role": "user", "content": QUESTION}]}
+    )
+    assert same_request(parsed(kind, {**base, **extra}, demo_tokenizer), parsed(kind, base, demo_tokenizer))
+
+
+def test_stream_options_may_leave_include_usage_null(demo_tokenizer: Any) -> None:
+    body = {"prompt": TEXT_PROMPT, "stream": True}
+    for options, usage in (({"include_usage": None}, False), ({}, False), ({"include_usage": True}, True)):
+        request = parsed("completion", {**body, "stream_options": options}, demo_tokenizer)
+        assert request.stream and request.include_usage is usage, options
+
+
+def test_a_reply_as_the_official_client_dumps_it_is_a_valid_next_turn(demo_tokenizer: Any) -> None:
+    """``messages.append(reply.choices[0].message.model_dump())``: the dump carries refusal,
+    tool_calls, audio, ... as null beside role and content; the turn reads as role and content."""
+    from openai.types.chat import ChatCompletionMessage
+
+    reply = ChatCompletionMessage(role="assistant", content="Paris.").model_dump()
+    assert {"refusal", "tool_calls", "function_call", "audio", "annotations"} <= set(reply)
+    question = {"role": "user", "content": QUESTION}
+    again = {"role": "user", "content": "And of Spain?"}
+    plain = {"role": "assistant", "content": "Paris."}
+    dumped = parsed("chat", {"messages": [question, reply, again]}, demo_tokenizer)
+    assert same_request(dumped, parsed("chat", {"messages": [question, plain, again]}, demo_tokenizer))
+    empty_lists = {**plain, "tool_calls": [], "annotations": []}
+    assert same_request(parsed("chat", {"messages": [question, empty_lists, again]}, demo_tokenizer), dumped)
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "param", "message"),
+    [
+        # false is no logprobs, but 0 asks a completion for its tokens' logprobs
+        ("completion", {"logprobs": 0}, "logprobs", "logprobs is not supported by this server"),
+        ("completion", {"best_of": True}, "best_of", "best_of is not supported by this server"),
+        ("chat", {"presence_penalty": False}, "presence_penalty", "presence_penalty is not supported by this server"),
+        ("chat", {"presence_penalty": 0.5}, "presence_penalty", "presence_penalty is not supported by this server"),
+        ("chat", {"tool_choice": "auto"}, "tool_choice", "tool_choice is not supported by this server"),
+        (
+            "chat",
+            {"response_format": {"type": "json_object"}},
+            "response_format",
+            "response_format is not supported by this server",
+        ),
+        (
+            "chat",
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": None, "tool_calls": [{}]},
+                ]
+            },
+            "messages",
+            "messages.1.tool_calls is not supported by this server",
+        ),
+        (
+            "chat",
+            {"messages": [{"role": "assistant", "content": None, "refusal": "I can't."}]},
+            "messages",
+            "messages.0.refusal is not supported by this server",
+        ),
+    ],
+)
+def test_values_that_would_change_the_output_are_refused_by_name(
+    kind: str, extra: dict[str, Any], param: str, message: str
+) -> None:
+    base: dict[str, Any] = (
+        {"prompt": "hi"} if kind == "completion" else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    with pytest.raises(APIError) as refused:
+        parsed(kind, {**base, **extra}, None)
+    assert (refused.value.status, refused.value.code, refused.value.param) == (400, "unsupported_parameter", param)
+    assert refused.value.message == message
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        ({"parallel_tool_calls": "yes"}, "Invalid value for parallel_tool_calls: Input should be a valid boolean"),
+        ({"metadata": {"n": 1}}, "Invalid value for metadata.n: Input should be a valid string"),
+        ({"stream": "true"}, "Invalid value for stream: Input should be a valid boolean"),
+    ],
+)
+def test_accepted_fields_are_still_typed(extra: dict[str, Any], why: str) -> None:
+    with pytest.raises(APIError) as refused:
+        parsed("chat", {"messages": [{"role": "user", "content": "hi"}], **extra}, None)
+    assert (refused.value.status, refused.value.code, refused.value.message) == (400, "invalid_value", why)
+
+
+def test_an_unknown_field_inside_a_message_is_named_in_full() -> None:
+    """Not "Unrecognized request argument supplied: messages", which names the whole list."""
+    with pytest.raises(APIError) as refused:
+        parsed("chat", {"messages": [{"role": "user", "content": "hi", "tool_call_id": "call_1"}]}, None)
+    assert (refused.value.code, refused.value.param) == ("unrecognized_argument", "messages")
+    assert refused.value.message == "Unrecognized request argument supplied: messages.0.tool_call_id"
+    with pytest.raises(APIError) as refused:
+        parsed("completion", {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}}, None)
+    assert refused.value.message == "Unrecognized request argument supplied: stream_options.continuous_usage_stats"
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_bodies_have_openais_shapes_with_a_null_system_fingerprint(kind: str) -> None:
+    """The official client's own types read every body; each carries system_fingerprint (null)
+    as OpenAI's do, the id its endpoint's prefix."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    from pdserve.router.openai_api import GenerationRequest
+
+    gen = GenerationRequest(kind, MODEL, [1, 2], {"max_tokens": 4})
+    usage = {"prompt_tokens": 2, "completion_tokens": 3}
+    whole = gen.response("Paris", "stop", usage, cached_tokens=0)
+    chunks = [gen.chunk("Par", first=True), gen.chunk("is"), gen.chunk(None, "length"), gen.usage_chunk(usage)]
+    for body in (whole, *chunks):
+        assert "system_fingerprint" in body and body["system_fingerprint"] is None
+        assert body["id"].startswith("cmpl-" if kind == "completion" else "chatcmpl-") and body["id"] == gen.id
+    whole_type, chunk_type = (Completion, Completion) if kind == "completion" else (ChatCompletion, ChatCompletionChunk)
+    read = whole_type.model_validate(whole)
+    assert (read.object, read.usage.total_tokens, read.choices[0].finish_reason) == (
+        "text_completion" if kind == "completion" else "chat.completion",
+        5,
+        "stop",
+    )
+    # The SDK reads a completion's stream with its Completion type, whose finish_reason may not be
+    # null: only the last chunks validate (as OpenAI's own stream's would).
+    for chunk in chunks if kind == "chat" else chunks[2:]:
+        assert chunk_type.model_validate(chunk).object == (
+            "text_completion" if kind == "completion" else "chat.completion.chunk"
+        )
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 5
+
+
 def test_a_repeated_warning_is_logged_once_a_minute_with_a_count() -> None:
     """A client that is not HTTP (a ZMQ client on the HTTP port) gets uvicorn's warning once a
     minute, not once a retry; the next line counts the held ones, other lines pass."""

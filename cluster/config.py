@@ -40,6 +40,8 @@ _DISAGG_GPU = (
     "decode_sm_percent",
 )
 _COLOCATED_ONLY = ("colocated_tp", "colocated_groups")
+# The environment variable the HTTP front end reads its api_key from (vLLM's is VLLM_API_KEY).
+API_KEY_ENV = "PDSERVE_API_KEY"
 
 
 def _topology(default: int, help: str) -> Any:
@@ -104,6 +106,14 @@ class ClusterConfig:
         help="Also serve the OpenAI-compatible HTTP API (and /health, /metrics) on this port, on --host.",
         section="Serving",
         default_text="off",
+    )
+    api_key: str | None = setting(
+        None,
+        help="Require this key of the HTTP API's clients (Authorization: Bearer KEY, as OpenAI's clients send "
+        f"their api_key) on every /v1 route; /health and /metrics stay open. The environment variable "
+        f"{API_KEY_ENV} sets it too, out of sight of other users' ps.",
+        section="Serving",
+        default_text="off: no key",
     )
     dispatch: str = setting(
         "cache-aware",
@@ -275,6 +285,9 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be in 1..65535, got {value}")
         if self.http_port == self.port:
             raise ValueError(f"--http-port and --port must differ, both are {self.port}")
+        if self.api_key is not None and (self.http_port is None or not self.api_key.strip()):
+            why = "guards the HTTP API: give --http-port too" if self.api_key.strip() else "must not be empty"
+            raise ValueError(f"--api-key {why}")
         for name in ("max_message_mib", "max_prompt_chars", "max_requests_per_client", "max_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -156,6 +156,16 @@ def test_multi_node_settings_are_checked_before_anything_starts() -> None:
             ClusterConfig.from_settings(settings)
 
 
+def test_an_api_key_guards_the_http_api_and_is_not_empty() -> None:
+    assert ClusterConfig.from_settings({"http_port": 8000, "api_key": "sk-1"}).api_key == "sk-1"
+    for settings, message in (
+        ({"api_key": "sk-1"}, "--api-key guards the HTTP API: give --http-port too"),
+        ({"http_port": 8000, "api_key": " "}, "--api-key must not be empty"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ClusterConfig.from_settings(settings)
+
+
 def test_across_machines_kv_moves_over_the_network() -> None:
     auto = TransferConfig()
     assert resolve_transfer(auto, on_gpu=True, peer_access=True, joinable=True).backend == "nccl-async"

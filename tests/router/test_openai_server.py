@@ -361,13 +361,92 @@ def test_stop_strings_never_send_a_character_of_a_stop_string() -> None:
     assert matcher.flush() == ""
 
 
+# -- the HTTP app without a cluster ---------------------------------------------------------
+
+
+def frontend_app(demo_model_dir: Path, **kwargs: Any) -> Any:
+    """The front end's app on a port no cluster listens on: what it answers by itself."""
+    from pdserve.router.openai_server import Frontend
+
+    frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), **{"served_model_name": MODEL, **kwargs})
+    frontend.max_model_len = MAX_MODEL_LEN  # what the cluster would say
+    return frontend.app()
+
+
+def openai_error(response: httpx.Response, status: int, code: str, param: str | None = None) -> str:
+    """The response's error message, once its status and body are OpenAI's."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert (error["code"], error["param"]) == (code, param), error
+    return error["message"]
+
+
+def test_unknown_routes_and_methods_get_openais_error_body(demo_model_dir: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    http = TestClient(frontend_app(demo_model_dir))
+    assert openai_error(http.post("/v1/embeddings", json={}), 404, "not_found") == "Invalid URL (POST /v1/embeddings)"
+    wrong_method = http.get("/v1/chat/completions")
+    message = openai_error(wrong_method, 405, "method_not_allowed")
+    assert message == "Invalid method for URL (GET /v1/chat/completions)" and wrong_method.headers["allow"] == "POST"
+
+
+def test_a_model_is_retrieved_by_its_id(demo_model_dir: Path) -> None:
+    """``client.models.retrieve(id)``: the card /v1/models lists; another id is a 404, as OpenAI's."""
+    from fastapi.testclient import TestClient
+
+    http = TestClient(frontend_app(demo_model_dir))
+    (card,) = http.get("/v1/models").json()["data"]
+    assert http.get(f"/v1/models/{MODEL}").json() == card
+    assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] == MAX_MODEL_LEN
+    message = openai_error(http.get("/v1/models/gpt-4"), 404, "model_not_found", "model")
+    assert message == f"The model 'gpt-4' does not exist: this server serves '{MODEL}'"
+    # A served name with a slash, as Hugging Face names go; the official client sends it escaped.
+    http = TestClient(frontend_app(demo_model_dir, served_model_name="org/some-model"))
+    for path in ("/v1/models/org/some-model", "/v1/models/org%2Fsome-model"):
+        assert http.get(path).json()["id"] == "org/some-model", path
+
+
+def test_an_api_key_guards_every_v1_route_and_leaves_health_and_metrics_open(
+    demo_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As vLLM's --api-key, with OpenAI's 401 body: the key must come as a bearer token; a
+    refused one is counted and logged, without the key it tried."""
+    from fastapi.testclient import TestClient
+
+    key = "sk-test-\u00e9l\u00e8ve"  # bytes beyond ASCII travel as the header's own
+    with TestClient(frontend_app(demo_model_dir, api_key=key)) as http:
+        missing = openai_error(http.get("/v1/models"), 401, "invalid_api_key")
+        assert "Authorization: Bearer" in missing
+        with caplog.at_level(logging.WARNING, logger="pdserve.router.openai_server"):
+            for wrong in ("Bearer sk-guess", f"Basic {key}", f"Bearer {key}x", "Bearer "):
+                response = http.get(f"/v1/models/{MODEL}", headers={"Authorization": wrong.encode()})
+                assert response.status_code == 401, wrong
+        assert "sk-guess" not in caplog.text and "401 invalid_api_key" in caplog.text
+        good = {"Authorization": f"Bearer {key}".encode()}
+        assert http.get("/v1/models", headers=good).json()["data"][0]["id"] == MODEL
+        assert http.get(f"/v1/models/{MODEL}", headers={"Authorization": f"bearer {key}".encode()}).status_code == 200
+        # Generation checks the key first: an unauthenticated body is not even read.
+        openai_error(http.post("/v1/completions", content=b"{not json"), 401, "invalid_api_key")
+        openai_error(http.post("/v1/chat/completions", content=b"{not json"), 401, "invalid_api_key")
+        openai_error(http.post("/v1/completions", content=b"{not json", headers=good), 400, "malformed_json")
+        # Probes and scrapers need no key (no cluster here: health says so).
+        assert http.get("/health").json()["error"]["code"] == "cluster_unavailable"
+        metrics = http.get("/metrics")
+        assert metrics.status_code == 200
+        assert 'pdserve:request_error_total{reason="invalid_api_key"} 7.0' in metrics.text
+
+
 # -- the cluster and the front end -----------------------------------------------------------
 
 
 class FrontendProcess:
     """``python -m pdserve.router.openai_server`` on a free port; started on construction."""
 
-    def __init__(self, endpoint: str, log_path: Path, *args: str, timeout: float = 120.0) -> None:
+    def __init__(
+        self, endpoint: str, log_path: Path, *args: str, timeout: float = 120.0, env: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -384,11 +463,15 @@ class FrontendProcess:
             *args,
         ]
         with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            )
         deadline = time.monotonic() + timeout
+        key = (env or {}).get("PDSERVE_API_KEY")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         while True:  # listening once /v1/models answers (/health also needs the cluster)
             try:
-                if httpx.get(f"{self.base_url}/v1/models", timeout=1).status_code == 200:
+                if httpx.get(f"{self.base_url}/v1/models", headers=headers, timeout=1).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -560,6 +643,77 @@ def test_official_client_gets_the_zmq_clients_greedy_text(served: Served) -> Non
             return streamed, whole.choices[0].message.content or ""
 
     assert asyncio.run(with_async_client()) == (raw.text, chat.text)
+
+
+@pytest.mark.slow
+def test_what_sdks_and_uis_send_unused_changes_nothing_for_the_official_client(served: Served) -> None:
+    """Fields SDKs and chat UIs fill in with their "not used" values, a reply dumped and sent back
+    as the next turn, and the model retrieved by id: the same greedy answers as plain requests."""
+    client = served.client
+    question = [{"role": "user", "content": QUESTION}]
+    plain = client.chat.completions.create(model=MODEL, messages=question, max_tokens=8, temperature=0)
+    assert plain.system_fingerprint is None and plain.id.startswith("chatcmpl-")
+    filled = client.chat.completions.create(
+        model=MODEL,
+        messages=question,
+        max_tokens=8,
+        temperature=0,
+        user="user-1",
+        n=1,
+        presence_penalty=0,
+        frequency_penalty=0,
+        logit_bias={},
+        logprobs=False,
+        response_format={"type": "text"},
+        parallel_tool_calls=True,
+        store=False,
+        metadata={"conversation": "42"},
+        stop=None,
+        extra_body={"stream_options": None, "tools": []},
+    )
+    assert filled.choices[0].message.content == plain.choices[0].message.content
+    assert filled.usage is not None and plain.usage is not None
+    assert filled.usage.prompt_tokens == plain.usage.prompt_tokens
+
+    next_turn = [*question, plain.choices[0].message.model_dump(), {"role": "user", "content": "And of Spain?"}]
+    as_dumped = client.chat.completions.create(model=MODEL, messages=next_turn, max_tokens=8, temperature=0)
+    by_hand = [*question, {"role": "assistant", "content": plain.choices[0].message.content}, next_turn[-1]]
+    expected = client.chat.completions.create(model=MODEL, messages=by_hand, max_tokens=8, temperature=0)
+    assert as_dumped.choices[0].message.content == expected.choices[0].message.content
+
+    completion = client.completions.create(model=MODEL, prompt=[TEXT_PROMPT], max_tokens=6, temperature=0)
+    filled_completion = client.completions.create(
+        model=MODEL, prompt=TEXT_PROMPT, max_tokens=6, temperature=0, echo=False, best_of=1, suffix=None, user="u"
+    )
+    assert filled_completion.choices[0].text == completion.choices[0].text and completion.system_fingerprint is None
+
+    model = client.models.retrieve(MODEL)
+    assert (model.id, model.object) == (MODEL, "model")
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4")
+    assert missing.value.code == "model_not_found"
+
+
+@pytest.mark.slow
+def test_an_api_key_from_the_environment_guards_the_front_end(served: Served, tmp_path: Path) -> None:
+    """PDSERVE_API_KEY, as vLLM's VLLM_API_KEY: the official client gets in with it, and gets
+    AuthenticationError (401, invalid_api_key) with another."""
+    frontend = FrontendProcess(served.cluster.endpoint, tmp_path / "frontend.log", env={"PDSERVE_API_KEY": "sk-one"})
+    try:
+        url = f"{frontend.base_url}/v1"
+        with openai.OpenAI(base_url=url, api_key="sk-one", max_retries=0) as client:
+            reply = client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=4, temperature=0)
+        assert reply.choices[0].text == zmq_greedy(served, TEXT_PROMPT, chat=False, max_tokens=4).text
+        with (
+            openai.OpenAI(base_url=url, api_key="sk-two", max_retries=0) as client,
+            pytest.raises(openai.AuthenticationError) as refused,
+        ):
+            client.models.list()
+        assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
+        assert httpx.get(f"{frontend.base_url}/health", timeout=30).status_code == 200
+        assert frontend.stop() == 0
+    finally:
+        frontend.kill()
 
 
 @pytest.mark.slow
@@ -1007,9 +1161,11 @@ def test_sigterm_drains_refuses_new_requests_with_503_and_exits_zero(served: Ser
 @pytest.mark.slow
 def test_ctrl_c_drains_the_http_front_end_too(tmp_path: Path, demo_model_dir: Path) -> None:
     """Ctrl-C in a terminal signals the whole foreground process group: the front end must still
-    drain its streams (one signal, the launcher's), and the launcher exit 0 without a traceback."""
+    drain its streams (one signal, the launcher's), and the launcher exit 0 without a traceback.
+    The launcher hands its --api-key to the front end, in its environment, not on its command line."""
     http_port = free_port()
     log_path = tmp_path / "launch.log"
+    key = "sk-launched"
     command = [
         sys.executable,
         "launch.py",
@@ -1019,6 +1175,8 @@ def test_ctrl_c_drains_the_http_front_end_too(tmp_path: Path, demo_model_dir: Pa
         str(free_port()),
         "--http-port",
         str(http_port),
+        "--api-key",
+        key,
     ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -1027,8 +1185,16 @@ def test_ctrl_c_drains_the_http_front_end_too(tmp_path: Path, demo_model_dir: Pa
             lambda: "endpoint " in log_path.read_text() or proc.poll() is not None, 300, "the cluster never started"
         )
         assert proc.poll() is None, log_path.read_text()
+        front_ends = [
+            cmdline
+            for cmdline in (p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline") if p.exists())
+            if b"pdserve.router.openai_server" in cmdline and str(http_port).encode() in cmdline
+        ]
+        assert len(front_ends) == 1 and key.encode() not in front_ends[0], front_ends
+        url = f"http://127.0.0.1:{http_port}/v1/completions"
         body = {"model": MODEL, "prompt": TEXT_PROMPT, "max_tokens": 40, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=120) as response:
+        assert httpx.post(url, json=body, timeout=30).status_code == 401
+        with httpx.stream("POST", url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
             os.killpg(proc.pid, signal.SIGINT)

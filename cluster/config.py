@@ -44,6 +44,11 @@ _COLOCATED_ONLY = ("colocated_tp", "colocated_groups")
 API_KEY_ENV = "PDSERVE_API_KEY"
 
 
+def origins(allowed: str) -> list[str]:
+    """The origins of an ``allowed_origins`` setting ("https://a.example, https://b.example")."""
+    return [origin.strip() for origin in allowed.split(",") if origin.strip()]
+
+
 def _topology(default: int, help: str) -> Any:
     return setting(default, help=help, section="Topology")
 
@@ -114,6 +119,13 @@ class ClusterConfig:
         f"{API_KEY_ENV} sets it too, out of sight of other users' ps.",
         section="Serving",
         default_text="off: no key",
+    )
+    allowed_origins: str | None = setting(
+        None,
+        help="Web origins whose pages may call the HTTP API from a browser (CORS), comma-separated, "
+        "or * for any (vLLM's default; every page the browser opens could then use the API).",
+        section="Serving",
+        default_text="none: browsers refuse cross-origin calls",
     )
     dispatch: str = setting(
         "cache-aware",
@@ -288,6 +300,9 @@ class ClusterConfig:
         if self.api_key is not None and (self.http_port is None or not self.api_key.strip()):
             why = "guards the HTTP API: give --http-port too" if self.api_key.strip() else "must not be empty"
             raise ValueError(f"--api-key {why}")
+        if self.allowed_origins is not None and (self.http_port is None or not origins(self.allowed_origins)):
+            why = "applies to the HTTP API: give --http-port too" if origins(self.allowed_origins) else "names none"
+            raise ValueError(f"--allowed-origins {why}")
         for name in ("max_message_mib", "max_prompt_chars", "max_requests_per_client", "max_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -319,6 +319,7 @@ class Cluster:
             "--max-prompt-chars",
             str(c.max_prompt_chars),
             *(["--auth-keys", c.auth_keys] if c.auth_keys is not None else []),
+            *(["--allowed-origins", c.allowed_origins] if c.allowed_origins is not None else []),
         ]
         # A session of its own: Ctrl-C reaches the whole foreground process group, and a front
         # end that got it besides the launcher's SIGTERM would take the second signal as "exit now".

@@ -6,7 +6,8 @@
 ``data: [DONE]``, or whole), ``GET /v1/models`` and ``/v1/models/{id}``, ``GET /health`` (200
 only while every worker group is ready and the cluster accepts requests) and ``GET /metrics``
 (Prometheus). With an API key (``--api-key`` or ``PDSERVE_API_KEY``, as vLLM's), every ``/v1``
-route wants it as ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open. Requests go to
+route wants it as ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open. Browser
+pages may call it from the origins ``--allowed-origins`` names (CORS; none by default). Requests go to
 the router through one ``AsyncClient`` (ZMQ); a client that goes away mid-request has its
 request aborted, which frees its KV on both sides. SIGTERM or SIGINT drains: new requests get
 503 while the running ones finish (up to ``drain_timeout``), then the process exits 0; a second
@@ -35,13 +36,14 @@ from typing import Any, Literal
 import click
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable
-from pdserve.cluster.config import API_KEY_ENV, cluster_settings
+from pdserve.cluster.config import API_KEY_ENV, cluster_settings, origins
 from pdserve.cluster.protocol import Chunk, Final, Stats
 from pdserve.engine.tokenization import load_tokenizer
 from pdserve.router.metrics import FrontendMetrics
@@ -53,7 +55,11 @@ logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
 # launch.py's settings this server shares, under the same names, defaults and help.
-SHARED = {s.key: s for s in cluster_settings() if s.key in ("max_message_mib", "max_prompt_chars", "api_key")}
+SHARED = {
+    s.key: s
+    for s in cluster_settings()
+    if s.key in ("max_message_mib", "max_prompt_chars", "api_key", "allowed_origins")
+}
 STATS_TIMEOUT = 2.0  # seconds a health check or scrape waits for the router's stats
 # Bodies up to this size are parsed on the event loop (docs/decisions.md: the worker thread's
 # round trip costs more than tokenizing a prompt this short).
@@ -81,9 +87,11 @@ class Frontend:
         max_message_mib: float = SHARED["max_message_mib"].default,
         max_prompt_chars: int = SHARED["max_prompt_chars"].default,
         api_key: str | None = None,
+        allowed_origins: str | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.api_key = api_key.encode() if api_key else None
+        self.allowed_origins = origins(allowed_origins) if allowed_origins else []
         self.max_body_bytes = int(max_message_mib * 2**20)
         self.max_prompt_chars = max_prompt_chars
         self.auth_keys = auth_keys
@@ -146,6 +154,10 @@ class Frontend:
 
     def app(self) -> FastAPI:
         app = FastAPI(title="pdserve", lifespan=self.lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+        if self.allowed_origins:  # as vLLM's: any method and header (the openai client adds x-stainless-*)
+            app.add_middleware(
+                CORSMiddleware, allow_origins=self.allowed_origins, allow_methods=["*"], allow_headers=["*"]
+            )
 
         @app.exception_handler(APIError)
         async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -599,6 +611,7 @@ def serve_openai(
     max_message_mib: float = SHARED["max_message_mib"].default,
     max_prompt_chars: int = SHARED["max_prompt_chars"].default,
     api_key: str | None = None,
+    allowed_origins: str | None = None,
 ) -> None:
     """Serve the OpenAI API for the cluster at ``endpoint`` until SIGTERM/SIGINT (blocking; run it
     in its own process: the router's loop and this one should not share an interpreter lock)."""
@@ -612,6 +625,7 @@ def serve_openai(
         max_message_mib=max_message_mib,
         max_prompt_chars=max_prompt_chars,
         api_key=api_key,
+        allowed_origins=allowed_origins,
     )
     config = uvicorn.Config(
         frontend.app(), host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
@@ -661,6 +675,7 @@ def serve_openai(
     default=SHARED["api_key"].default,
     help=SHARED["api_key"].help,
 )
+@click.option("--allowed-origins", default=SHARED["allowed_origins"].default, help=SHARED["allowed_origins"].help)
 def main(
     endpoint: str,
     model: str,
@@ -674,6 +689,7 @@ def main(
     max_message_mib: float,
     max_prompt_chars: int,
     api_key: str | None,
+    allowed_origins: str | None,
 ) -> None:
     """An OpenAI-compatible HTTP server in front of a running cluster."""
     from pdserve.engine.presets import resolve_model
@@ -695,6 +711,7 @@ def main(
         max_message_mib,
         max_prompt_chars,
         api_key,
+        allowed_origins,
     )
 
 

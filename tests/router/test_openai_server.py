@@ -438,6 +438,39 @@ def test_an_api_key_guards_every_v1_route_and_leaves_health_and_metrics_open(
         assert 'pdserve:request_error_total{reason="invalid_api_key"} 7.0' in metrics.text
 
 
+def test_cors_is_off_unless_origins_are_allowed_and_then_needs_no_key_to_ask(demo_model_dir: Path) -> None:
+    """A browser asks first (OPTIONS, with the headers the openai client adds): without
+    --allowed-origins it gets no CORS header; an allowed origin gets its answer, and the key is
+    needed only by the request that follows, as vLLM does it."""
+    from fastapi.testclient import TestClient
+
+    ui = "https://ui.example"
+    preflight = {
+        "Origin": ui,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type,x-stainless-os",
+    }
+    closed = TestClient(frontend_app(demo_model_dir))
+    assert "access-control-allow-origin" not in closed.options("/v1/chat/completions", headers=preflight).headers
+    assert "access-control-allow-origin" not in closed.get("/v1/models", headers={"Origin": ui}).headers
+
+    http = TestClient(frontend_app(demo_model_dir, api_key="sk-1", allowed_origins=f"{ui}, https://other.example"))
+    asked = http.options("/v1/chat/completions", headers=preflight)
+    assert asked.status_code == 200 and asked.headers["access-control-allow-origin"] == ui
+    assert "x-stainless-os" in asked.headers["access-control-allow-headers"].lower()
+    listed = http.get("/v1/models", headers={"Origin": ui, "Authorization": "Bearer sk-1"})
+    assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == ui
+    refused = http.get("/v1/models", headers={"Origin": ui})
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == ui  # readable
+    stranger = http.options("/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"})
+    assert stranger.status_code == 400 and "access-control-allow-origin" not in stranger.headers
+
+    anyone = TestClient(frontend_app(demo_model_dir, allowed_origins="*"))
+    assert (
+        anyone.get("/v1/models", headers={"Origin": "https://a.example"}).headers["access-control-allow-origin"] == "*"
+    )
+
+
 # -- the cluster and the front end -----------------------------------------------------------
 
 
@@ -1162,7 +1195,8 @@ def test_sigterm_drains_refuses_new_requests_with_503_and_exits_zero(served: Ser
 def test_ctrl_c_drains_the_http_front_end_too(tmp_path: Path, demo_model_dir: Path) -> None:
     """Ctrl-C in a terminal signals the whole foreground process group: the front end must still
     drain its streams (one signal, the launcher's), and the launcher exit 0 without a traceback.
-    The launcher hands its --api-key to the front end, in its environment, not on its command line."""
+    The launcher hands the front end its --allowed-origins, and its --api-key in its environment,
+    not on its command line."""
     http_port = free_port()
     log_path = tmp_path / "launch.log"
     key = "sk-launched"
@@ -1177,6 +1211,8 @@ def test_ctrl_c_drains_the_http_front_end_too(tmp_path: Path, demo_model_dir: Pa
         str(http_port),
         "--api-key",
         key,
+        "--allowed-origins",
+        "https://ui.example",
     ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -1193,7 +1229,8 @@ def test_ctrl_c_drains_the_http_front_end_too(tmp_path: Path, demo_model_dir: Pa
         assert len(front_ends) == 1 and key.encode() not in front_ends[0], front_ends
         url = f"http://127.0.0.1:{http_port}/v1/completions"
         body = {"model": MODEL, "prompt": TEXT_PROMPT, "max_tokens": 40, "ignore_eos": True, "stream": True}
-        assert httpx.post(url, json=body, timeout=30).status_code == 401
+        refused = httpx.post(url, json=body, headers={"Origin": "https://ui.example"}, timeout=30)
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "https://ui.example"
         with httpx.stream("POST", url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")

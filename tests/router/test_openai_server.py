@@ -728,7 +728,9 @@ def test_what_sdks_and_uis_send_unused_changes_nothing_for_the_official_client(s
 
 
 @pytest.mark.slow
-def test_an_api_key_from_the_environment_guards_the_front_end(served: Served, tmp_path: Path) -> None:
+def test_an_api_key_from_the_environment_guards_the_front_end(
+    served: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """PDSERVE_API_KEY, as vLLM's VLLM_API_KEY: the official client gets in with it, and gets
     AuthenticationError (401, invalid_api_key) with another."""
     frontend = FrontendProcess(served.cluster.endpoint, tmp_path / "frontend.log", env={"PDSERVE_API_KEY": "sk-one"})
@@ -744,6 +746,14 @@ def test_an_api_key_from_the_environment_guards_the_front_end(served: Served, tm
             client.models.list()
         assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
         assert httpx.get(f"{frontend.base_url}/health", timeout=30).status_code == 200
+
+        # bench.serve's HTTP backend sends OPENAI_API_KEY, as vLLM's bench serve does.
+        from pdserve.bench.serve import BenchConfig, run_benchmark
+
+        config = BenchConfig(workload="text", num_requests=2, warmup=0, output_len=4, concurrency=2, timeout=60)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-one")
+        result = asyncio.run(run_benchmark(config, "", backend="openai", base_url=frontend.base_url))
+        assert (result["completed"], result["failed"]) == (2, 0), result
         assert frontend.stop() == 0
     finally:
         frontend.kill()

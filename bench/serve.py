@@ -11,8 +11,9 @@ Backends: ``zmq`` (the default) streams through ``AsyncClient``; ``openai`` stre
 events from ``--base-url``: ``/v1/completions`` with the token ids for token workloads,
 ``/v1/chat/completions`` with one user message for ``text`` (the template the ZMQ path applies
 in the router), ``--model-name`` or else the first of ``/v1/models``, ``stream_options.include_usage``
-for the token counts. Each event that carries text (none, or several tokens) is one chunk of
-one token, as vLLM's ``bench serve`` counts them; the server's phase timings (and so the mean
+for the token counts, ``OPENAI_API_KEY`` (if set) as the bearer token, as vLLM's ``bench serve``
+sends it. Each event that carries text (none, or several tokens) is one chunk of one token, as
+vLLM's ``bench serve`` counts them; the server's phase timings (and so the mean
 KV transfer) are only known over ZMQ.
 
 Load: ``--rate R`` sends requests as a Poisson process of R req/s (``inf``: all at once),
@@ -61,6 +62,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import platform
 import random
 import shlex
@@ -326,7 +328,9 @@ class OpenAIBackend:
         ``timeout`` bounds connecting and each read, not a whole stream."""
         if self._session is None:
             aiohttp = self.aiohttp
+            key = os.environ.get("OPENAI_API_KEY")
             self._session = aiohttp.ClientSession(
+                headers={"Authorization": f"Bearer {key}"} if key else None,
                 connector=aiohttp.TCPConnector(limit=0),
                 timeout=aiohttp.ClientTimeout(total=None, connect=self.timeout, sock_read=self.timeout),
                 read_bufsize=2**20,  # the longest line (one event) it reads

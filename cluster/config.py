@@ -40,6 +40,13 @@ _DISAGG_GPU = (
     "decode_sm_percent",
 )
 _COLOCATED_ONLY = ("colocated_tp", "colocated_groups")
+# The environment variable the HTTP front end reads its api_key from (vLLM's is VLLM_API_KEY).
+API_KEY_ENV = "PDSERVE_API_KEY"
+
+
+def origins(allowed: str) -> list[str]:
+    """The origins of an ``allowed_origins`` setting ("https://a.example, https://b.example")."""
+    return [origin.strip() for origin in allowed.split(",") if origin.strip()]
 
 
 def _topology(default: int, help: str) -> Any:
@@ -104,6 +111,21 @@ class ClusterConfig:
         help="Also serve the OpenAI-compatible HTTP API (and /health, /metrics) on this port, on --host.",
         section="Serving",
         default_text="off",
+    )
+    api_key: str | None = setting(
+        None,
+        help="Require this key of the HTTP API's clients (Authorization: Bearer KEY, as OpenAI's clients send "
+        f"their api_key) on every /v1 route; /health and /metrics stay open. The environment variable "
+        f"{API_KEY_ENV} sets it too, out of sight of other users' ps.",
+        section="Serving",
+        default_text="off: no key",
+    )
+    allowed_origins: str | None = setting(
+        None,
+        help="Web origins whose pages may call the HTTP API from a browser (CORS), comma-separated, "
+        "or * for any (vLLM's default; every page the browser opens could then use the API).",
+        section="Serving",
+        default_text="none: browsers refuse cross-origin calls",
     )
     dispatch: str = setting(
         "cache-aware",
@@ -275,6 +297,12 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be in 1..65535, got {value}")
         if self.http_port == self.port:
             raise ValueError(f"--http-port and --port must differ, both are {self.port}")
+        if self.api_key is not None and (self.http_port is None or not self.api_key.strip()):
+            why = "guards the HTTP API: give --http-port too" if self.api_key.strip() else "must not be empty"
+            raise ValueError(f"--api-key {why}")
+        if self.allowed_origins is not None and (self.http_port is None or not origins(self.allowed_origins)):
+            why = "applies to the HTTP API: give --http-port too" if origins(self.allowed_origins) else "names none"
+            raise ValueError(f"--allowed-origins {why}")
         for name in ("max_message_mib", "max_prompt_chars", "max_requests_per_client", "max_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

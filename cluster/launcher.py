@@ -21,6 +21,7 @@ import dataclasses
 import ipaddress
 import json
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -35,7 +36,7 @@ import torch
 import zmq
 
 from pdserve.cluster import reaper
-from pdserve.cluster.config import Addresses, ClusterConfig, GroupLayout
+from pdserve.cluster.config import API_KEY_ENV, Addresses, ClusterConfig, GroupLayout
 from pdserve.cluster.group import (
     RankProcesses,
     connect_store,
@@ -212,7 +213,7 @@ class Cluster:
         """What a group node reads from the store to join (``cluster.join``)."""
         c = self.config
         settings = {k: list(v) if isinstance(v, tuple) else v for k, v in flatten_config(c).items()}
-        for key in ("master_addr", "master_port"):  # the router node's own
+        for key in ("master_addr", "master_port", "api_key"):  # the router node's own (the key is a secret)
             settings.pop(key)
         # With no group here, each group node resolves auto for its own devices.
         settings["transfer"] = self.transfer.backend if c.groups() else c.transfer.backend
@@ -318,10 +319,14 @@ class Cluster:
             "--max-prompt-chars",
             str(c.max_prompt_chars),
             *(["--auth-keys", c.auth_keys] if c.auth_keys is not None else []),
+            *(["--allowed-origins", c.allowed_origins] if c.allowed_origins is not None else []),
         ]
         # A session of its own: Ctrl-C reaches the whole foreground process group, and a front
         # end that got it besides the launcher's SIGTERM would take the second signal as "exit now".
-        self.http = subprocess.Popen(command, preexec_fn=die_with_parent, start_new_session=True)
+        env = dict(os.environ)  # PDSERVE_API_KEY there reaches the front end as it is
+        if c.api_key is not None:  # in its environment: on its command line, ps would show it
+            env[API_KEY_ENV] = c.api_key
+        self.http = subprocess.Popen(command, preexec_fn=die_with_parent, start_new_session=True, env=env)
         deadline = time.monotonic() + c.start_timeout
         while not _listening(c.host, port):
             self.router.poll(50)  # the front end asks the router for its stats while it starts

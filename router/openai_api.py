@@ -3,9 +3,12 @@ response and stream-chunk bodies, and errors in OpenAI's form.
 
 Requests are decoded strictly (no "5" for 5, no ``true`` for 1): a field of the wrong type or
 out of range, a field this server does not support (``n`` > 1, ``logprobs``, tools, ...) and a
-field OpenAI does not have are each a 400 naming the field. vLLM's extensions ``top_k``,
-``ignore_eos`` and ``stop_token_ids`` are accepted. Prompts are tokenized here, the same way the
-ZMQ client's are (``engine.tokenization.encode_prompt``), so the cluster gets token ids.
+field OpenAI does not have are each a 400 naming the field; an unsupported field with its "not
+used" value (``presence_penalty: 0``, ``tools: []``) passes, and fields that change nothing of
+the output (``user``, ``store``, ``metadata``, ``parallel_tool_calls``) are accepted and
+ignored. vLLM's extensions ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are accepted.
+Prompts are tokenized here, the same way the ZMQ client's are
+(``engine.tokenization.encode_prompt``), so the cluster gets token ids.
 """
 
 from __future__ import annotations
@@ -56,14 +59,14 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class _Sampling(_Strict):
     """The fields both endpoints share."""
 
     model: str
-    stream: bool = False
+    stream: bool | None = False  # null: OpenAI's default, false
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     temperature: float | None = Field(None, ge=0)
@@ -99,6 +102,13 @@ class ChatMessage(_Strict):
     # Validated even when absent: only an assistant message (one with tool calls) may lack it.
     content: str | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = None
+    # What the official client's ChatCompletionMessage.model_dump() holds besides role and content,
+    # so that a reply can be sent back as the next turn: only empty values (MESSAGE_UNSUPPORTED).
+    refusal: Any = None
+    tool_calls: Any = None
+    function_call: Any = None
+    audio: Any = None
+    annotations: Any = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -146,10 +156,13 @@ def _json_type(value: Any) -> str:
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    # Accepted and ignored: they change nothing of the output (no tools run here; nothing is stored).
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
     top_logprobs: Any = None
     tools: Any = None
     tool_choice: Any = None
-    parallel_tool_calls: Any = None
     response_format: Any = None
 
 
@@ -165,9 +178,22 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None,),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
     "response_format": (None, {"type": "text"}),
 }
+# A chat message's fields of the same kind.
+MESSAGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "refusal": (None,),
+    "tool_calls": (None, []),
+    "function_call": (None,),
+    "audio": (None,),
+    "annotations": (None, []),
+}
+
+
+def _neutral(value: Any, neutrals: tuple[Any, ...]) -> bool:
+    """``value`` is one of ``neutrals`` as JSON sees it: 0 is 0.0, but false is not 0 (a
+    completion's ``logprobs: 0`` asks for the sampled tokens' logprobs, ``false`` for none)."""
+    return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutrals)
 
 
 @dataclass
@@ -206,6 +232,7 @@ class GenerationRequest:
             "object": self.chunk_object,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": None,  # OpenAI's field; null: this server reports no fingerprint
             "choices": [choice],
         }
 
@@ -215,6 +242,7 @@ class GenerationRequest:
             "object": self.chunk_object,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": None,
             "choices": [],
             "usage": usage_body(usage, cached_tokens),
         }
@@ -239,6 +267,7 @@ class GenerationRequest:
             "object": obj,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": None,
             "choices": [choice],
             "usage": usage_body(usage, cached_tokens),
         }
@@ -280,8 +309,14 @@ def parse_request(
             "model",
         )
     for name, neutral in UNSUPPORTED.items():
-        if name in request.model_fields_set and getattr(request, name) not in neutral:
+        if name in request.model_fields_set and not _neutral(getattr(request, name), neutral):
             raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
+    for i, message in enumerate(getattr(request, "messages", ())):
+        for name, neutral in MESSAGE_UNSUPPORTED.items():
+            if not _neutral(getattr(message, name), neutral):
+                raise bad_request(
+                    f"messages.{i}.{name} is not supported by this server", "messages", "unsupported_parameter"
+                )
     if request.n not in (None, 1):
         raise bad_request(
             "n > 1 is not supported by this server: ask for one choice per request", "n", "unsupported_parameter"
@@ -316,9 +351,9 @@ def parse_request(
         "stop_token_ids": list(request.stop_token_ids or []),
         "ignore_eos": request.ignore_eos,
     }
-    include_usage = request.stream_options is not None and request.stream_options.include_usage
+    include_usage = request.stream_options is not None and bool(request.stream_options.include_usage)
     return GenerationRequest(
-        kind, served_model, token_ids, sampling, [s for s in stop if s], request.stream, include_usage
+        kind, served_model, token_ids, sampling, [s for s in stop if s], bool(request.stream), include_usage
     )
 
 
@@ -383,8 +418,10 @@ def _validation_error(error: ValidationError) -> APIError:
     if not loc:
         return bad_request(f"The request body must be a JSON object: {first['msg']}", None, "malformed_json")
     param = str(loc[0])
-    if first["type"] == "extra_forbidden":
-        return bad_request(f"Unrecognized request argument supplied: {param}", param, "unrecognized_argument")
+    if first["type"] == "extra_forbidden":  # named in full: "messages.0.tool_call_id", not "messages"
+        return bad_request(
+            f"Unrecognized request argument supplied: {'.'.join(map(str, loc))}", param, "unrecognized_argument"
+        )
     if first["type"] == "missing":
         return bad_request(
             f"Missing required parameter: {'.'.join(map(str, loc))}", param, "missing_required_parameter"

@@ -3,8 +3,11 @@
     python -m pdserve.router.openai_server --endpoint tcp://127.0.0.1:5555 --port 8000
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events ending
-``data: [DONE]``, or whole), ``GET /v1/models``, ``GET /health`` (200 only while every worker
-group is ready and the cluster accepts requests) and ``GET /metrics`` (Prometheus). Requests go to
+``data: [DONE]``, or whole), ``GET /v1/models`` and ``/v1/models/{id}``, ``GET /health`` (200
+only while every worker group is ready and the cluster accepts requests) and ``GET /metrics``
+(Prometheus). With an API key (``--api-key`` or ``PDSERVE_API_KEY``, as vLLM's), every ``/v1``
+route wants it as ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open. Browser
+pages may call it from the origins ``--allowed-origins`` names (CORS; none by default). Requests go to
 the router through one ``AsyncClient`` (ZMQ); a client that goes away mid-request has its
 request aborted, which frees its KV on both sides. SIGTERM or SIGINT drains: new requests get
 503 while the running ones finish (up to ``drain_timeout``), then the process exits 0; a second
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hmac
 import itertools
 import json
 import logging
@@ -31,14 +35,15 @@ from typing import Any, Literal
 
 import click
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable
-from pdserve.cluster.config import cluster_settings
+from pdserve.cluster.config import API_KEY_ENV, cluster_settings, origins
 from pdserve.cluster.protocol import Chunk, Final, Stats
 from pdserve.engine.tokenization import load_tokenizer
 from pdserve.router.metrics import FrontendMetrics
@@ -49,8 +54,12 @@ from pdserve.router.stop_strings import StopStringMatcher
 logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
-# The router's limits on what one client may send, under the same names and defaults.
-LIMITS = {s.key: s for s in cluster_settings() if s.key in ("max_message_mib", "max_prompt_chars")}
+# launch.py's settings this server shares, under the same names, defaults and help.
+SHARED = {
+    s.key: s
+    for s in cluster_settings()
+    if s.key in ("max_message_mib", "max_prompt_chars", "api_key", "allowed_origins")
+}
 STATS_TIMEOUT = 2.0  # seconds a health check or scrape waits for the router's stats
 # Bodies up to this size are parsed on the event loop (docs/decisions.md: the worker thread's
 # round trip costs more than tokenizing a prompt this short).
@@ -75,10 +84,14 @@ class Frontend:
         timeout: float = 600.0,
         drain_timeout: float = 30.0,
         auth_keys: str | None = None,
-        max_message_mib: float = LIMITS["max_message_mib"].default,
-        max_prompt_chars: int = LIMITS["max_prompt_chars"].default,
+        max_message_mib: float = SHARED["max_message_mib"].default,
+        max_prompt_chars: int = SHARED["max_prompt_chars"].default,
+        api_key: str | None = None,
+        allowed_origins: str | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.api_key = api_key.encode() if api_key else None
+        self.allowed_origins = origins(allowed_origins) if allowed_origins else []
         self.max_body_bytes = int(max_message_mib * 2**20)
         self.max_prompt_chars = max_prompt_chars
         self.auth_keys = auth_keys
@@ -141,6 +154,10 @@ class Frontend:
 
     def app(self) -> FastAPI:
         app = FastAPI(title="pdserve", lifespan=self.lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+        if self.allowed_origins:  # as vLLM's: any method and header (the openai client adds x-stainless-*)
+            app.add_middleware(
+                CORSMiddleware, allow_origins=self.allowed_origins, allow_methods=["*"], allow_headers=["*"]
+            )
 
         @app.exception_handler(APIError)
         async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -151,7 +168,9 @@ class Frontend:
         @app.exception_handler(HTTPException)
         async def http_error(request: Request, error: HTTPException) -> JSONResponse:
             code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
-            api_error = APIError(error.status_code, str(error.detail), code)
+            where = f"{request.method} {request.url.path}"
+            message = {404: f"Invalid URL ({where})", 405: f"Invalid method for URL ({where})"}  # OpenAI's words
+            api_error = APIError(error.status_code, message.get(error.status_code, str(error.detail)), code)
             self._log_rejection(request, api_error)
             return JSONResponse(api_error.body(), status_code=error.status_code, headers=error.headers)
 
@@ -162,25 +181,32 @@ class Frontend:
             body = APIError(500, f"internal error: {type(error).__name__}: {error}", "internal_error").body()
             return JSONResponse(body, status_code=500)
 
-        @app.post("/v1/completions")
+        v1 = APIRouter(prefix="/v1", dependencies=[Depends(self._authorize)] if self.api_key else [])
+
+        @v1.post("/completions")
         async def completions(request: Request) -> Response:
             return await self.generate("completion", request)
 
-        @app.post("/v1/chat/completions")
+        @v1.post("/chat/completions")
         async def chat_completions(request: Request) -> Response:
             return await self.generate("chat", request)
 
-        @app.get("/v1/models")
+        @v1.get("/models")
         async def models() -> JSONResponse:
-            card = {
-                "id": self.model_name,
-                "object": "model",
-                "created": self.created,
-                "owned_by": "pdserve",
-                "root": self.model_dir,
-                "max_model_len": self.max_model_len,
-            }
-            return JSONResponse({"object": "list", "data": [card]})
+            return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+        @v1.get("/models/{model:path}")  # a served name may hold a slash ("Qwen/Qwen2.5-1.5B")
+        async def model(model: str) -> JSONResponse:
+            if model != self.model_name:
+                raise APIError(
+                    404,
+                    f"The model {model!r} does not exist: this server serves {self.model_name!r}",
+                    "model_not_found",
+                    "model",
+                )
+            return JSONResponse(self._model_card())
+
+        app.include_router(v1)
 
         @app.get("/health")
         async def health() -> JSONResponse:
@@ -202,6 +228,32 @@ class Frontend:
             return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
         return app
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "pdserve",
+            "root": self.model_dir,
+            "max_model_len": self.max_model_len,
+        }
+
+    async def _authorize(self, request: Request) -> None:
+        """A /v1 request's API key, as OpenAI's clients send it (``Authorization: Bearer KEY``):
+        401 in OpenAI's shape without it or with another. Async: a plain function would run on
+        a worker thread, a hop for every request."""
+        assert self.api_key is not None
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise APIError(
+                401,
+                "You didn't provide an API key: send it in an Authorization header using Bearer auth "
+                "(Authorization: Bearer YOUR_KEY)",
+                "invalid_api_key",
+            )
+        if not hmac.compare_digest(key.strip().encode("latin-1"), self.api_key):  # the header's own bytes
+            raise APIError(401, "Incorrect API key provided", "invalid_api_key")
 
     def _log_rejection(self, request: Request, error: APIError) -> None:
         """A request refused for what the client sent (4xx): a line, rate-limited per code."""
@@ -556,8 +608,10 @@ def serve_openai(
     timeout: float = 600.0,
     log_level: str = "info",
     auth_keys: str | None = None,
-    max_message_mib: float = LIMITS["max_message_mib"].default,
-    max_prompt_chars: int = LIMITS["max_prompt_chars"].default,
+    max_message_mib: float = SHARED["max_message_mib"].default,
+    max_prompt_chars: int = SHARED["max_prompt_chars"].default,
+    api_key: str | None = None,
+    allowed_origins: str | None = None,
 ) -> None:
     """Serve the OpenAI API for the cluster at ``endpoint`` until SIGTERM/SIGINT (blocking; run it
     in its own process: the router's loop and this one should not share an interpreter lock)."""
@@ -570,6 +624,8 @@ def serve_openai(
         auth_keys=auth_keys,
         max_message_mib=max_message_mib,
         max_prompt_chars=max_prompt_chars,
+        api_key=api_key,
+        allowed_origins=allowed_origins,
     )
     config = uvicorn.Config(
         frontend.app(), host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
@@ -603,15 +659,23 @@ def serve_openai(
 @click.option(
     "--max-message-mib",
     type=click.FloatRange(min=0, min_open=True),
-    default=LIMITS["max_message_mib"].default,
+    default=SHARED["max_message_mib"].default,
     help="Largest request body, in MiB: a bigger one is answered 413 unread (launch.py's setting of that name).",
 )
 @click.option(
     "--max-prompt-chars",
     type=click.IntRange(min=1),
-    default=LIMITS["max_prompt_chars"].default,
+    default=SHARED["max_prompt_chars"].default,
     help="Longest text prompt (a chat's messages together), in characters (launch.py's setting of that name).",
 )
+@click.option(
+    "--api-key",
+    envvar=API_KEY_ENV,
+    show_envvar=True,
+    default=SHARED["api_key"].default,
+    help=SHARED["api_key"].help,
+)
+@click.option("--allowed-origins", default=SHARED["allowed_origins"].default, help=SHARED["allowed_origins"].help)
 def main(
     endpoint: str,
     model: str,
@@ -624,10 +688,14 @@ def main(
     auth_keys: str | None,
     max_message_mib: float,
     max_prompt_chars: int,
+    api_key: str | None,
+    allowed_origins: str | None,
 ) -> None:
     """An OpenAI-compatible HTTP server in front of a running cluster."""
     from pdserve.engine.presets import resolve_model
 
+    if api_key is not None and not api_key.strip():
+        raise click.BadParameter("must not be empty", param_hint="--api-key")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model_dir = str(resolve_model(model))
     serve_openai(
@@ -642,6 +710,8 @@ def main(
         auth_keys,
         max_message_mib,
         max_prompt_chars,
+        api_key,
+        allowed_origins,
     )
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cluster.config import ClusterConfig, cluster_settings
+from pdserve.cluster.config import ClusterConfig, cluster_settings, origins
 from pdserve.cluster.launcher import ClusterError, resolve_transfer
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, flatten_config
 from pdserve.kvtransfer.base import TransferConfig
@@ -152,6 +152,24 @@ def test_multi_node_settings_are_checked_before_anything_starts() -> None:
         "master_port must be in 1..65535": {"master_addr": "10.0.0.1", "master_port": 0},
     }
     for message, settings in refused.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ClusterConfig.from_settings(settings)
+
+
+def test_the_http_apis_key_and_origins_need_it_and_a_value() -> None:
+    assert ClusterConfig.from_settings({"http_port": 8000, "api_key": "sk-1"}).api_key == "sk-1"
+    assert origins(
+        ClusterConfig.from_settings({"http_port": 8000, "allowed_origins": "https://a.b, *"}).allowed_origins
+    ) == [
+        "https://a.b",
+        "*",
+    ]
+    for settings, message in (
+        ({"api_key": "sk-1"}, "--api-key guards the HTTP API: give --http-port too"),
+        ({"http_port": 8000, "api_key": " "}, "--api-key must not be empty"),
+        ({"allowed_origins": "*"}, "--allowed-origins applies to the HTTP API: give --http-port too"),
+        ({"http_port": 8000, "allowed_origins": " , "}, "--allowed-origins names none"),
+    ):
         with pytest.raises(ValueError, match=re.escape(message)):
             ClusterConfig.from_settings(settings)
 

@@ -136,6 +136,200 @@ def test_bad_content_is_explained_not_named_by_the_unions_branches(content: Any,
     assert refused.message == f"Invalid value for messages.0.content: {why}"
 
 
+# What SDKs, frameworks and chat UIs send besides the prompt, each with a value that changes
+# nothing of the output: accepted, and the request checked is the one without them.
+NEUTRAL_FIELDS: dict[str, dict[str, Any]] = {
+    "user": {"user": "user-1234"},
+    "stream_options null": {"stream_options": None},
+    "stream null": {"stream": None},
+    "zero penalties": {"presence_penalty": 0, "frequency_penalty": 0.0},
+    "logit_bias null": {"logit_bias": None},
+    "logit_bias empty": {"logit_bias": {}},
+    "logprobs false": {"logprobs": False},
+    "n 1": {"n": 1},
+    "null sampling": {"temperature": None, "top_p": None, "seed": None, "n": None},
+    "max_tokens null": {"max_tokens": None},
+    "stop null": {"stop": None},
+    "stop empty": {"stop": []},
+}
+CHAT_NEUTRAL_FIELDS: dict[str, dict[str, Any]] = {
+    "response_format text": {"response_format": {"type": "text"}},
+    "parallel_tool_calls true": {"parallel_tool_calls": True},
+    "parallel_tool_calls false": {"parallel_tool_calls": False},
+    "tools empty": {"tools": []},
+    "tool_choice none": {"tool_choice": "none"},
+    "store and metadata": {"store": False, "metadata": {"session": "abc"}},
+    "store true, metadata null": {"store": True, "metadata": None},
+    "top_logprobs 0": {"logprobs": False, "top_logprobs": 0},
+    "max_completion_tokens null": {"max_completion_tokens": None},
+}
+COMPLETION_NEUTRAL_FIELDS: dict[str, dict[str, Any]] = {
+    "echo false": {"echo": False},
+    "suffix null": {"suffix": None},
+    "best_of 1": {"best_of": 1},
+    "logprobs null": {"logprobs": None},
+}
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer(demo_model_dir: Path) -> Any:
+    from pdserve.engine.tokenization import load_tokenizer
+
+    return load_tokenizer(str(demo_model_dir))
+
+
+def parsed(kind: str, body: dict[str, Any], tokenizer: Any) -> Any:
+    return parse_request(kind, json.dumps({"model": MODEL, **body}).encode(), MODEL, tokenizer, MAX_MODEL_LEN, 1000)
+
+
+def same_request(a: Any, b: Any) -> bool:
+    """Two checked requests the cluster would run alike and answer in the same shape."""
+    keys = ("kind", "model", "token_ids", "sampling", "stop", "stream", "include_usage")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra"),
+    [("chat", e) for e in (*NEUTRAL_FIELDS.values(), *CHAT_NEUTRAL_FIELDS.values())]
+    + [("completion", e) for e in (*NEUTRAL_FIELDS.values(), *COMPLETION_NEUTRAL_FIELDS.values())],
+    ids=[f"chat: {n}" for n in (*NEUTRAL_FIELDS, *CHAT_NEUTRAL_FIELDS)]
+    + [f"completion: {n}" for n in (*NEUTRAL_FIELDS, *COMPLETION_NEUTRAL_FIELDS)],
+)
+def test_fields_clients_send_with_their_unused_values_are_accepted_and_change_nothing(
+    kind: str, extra: dict[str, Any], demo_tokenizer: Any
+) -> None:
+    base: dict[str, Any] = (
+        {"prompt": TEXT_PROMPT} if kind == "completion" else {"messages": [{"role": "user", "content": QUESTION}]}
+    )
+    assert same_request(parsed(kind, {**base, **extra}, demo_tokenizer), parsed(kind, base, demo_tokenizer))
+
+
+def test_stream_options_may_leave_include_usage_null(demo_tokenizer: Any) -> None:
+    body = {"prompt": TEXT_PROMPT, "stream": True}
+    for options, usage in (({"include_usage": None}, False), ({}, False), ({"include_usage": True}, True)):
+        request = parsed("completion", {**body, "stream_options": options}, demo_tokenizer)
+        assert request.stream and request.include_usage is usage, options
+
+
+def test_a_reply_as_the_official_client_dumps_it_is_a_valid_next_turn(demo_tokenizer: Any) -> None:
+    """``messages.append(reply.choices[0].message.model_dump())``: the dump carries refusal,
+    tool_calls, audio, ... as null beside role and content; the turn reads as role and content."""
+    from openai.types.chat import ChatCompletionMessage
+
+    reply = ChatCompletionMessage(role="assistant", content="Paris.").model_dump()
+    assert {"refusal", "tool_calls", "function_call", "audio", "annotations"} <= set(reply)
+    question = {"role": "user", "content": QUESTION}
+    again = {"role": "user", "content": "And of Spain?"}
+    plain = {"role": "assistant", "content": "Paris."}
+    dumped = parsed("chat", {"messages": [question, reply, again]}, demo_tokenizer)
+    assert same_request(dumped, parsed("chat", {"messages": [question, plain, again]}, demo_tokenizer))
+    empty_lists = {**plain, "tool_calls": [], "annotations": []}
+    assert same_request(parsed("chat", {"messages": [question, empty_lists, again]}, demo_tokenizer), dumped)
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra", "param", "message"),
+    [
+        # false is no logprobs, but 0 asks a completion for its tokens' logprobs
+        ("completion", {"logprobs": 0}, "logprobs", "logprobs is not supported by this server"),
+        ("completion", {"best_of": True}, "best_of", "best_of is not supported by this server"),
+        ("chat", {"presence_penalty": False}, "presence_penalty", "presence_penalty is not supported by this server"),
+        ("chat", {"presence_penalty": 0.5}, "presence_penalty", "presence_penalty is not supported by this server"),
+        ("chat", {"tool_choice": "auto"}, "tool_choice", "tool_choice is not supported by this server"),
+        (
+            "chat",
+            {"response_format": {"type": "json_object"}},
+            "response_format",
+            "response_format is not supported by this server",
+        ),
+        (
+            "chat",
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": None, "tool_calls": [{}]},
+                ]
+            },
+            "messages",
+            "messages.1.tool_calls is not supported by this server",
+        ),
+        (
+            "chat",
+            {"messages": [{"role": "assistant", "content": None, "refusal": "I can't."}]},
+            "messages",
+            "messages.0.refusal is not supported by this server",
+        ),
+    ],
+)
+def test_values_that_would_change_the_output_are_refused_by_name(
+    kind: str, extra: dict[str, Any], param: str, message: str
+) -> None:
+    base: dict[str, Any] = (
+        {"prompt": "hi"} if kind == "completion" else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    with pytest.raises(APIError) as refused:
+        parsed(kind, {**base, **extra}, None)
+    assert (refused.value.status, refused.value.code, refused.value.param) == (400, "unsupported_parameter", param)
+    assert refused.value.message == message
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        ({"parallel_tool_calls": "yes"}, "Invalid value for parallel_tool_calls: Input should be a valid boolean"),
+        ({"metadata": {"n": 1}}, "Invalid value for metadata.n: Input should be a valid string"),
+        ({"stream": "true"}, "Invalid value for stream: Input should be a valid boolean"),
+    ],
+)
+def test_accepted_fields_are_still_typed(extra: dict[str, Any], why: str) -> None:
+    with pytest.raises(APIError) as refused:
+        parsed("chat", {"messages": [{"role": "user", "content": "hi"}], **extra}, None)
+    assert (refused.value.status, refused.value.code, refused.value.message) == (400, "invalid_value", why)
+
+
+def test_an_unknown_field_inside_a_message_is_named_in_full() -> None:
+    """Not "Unrecognized request argument supplied: messages", which names the whole list."""
+    with pytest.raises(APIError) as refused:
+        parsed("chat", {"messages": [{"role": "user", "content": "hi", "tool_call_id": "call_1"}]}, None)
+    assert (refused.value.code, refused.value.param) == ("unrecognized_argument", "messages")
+    assert refused.value.message == "Unrecognized request argument supplied: messages.0.tool_call_id"
+    with pytest.raises(APIError) as refused:
+        parsed("completion", {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}}, None)
+    assert refused.value.message == "Unrecognized request argument supplied: stream_options.continuous_usage_stats"
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_bodies_have_openais_shapes_with_a_null_system_fingerprint(kind: str) -> None:
+    """The official client's own types read every body; each carries system_fingerprint (null)
+    as OpenAI's do, the id its endpoint's prefix."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    from pdserve.router.openai_api import GenerationRequest
+
+    gen = GenerationRequest(kind, MODEL, [1, 2], {"max_tokens": 4})
+    usage = {"prompt_tokens": 2, "completion_tokens": 3}
+    whole = gen.response("Paris", "stop", usage, cached_tokens=0)
+    chunks = [gen.chunk("Par", first=True), gen.chunk("is"), gen.chunk(None, "length"), gen.usage_chunk(usage)]
+    for body in (whole, *chunks):
+        assert "system_fingerprint" in body and body["system_fingerprint"] is None
+        assert body["id"].startswith("cmpl-" if kind == "completion" else "chatcmpl-") and body["id"] == gen.id
+    whole_type, chunk_type = (Completion, Completion) if kind == "completion" else (ChatCompletion, ChatCompletionChunk)
+    read = whole_type.model_validate(whole)
+    assert (read.object, read.usage.total_tokens, read.choices[0].finish_reason) == (
+        "text_completion" if kind == "completion" else "chat.completion",
+        5,
+        "stop",
+    )
+    # The SDK reads a completion's stream with its Completion type, whose finish_reason may not be
+    # null: only the last chunks validate (as OpenAI's own stream's would).
+    for chunk in chunks if kind == "chat" else chunks[2:]:
+        assert chunk_type.model_validate(chunk).object == (
+            "text_completion" if kind == "completion" else "chat.completion.chunk"
+        )
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 5
+
+
 def test_a_repeated_warning_is_logged_once_a_minute_with_a_count() -> None:
     """A client that is not HTTP (a ZMQ client on the HTTP port) gets uvicorn's warning once a
     minute, not once a retry; the next line counts the held ones, other lines pass."""
@@ -167,13 +361,125 @@ def test_stop_strings_never_send_a_character_of_a_stop_string() -> None:
     assert matcher.flush() == ""
 
 
+# -- the HTTP app without a cluster ---------------------------------------------------------
+
+
+def frontend_app(demo_model_dir: Path, **kwargs: Any) -> Any:
+    """The front end's app on a port no cluster listens on: what it answers by itself."""
+    from pdserve.router.openai_server import Frontend
+
+    frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), **{"served_model_name": MODEL, **kwargs})
+    frontend.max_model_len = MAX_MODEL_LEN  # what the cluster would say
+    return frontend.app()
+
+
+def openai_error(response: httpx.Response, status: int, code: str, param: str | None = None) -> str:
+    """The response's error message, once its status and body are OpenAI's."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert (error["code"], error["param"]) == (code, param), error
+    return error["message"]
+
+
+def test_unknown_routes_and_methods_get_openais_error_body(demo_model_dir: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    http = TestClient(frontend_app(demo_model_dir))
+    assert openai_error(http.post("/v1/embeddings", json={}), 404, "not_found") == "Invalid URL (POST /v1/embeddings)"
+    wrong_method = http.get("/v1/chat/completions")
+    message = openai_error(wrong_method, 405, "method_not_allowed")
+    assert message == "Invalid method for URL (GET /v1/chat/completions)" and wrong_method.headers["allow"] == "POST"
+
+
+def test_a_model_is_retrieved_by_its_id(demo_model_dir: Path) -> None:
+    """``client.models.retrieve(id)``: the card /v1/models lists; another id is a 404, as OpenAI's."""
+    from fastapi.testclient import TestClient
+
+    http = TestClient(frontend_app(demo_model_dir))
+    (card,) = http.get("/v1/models").json()["data"]
+    assert http.get(f"/v1/models/{MODEL}").json() == card
+    assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] == MAX_MODEL_LEN
+    message = openai_error(http.get("/v1/models/gpt-4"), 404, "model_not_found", "model")
+    assert message == f"The model 'gpt-4' does not exist: this server serves '{MODEL}'"
+    # A served name with a slash, as Hugging Face names go; the official client sends it escaped.
+    http = TestClient(frontend_app(demo_model_dir, served_model_name="org/some-model"))
+    for path in ("/v1/models/org/some-model", "/v1/models/org%2Fsome-model"):
+        assert http.get(path).json()["id"] == "org/some-model", path
+
+
+def test_an_api_key_guards_every_v1_route_and_leaves_health_and_metrics_open(
+    demo_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As vLLM's --api-key, with OpenAI's 401 body: the key must come as a bearer token; a
+    refused one is counted and logged, without the key it tried."""
+    from fastapi.testclient import TestClient
+
+    key = "sk-test-\u00e9l\u00e8ve"  # bytes beyond ASCII travel as the header's own
+    with TestClient(frontend_app(demo_model_dir, api_key=key)) as http:
+        missing = openai_error(http.get("/v1/models"), 401, "invalid_api_key")
+        assert "Authorization: Bearer" in missing
+        with caplog.at_level(logging.WARNING, logger="pdserve.router.openai_server"):
+            for wrong in ("Bearer sk-guess", f"Basic {key}", f"Bearer {key}x", "Bearer "):
+                response = http.get(f"/v1/models/{MODEL}", headers={"Authorization": wrong.encode()})
+                assert response.status_code == 401, wrong
+        assert "sk-guess" not in caplog.text and "401 invalid_api_key" in caplog.text
+        good = {"Authorization": f"Bearer {key}".encode()}
+        assert http.get("/v1/models", headers=good).json()["data"][0]["id"] == MODEL
+        assert http.get(f"/v1/models/{MODEL}", headers={"Authorization": f"bearer {key}".encode()}).status_code == 200
+        # Generation checks the key first: an unauthenticated body is not even read.
+        openai_error(http.post("/v1/completions", content=b"{not json"), 401, "invalid_api_key")
+        openai_error(http.post("/v1/chat/completions", content=b"{not json"), 401, "invalid_api_key")
+        openai_error(http.post("/v1/completions", content=b"{not json", headers=good), 400, "malformed_json")
+        # Probes and scrapers need no key (no cluster here: health says so).
+        assert http.get("/health").json()["error"]["code"] == "cluster_unavailable"
+        metrics = http.get("/metrics")
+        assert metrics.status_code == 200
+        assert 'pdserve:request_error_total{reason="invalid_api_key"} 7.0' in metrics.text
+
+
+def test_cors_is_off_unless_origins_are_allowed_and_then_needs_no_key_to_ask(demo_model_dir: Path) -> None:
+    """A browser asks first (OPTIONS, with the headers the openai client adds): without
+    --allowed-origins it gets no CORS header; an allowed origin gets its answer, and the key is
+    needed only by the request that follows, as vLLM does it."""
+    from fastapi.testclient import TestClient
+
+    ui = "https://ui.example"
+    preflight = {
+        "Origin": ui,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type,x-stainless-os",
+    }
+    closed = TestClient(frontend_app(demo_model_dir))
+    assert "access-control-allow-origin" not in closed.options("/v1/chat/completions", headers=preflight).headers
+    assert "access-control-allow-origin" not in closed.get("/v1/models", headers={"Origin": ui}).headers
+
+    http = TestClient(frontend_app(demo_model_dir, api_key="sk-1", allowed_origins=f"{ui}, https://other.example"))
+    asked = http.options("/v1/chat/completions", headers=preflight)
+    assert asked.status_code == 200 and asked.headers["access-control-allow-origin"] == ui
+    assert "x-stainless-os" in asked.headers["access-control-allow-headers"].lower()
+    listed = http.get("/v1/models", headers={"Origin": ui, "Authorization": "Bearer sk-1"})
+    assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == ui
+    refused = http.get("/v1/models", headers={"Origin": ui})
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == ui  # readable
+    stranger = http.options("/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"})
+    assert stranger.status_code == 400 and "access-control-allow-origin" not in stranger.headers
+
+    anyone = TestClient(frontend_app(demo_model_dir, allowed_origins="*"))
+    assert (
+        anyone.get("/v1/models", headers={"Origin": "https://a.example"}).headers["access-control-allow-origin"] == "*"
+    )
+
+
 # -- the cluster and the front end -----------------------------------------------------------
 
 
 class FrontendProcess:
     """``python -m pdserve.router.openai_server`` on a free port; started on construction."""
 
-    def __init__(self, endpoint: str, log_path: Path, *args: str, timeout: float = 120.0) -> None:
+    def __init__(
+        self, endpoint: str, log_path: Path, *args: str, timeout: float = 120.0, env: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -190,11 +496,15 @@ class FrontendProcess:
             *args,
         ]
         with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            )
         deadline = time.monotonic() + timeout
+        key = (env or {}).get("PDSERVE_API_KEY")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         while True:  # listening once /v1/models answers (/health also needs the cluster)
             try:
-                if httpx.get(f"{self.base_url}/v1/models", timeout=1).status_code == 200:
+                if httpx.get(f"{self.base_url}/v1/models", headers=headers, timeout=1).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -366,6 +676,87 @@ def test_official_client_gets_the_zmq_clients_greedy_text(served: Served) -> Non
             return streamed, whole.choices[0].message.content or ""
 
     assert asyncio.run(with_async_client()) == (raw.text, chat.text)
+
+
+@pytest.mark.slow
+def test_what_sdks_and_uis_send_unused_changes_nothing_for_the_official_client(served: Served) -> None:
+    """Fields SDKs and chat UIs fill in with their "not used" values, a reply dumped and sent back
+    as the next turn, and the model retrieved by id: the same greedy answers as plain requests."""
+    client = served.client
+    question = [{"role": "user", "content": QUESTION}]
+    plain = client.chat.completions.create(model=MODEL, messages=question, max_tokens=8, temperature=0)
+    assert plain.system_fingerprint is None and plain.id.startswith("chatcmpl-")
+    filled = client.chat.completions.create(
+        model=MODEL,
+        messages=question,
+        max_tokens=8,
+        temperature=0,
+        user="user-1",
+        n=1,
+        presence_penalty=0,
+        frequency_penalty=0,
+        logit_bias={},
+        logprobs=False,
+        response_format={"type": "text"},
+        parallel_tool_calls=True,
+        store=False,
+        metadata={"conversation": "42"},
+        stop=None,
+        extra_body={"stream_options": None, "tools": []},
+    )
+    assert filled.choices[0].message.content == plain.choices[0].message.content
+    assert filled.usage is not None and plain.usage is not None
+    assert filled.usage.prompt_tokens == plain.usage.prompt_tokens
+
+    next_turn = [*question, plain.choices[0].message.model_dump(), {"role": "user", "content": "And of Spain?"}]
+    as_dumped = client.chat.completions.create(model=MODEL, messages=next_turn, max_tokens=8, temperature=0)
+    by_hand = [*question, {"role": "assistant", "content": plain.choices[0].message.content}, next_turn[-1]]
+    expected = client.chat.completions.create(model=MODEL, messages=by_hand, max_tokens=8, temperature=0)
+    assert as_dumped.choices[0].message.content == expected.choices[0].message.content
+
+    completion = client.completions.create(model=MODEL, prompt=[TEXT_PROMPT], max_tokens=6, temperature=0)
+    filled_completion = client.completions.create(
+        model=MODEL, prompt=TEXT_PROMPT, max_tokens=6, temperature=0, echo=False, best_of=1, suffix=None, user="u"
+    )
+    assert filled_completion.choices[0].text == completion.choices[0].text and completion.system_fingerprint is None
+
+    model = client.models.retrieve(MODEL)
+    assert (model.id, model.object) == (MODEL, "model")
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4")
+    assert missing.value.code == "model_not_found"
+
+
+@pytest.mark.slow
+def test_an_api_key_from_the_environment_guards_the_front_end(
+    served: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PDSERVE_API_KEY, as vLLM's VLLM_API_KEY: the official client gets in with it, and gets
+    AuthenticationError (401, invalid_api_key) with another."""
+    frontend = FrontendProcess(served.cluster.endpoint, tmp_path / "frontend.log", env={"PDSERVE_API_KEY": "sk-one"})
+    try:
+        url = f"{frontend.base_url}/v1"
+        with openai.OpenAI(base_url=url, api_key="sk-one", max_retries=0) as client:
+            reply = client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=4, temperature=0)
+        assert reply.choices[0].text == zmq_greedy(served, TEXT_PROMPT, chat=False, max_tokens=4).text
+        with (
+            openai.OpenAI(base_url=url, api_key="sk-two", max_retries=0) as client,
+            pytest.raises(openai.AuthenticationError) as refused,
+        ):
+            client.models.list()
+        assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
+        assert httpx.get(f"{frontend.base_url}/health", timeout=30).status_code == 200
+
+        # bench.serve's HTTP backend sends OPENAI_API_KEY, as vLLM's bench serve does.
+        from pdserve.bench.serve import BenchConfig, run_benchmark
+
+        config = BenchConfig(workload="text", num_requests=2, warmup=0, output_len=4, concurrency=2, timeout=60)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-one")
+        result = asyncio.run(run_benchmark(config, "", backend="openai", base_url=frontend.base_url))
+        assert (result["completed"], result["failed"]) == (2, 0), result
+        assert frontend.stop() == 0
+    finally:
+        frontend.kill()
 
 
 @pytest.mark.slow
@@ -813,9 +1204,12 @@ def test_sigterm_drains_refuses_new_requests_with_503_and_exits_zero(served: Ser
 @pytest.mark.slow
 def test_ctrl_c_drains_the_http_front_end_too(tmp_path: Path, demo_model_dir: Path) -> None:
     """Ctrl-C in a terminal signals the whole foreground process group: the front end must still
-    drain its streams (one signal, the launcher's), and the launcher exit 0 without a traceback."""
+    drain its streams (one signal, the launcher's), and the launcher exit 0 without a traceback.
+    The launcher hands the front end its --allowed-origins, and its --api-key in its environment,
+    not on its command line."""
     http_port = free_port()
     log_path = tmp_path / "launch.log"
+    key = "sk-launched"
     command = [
         sys.executable,
         "launch.py",
@@ -825,6 +1219,10 @@ def test_ctrl_c_drains_the_http_front_end_too(tmp_path: Path, demo_model_dir: Pa
         str(free_port()),
         "--http-port",
         str(http_port),
+        "--api-key",
+        key,
+        "--allowed-origins",
+        "https://ui.example",
     ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -833,8 +1231,17 @@ def test_ctrl_c_drains_the_http_front_end_too(tmp_path: Path, demo_model_dir: Pa
             lambda: "endpoint " in log_path.read_text() or proc.poll() is not None, 300, "the cluster never started"
         )
         assert proc.poll() is None, log_path.read_text()
+        front_ends = [
+            cmdline
+            for cmdline in (p.read_bytes() for p in Path("/proc").glob("[0-9]*/cmdline") if p.exists())
+            if b"pdserve.router.openai_server" in cmdline and str(http_port).encode() in cmdline
+        ]
+        assert len(front_ends) == 1 and key.encode() not in front_ends[0], front_ends
+        url = f"http://127.0.0.1:{http_port}/v1/completions"
         body = {"model": MODEL, "prompt": TEXT_PROMPT, "max_tokens": 40, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=120) as response:
+        refused = httpx.post(url, json=body, headers={"Origin": "https://ui.example"}, timeout=30)
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "https://ui.example"
+        with httpx.stream("POST", url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
             os.killpg(proc.pid, signal.SIGINT)

@@ -113,7 +113,7 @@ class _TorchTransfer(Transfer):
     def wait(self) -> TransferStats:
         if self.stats is None and self.error is None and self._landed is not None:
             left = self.timeout_s - (time.perf_counter() - self.started)
-            if not self._landed.wait(None if left == math.inf else max(0.0, left)):
+            if not self._landed.wait(None if left >= threading.TIMEOUT_MAX else max(0.0, left)):
                 # The helper thread keeps the works, and so the buffers, until gloo lets go.
                 self.fail(f"KV transfer not complete after {self.timeout_s:g} s")
             elif self._cut is not None:

@@ -9,6 +9,7 @@ import datetime
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -26,6 +27,7 @@ from pdserve.kvtransfer.base import (
     TransferTopology,
     create_backend,
 )
+from pdserve.kvtransfer.torch_dist import _TorchTransfer
 
 SHAPE = (2, 2, 9, 4, 2, 8)  # layers, K/V, blocks (8 + the dummy), block size, KV heads, head dim
 TIMEOUT_S = 60.0
@@ -185,3 +187,22 @@ def test_a_sender_killed_mid_message_fails_the_receive_within_the_transfer_timeo
                 os.kill(proc.pid, signal.SIGCONT)
                 proc.kill()
             proc.join()
+
+
+class _HeldWork:
+    """A gloo work that completes when the test lets it."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def wait(self) -> None:
+        self.released.wait()
+
+
+def test_a_transfer_timeout_beyond_what_a_wait_takes_means_no_timeout() -> None:
+    """--kv-lease-timeout is any positive number: one past the longest wait Python's locks
+    take must not make every transfer fail."""
+    work = _HeldWork()
+    transfer = _TorchTransfer([work], [], [], torch.zeros(1), lambda _: None, None, timeout_s=1e12)
+    threading.Timer(0.2, work.released.set).start()
+    assert transfer.wait().num_bytes == 0

@@ -184,7 +184,9 @@ class ClusterConfig:
         section="Fault tolerance",
     )
     max_restarts: int = setting(
-        10, help="Restarts of one group before the cluster gives up on it.", section="Fault tolerance"
+        10,
+        help="Restarts of one group (or of the HTTP front end) before the cluster gives up on it.",
+        section="Fault tolerance",
     )
     restart_backoff: float = setting(
         1.0,

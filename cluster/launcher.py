@@ -5,6 +5,7 @@ check) is failed: all its ranks are killed, the router moves its requests, and t
 spawned again after a back-off as its next generation (a new TP world, new KV pair groups with
 the survivors, who keep serving). A group that fails ``max_restarts`` times stays down; when a
 role has no group left the cluster stops.
+The HTTP front end, which holds no state, is started again at once (up to ``max_restarts`` times).
 
 Multi-node (``--master-addr``): this node is the router node. The rendezvous store listens on
 ``--master-addr:--master-port`` and holds what a group node needs to join (``cluster.join``): the
@@ -103,6 +104,7 @@ class Cluster:
         self.groups: dict[tuple[str, int], _Group] = {}
         self.router: Router | None = None
         self.http: subprocess.Popen[bytes] | None = None
+        self._http_restarts = 0
         self.mps: MpsDaemon | None = None
         self._stopping = False
 
@@ -298,6 +300,16 @@ class Cluster:
         """The OpenAI-compatible front end in its own process (so that it does not share an
         interpreter lock with the router loop), returning once it listens."""
         c = self.config
+        self._spawn_http(port)
+        deadline = time.monotonic() + c.start_timeout
+        while not _listening(c.host, port):
+            self.router.poll(50)  # the front end asks the router for its stats while it starts
+            if self.http.poll() is not None or time.monotonic() > deadline:
+                self._abandon()
+                raise ClusterError(f"the HTTP front end did not start on port {port} (its error is above)")
+
+    def _spawn_http(self, port: int) -> None:
+        c = self.config
         command = [
             sys.executable,
             "-m",
@@ -327,12 +339,6 @@ class Cluster:
         if c.api_key is not None:  # in its environment: on its command line, ps would show it
             env[API_KEY_ENV] = c.api_key
         self.http = subprocess.Popen(command, preexec_fn=die_with_parent, start_new_session=True, env=env)
-        deadline = time.monotonic() + c.start_timeout
-        while not _listening(c.host, port):
-            self.router.poll(50)  # the front end asks the router for its stats while it starts
-            if self.http.poll() is not None or time.monotonic() > deadline:
-                self._abandon()
-                raise ClusterError(f"the HTTP front end did not start on port {port} (its error is above)")
 
     def request_stop(self, *_: object) -> None:
         if self._stopping:
@@ -383,10 +389,22 @@ class Cluster:
             elif group.processes is not None:
                 self._group_failed(group, cause)
         if self.http is not None and self.http.poll() is not None and not (self._stopping or self._stop_requested):
-            failure = f"the HTTP front end exited with status {self.http.returncode}"
-            self.router.fail_all("worker_failed", failure)
-            self._abandon()
-            raise ClusterError(failure)
+            self._http_failed()
+
+    def _http_failed(self) -> None:
+        """Start the front end again: it holds nothing but its own clients' connections, gone
+        with it (the router aborts their requests). Past ``max_restarts`` it stays down, and the
+        ZMQ endpoint serves on."""
+        assert self.http is not None and self.config.http_port is not None
+        c = self.config
+        logger.error("the HTTP front end exited with status %d", self.http.returncode)
+        if self._http_restarts >= c.max_restarts:
+            logger.error("the HTTP front end: %d restarts already, it stays down", self._http_restarts)
+            self.http = None
+            return
+        self._http_restarts += 1
+        logger.warning("the HTTP front end restarts (restart %d of at most %d)", self._http_restarts, c.max_restarts)
+        self._spawn_http(c.http_port)
 
     def _group_failed(self, group: _Group, cause: str) -> None:
         """Kill what is left of a group, have the router move its requests, schedule its restart

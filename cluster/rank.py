@@ -74,7 +74,14 @@ def _transfers(
     def rendezvous(peer_group: int, generation: int) -> PairRendezvous:
         peer = f"{other}{peer_group}.g{generation}"
         pair = f"{mine}-{peer}" if spec.role == "prefill" else f"{peer}-{mine}"
-        return PairRendezvous(store.hostname or "127.0.0.1", store.port or 0, f"kv/{pair}/", spec.rendezvous_timeout)
+        # A transfer may wait on the wire as long as its KV may wait for its hand-off.
+        return PairRendezvous(
+            store.hostname or "127.0.0.1",
+            store.port or 0,
+            f"kv/{pair}/",
+            spec.rendezvous_timeout,
+            spec.kv_lease_timeout,
+        )
 
     started = [len(ranks) for ranks in spec.layout.ranks[other]]
 

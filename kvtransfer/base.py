@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -126,7 +127,10 @@ class PairRendezvous:
     host: str
     port: int
     prefix: str  # e.g. "kv/prefill0.g0-decode1.g2/"
-    timeout_s: float
+    timeout_s: float  # the pair group's own: forming it waits for a restarted peer's start-up
+    # One transfer's wait on the wire, after which it fails: gloo never fails a receive whose
+    # sender died mid-message, it waits out the group's timeout.
+    transfer_timeout_s: float = math.inf
 
     def connect_store(self) -> dist.Store:
         """A client of the store, its keys under the pair's prefix."""

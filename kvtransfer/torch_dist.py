@@ -15,13 +15,15 @@ Sync backends wait before returning; async ones return at once and are polled.
 With a ``PairRendezvous`` in the topology the backend forms a process group of its own for its
 (prefill group, decode group) pair, in a background thread (the survivors of a restart keep
 serving while the restarted group loads its model); a transfer waits for it. A peer's death
-fails the transfers in flight (``TransferFailed``) instead of hanging them.
+fails the transfers in flight (``TransferFailed``) instead of hanging them; gloo misses a death
+in the middle of a message, so a wait longer than the pair's ``transfer_timeout_s`` fails too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -51,8 +53,10 @@ class _TorchTransfer(Transfer):
         kv_cache: torch.Tensor,
         release: Callable[[int], None],
         start_event: torch.cuda.Event | None,
+        timeout_s: float = math.inf,
     ) -> None:
         self.works = works
+        self.timeout_s = timeout_s
         self.start_event = start_event
         self.buffers = buffers
         self.num_bytes = sum(b.numel() * b.element_size() for b in buffers)
@@ -108,8 +112,11 @@ class _TorchTransfer(Transfer):
 
     def wait(self) -> TransferStats:
         if self.stats is None and self.error is None and self._landed is not None:
-            self._landed.wait()
-            if self._cut is not None:
+            left = self.timeout_s - (time.perf_counter() - self.started)
+            if not self._landed.wait(None if left >= threading.TIMEOUT_MAX else max(0.0, left)):
+                # The helper thread keeps the works, and so the buffers, until gloo lets go.
+                self.fail(f"KV transfer not complete after {self.timeout_s:g} s")
+            elif self._cut is not None:
                 self.fail(self._cut)
         if self.error is not None:
             raise self.error
@@ -160,6 +167,7 @@ class TorchDistributedBackend(TransferBackend):
         self._group_error: BaseException | None = None
         self._abandoned = False
         self._connecting: threading.Thread | None = None
+        self._timeout_s = math.inf if topology.rendezvous is None else topology.rendezvous.transfer_timeout_s
         if topology.rendezvous is not None:
             self._connecting = threading.Thread(target=self._connect, args=(topology.rendezvous,), daemon=True)
             self._connecting.start()
@@ -237,7 +245,7 @@ class TorchDistributedBackend(TransferBackend):
                     works.append(self._isend(packed, peer))
         except RuntimeError as e:
             return self._cut_off(e)
-        return self._finish(_TorchTransfer(works, buffers, [], self.kv_cache, self._release, start))
+        return self._finish(_TorchTransfer(works, buffers, [], self.kv_cache, self._release, start, self._timeout_s))
 
     def recv(self, block_ids: list[int], src_block_ids: list[int]) -> Transfer:
         self._await_group()
@@ -263,7 +271,9 @@ class TorchDistributedBackend(TransferBackend):
                     scatters.append((buffer, layer_range, heads, blocks))
         except RuntimeError as e:
             return self._cut_off(e)
-        return self._finish(_TorchTransfer(works, buffers, scatters, self.kv_cache, self._release, start))
+        return self._finish(
+            _TorchTransfer(works, buffers, scatters, self.kv_cache, self._release, start, self._timeout_s)
+        )
 
     def _cut_off(self, error: RuntimeError) -> Transfer:
         """A transfer whose post failed (gloo: the peer's connection is already reset, before the

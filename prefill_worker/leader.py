@@ -10,7 +10,8 @@ Lifecycle of a request here:
    side pulls the KV (``TransferBackend.pulls``), it replies only once its copy is complete:
    the send has nothing left to do and the blocks are freed at once.
    ``KVReply`` refused (the decode group has no free blocks) -> the announcement is retried
-   later with back-off; the KV stays here meanwhile (back-pressure, never a drop).
+   later with back-off; the KV stays here meanwhile (back-pressure, never a drop), and the later
+   requests to that decode group wait behind it (first prefilled, first offered).
 
 Invariant: once a decode group has accepted a transfer it has posted the receive, so the send
 always happens, even for a request aborted in between (its blocks are freed afterwards).
@@ -114,12 +115,16 @@ class PrefillLeader(GroupLeader):
         for request_id in [r for r, transfer in self.sending.items() if transfer.done()]:
             self._release(request_id)
         now = time.monotonic()
+        # A decode group is offered KV in prefill order: one handoff that must wait holds back
+        # the later ones to its group, else those take the room that frees and it starves.
+        waiting: set[int] = set()
         for _ in range(len(self.to_announce)):
             handoff = self.to_announce.popleft()
             if now - handoff.since > self.kv_lease_timeout:
                 self._expire(handoff)
                 continue
-            if handoff.retry_at > now or not self._staging_room(handoff):
+            if handoff.decode_group in waiting or handoff.retry_at > now or not self._staging_room(handoff):
+                waiting.add(handoff.decode_group)
                 self.to_announce.append(handoff)
                 continue
             self.announced[handoff.announce.request_id] = handoff

@@ -540,6 +540,7 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Resp
         watcher.cancel()
         if not task.done():
             task.cancel()
+            await asyncio.wait((task,))  # cancelled once it has run its cancellation (the abort)
     if task.cancelled():
         return Response(status_code=499)  # nobody is listening; 499 is nginx's "client closed request"
     return task.result()

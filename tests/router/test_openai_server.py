@@ -26,13 +26,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from fastapi.responses import Response
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench.compare import LaunchedCluster
 from pdserve.cluster.client import Client, Final
 from pdserve.cluster.group import free_port
 from pdserve.router.openai_api import APIError, ChatRequest, parse_request
-from pdserve.router.openai_server import RepeatLimit
+from pdserve.router.openai_server import RepeatLimit, _until_disconnect
 from pdserve.router.stop_strings import StopStringMatcher
 
 REPO = Path(__file__).resolve().parents[2]
@@ -328,6 +329,27 @@ def test_bodies_have_openais_shapes_with_a_null_system_fingerprint(kind: str) ->
             "text_completion" if kind == "completion" else "chat.completion.chunk"
         )
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 5
+
+
+def test_a_whole_response_whose_client_went_away_is_cancelled_and_answers_499() -> None:
+    """The work is cancelled (its run aborts the request in the cluster) and the answer is a
+    499, not an internal error with its traceback logged twice."""
+    stopped = []
+
+    async def work() -> Response:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            stopped.append(True)
+            raise
+        return Response()
+
+    class Gone:  # a request whose client has disconnected
+        async def receive(self) -> dict[str, str]:
+            return {"type": "http.disconnect"}
+
+    response = asyncio.run(_until_disconnect(Gone(), work()))  # type: ignore[arg-type]
+    assert response.status_code == 499 and stopped
 
 
 def test_a_repeated_warning_is_logged_once_a_minute_with_a_count() -> None:

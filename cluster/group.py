@@ -36,6 +36,22 @@ from pdserve.engine.parallel import TensorParallel
 _PR_SET_PDEATHSIG = 1
 
 
+# What asks a launcher or a group node to drain and stop: Ctrl-C, SIGTERM, and the hangup of the
+# terminal it runs in. Ranks ignore the terminal's two: their launcher drives their shutdown.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+TERMINAL_SIGNALS = (signal.SIGINT, signal.SIGHUP)
+
+
+def exit_words(code: int) -> str:
+    """A process's exit code in words: "exited with code 3", "was killed by SIGKILL"."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
 def die_with_parent() -> None:
     """Linux: have the kernel SIGKILL this process when its parent (the launcher) dies, so that
     no rank or front end is orphaned."""
@@ -178,12 +194,12 @@ class RankProcesses:
 
     def failure(self) -> str | None:
         """The ranks that exited non-zero so far, if any (non-blocking)."""
-        failed = [
-            f"rank {i} exited with code {p.exitcode}"
-            for i, p in enumerate(self.processes)
-            if p.exitcode not in (None, 0)
-        ]
-        return "; ".join(failed) + " (its traceback is in the cluster's log)" if failed else None
+        failed = [(i, p.exitcode) for i, p in enumerate(self.processes) if p.exitcode not in (None, 0)]
+        if not failed:
+            return None
+        words = "; ".join(f"rank {i} {exit_words(code)}" for i, code in failed)
+        # A rank killed by a signal wrote no traceback; one that exited with a code did.
+        return words + " (its traceback is in the cluster's log)" if any(code > 0 for _, code in failed) else words
 
     def alive(self) -> bool:
         return any(proc.is_alive() for proc in self.processes)

@@ -35,6 +35,7 @@ import zmq
 from pdserve.cluster import reaper
 from pdserve.cluster.config import ROLES, Addresses, ClusterConfig, GroupLayout, split_host_port
 from pdserve.cluster.group import (
+    STOP_SIGNALS,
     RankProcesses,
     connect_store,
     free_port,
@@ -74,7 +75,7 @@ _SHUTDOWN_GRACE_S = 10.0
 
 
 class GroupNode:
-    """``start()`` joins the cluster at ``join``; ``serve()`` runs until SIGTERM/SIGINT, then drains."""
+    """``start()`` joins the cluster at ``join``; ``serve()`` runs until SIGTERM, SIGINT or SIGHUP, then drains."""
 
     def __init__(self, given: dict[str, Any]) -> None:
         """``given``: the settings typed on this node's command line (flat keys)."""
@@ -106,7 +107,7 @@ class GroupNode:
         an index and spawn the ranks. Every mistake raises ``ValueError`` or ``ClusterError``
         with one line, before any rank starts."""
         # From here a stop is a request that ``serve`` honours: the ranks must not be orphaned half-way.
-        self._handlers = {sig: signal.signal(sig, self.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self._handlers = {sig: signal.signal(sig, self.request_stop) for sig in STOP_SIGNALS}
         host, port = split_host_port(self.join, "--join")
         self._store_address = f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
         try:

@@ -39,9 +39,11 @@ import zmq
 from pdserve.cluster import reaper
 from pdserve.cluster.config import API_KEY_ENV, Addresses, ClusterConfig, GroupLayout
 from pdserve.cluster.group import (
+    STOP_SIGNALS,
     RankProcesses,
     connect_store,
     die_with_parent,
+    exit_words,
     free_port,
     group_specs,
     group_state_key,
@@ -92,7 +94,7 @@ class _Group:
 
 class Cluster:
     """``start()`` spawns every rank and waits for the groups; ``serve()`` runs the router until
-    SIGINT/SIGTERM, then drains in-flight requests and stops every process."""
+    SIGINT, SIGTERM or SIGHUP, then drains in-flight requests and stops every process."""
 
     def __init__(self, config: ClusterConfig, require_tokenizer: bool = False) -> None:
         self.config = config
@@ -351,7 +353,7 @@ class Cluster:
         endpoint to may stop the cluster at once. The handlers stay installed through the drain: a
         repeated signal must not kill the process while requests are still finishing."""
         assert self.router is not None
-        previous = {sig: signal.signal(sig, self.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, self.request_stop) for sig in STOP_SIGNALS}
         try:
             if serving is not None:
                 serving()
@@ -397,7 +399,7 @@ class Cluster:
         ZMQ endpoint serves on."""
         assert self.http is not None and self.config.http_port is not None
         c = self.config
-        logger.error("the HTTP front end exited with status %d", self.http.returncode)
+        logger.error("the HTTP front end %s", exit_words(self.http.returncode))
         if self._http_restarts >= c.max_restarts:
             logger.error("the HTTP front end: %d restarts already, it stays down", self._http_restarts)
             self.http = None

@@ -25,6 +25,7 @@ import zmq
 from pdserve.cluster.colocated import ColocatedLeader
 from pdserve.cluster.config import Addresses, GroupLayout
 from pdserve.cluster.group import (
+    TERMINAL_SIGNALS,
     RankSpec,
     connect_store,
     die_with_parent,
@@ -137,7 +138,8 @@ def worker_main(spec: WorkerSpec) -> None:
     """Entry point of a rank process: join the world, build the engine, serve until shutdown."""
     os.environ.update(spec.env)
     die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher drives shutdown, not Ctrl-C
+    for sig in TERMINAL_SIGNALS:  # the launcher drives shutdown, not Ctrl-C or a hangup
+        signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s {spec.role}{spec.group}.{spec.rank.engine.parallel.tp_rank} %(levelname)s %(message)s",

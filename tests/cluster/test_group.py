@@ -1,13 +1,15 @@
-"""The world's rendezvous: what ``cluster.group.join_world`` leaves listening."""
+"""The world's rendezvous (what ``cluster.group.join_world`` leaves listening), and how a dead
+rank is reported."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 
 import torch.distributed as dist
 
-from pdserve.cluster.group import free_port, join_world
+from pdserve.cluster.group import RankProcesses, exit_words, free_port, join_world
 
 
 def test_join_world_listens_on_loopback_only() -> None:
@@ -22,3 +24,32 @@ def test_join_world_listens_on_loopback_only() -> None:
     ours = [line.split()[3] for line in listening if f"pid={os.getpid()}," in line]
     assert f"127.0.0.1:{port}" in ours, listening
     assert all(address.startswith("127.0.0.1:") for address in ours), ours
+
+
+def test_exit_words_name_the_signal_that_killed() -> None:
+    """A rank killed by a signal (the OOM killer's SIGKILL) is reported by the signal's name, and
+    only an exit with a code points at a traceback."""
+    assert exit_words(3) == "exited with code 3"
+    assert exit_words(-9) == "was killed by SIGKILL"
+    assert exit_words(-15) == "was killed by SIGTERM"
+    assert exit_words(-200) == "was killed by signal 200"
+
+
+def _exit_with(code: int) -> None:
+    if code < 0:
+        os.kill(os.getpid(), -code)
+    os._exit(code)
+
+
+def test_failure_points_at_a_traceback_only_where_one_was_written() -> None:
+    killed = RankProcesses(_exit_with, [(0,), (-signal.SIGKILL,)])
+    for proc in killed.processes:
+        proc.join(60)
+    assert killed.failure() == "rank 1 was killed by SIGKILL"
+    both = RankProcesses(_exit_with, [(3,), (-signal.SIGKILL,)])
+    for proc in both.processes:
+        proc.join(60)
+    assert (
+        both.failure()
+        == "rank 0 exited with code 3; rank 1 was killed by SIGKILL (its traceback is in the cluster's log)"
+    )

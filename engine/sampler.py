@@ -9,6 +9,8 @@ import torch
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.step_plan import device_tensor
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
 
 def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Set to -inf every logit outside the row's top-k and outside its top-p nucleus.
@@ -58,7 +60,11 @@ class Sampler:
             # last one back, and a copy from pageable memory would wait for it.
             rows = device_tensor(sampled_rows, torch.int64, device)
             sub = logits[rows]
-            temps = device_tensor([params[i].temperature for i in sampled_rows], torch.float32, device)
+            # Past float32's range a temperature would become inf (with numpy's overflow warning);
+            # float32's largest already flattens every row to uniform, which is what it asks for.
+            temps = device_tensor(
+                [min(params[i].temperature, _FLOAT32_MAX) for i in sampled_rows], torch.float32, device
+            )
             top_k = device_tensor(  # -1 (off) and anything past the vocabulary keep every token
                 [min(params[i].top_k, vocab) if params[i].top_k > 0 else vocab for i in sampled_rows],
                 torch.int64,

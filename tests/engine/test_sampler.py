@@ -52,6 +52,16 @@ def test_sampled_frequencies_follow_the_masked_distribution() -> None:
     torch.testing.assert_close(freq, expected, atol=0.03, rtol=0)
 
 
+@pytest.mark.filterwarnings("error")
+def test_a_temperature_past_float32_samples_uniformly_without_overflow() -> None:
+    """Any finite temperature is valid; one past float32's range asks for the uniform distribution."""
+    logits = torch.tensor([[8.0, 0.0, 0.0, 0.0]]).repeat(4000, 1)
+    torch.manual_seed(0)
+    tokens = Sampler()(logits, [SamplingParams(temperature=1e300)] * 4000, [str(i) for i in range(4000)])
+    freq = torch.bincount(tokens, minlength=4).float() / 4000
+    torch.testing.assert_close(freq, torch.full((4,), 0.25), atol=0.03, rtol=0)
+
+
 def test_greedy_rows_take_the_argmax_beside_sampled_rows() -> None:
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.0)]

@@ -35,9 +35,10 @@ import zmq
 
 from pdserve.bench.common import ON_OFF_BOTH, command_line, fmt, format_table, metadata, parse_ints, write_json
 from pdserve.bench.metrics import percentile
+from pdserve.cluster import reaper
 from pdserve.cluster.client import AsyncClient
 from pdserve.cluster.config import Addresses, ClusterConfig
-from pdserve.cluster.group import free_port
+from pdserve.cluster.group import die_with_parent, free_port
 from pdserve.cluster.protocol import Chunk, Ready, TokenOutput, TokenOutputs, WorkRequest, decode, encode
 
 
@@ -52,6 +53,7 @@ class Setup:
 
 def router_main(setup: Setup, stop: Any) -> None:
     """The real router until ``stop`` is set."""
+    die_with_parent()
     from transformers import AutoTokenizer
 
     from pdserve.router.router import Router
@@ -73,6 +75,7 @@ def router_main(setup: Setup, stop: Any) -> None:
 
 def leader_main(setup: Setup, stop: Any) -> None:
     """A stand-in colocated leader: every request gets ``output_len`` tokens, one a step."""
+    die_with_parent()
     ctx = zmq.Context()
     addresses = Addresses(setup.run_dir, setup.endpoint)
     inbox = ctx.socket(zmq.PULL)
@@ -132,20 +135,28 @@ async def stream_all(
 @contextlib.contextmanager
 def stand_in_cluster(output_len: int, step_ms: float, tokenizer: str | None = None) -> Iterator[Setup]:
     """The router and the stand-in leader, each in a fresh process (spawned: no ZMQ context or
-    torch state shared over fork), until the block exits."""
+    torch state shared over fork), until the block exits; they, and the run directory, go with
+    this process however it ends."""
     spawn = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="pdserve-frontend-") as run_dir:
-        setup = Setup(run_dir, f"tcp://127.0.0.1:{free_port()}", output_len, step_ms / 1e3, tokenizer)
-        stop = spawn.Event()
-        processes = [spawn.Process(target=f, args=(setup, stop), daemon=True) for f in (router_main, leader_main)]
-        for p in processes:
-            p.start()
-        try:
-            yield setup
-        finally:
-            stop.set()
+    tmp = tempfile.TemporaryDirectory(prefix="pdserve-frontend-")
+    keeper = reaper.spawn(tmp.name)  # removes the run directory even if this process is killed
+    try:
+        with tmp as run_dir:
+            setup = Setup(run_dir, f"tcp://127.0.0.1:{free_port()}", output_len, step_ms / 1e3, tokenizer)
+            stop = spawn.Event()
+            processes = [spawn.Process(target=f, args=(setup, stop), daemon=True) for f in (router_main, leader_main)]
             for p in processes:
-                p.join(10)
+                p.start()
+            try:
+                yield setup
+            finally:
+                stop.set()
+                for p in processes:
+                    p.join(10)
+    finally:
+        assert keeper.stdin is not None
+        keeper.stdin.close()  # the reaper finds the directory gone, and exits
+        keeper.wait()
 
 
 def measure(streams: int, output_len: int, step_ms: float, batch_chunks: bool, tokenizer: str | None) -> dict[str, Any]:

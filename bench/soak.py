@@ -47,6 +47,18 @@ def rank_pids(log: str) -> dict[str, int]:
     return {name: int(pid) for name, pid in re.findall(r" (\w+\d+\.\d+) INFO rank up: pid (\d+)", log)}
 
 
+def descendants(root: int) -> list[int]:
+    """Every process below ``root`` (children, their children, ...), from /proc."""
+    found, stack = [], [root]
+    while stack:
+        for task in Path(f"/proc/{stack.pop()}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                below = [int(c) for c in task.read_text().split()]
+                found += below
+                stack += below
+    return found
+
+
 def rss_mib(root: int) -> tuple[float, float]:
     """(the process's RSS, the RSS of it and all its descendants), MiB, from /proc."""
 
@@ -59,19 +71,7 @@ def rss_mib(root: int) -> tuple[float, float]:
             pass
         return 0
 
-    def children(pid: int) -> list[int]:
-        out = []
-        for task in Path(f"/proc/{pid}/task").glob("*/children"):
-            with contextlib.suppress(OSError):
-                out += [int(c) for c in task.read_text().split()]
-        return out
-
-    total, stack = 0, [root]
-    while stack:
-        pid = stack.pop()
-        total += rss(pid)
-        stack += children(pid)
-    return rss(root) / 1024, total / 1024
+    return rss(root) / 1024, sum(rss(pid) for pid in (root, *descendants(root))) / 1024
 
 
 async def one_request(client: AsyncClient, rng: random.Random, abort: bool, outcomes: Counter) -> None:

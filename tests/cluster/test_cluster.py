@@ -16,6 +16,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from pdserve.bench.soak import descendants
 from pdserve.cluster.client import Client, ClusterError, Final
 from pdserve.cluster.group import free_port
 from pdserve.engine.sampling import SamplingParams
@@ -248,23 +249,6 @@ def test_sigterm_under_load_ends_every_request_and_exits_zero(
     client.close()
 
 
-def _descendants(pid: int) -> list[int]:
-    """The processes below ``pid``, from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError):  # gone meanwhile
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
-
-
 def test_a_closed_terminal_drains_like_sigterm(cluster_factory, tiny_model_dirs: dict[str, Path]) -> None:
     """Closing the terminal sends SIGHUP to every process of its foreground job: the launcher
     drains (its requests finish) and exits 0, and its ranks, which the signal's default action
@@ -273,7 +257,7 @@ def test_a_closed_terminal_drains_like_sigterm(cluster_factory, tiny_model_dirs:
     client = Client(cluster.endpoint, timeout=60)
     running = [client.submit(token_ids=[1, 2, 3], max_tokens=40, temperature=0.0, ignore_eos=True) for _ in range(3)]
     time.sleep(1.0)
-    for pid in [cluster.proc.pid, *_descendants(cluster.proc.pid)]:
+    for pid in [cluster.proc.pid, *descendants(cluster.proc.pid)]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGHUP)
     for request_id in running:

@@ -282,7 +282,7 @@ def _prefill_kernel(
             tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_splits"])
+@triton.jit(do_not_specialize=["num_rows"])
 def _prefill_reduce_kernel(
     m_ptr,
     l_ptr,
@@ -295,12 +295,13 @@ def _prefill_reduce_kernel(
     head_dim,
     num_seqs,
     num_rows,
-    num_splits,
+    NUM_SPLITS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """Merges the split partials of BLOCK_R rows (token * Hq + head) into the output; rows of
-    padding tokens (past cu_seqlens_q[-1]) are left alone."""
+    padding tokens (past cu_seqlens_q[-1]) are left alone. The split count is a constexpr so the
+    loop unrolls and every partition's loads go out together."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = r < tl.load(cu_seqlens_ptr + num_seqs) * num_heads
     d = tl.arange(0, BLOCK_D)
@@ -308,7 +309,7 @@ def _prefill_reduce_kernel(
     m_run = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_run = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    for split in range(num_splits):
+    for split in tl.static_range(NUM_SPLITS):
         idx = split * num_rows + r.to(tl.int64)
         m = tl.load(m_ptr + idx, mask=r_mask, other=float("-inf"))
         l = tl.load(l_ptr + idx, mask=r_mask, other=0.0)
@@ -441,7 +442,7 @@ def paged_prefill_attention(
             head_dim,
             batch,
             num_rows,
-            splits,
+            NUM_SPLITS=splits,
             BLOCK_R=_REDUCE_ROWS,
             BLOCK_D=block_d,
         )

@@ -1,14 +1,17 @@
 """CUDA graphs for the model's steps: decode steps by batch size, prefill (and mixed) steps by
-token count.
+token count and sequence count.
 
 A step replays the graph of the smallest bucket that holds it; the graph reads static buffers
 updated in place before each replay. Padding never touches a real sequence's cache: decode
 padding rows are token 0 at position 0 writing the dummy slot and reading one token of the dummy
 block; prefill padding tokens form one extra sequence over the dummy block (so every computed row
-is finite), followed by empty sequences. A prefill bucket of ``T`` tokens holds
-``min(T, max_seqs)`` sequences, as a step has no more sequences than tokens; larger steps run
-eagerly. Each runner's graphs share one memory pool (captured largest first), and on the leader
-they all write fp32 logits into one buffer the model runner owns, consumed before the next replay.
+is finite), followed by empty sequences. A prefill bucket of ``T`` tokens has a graph for
+``min(T, max_seqs)`` sequences, as a step has no more sequences than tokens, and one for
+``FEW_SEQS`` where that is fewer: every empty sequence costs the attention kernel a spare tile
+per KV head and the LM head a row, a real share of a short step over few prompts. Larger steps
+run eagerly. Each runner's graphs share one memory pool (captured largest first), and on the
+leader they all write fp32 logits into one buffer the model runner owns, consumed before the
+next replay.
 
 Invariant: graphs must be released (``release``) before the process group is destroyed; a
 captured NCCL all-reduce that outlives its communicator hangs the process at exit.
@@ -17,7 +20,8 @@ captured NCCL all-reduce that outlives its communicator hangs the process at exi
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
+from collections.abc import Hashable
+from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -36,6 +40,28 @@ def token_buckets(max_tokens: int) -> list[int]:
     buckets = [64]
     while buckets[-1] < max_tokens:
         buckets.append(buckets[-1] * 2 if buckets[-1] < 256 else buckets[-1] + 256)
+    return buckets
+
+
+FEW_SEQS = 4  # sequences of a token bucket's second, few-sequence prefill graph
+
+
+class PrefillBucket(NamedTuple):
+    """A prefill graph's shape: ``tokens`` (padded to) in up to ``seqs`` sequences."""
+
+    tokens: int
+    seqs: int
+
+
+def prefill_buckets(max_tokens: int, max_seqs: int) -> list[PrefillBucket]:
+    """The prefill graphs' shapes, ascending: per :func:`token_buckets` size ``T``, one for
+    ``min(T, max_seqs)`` sequences and, where that is more, one for ``FEW_SEQS``."""
+    buckets = []
+    for tokens in token_buckets(max_tokens):
+        seqs = min(tokens, max_seqs)
+        if seqs > FEW_SEQS:
+            buckets.append(PrefillBucket(tokens, FEW_SEQS))
+        buckets.append(PrefillBucket(tokens, seqs))
     return buckets
 
 
@@ -70,6 +96,18 @@ def pad_prefill_plan(plan: StepPlan, bucket: int, max_seqs: int, dummy_block: in
     )
 
 
+def _packed_fields(padded: StepPlan) -> tuple[list[int], ...]:
+    """A padded prefill plan's fields in :class:`PrefillInputs` order."""
+    return (
+        padded.input_ids,
+        padded.positions,
+        padded.slot_mapping,
+        padded.sample_rows,
+        padded.context_lens,
+        padded.cu_seqlens_q,
+    )
+
+
 def batch_buckets(max_batch_size: int) -> list[int]:
     """1, 2, 4, then multiples of 8 (as vLLM does), the last one covering ``max_batch_size``."""
     buckets = [b for b in (1, 2, 4) if b < max_batch_size]
@@ -84,16 +122,20 @@ def _load(buffer: torch.Tensor, values: list | np.ndarray) -> None:
     buffer.copy_(host_tensor(values, buffer.dtype, pin=True), non_blocking=True)
 
 
-class _StepGraphs:
+BucketT = TypeVar("BucketT", bound=Hashable)
+
+
+class _StepGraphs(Generic[BucketT]):
     """One graph per bucket for one kind of step, all in one memory pool; subclasses own the
-    static buffers and say what a bucket's step is (``_context``, ``_run_model``)."""
+    static buffers and say what a bucket's step is (``_context``, ``_run_model``). Buckets are
+    listed in ascending size."""
 
     kind: str  # "decode" | "prefill", for the log
 
     def __init__(
         self,
         model: CausalLM,
-        buckets: list[int],
+        buckets: list[BucketT],
         max_model_len: int,
         block_size: int,
         dummy_block: int,
@@ -109,16 +151,16 @@ class _StepGraphs:
         self.dummy_block = dummy_block
         self.logits = logits
         self.device = next(model.parameters()).device
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[BucketT, torch.Tensor] = {}
+        self.graphs: dict[BucketT, torch.cuda.CUDAGraph] = {}
 
-    def _context(self, bucket: int) -> AttentionContext:
+    def _context(self, bucket: BucketT) -> AttentionContext:
         raise NotImplementedError
 
-    def _run_model(self, bucket: int) -> torch.Tensor:
+    def _run_model(self, bucket: BucketT) -> torch.Tensor:
         raise NotImplementedError
 
-    def _prepare_capture(self, bucket: int) -> None:
+    def _prepare_capture(self, bucket: BucketT) -> None:
         """Leave a valid step of ``bucket`` in the static buffers for the warm-up and capture."""
 
     @torch.inference_mode()
@@ -235,7 +277,46 @@ def pack_decode_step(
     return start, host, None if bucket == 1 else tables
 
 
-class CudaGraphRunner(_StepGraphs):
+class PrefillInputs(NamedTuple):
+    """The per-step inputs of a prefill graph of :class:`PrefillBucket` ``(T, S)``: views of one
+    int64 buffer (:func:`prefill_inputs`); the padding sequence is the last of ``S + 1``."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    sample_rows: torch.Tensor  # [S] int64
+    context_lens: torch.Tensor  # [S + 1] int32
+    cu_seqlens_q: torch.Tensor  # [S + 2] int32
+
+
+def _int32_segment(elements: int) -> int:
+    """int64 elements that hold ``elements`` int32 values, 16-byte aligned."""
+    return _segment(-(-elements // 2))
+
+
+def prefill_packed_len(bucket: PrefillBucket) -> int:
+    """int64 elements of a prefill bucket's packed inputs (:class:`PrefillInputs`, in order)."""
+    t, s = bucket
+    return 3 * _segment(t) + _segment(s) + _int32_segment(s + 1) + _int32_segment(s + 2)
+
+
+def prefill_inputs(packed: torch.Tensor | np.ndarray, bucket: PrefillBucket) -> PrefillInputs:
+    """A prefill bucket's inputs as views of ``packed`` (a device tensor or a host array, int64,
+    at least :func:`prefill_packed_len` long), so that one copy fills them all."""
+    t, s = bucket
+    views: list[torch.Tensor | np.ndarray] = []
+    at = 0
+    for elements, int32 in ((t, False), (t, False), (t, False), (s, False), (s + 1, True), (s + 2, True)):
+        size = _int32_segment(elements) if int32 else _segment(elements)
+        region = packed[at : at + size]
+        if int32:
+            region = region.view(torch.int32) if isinstance(region, torch.Tensor) else region.view(np.int32)
+        views.append(region[:elements])
+        at += size
+    return PrefillInputs(*views)
+
+
+class CudaGraphRunner(_StepGraphs[int]):
     """Decode steps of up to ``max_batch_size`` sequences, one graph per :func:`batch_buckets`
     size (see the module docstring).
 
@@ -309,9 +390,9 @@ class CudaGraphRunner(_StepGraphs):
         return self.outputs[bucket][:batch]
 
 
-class PrefillGraphRunner(_StepGraphs):
+class PrefillGraphRunner(_StepGraphs[PrefillBucket]):
     """Prefill and mixed steps of up to ``max_tokens`` tokens in up to ``max_seqs`` sequences,
-    one graph per :func:`token_buckets` size (see the module docstring)."""
+    one graph per :func:`prefill_buckets` shape (see the module docstring)."""
 
     kind = "prefill"
 
@@ -325,63 +406,62 @@ class PrefillGraphRunner(_StepGraphs):
         dummy_block: int,
         logits: torch.Tensor | None,
     ) -> None:
-        super().__init__(model, token_buckets(max_tokens), max_model_len, block_size, dummy_block, logits)
-        self.max_tokens = n = self.buckets[-1]
+        buckets = prefill_buckets(max_tokens, max_seqs)
+        super().__init__(model, buckets, max_model_len, block_size, dummy_block, logits)
+        self.max_tokens = buckets[-1].tokens
         self.max_seqs = max_seqs
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self.slot_mapping = torch.full((n,), dummy_block * block_size, dtype=torch.int64, device=self.device)
         if logits is not None and logits.shape[0] < max_seqs:
             raise ValueError(f"the logits buffer has {logits.shape[0]} rows, a prefill step samples up to {max_seqs}")
+        # Every bucket's packed inputs start at 0: a step goes up in two copies, these and the
+        # block tables' rows in the plan's columns.
+        size = max(prefill_packed_len(b) for b in buckets)
+        self.buffer = torch.zeros(size, dtype=torch.int64, device=self.device)
+        self.inputs = {b: prefill_inputs(self.buffer, b) for b in buckets}
         # Wide enough for a sequence of max_model_len and for the padding sequence of any bucket.
         table_width = -(-max(max_model_len, self.max_tokens) // block_size)
         s = max_seqs + 1  # + the padding sequence
         self.block_tables = torch.full((s, table_width), dummy_block, dtype=torch.int32, device=self.device)
-        self.context_lens = torch.zeros(s, dtype=torch.int32, device=self.device)
-        self.cu_seqlens_q = torch.zeros(s + 1, dtype=torch.int32, device=self.device)
-        self.sample_rows = torch.zeros(max_seqs, dtype=torch.int64, device=self.device)
         self._capture_all()
 
-    def bucket_seqs(self, bucket: int) -> int:
-        """Sequences (and sampled rows) the graph of ``bucket`` tokens holds, its padding
-        sequence not counted: no step has more sequences than tokens."""
-        return min(bucket, self.max_seqs)
+    def bucket_for(self, plan: StepPlan) -> PrefillBucket:
+        """The smallest graph that holds ``plan`` (which :meth:`can_run`): the fewest tokens,
+        then the fewest sequences and sampled rows."""
+        num_tokens, num_seqs = len(plan.input_ids), max(len(plan.context_lens), len(plan.sample_rows))
+        return next(b for b in self.buckets if b.tokens >= num_tokens and b.seqs >= num_seqs)
 
-    def _context(self, bucket: int) -> AttentionContext:
-        seqs = self.bucket_seqs(bucket) + 1  # + the padding sequence
+    def _context(self, bucket: PrefillBucket) -> AttentionContext:
+        inputs = self.inputs[bucket]
         return AttentionContext(
             is_decode=False,
-            slot_mapping=self.slot_mapping[:bucket],
-            block_tables=self.block_tables[:seqs],
-            context_lens=self.context_lens[:seqs],
+            slot_mapping=inputs.slot_mapping,
+            block_tables=self.block_tables[: bucket.seqs + 1],  # + the padding sequence
+            context_lens=inputs.context_lens,
             max_context_len=self.max_model_len,
-            cu_seqlens_q=self.cu_seqlens_q[: seqs + 1],
+            cu_seqlens_q=inputs.cu_seqlens_q,
         )
 
-    def _run_model(self, bucket: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:bucket], self.positions[:bucket])
+    def _run_model(self, bucket: PrefillBucket) -> torch.Tensor:
+        inputs = self.inputs[bucket]
+        hidden = self.model(inputs.input_ids, inputs.positions)
         if self.logits is None:
             return hidden
-        rows = self.bucket_seqs(bucket)
-        return self.model.compute_logits(hidden[self.sample_rows[:rows]], self.logits[:rows])
+        return self.model.compute_logits(hidden[inputs.sample_rows], self.logits[: bucket.seqs])
 
-    def _prepare_capture(self, bucket: int) -> None:
+    def _prepare_capture(self, bucket: PrefillBucket) -> None:
         empty = StepPlan([], [], [], np.zeros((0, 0), dtype=np.int32), [], [0], [], False)
         self._load_plan(empty, bucket)  # all padding
 
-    def _load_plan(self, plan: StepPlan, bucket: int) -> None:
-        """Copy ``plan`` padded to ``bucket`` into the static buffers, straight from pinned
-        memory. Block table rows of the empty sequences are left as they are: never read."""
-        seqs = self.bucket_seqs(bucket)
-        padded = pad_prefill_plan(plan, bucket, seqs, self.dummy_block, self.block_size)
-        tables = padded.block_tables[: len(plan.context_lens) + 1]  # the plan's and the padding's
-        _load(self.input_ids[:bucket], padded.input_ids)
-        _load(self.positions[:bucket], padded.positions)
-        _load(self.slot_mapping[:bucket], padded.slot_mapping)
+    def _load_plan(self, plan: StepPlan, bucket: PrefillBucket) -> None:
+        """Copy ``plan`` padded to ``bucket`` into the static buffers in two copies straight
+        from pinned memory: the packed inputs, then the block tables of the plan's and the
+        padding sequence (the empty sequences' rows are never read)."""
+        padded = pad_prefill_plan(plan, bucket.tokens, bucket.seqs, self.dummy_block, self.block_size)
+        host = np.zeros(prefill_packed_len(bucket), dtype=np.int64)
+        for dest, values in zip(prefill_inputs(host, bucket), _packed_fields(padded)):
+            dest[:] = values
+        _load(self.buffer[: len(host)], host)
+        tables = padded.block_tables[: len(plan.context_lens) + 1]
         _load(self.block_tables[: len(tables), : tables.shape[1]], tables)
-        _load(self.context_lens[: seqs + 1], padded.context_lens)
-        _load(self.cu_seqlens_q[: seqs + 2], padded.cu_seqlens_q)
-        _load(self.sample_rows[:seqs], padded.sample_rows)
 
     def can_run(self, plan: StepPlan) -> bool:
         # Logits rows are captured for max_seqs sampled rows: a step sampling every token (a
@@ -397,9 +477,9 @@ class PrefillGraphRunner(_StepGraphs):
         """Replay the bucket's graph; logits of the plan's sampled rows (leader) or the hidden
         states of its ``T`` tokens. ``sampled`` as for decode graphs."""
         num_tokens = len(plan.input_ids)
-        bucket = next(b for b in self.buckets if b >= num_tokens)
+        bucket = self.bucket_for(plan)
         self._load_plan(plan, bucket)
-        write_pending_tokens(self.input_ids[:num_tokens], plan.input_ids, sampled)
+        write_pending_tokens(self.inputs[bucket].input_ids[:num_tokens], plan.input_ids, sampled)
         self.graphs[bucket].replay()
         output = self.outputs[bucket]
         return output[:num_tokens] if self.logits is None else output[: len(plan.sample_rows)]

@@ -13,7 +13,13 @@ import torch
 from pdserve.engine import ops
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.context import AttentionContext, set_context
-from pdserve.engine.graph_runner import CudaGraphRunner, PrefillGraphRunner, batch_buckets, token_buckets
+from pdserve.engine.graph_runner import (
+    CudaGraphRunner,
+    PrefillGraphRunner,
+    batch_buckets,
+    prefill_buckets,
+    token_buckets,
+)
 from pdserve.engine.parallel import TensorParallel, head_shard
 from pdserve.engine.step_channel import KVCommand, PeerTransfers, StepReceiver, StepSender
 from pdserve.engine.step_plan import StepPlan, device_tensor, write_pending_tokens
@@ -127,12 +133,12 @@ class ModelRunner:
 
     def _prefill_graph_output_bytes(self) -> int:
         """Bytes the prefill graphs' outputs keep besides their pool's activations: none on the
-        leader (its graphs write into the logits buffer), every token bucket's hidden states on a
-        peer."""
+        leader (its graphs write into the logits buffer), every graph's hidden states on a peer."""
         if self.config.parallel.is_leader:
             return 0
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return sum(token_buckets(self._prefill_graph_limits()[0])) * self.model_config.hidden_size * elem
+        tokens = sum(b.tokens for b in prefill_buckets(*self._prefill_graph_limits()))
+        return tokens * self.model_config.hidden_size * elem
 
     def _scratch_step(self, num_tokens: int, num_sampled: int) -> None:
         """One prefill forward of ``num_tokens`` tokens (one sequence) sampling ``num_sampled``

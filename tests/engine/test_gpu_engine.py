@@ -41,7 +41,7 @@ from pdserve.bench.common import (
 )
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.graph_runner import pad_prefill_plan
+from pdserve.engine.graph_runner import FEW_SEQS, pad_prefill_plan
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.presets import ensure_preset_model, load_preset, write_random_checkpoint
 from pdserve.engine.sampling import SamplingParams
@@ -232,14 +232,18 @@ def random_prefill_plan(runner: ModelRunner, seqs: list[tuple[int, int]], gen: t
     )
 
 
+# Each step and the graph shape (tokens, sequences) it replays.
 PREFILL_STEPS = {
-    "one-prompt": [(0, 100)],
-    "bucket-exact": [(0, 64)],
-    "prefixes": [(0, 5), (300, 1), (60, 37)],
-    "mixed-decode": [(200, 1)] * 12 + [(0, 300)],  # chunked prefill beside 12 decodes
-    "largest-bucket": [(0, 500)] * 4,  # 2000 tokens: the 2048 graph
-    "full-small-bucket": [(100, 1)] * 64,  # as many sequences as the 64 bucket's tokens, no padding
-    "many-decodes": [(300, 1)] * 200 + [(0, 40)],  # a prompt's arrival beside 200 decodes
+    "one-prompt": ([(0, 100)], (128, FEW_SEQS)),
+    "cached-prompt": ([(380, 128)], (128, FEW_SEQS)),  # a chunk after a long cached prefix
+    "bucket-exact": ([(0, 64)], (64, FEW_SEQS)),
+    "prefixes": ([(0, 5), (300, 1), (60, 37)], (64, FEW_SEQS)),
+    "few-seqs-exact": ([(0, 10)] * FEW_SEQS, (64, FEW_SEQS)),
+    "one-past-few": ([(0, 10)] * (FEW_SEQS + 1), (64, 64)),
+    "mixed-decode": ([(200, 1)] * 12 + [(0, 300)], (512, 256)),  # chunked prefill beside 12 decodes
+    "largest-bucket": ([(0, 500)] * 4, (2048, FEW_SEQS)),  # 2000 tokens: the 2048 graph
+    "full-small-bucket": ([(100, 1)] * 64, (64, 64)),  # as many sequences as the 64 bucket's tokens
+    "many-decodes": ([(300, 1)] * 200 + [(0, 40)], (256, 256)),  # a prompt's arrival beside 200 decodes
 }
 
 
@@ -249,20 +253,21 @@ def test_prefill_graph_replay_matches_eager(graph_runners: GraphRunners) -> None
     bf16-vs-fp32 difference of the plain eager step."""
     runner, fp32 = graph_runners.graphs, graph_runners.fp32
     graphs = runner.prefill_graph_runner
-    assert graphs is not None and graphs.buckets[-1] == 2048 and graphs.max_seqs == 256
+    assert graphs is not None and graphs.max_tokens == 2048 and graphs.max_seqs == 256
     # One logits buffer for every graph of both kinds (the decode test's replays write it too).
     assert runner.graph_runner is not None and graphs.logits is not None and graphs.logits is runner.graph_runner.logits
     gen = torch.Generator().manual_seed(3)
-    for name, seqs in PREFILL_STEPS.items():
+    for name, (seqs, shape) in PREFILL_STEPS.items():
         plan = random_prefill_plan(runner, seqs, gen)
         assert graphs.can_run(plan), name
-        bucket = next(b for b in graphs.buckets if b >= len(plan.input_ids))
+        bucket = graphs.bucket_for(plan)
+        assert bucket == shape, f"{name}: replays the graph of {bucket}, not {shape}"
         before = runner.kv_cache.clone()
         replayed = runner.run(plan)
         assert replayed is not None and replayed.shape == (len(seqs), runner.model_config.vocab_size)
         replayed = replayed.clone()
         runner.kv_cache.copy_(before)
-        padded = pad_prefill_plan(plan, bucket, graphs.bucket_seqs(bucket), runner.num_blocks, runner.block_size)
+        padded = pad_prefill_plan(plan, bucket.tokens, bucket.seqs, runner.num_blocks, runner.block_size)
         padded_logits = runner.forward(*runner.inputs(padded))
         assert padded_logits is not None
         assert torch.equal(replayed, padded_logits[: len(seqs)]), (

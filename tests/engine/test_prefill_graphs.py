@@ -12,7 +12,15 @@ import torch
 
 from pdserve.bench.common import block_tables, prefill_plan
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig
-from pdserve.engine.graph_runner import pad_prefill_plan, token_buckets
+from pdserve.engine.graph_runner import (
+    FEW_SEQS,
+    PrefillBucket,
+    pad_prefill_plan,
+    prefill_buckets,
+    prefill_inputs,
+    prefill_packed_len,
+    token_buckets,
+)
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.step_plan import StepPlan, padded_block_tables
 
@@ -55,6 +63,36 @@ def test_token_buckets() -> None:
     assert token_buckets(200) == [64, 128, 256]
     assert token_buckets(2048) == [64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
     assert token_buckets(1000) == [64, 128, 256, 512, 768, 1024]
+
+
+def test_prefill_buckets() -> None:
+    """Each token bucket: a graph for as many sequences as it can hold and, where that is more
+    than FEW_SEQS, one for FEW_SEQS; ascending, so capture goes largest first."""
+    assert FEW_SEQS == 4
+    assert prefill_buckets(200, 256) == [(64, 4), (64, 64), (128, 4), (128, 128), (256, 4), (256, 256)]
+    assert prefill_buckets(128, 100) == [(64, 4), (64, 64), (128, 4), (128, 100)]
+    assert prefill_buckets(128, 4) == [(64, 4), (128, 4)]
+    assert prefill_buckets(64, 2) == [PrefillBucket(tokens=64, seqs=2)]
+
+
+@pytest.mark.parametrize("bucket", [PrefillBucket(64, 4), PrefillBucket(64, 63), PrefillBucket(2048, 256)])
+def test_prefill_inputs_are_apart_and_aligned(bucket: PrefillBucket) -> None:
+    """The packed inputs of a prefill graph: each field as long as the padded plan's, 16-byte
+    aligned (as the kernels are compiled for), none overlapping another, inside the packed
+    length; the same views on a tensor as on the host array copied into it."""
+    tokens, seqs = bucket
+    host = np.zeros(prefill_packed_len(bucket), dtype=np.int64)
+    views = prefill_inputs(host, bucket)
+    assert [len(v) for v in views] == [tokens] * 3 + [seqs, seqs + 1, seqs + 2]
+    assert [v.dtype for v in views] == [np.int64] * 4 + [np.int32] * 2
+    for i, view in enumerate(views):
+        assert (view.ctypes.data - host.ctypes.data) % 16 == 0
+        view[:] = np.arange(len(view)) + 1000 * (i + 1)
+    for i, view in enumerate(views):
+        assert np.array_equal(view, np.arange(len(view)) + 1000 * (i + 1)), f"field {i} was overwritten"
+    device = prefill_inputs(torch.from_numpy(host.copy()), bucket)
+    for view, tensor in zip(views, device):
+        assert np.array_equal(view, tensor.numpy())
 
 
 def test_pad_prefill_plan_layout() -> None:

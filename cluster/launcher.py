@@ -99,8 +99,8 @@ class _Group:
 
 @dataclass
 class _FrontEnd:
-    """One HTTP front-end process under supervision (``slot`` of ``api_servers``; None while down
-    for good) and its restarts."""
+    """One HTTP front-end process under supervision, ``slot`` of ``api_servers`` (``process`` is
+    None once it is down for good), and its restarts."""
 
     slot: int
     process: subprocess.Popen[bytes] | None = None

@@ -5,6 +5,9 @@ through HTTP against ONE running cluster, the two backends alternating, several 
     python -m pdserve.bench.frontend_overhead --endpoint tcp://127.0.0.1:5555 --base-url http://127.0.0.1:8000 \\
         --concurrencies 1,8 --repeats 5 --num-requests 16 --input-len 32 --output-len 48 --out overhead.json
 
+Several front-end processes are measured the same way: ``launch.py ... --api-servers N``, or N
+``python -m pdserve.router.openai_server ... --reuse-port`` on one port (docs/benchmarks.md).
+
 Each repetition runs, for every concurrency in turn, the measured requests once through each
 backend (``bench.serve``'s ``zmq`` and ``openai``: a closed loop of that many clients, greedy,
 ``ignore_eos``), ZMQ first in even repetitions and HTTP first in odd ones, so that a drift in the

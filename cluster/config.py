@@ -112,6 +112,13 @@ class ClusterConfig:
         section="Serving",
         default_text="off",
     )
+    api_servers: int = setting(
+        1,
+        help="HTTP front-end processes serving --http-port together (vLLM's --api-server-count): each binds the "
+        "port with SO_REUSEPORT, so the kernel spreads connections among them, and has its own connection to the "
+        "router; /metrics sums their counters whichever one a scrape reaches.",
+        section="Serving",
+    )
     api_key: str | None = setting(
         None,
         help="Require this key of the HTTP API's clients (Authorization: Bearer KEY, as OpenAI's clients send "
@@ -185,7 +192,8 @@ class ClusterConfig:
     )
     max_restarts: int = setting(
         10,
-        help="Restarts of one group (or of the HTTP front end) before the cluster gives up on it.",
+        help="Restarts of one group (or of one HTTP front-end process: each of --api-servers has its own count) "
+        "before the cluster gives up on it.",
         section="Fault tolerance",
     )
     restart_backoff: float = setting(
@@ -299,6 +307,10 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be in 1..65535, got {value}")
         if self.http_port == self.port:
             raise ValueError(f"--http-port and --port must differ, both are {self.port}")
+        if self.api_servers < 1:
+            raise ValueError(f"api_servers must be >= 1, got {self.api_servers}")
+        if self.api_servers > 1 and self.http_port is None:
+            raise ValueError(f"--api-servers {self.api_servers} runs HTTP front ends: give --http-port too")
         if self.api_key is not None and (self.http_port is None or not self.api_key.strip()):
             why = "guards the HTTP API: give --http-port too" if self.api_key.strip() else "must not be empty"
             raise ValueError(f"--api-key {why}")

@@ -6,6 +6,9 @@ spawned again after a back-off as its next generation (a new TP world, new KV pa
 the survivors, who keep serving). A group that fails ``max_restarts`` times stays down; when a
 role has no group left the cluster stops.
 The HTTP front end, which holds no state, is started again at once (up to ``max_restarts`` times).
+With ``api_servers`` > 1 each of its processes is supervised alone, with its own restart count:
+one that dies is restarted while the others serve the port on; they share a directory of the
+run directory for their metrics (``router.metrics``).
 
 Multi-node (``--master-addr``): this node is the router node. The rendezvous store listens on
 ``--master-addr:--master-port`` and holds what a group node needs to join (``cluster.join``): the
@@ -23,6 +26,7 @@ import ipaddress
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -58,6 +62,7 @@ from pdserve.engine.presets import resolve_model
 from pdserve.engine.tokenization import load_tokenizer
 from pdserve.engine.weights import checkpoint_files
 from pdserve.kvtransfer.base import TransferConfig
+from pdserve.router.metrics import MULTIPROC_DIR_ENV
 from pdserve.router.router import Router
 
 logger = logging.getLogger(__name__)
@@ -92,6 +97,16 @@ class _Group:
         return (self.role, self.index)
 
 
+@dataclass
+class _FrontEnd:
+    """One HTTP front-end process under supervision, ``slot`` of ``api_servers`` (``process`` is
+    None once it is down for good), and its restarts."""
+
+    slot: int
+    process: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+
+
 class Cluster:
     """``start()`` spawns every rank and waits for the groups; ``serve()`` runs the router until
     SIGINT, SIGTERM or SIGHUP, then drains in-flight requests and stops every process."""
@@ -105,8 +120,7 @@ class Cluster:
         self.addresses = Addresses(self._tmp.name, f"tcp://{config.host}:{config.port}")
         self.groups: dict[tuple[str, int], _Group] = {}
         self.router: Router | None = None
-        self.http: subprocess.Popen[bytes] | None = None
-        self._http_restarts = 0
+        self.front_ends: list[_FrontEnd] = []
         self.mps: MpsDaemon | None = None
         self._stopping = False
 
@@ -299,19 +313,50 @@ class Cluster:
         return None if self.config.http_port is None else f"http://{self.config.host}:{self.config.http_port}"
 
     def _start_http(self, port: int) -> None:
-        """The OpenAI-compatible front end in its own process (so that it does not share an
-        interpreter lock with the router loop), returning once it listens."""
+        """The OpenAI-compatible front ends, each in its own process (so that none shares an
+        interpreter lock with the router loop), returning once every one listens: each says so
+        on a pipe of its own (several share the port, so connecting to it cannot tell)."""
         c = self.config
-        self._spawn_http(port)
+        if c.api_servers > 1:
+            os.mkdir(self._metrics_dir)
+        self.front_ends = [_FrontEnd(slot) for slot in range(c.api_servers)]
+        waiting: dict[int, _FrontEnd] = {}
+        for front_end in self.front_ends:
+            read, write = os.pipe()
+            waiting[read] = front_end
+            try:
+                self._spawn_http(front_end, ready_fd=write)
+            finally:
+                os.close(write)  # the child's copy is the only one: its exit ends the pipe
         deadline = time.monotonic() + c.start_timeout
-        while not _listening(c.host, port):
-            self.router.poll(50)  # the front end asks the router for its stats while it starts
-            if self.http.poll() is not None or time.monotonic() > deadline:
-                self._abandon()
-                raise ClusterError(f"the HTTP front end did not start on port {port} (its error is above)")
+        failed = False
+        while waiting and not failed:
+            self.router.poll(50)  # the front ends ask the router for its stats while they start
+            readable, _, _ = select.select(list(waiting), [], [], 0)
+            for fd in readable:
+                failed |= not os.read(fd, 1)  # closed unsaid: it exited before it listened
+                os.close(fd)
+                del waiting[fd]
+            failed |= time.monotonic() > deadline
+        for fd in waiting:
+            os.close(fd)
+        if failed:
+            self._abandon()
+            raise ClusterError(f"the HTTP front end did not start on port {port} (its error is above)")
 
-    def _spawn_http(self, port: int) -> None:
+    @property
+    def _metrics_dir(self) -> str:
+        return os.path.join(self._tmp.name, "prometheus")
+
+    def _http_name(self, front_end: _FrontEnd) -> str:
+        if self.config.api_servers == 1:
+            return "the HTTP front end"
+        pid = f" (pid {front_end.process.pid})" if front_end.process is not None else ""
+        return f"the HTTP front end {front_end.slot}{pid}"
+
+    def _spawn_http(self, front_end: _FrontEnd, ready_fd: int | None = None) -> None:
         c = self.config
+        assert c.http_port is not None
         command = [
             sys.executable,
             "-m",
@@ -323,7 +368,7 @@ class Cluster:
             "--host",
             c.host,
             "--port",
-            str(port),
+            str(c.http_port),
             "--drain-timeout",
             str(c.drain_timeout),
             "--log-level",
@@ -334,13 +379,23 @@ class Cluster:
             str(c.max_prompt_chars),
             *(["--auth-keys", c.auth_keys] if c.auth_keys is not None else []),
             *(["--allowed-origins", c.allowed_origins] if c.allowed_origins is not None else []),
+            *(["--reuse-port"] if c.api_servers > 1 else []),
+            *(["--ready-fd", str(ready_fd)] if ready_fd is not None else []),
         ]
         # A session of its own: Ctrl-C reaches the whole foreground process group, and a front
         # end that got it besides the launcher's SIGTERM would take the second signal as "exit now".
         env = dict(os.environ)  # PDSERVE_API_KEY there reaches the front end as it is
         if c.api_key is not None:  # in its environment: on its command line, ps would show it
             env[API_KEY_ENV] = c.api_key
-        self.http = subprocess.Popen(command, preexec_fn=die_with_parent, start_new_session=True, env=env)
+        if c.api_servers > 1:
+            env[MULTIPROC_DIR_ENV] = self._metrics_dir
+        front_end.process = subprocess.Popen(
+            command,
+            preexec_fn=die_with_parent,
+            start_new_session=True,
+            env=env,
+            pass_fds=() if ready_fd is None else (ready_fd,),
+        )
 
     def request_stop(self, *_: object) -> None:
         if self._stopping:
@@ -390,23 +445,29 @@ class Cluster:
                 self._store.set(group_state_key(role, index), "removed")  # if its node still runs, it stops it
             elif group.processes is not None:
                 self._group_failed(group, cause)
-        if self.http is not None and self.http.poll() is not None and not (self._stopping or self._stop_requested):
-            self._http_failed()
-
-    def _http_failed(self) -> None:
-        """Start the front end again: it holds nothing but its own clients' connections, gone
-        with it (the router aborts their requests). Past ``max_restarts`` it stays down, and the
-        ZMQ endpoint serves on."""
-        assert self.http is not None and self.config.http_port is not None
-        c = self.config
-        logger.error("the HTTP front end %s", exit_words(self.http.returncode))
-        if self._http_restarts >= c.max_restarts:
-            logger.error("the HTTP front end: %d restarts already, it stays down", self._http_restarts)
-            self.http = None
+        if self._stopping or self._stop_requested:
             return
-        self._http_restarts += 1
-        logger.warning("the HTTP front end restarts (restart %d of at most %d)", self._http_restarts, c.max_restarts)
-        self._spawn_http(c.http_port)
+        for front_end in self.front_ends:
+            if front_end.process is not None and front_end.process.poll() is not None:
+                self._http_failed(front_end)
+
+    def _http_failed(self, front_end: _FrontEnd) -> None:
+        """Start a front-end process again: it holds nothing but its own clients' connections,
+        gone with it (the router aborts their requests); the others serve the port meanwhile.
+        Past ``max_restarts`` of its own it stays down, and the ZMQ endpoint serves on."""
+        assert front_end.process is not None
+        c = self.config
+        name = self._http_name(front_end)
+        logger.error("%s %s", name, exit_words(front_end.process.returncode))
+        front_end.process = None
+        if front_end.restarts >= c.max_restarts:
+            logger.error("%s: %d restarts already, it stays down", name, front_end.restarts)
+            if all(f.process is None for f in self.front_ends):
+                logger.error("no HTTP front end is left on port %d; the ZMQ endpoint serves on", c.http_port)
+            return
+        front_end.restarts += 1
+        logger.warning("%s restarts (restart %d of at most %d)", name, front_end.restarts, c.max_restarts)
+        self._spawn_http(front_end)
 
     def _group_failed(self, group: _Group, cause: str) -> None:
         """Kill what is left of a group, have the router move its requests, schedule its restart
@@ -457,8 +518,8 @@ class Cluster:
         if self._stopping:  # idempotent: one drain, whoever asks again
             return
         self._stopping = True
-        if self.http is not None and self.http.poll() is None:
-            self.http.send_signal(signal.SIGTERM)  # it answers 503 from now on and drains its own requests
+        for front_end in self._live_front_ends():
+            front_end.send_signal(signal.SIGTERM)  # it answers 503 from now on and drains its own requests
         self.router.stop_accepting()
         if self.router.requests:  # Ctrl-C may take a while to act: say why
             logger.info(
@@ -480,12 +541,16 @@ class Cluster:
             for group in self.groups.values():
                 if group.processes is not None:
                     group.processes.wait(timeout=60)
-            if self.http is not None:
-                self.http.wait(timeout=60)
+            for front_end in self.front_ends:
+                if front_end.process is not None:
+                    front_end.process.wait(timeout=60)
         finally:
             self.router.poll(0)
             self.router.close()
             self._cleanup()
+
+    def _live_front_ends(self) -> list[subprocess.Popen[bytes]]:
+        return [f.process for f in self.front_ends if f.process is not None and f.process.poll() is None]
 
     def _cleanup(self) -> None:
         if self.mps is not None:
@@ -496,9 +561,9 @@ class Cluster:
             self._reaper.wait()
 
     def _abandon(self) -> None:
-        if self.http is not None and self.http.poll() is None:
-            self.http.kill()
-            self.http.wait()
+        for front_end in self._live_front_ends():
+            front_end.kill()
+            front_end.wait()
         for group in self.groups.values():
             if group.processes is not None:
                 group.processes.kill()
@@ -572,12 +637,6 @@ def exposure_warning(host: str) -> str | None:
         f"--host {host}: the client endpoint (and the HTTP API, if on) can be reached from other machines, "
         "and clients are not authenticated: anyone who reaches it can use and stop requests"
     )
-
-
-def _listening(host: str, port: int) -> bool:
-    with socket.socket() as probe:
-        probe.settimeout(0.5)
-        return probe.connect_ex((host, port)) == 0
 
 
 def _check_port_free(host: str, port: int, flag: str = "--port") -> None:

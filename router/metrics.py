@@ -7,19 +7,32 @@ the phases of a request (queue, prefill, KV transfer, decode) come from the ``ti
 counters per worker group come from the cluster's ``stats`` reply, read at each scrape. One
 registry per server, never the process-wide default, so that several servers (tests) never
 share counters.
+
+Several front-end processes on one port (``launch.py --api-servers N``) share their counters and
+histograms through prometheus_client's multiprocess mode: with ``PROMETHEUS_MULTIPROC_DIR`` set
+in its environment (before prometheus_client is imported, which is when it picks where values
+live), each process keeps its values in files of that directory, and the scrape, whichever
+process it reaches, sums every process's files, those of processes that have exited included, so
+that totals never go back when one is restarted. The front end's own metrics are counters and
+histograms only: the gauges are the cluster's, from the router's one ``stats`` reply, the same
+whichever process reads it.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from pdserve.cluster.protocol import Stats
 
 PREFIX = "pdserve:"
+# Where prometheus_client's multiprocess mode keeps every process's values (its own variable).
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # vLLM's buckets, with finer ones below 10 ms, where a GPU's inter-token latencies fall.
 # fmt: off
@@ -98,7 +111,13 @@ class FrontendMetrics:
             registry=r,
         )
         self.cluster = ClusterCollector()
-        r.register(self.cluster)
+        shared = os.environ.get(MULTIPROC_DIR_ENV)
+        # In multiprocess mode the metrics above write to the shared files; what is exposed is
+        # every process's files summed, not this registry (which would add this process twice).
+        self.exposed = r if not shared else CollectorRegistry()
+        if shared:
+            MultiProcessCollector(self.exposed, path=shared)
+        self.exposed.register(self.cluster)
 
     def observe_final(self, finish_reason: str, usage: Mapping[str, int], timings: Mapping[str, float]) -> None:
         """A request's end: its finish reason, token counts and the cluster's phase timings."""
@@ -118,7 +137,7 @@ class FrontendMetrics:
         self.errors.labels(reason).inc()
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)
 
 
 class ClusterCollector(Collector):

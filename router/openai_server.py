@@ -12,6 +12,11 @@ the router through one ``AsyncClient`` (ZMQ); a client that goes away mid-reques
 request aborted, which frees its KV on both sides. SIGTERM or SIGINT drains: new requests get
 503 while the running ones finish (up to ``drain_timeout``), then the process exits 0; a second
 signal stops at once.
+
+Several of them may serve one port (``--reuse-port``, what ``launch.py --api-servers N`` starts):
+each binds it with ``SO_REUSEPORT``, and Linux spreads new connections among them; each has its
+own connection to the router. With ``PROMETHEUS_MULTIPROC_DIR`` naming a directory they share,
+``/metrics`` reports their counters summed (``router.metrics``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import hmac
 import itertools
 import json
 import logging
+import os
+import socket
 import sys
 import threading
 import time
@@ -46,7 +53,7 @@ from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, 
 from pdserve.cluster.config import API_KEY_ENV, cluster_settings, origins
 from pdserve.cluster.protocol import Chunk, Final, Stats
 from pdserve.engine.tokenization import load_tokenizer
-from pdserve.router.metrics import FrontendMetrics
+from pdserve.router.metrics import MULTIPROC_DIR_ENV, FrontendMetrics
 from pdserve.router.openai_api import APIError, GenerationRequest, parse_request
 from pdserve.router.rejection_log import RejectionLog, shorten
 from pdserve.router.stop_strings import StopStringMatcher
@@ -583,11 +590,21 @@ _NOT_HTTP = ("Invalid HTTP request received.",)
 class _Server(uvicorn.Server):
     """uvicorn with a drain: the first SIGTERM/SIGINT refuses new requests (503) and exits once the
     running ones finish; a second exits at once. The signal is not re-raised after the exit (as
-    uvicorn would), so a drained server exits 0."""
+    uvicorn would), so a drained server exits 0. Once it listens it writes a byte to ``ready_fd``
+    (if given) and closes it: a supervisor of several servers on one port cannot tell by
+    connecting which of them listens."""
 
-    def __init__(self, config: uvicorn.Config, frontend: Frontend) -> None:
+    def __init__(self, config: uvicorn.Config, frontend: Frontend, ready_fd: int | None = None) -> None:
         super().__init__(config)
         self.frontend = frontend
+        self.ready_fd = ready_fd
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.ready_fd is not None:
+            os.write(self.ready_fd, b"1")
+            os.close(self.ready_fd)
+            self.ready_fd = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.frontend.draining:
@@ -613,9 +630,13 @@ def serve_openai(
     max_prompt_chars: int = SHARED["max_prompt_chars"].default,
     api_key: str | None = None,
     allowed_origins: str | None = None,
+    sock: socket.socket | None = None,
+    ready_fd: int | None = None,
 ) -> None:
     """Serve the OpenAI API for the cluster at ``endpoint`` until SIGTERM/SIGINT (blocking; run it
-    in its own process: the router's loop and this one should not share an interpreter lock)."""
+    in its own process: the router's loop and this one should not share an interpreter lock). On
+    ``sock`` if given (a listening socket: ``reuse_port_socket``), else on ``host:port``; see
+    ``_Server`` for ``ready_fd``."""
     frontend = Frontend(
         endpoint,
         model_dir,
@@ -632,7 +653,24 @@ def serve_openai(
         frontend.app(), host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
     )
     logging.getLogger("uvicorn.error").addFilter(RepeatLimit(_NOT_HTTP))  # after Config: it sets logging up
-    _Server(config, frontend).run()
+    _Server(config, frontend, ready_fd).run(sockets=None if sock is None else [sock])
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` with ``SO_REUSEPORT``, which other such sockets of this user
+    may share (Linux hands each new connection to one of them that listens); OSError if it cannot.
+    Not listening yet: uvicorn listens once the app has started, so that no connection waits on a
+    server still loading its tokenizer while another could take it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn binds
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
@@ -677,6 +715,19 @@ def serve_openai(
     help=SHARED["api_key"].help,
 )
 @click.option("--allowed-origins", default=SHARED["allowed_origins"].default, help=SHARED["allowed_origins"].help)
+@click.option(
+    "--reuse-port",
+    is_flag=True,
+    help="Bind the port with SO_REUSEPORT, so that several of these servers share it (Linux spreads the "
+    f"connections among them); give them one {MULTIPROC_DIR_ENV} directory for /metrics to count them all.",
+)
+@click.option(
+    "--ready-fd",
+    type=click.IntRange(min=0),
+    default=None,
+    help="An inherited file descriptor to write one byte to, then close, once the server listens "
+    "(for a supervisor such as launch.py).",
+)
 def main(
     endpoint: str,
     model: str,
@@ -691,13 +742,30 @@ def main(
     max_prompt_chars: int,
     api_key: str | None,
     allowed_origins: str | None,
+    reuse_port: bool,
+    ready_fd: int | None,
 ) -> None:
     """An OpenAI-compatible HTTP server in front of a running cluster."""
     from pdserve.engine.presets import resolve_model
 
     if api_key is not None and not api_key.strip():
         raise click.BadParameter("must not be empty", param_hint="--api-key")
+    shared = os.environ.get(MULTIPROC_DIR_ENV)
+    if shared and not os.path.isdir(shared):
+        raise click.UsageError(f"{MULTIPROC_DIR_ENV}={shared} is not a directory")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sock = None
+    if reuse_port:
+        try:
+            sock = reuse_port_socket(host, port)
+        except OSError as e:
+            raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        logger.info("process %d bound %s:%d with SO_REUSEPORT", os.getpid(), host, port)
+        if not shared:
+            logger.warning(
+                "--reuse-port without %s: /metrics counts only the requests of the process a scrape reaches",
+                MULTIPROC_DIR_ENV,
+            )
     model_dir = str(resolve_model(model))
     serve_openai(
         endpoint,
@@ -713,6 +781,8 @@ def main(
         max_prompt_chars,
         api_key,
         allowed_origins,
+        sock,
+        ready_fd,
     )
 
 

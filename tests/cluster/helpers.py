@@ -15,6 +15,20 @@ from pdserve.engine.sampling import SamplingParams
 MAX_MODEL_LEN = 512
 
 
+def front_end_pids(launcher_pid: int) -> list[int]:
+    """The pids of the HTTP front ends the launcher runs (its children running openai_server)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == launcher_pid and b"pdserve.router.openai_server" in command:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
 def wait_until_idle(
     client: Client, timeout: float = 60.0, also: Callable[[dict[str, dict[str, int]]], bool] = lambda groups: True
 ) -> dict[str, dict[str, int]]:

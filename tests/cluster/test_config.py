@@ -174,6 +174,19 @@ def test_the_http_apis_key_and_origins_need_it_and_a_value() -> None:
             ClusterConfig.from_settings(settings)
 
 
+def test_several_http_front_ends_need_the_http_port(tmp_path: Path) -> None:
+    assert ClusterConfig().api_servers == 1
+    preset = tmp_path / "http.yaml"
+    preset.write_text("http_port: 8000\napi_servers: 4\n")
+    assert ClusterConfig.from_yaml(preset).api_servers == 4
+    for settings, message in (
+        ({"api_servers": 2}, "--api-servers 2 runs HTTP front ends: give --http-port too"),
+        ({"http_port": 8000, "api_servers": 0}, "api_servers must be >= 1, got 0"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            ClusterConfig.from_settings(settings)
+
+
 def test_across_machines_kv_moves_over_the_network() -> None:
     auto = TransferConfig()
     assert resolve_transfer(auto, on_gpu=True, peer_access=True, joinable=True).backend == "nccl-async"

@@ -21,7 +21,7 @@ import pytest
 from pdserve.bench.compare import LaunchedCluster
 from pdserve.cluster.client import Chunk, Client, ClusterError, ClusterGone, ClusterUnavailable, Error, Final
 from pdserve.cluster.group import free_port
-from pdserve.tests.cluster.helpers import wait_until_idle
+from pdserve.tests.cluster.helpers import front_end_pids, wait_until_idle
 
 HEARTBEAT_TIMEOUT = 3.0
 CLIENT_HEARTBEAT_TIMEOUT = 2.0
@@ -260,26 +260,13 @@ def test_kv_no_decode_group_accepts_is_freed_when_its_lease_expires(cluster_fact
     assert cluster.stop() == 0, cluster.output()[-4000:]
 
 
-def _front_end_pid(launcher_pid: int) -> int:
-    """The pid of the HTTP front end the launcher runs (its child running openai_server)."""
-    for entry in Path("/proc").iterdir():
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = (entry / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == launcher_pid and b"pdserve.router.openai_server" in command:
-            return int(entry.name)
-    raise AssertionError("the launcher runs no HTTP front end")
-
-
 @pytest.mark.slow
 def test_a_killed_http_front_end_is_started_again_and_zmq_clients_never_notice(cluster_factory) -> None:
     """kill -9 of the HTTP front end (it holds nothing but its own clients' connections): a ZMQ
     client's stream runs on to its final, and the launcher starts the front end again."""
     port = free_port()
     cluster = cluster_factory("--model", "demo", "--http-port", str(port))
-    killed = _front_end_pid(cluster.proc.pid)
+    (killed,) = front_end_pids(cluster.proc.pid)
     with Client(cluster.endpoint, timeout=120) as client:
         request_id = client.submit(token_ids=[5, 6, 7], stream=True, max_tokens=100, ignore_eos=True)
         chunks = client.chunks(request_id)
@@ -294,6 +281,7 @@ def test_a_killed_http_front_end_is_started_again_and_zmq_clients_never_notice(c
                 break
         assert time.monotonic() < deadline, f"the front end is not back:\n{cluster.output()[-3000:]}"
         time.sleep(0.3)
-    assert _front_end_pid(cluster.proc.pid) != killed
+    (restarted,) = front_end_pids(cluster.proc.pid)
+    assert restarted != killed
     assert "the HTTP front end was killed by SIGKILL" in cluster.output()
     assert cluster.stop() == 0, cluster.output()[-4000:]

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -1130,6 +1131,48 @@ def test_metrics_carry_each_groups_kv_transfer_failures() -> None:
     assert ("pdserve:kv_transfer_failures_total", (("group", "prefill0"),)) in samples
 
 
+def test_metrics_of_several_processes_are_summed_whichever_one_exposes_them(tmp_path: Path) -> None:
+    """With PROMETHEUS_MULTIPROC_DIR (what launch.py --api-servers N sets) each process's counters
+    and histograms go to its files there, and any process's /metrics body sums every process's,
+    one that has exited included, each family once; without it, a process counts its own."""
+    script = (
+        "import sys\n"
+        "from pdserve.router.metrics import FrontendMetrics\n"
+        "m = FrontendMetrics()\n"
+        "m.observe_final('stop', {'prompt_tokens': int(sys.argv[1]), 'completion_tokens': 3}, {'queue': 0.01})\n"
+        "m.ttft.observe(0.003)\n"
+        "m.observe_error('invalid_request')\n"
+        "sys.stdout.write(m.exposition().decode())\n"
+    )
+    shared = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    alone = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+
+    def exposition(prompt_tokens: int, env: dict[str, str]) -> str:
+        command = [sys.executable, "-c", script, str(prompt_tokens)]
+        return subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+
+    exposition(5, shared)
+    exposition(7, shared)
+    text = exposition(11, shared)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert sample(samples, "pdserve:request_success_total", finished_reason="stop") == 3
+    assert sample(samples, "pdserve:prompt_tokens_total") == 5 + 7 + 11
+    assert sample(samples, "pdserve:generation_tokens_total") == 9
+    assert sample(samples, "pdserve:time_to_first_token_seconds_count") == 3
+    assert sample(samples, "pdserve:time_to_first_token_seconds_bucket", le="0.005") == 3
+    assert sample(samples, "pdserve:time_to_first_token_seconds_bucket", le="0.002") == 0
+    assert sample(samples, "pdserve:request_queue_time_seconds_count") == 3
+    assert sample(samples, "pdserve:request_error_total", reason="invalid_request") == 3
+    lines = text.splitlines()
+    for name in ("pdserve:prompt_tokens_total", "pdserve:cluster_ready"):  # no sample twice
+        assert sum(line.startswith(f"{name} ") for line in lines) == 1, name
+    assert "pdserve:prompt_tokens_total 13.0" in exposition(13, alone)
+
+
 @pytest.mark.slow
 def test_a_client_that_goes_away_aborts_its_request_and_frees_the_kv(served: Served) -> None:
     before = metric_samples(served)
@@ -1277,6 +1320,19 @@ def test_ctrl_c_drains_the_http_front_end_too(tmp_path: Path, demo_model_dir: Pa
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_a_port_taken_without_reuse_port_is_one_clear_line() -> None:
+    """--reuse-port shares the port only with servers that ask for it too: one bound without it
+    (here a plain socket) leaves it taken, said in one line, exit 1."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "pdserve.router.openai_server", "--reuse-port", "--port", str(port)]
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"Error: cannot listen on 127.0.0.1:{port}: Address already in use"
 
 
 @pytest.mark.slow

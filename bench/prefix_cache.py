@@ -16,7 +16,9 @@ With ``--profile``, one more cached request runs under ``torch.profiler`` after 
 and the report says where its time went: on a GPU, the host's time before the first kernel, the
 device's busy time (the union of its kernels), the gaps between kernels, and the host's time
 after the last one (sync, read-back, output), with the top kernels; on any device, the top CPU
-ops by their own time.
+ops by their own time. Where a prefill graph ran the cached request, its graph is then replayed
+alone, without the profiler (whose tracing widens the gaps between a graph's kernels): the
+device time of one replay, and the host's time to launch it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -37,9 +40,11 @@ from pdserve.bench.step_profile import KernelSpan, critical_path_rows, kernel_sp
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.step_plan import StepPlan
 
 _PROFILED = "cached request"  # the profiler annotation around the profiled request
 _TOP = 12  # rows of each top list
+_REPLAYS = 50  # replays of the cached request's graph, timed without the profiler
 
 _FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -99,12 +104,50 @@ def profile_cached_request(
     result = time_breakdown((span["ts"], span["ts"] + span["dur"]), kernel_spans(events))
     ops = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:_TOP]
     result["cpu_ops"] = [{"name": a.key, "calls": a.count, "self_ms": a.self_cpu_time_total / 1e3} for a in ops]
+    result["graph_replay"] = graph_replay(engine, len(suffixes[1])) if on_gpu else None
     return result
+
+
+def graph_replay(engine: LLMEngine, num_tokens: int) -> dict[str, Any] | None:
+    """The prefill graph that runs a step of ``num_tokens`` tokens of one prompt, replayed
+    ``_REPLAYS`` times back to back on its static inputs as the last such step left them (the
+    same work again, the same values into the same KV slots): the device's ms a replay (CUDA
+    events) and the host's ms to launch one. None where no prefill graph holds that step."""
+    graphs = engine.runner.prefill_graph_runner
+    step = StepPlan(
+        [0] * num_tokens, [], [], np.zeros((1, 1), dtype=np.int32), [num_tokens], [0, num_tokens], [0], False
+    )
+    if graphs is None or not graphs.can_run(step):
+        return None
+    bucket = graphs.bucket_for(step)
+    graph = graphs.graphs[bucket]
+    graph.replay()  # warm
+    torch.cuda.synchronize(engine.runner.device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    launches = []
+    start.record()
+    for _ in range(_REPLAYS):
+        began = time.perf_counter()
+        graph.replay()
+        launches.append((time.perf_counter() - began) * 1e3)
+    end.record()
+    end.synchronize()
+    return {
+        "bucket": list(bucket),
+        "device_ms": start.elapsed_time(end) / _REPLAYS,
+        "launch_ms": statistics.median(launches),
+    }
 
 
 def print_profile(result: dict[str, Any]) -> None:
     phases = ["host_before_ms", "device_busy_ms", "device_gaps_ms", "host_after_ms", "wall_ms"]
     print(format_table(["phase", "ms"], [[p.removesuffix("_ms"), fmt(result[p])] for p in phases]))
+    replay = result.get("graph_replay")
+    if replay is not None:
+        print(
+            f"its graph {tuple(replay['bucket'])} replayed alone, unprofiled: "
+            f"{fmt(replay['device_ms'])} ms on the device, {fmt(replay['launch_ms'])} ms to launch"
+        )
     if result["kernels"]:
         print(
             format_table(

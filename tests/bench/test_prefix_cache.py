@@ -65,3 +65,20 @@ def test_profile_of_a_cached_request_on_the_cpu(tiny_model_dirs: dict[str, Path]
     profiled = document["result"]["profile"]
     assert profiled["wall_ms"] > 0 and profiled["device_busy_ms"] is None
     assert profiled["cpu_ops"] and all(op["calls"] >= 1 for op in profiled["cpu_ops"])
+    assert profiled["graph_replay"] is None
+
+
+@pytest.mark.gpu
+def test_profile_replays_the_cached_requests_graph(tiny_model_dirs: dict[str, Path]) -> None:
+    """On a GPU the profile also replays, unprofiled, the graph that ran the cached request's
+    step (32 new tokens of one prompt: the 64-token graph for few sequences), whose device time
+    is then a share of the request's kernels' span."""
+    document = prefix_cache.main(
+        ["--model", str(tiny_model_dirs["tiny-llama"]), "--device", "cuda", "--prompt-len", "128"]
+        + ["--cached-len", "96", "--reps", "1", "--warmup", "1", "--profile"]
+    )
+    profiled = document["result"]["profile"]
+    replay = profiled["graph_replay"]
+    assert replay is not None and replay["bucket"] == [64, 4]
+    assert 0 < replay["device_ms"] <= profiled["device_busy_ms"] + profiled["device_gaps_ms"]
+    assert replay["launch_ms"] > 0

@@ -213,6 +213,13 @@ class ClusterConfig:
         "for a transfer that does not arrive; then it is freed and the request moves.",
         section="Fault tolerance",
     )
+    watchdog_timeout: float = setting(
+        300.0,
+        help="A rank whose serve loop makes no progress for this long while its process runs (a hung "
+        "collective or kernel, a deadlock) writes its threads' stacks to the log and exits; its group is "
+        "restarted. Must exceed the longest step (a long prompt's prefill on a CPU); inf: never.",
+        section="Fault tolerance",
+    )
     dispatch_timeout: float = setting(
         120.0,
         help="Seconds a request may wait for a ready group of a role it needs (every group of the role "
@@ -328,6 +335,7 @@ class ClusterConfig:
             "heartbeat_timeout",
             "restart_backoff",
             "kv_lease_timeout",
+            "watchdog_timeout",
             "dispatch_timeout",
             "client_heartbeat_timeout",
         ):

@@ -30,6 +30,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from pdserve.cluster.watchdog import WATCHDOG_EXIT_CODE
 from pdserve.engine.config import EngineConfig, ParallelConfig
 from pdserve.engine.parallel import TensorParallel
 
@@ -44,6 +45,11 @@ TERMINAL_SIGNALS = (signal.SIGINT, signal.SIGHUP)
 
 def exit_words(code: int) -> str:
     """A process's exit code in words: "exited with code 3", "was killed by SIGKILL"."""
+    if code == WATCHDOG_EXIT_CODE:
+        return (
+            "was ended by its watchdog: its serve loop made no progress for --watchdog-timeout "
+            "(every thread's stack is in the cluster's log)"
+        )
     if code >= 0:
         return f"exited with code {code}"
     try:
@@ -198,8 +204,10 @@ class RankProcesses:
         if not failed:
             return None
         words = "; ".join(f"rank {i} {exit_words(code)}" for i, code in failed)
-        # A rank killed by a signal wrote no traceback; one that exited with a code did.
-        return words + " (its traceback is in the cluster's log)" if any(code > 0 for _, code in failed) else words
+        # A rank killed by a signal wrote no traceback; one that exited with a code did (one its
+        # watchdog ended wrote its stacks, which its words say).
+        traceback = any(code > 0 and code != WATCHDOG_EXIT_CODE for _, code in failed)
+        return words + " (its traceback is in the cluster's log)" if traceback else words
 
     def alive(self) -> bool:
         return any(proc.is_alive() for proc in self.processes)

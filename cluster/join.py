@@ -167,6 +167,7 @@ class GroupNode:
                 heartbeat_interval=config.heartbeat_interval,
                 rendezvous_timeout=config.start_timeout,
                 kv_lease_timeout=config.kv_lease_timeout,
+                watchdog_timeout=config.watchdog_timeout,
                 generations={role: [] for role in ROLES},
             )
             for rank_spec in group_specs(

@@ -290,6 +290,7 @@ class Cluster:
                 heartbeat_interval=c.heartbeat_interval,
                 rendezvous_timeout=c.start_timeout,
                 kv_lease_timeout=c.kv_lease_timeout,
+                watchdog_timeout=c.watchdog_timeout,
             )
             for rank_spec in group_specs(
                 c.rank_engine(self._engine, group.role, sharing) if group.devices else self._engine,

@@ -36,6 +36,7 @@ from pdserve.cluster.protocol import (
     decode,
     encode,
 )
+from pdserve.cluster.watchdog import Watchdog
 from pdserve.engine.engine import CacheEvent, LLMEngine, RequestOutput
 from pdserve.engine.sampling import RequestError
 from pdserve.engine.timings import RequestTimings
@@ -111,13 +112,16 @@ class GroupLeader:
 
     # -- loop ----------------------------------------------------------------------------
 
-    def run(self) -> None:
+    def run(self, watchdog: Watchdog | None = None) -> None:
+        """Serve until the router shuts the group down, ticking ``watchdog`` every time round."""
         tp = self.engine.config.parallel.tp_size
         address = self.addresses.leader(self.role, self.group)
         self.send_router(Ready(self.role, self.group, self.engine.stats().num_blocks, tp, address))
         next_stats = 0.0
         try:
             while not self.stopping or self.transfers_pending():
+                if watchdog is not None:
+                    watchdog.tick()  # an idle leader comes round every 20 ms too
                 timeout = 0 if self.busy() else 20
                 while self.inbox.poll(timeout):
                     self._dispatch(self.inbox.recv())

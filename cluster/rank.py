@@ -34,6 +34,7 @@ from pdserve.cluster.group import (
     leave_process,
 )
 from pdserve.cluster.protocol import Heartbeat, encode
+from pdserve.cluster.watchdog import Watchdog
 from pdserve.decode_worker.leader import DecodeLeader
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.engine import LLMEngine
@@ -58,6 +59,7 @@ class WorkerSpec:
     heartbeat_interval: float = 0.5
     rendezvous_timeout: float = 600.0  # a pair group waits this long for a group that loads its model
     kv_lease_timeout: float = 30.0
+    watchdog_timeout: float = 300.0  # a serve loop stuck this long ends its rank (cluster.watchdog)
     env: dict[str, str] = field(default_factory=dict)  # set before CUDA starts (MPS: its daemon, the SM cap)
 
 
@@ -124,14 +126,14 @@ def _heartbeats(spec: WorkerSpec) -> None:
         time.sleep(spec.heartbeat_interval)
 
 
-def _lead(spec: WorkerSpec, engine: LLMEngine) -> None:
+def _lead(spec: WorkerSpec, engine: LLMEngine, watchdog: Watchdog) -> None:
     """Serve as the group's leader until the router shuts the cluster down."""
     if spec.role == "colocated":
-        ColocatedLeader(spec.group, spec.addresses, engine).run()
+        ColocatedLeader(spec.group, spec.addresses, engine).run(watchdog)
         return
     transfers = _transfers(spec, engine.kv_cache, engine.model_config, engine.step_channel)
     role = PrefillLeader if spec.role == "prefill" else DecodeLeader
-    role(spec.group, spec.addresses, engine, transfers, spec.kv_lease_timeout).run()
+    role(spec.group, spec.addresses, engine, transfers, spec.kv_lease_timeout).run(watchdog)
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -146,15 +148,16 @@ def worker_main(spec: WorkerSpec) -> None:
     )
     logging.info("rank up: pid %d, generation %d", os.getpid(), spec.generation)  # tests and operators find it here
     threading.Thread(target=_heartbeats, args=(spec,), daemon=True).start()
+    watchdog = Watchdog(spec.watchdog_timeout).start()  # armed by the serve loop's first tick
     tp = init_distributed(spec.rank)
     try:
         config = spec.rank.engine
         if config.parallel.is_leader:
-            _lead(spec, LLMEngine(config, tp))
+            _lead(spec, LLMEngine(config, tp), watchdog)
         else:
             model = ModelConfig.from_pretrained(config.model)
             runner = ModelRunner(config, model, tp)
-            runner.run_peer(None if spec.role == "colocated" else _transfers(spec, runner.kv_cache, model))
+            runner.run_peer(None if spec.role == "colocated" else _transfers(spec, runner.kv_cache, model), watchdog)
     finally:
         dist.destroy_process_group()
     logging.info("rank down")

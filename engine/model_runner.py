@@ -21,7 +21,7 @@ from pdserve.engine.graph_runner import (
     token_buckets,
 )
 from pdserve.engine.parallel import TensorParallel, head_shard
-from pdserve.engine.step_channel import KVCommand, PeerTransfers, StepReceiver, StepSender
+from pdserve.engine.step_channel import KVCommand, LoopProgress, PeerTransfers, StepReceiver, StepSender
 from pdserve.engine.step_plan import StepPlan, device_tensor, write_pending_tokens
 from pdserve.engine.weights import build_model
 
@@ -311,11 +311,18 @@ class ModelRunner:
         that every rank must see in step order (KV transfers); None otherwise."""
         return self._sender
 
-    def run_peer(self, kv_agent: PeerTransfers | None = None) -> None:
-        """TP peer: follow the leader's steps and KV commands until it shuts the group down."""
+    def run_peer(self, kv_agent: PeerTransfers | None = None, progress: LoopProgress | None = None) -> None:
+        """TP peer: follow the leader's steps and KV commands until it shuts the group down,
+        telling ``progress`` when it works and when it waits for the leader."""
         receiver = StepReceiver(self.config.parallel.step_address or "", self.tp.rank)
         try:
-            while (message := receiver.receive()) is not None:
+            while True:
+                if progress is not None:
+                    progress.idle()
+                if (message := receiver.receive()) is None:
+                    break
+                if progress is not None:
+                    progress.tick()
                 if isinstance(message, KVCommand):
                     if kv_agent is None:
                         raise RuntimeError("KV command for a group without a transfer backend")

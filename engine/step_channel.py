@@ -45,6 +45,15 @@ class PeerTransfers(Protocol):
     def close(self) -> None: ...
 
 
+class LoopProgress(Protocol):
+    """What a peer's step loop tells its rank's watchdog (``cluster.watchdog``): it made progress,
+    or it waits for the leader's next message, which may legitimately take any time."""
+
+    def tick(self) -> None: ...
+
+    def idle(self) -> None: ...
+
+
 _NDARRAY = 1  # msgpack extension code of an integer array: [dtype, shape, raw bytes]
 
 

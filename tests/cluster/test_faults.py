@@ -285,3 +285,42 @@ def test_a_killed_http_front_end_is_started_again_and_zmq_clients_never_notice(c
     assert restarted != killed
     assert "the HTTP front end was killed by SIGKILL" in cluster.output()
     assert cluster.stop() == 0, cluster.output()[-4000:]
+
+
+@pytest.mark.slow
+def test_a_rank_whose_loop_hangs_is_ended_by_its_watchdog_and_its_group_restarts(cluster_factory) -> None:
+    """A decode peer stopped mid-stream leaves its leader waiting in a collective, its process
+    running and sending heartbeats (their timeout is set past the test's length, so only the
+    watchdog can tell): the leader's watchdog ends it with every thread's stack in the log, the
+    group restarts, and every request ends once with the greedy tokens of an uninterrupted run."""
+    cluster = cluster_factory(
+        "--model",
+        "demo",
+        "--decode-tp",
+        "2",
+        "--num-blocks",
+        "300",
+        "--heartbeat-timeout",
+        "3600",
+        "--watchdog-timeout",
+        "5",
+        "--restart-backoff",
+        "0.5",
+    )
+    with Client(cluster.endpoint, timeout=120) as client:
+        ids = [client.submit(token_ids=p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True) for p in PROMPTS]
+        reference = [client.result(i).token_ids for i in ids]
+        before = client.stats().faults
+        stopped = rank_pids(cluster)["decode0.1"]
+        terminal = run_with_fault(client, lambda: os.kill(stopped, signal.SIGSTOP))
+        errors = {i: m for i, m in terminal.items() if isinstance(m, Error)}
+        assert not errors, errors
+        assert [terminal[i].token_ids for i in range(len(PROMPTS))] == reference
+        serving(cluster, client, restarts=before["restarts"] + 1)
+        assert client.stats().faults["migrated"] > before["migrated"]
+    log = cluster.output()
+    assert re.search(r"decode group 0 \(generation 0\) failed: rank \d was ended by its watchdog", log), log[-4000:]
+    assert "the serve loop made no progress" in log
+    assert "(most recent call first)" in log and " in _lead" in log  # every stack, the serve loop's too
+    assert "sent no heartbeat" not in log
+    assert cluster.stop() == 0, log[-4000:]

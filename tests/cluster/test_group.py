@@ -10,6 +10,7 @@ import subprocess
 import torch.distributed as dist
 
 from pdserve.cluster.group import RankProcesses, exit_words, free_port, join_world
+from pdserve.cluster.watchdog import WATCHDOG_EXIT_CODE
 
 
 def test_join_world_listens_on_loopback_only() -> None:
@@ -52,4 +53,11 @@ def test_failure_points_at_a_traceback_only_where_one_was_written() -> None:
     assert (
         both.failure()
         == "rank 0 exited with code 3; rank 1 was killed by SIGKILL (its traceback is in the cluster's log)"
+    )
+    stuck = RankProcesses(_exit_with, [(WATCHDOG_EXIT_CODE,), (0,)])
+    for proc in stuck.processes:
+        proc.join(60)
+    assert stuck.failure() == (
+        "rank 0 was ended by its watchdog: its serve loop made no progress for --watchdog-timeout "
+        "(every thread's stack is in the cluster's log)"
     )

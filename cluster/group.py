@@ -11,6 +11,7 @@ Supervision: the parent watches every rank's process sentinel (``RankProcesses``
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -23,7 +24,7 @@ import socket
 import sys
 import time
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -38,9 +39,28 @@ _PR_SET_PDEATHSIG = 1
 
 
 # What asks a launcher or a group node to drain and stop: Ctrl-C, SIGTERM, and the hangup of the
-# terminal it runs in. Ranks ignore the terminal's two: their launcher drives their shutdown.
+# terminal it runs in. Ranks ignore all three: their launcher drives their shutdown, and a stop
+# sent to the whole job (a terminal's, `timeout`'s, systemd's) reaches them too.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-TERMINAL_SIGNALS = (signal.SIGINT, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """Hold the stop signals pending in this thread while it spawns ranks, which inherit the
+    mask: a stop sent to the whole job cannot end one before it ignores them
+    (``ignore_stop_signals``). This process handles what arrived meanwhile when the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def ignore_stop_signals() -> None:
+    """In a rank: ignore the stop signals, then let go of those held since its spawn."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def exit_words(code: int) -> str:
@@ -188,14 +208,14 @@ class RankProcesses:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = multiprocessing.connection.wait(list(pending), timeout=left)
             if not ready:
-                self.terminate()
+                self.kill()
                 raise TimeoutError(f"ranks {sorted(i for i, _ in pending.values())} still running after {timeout} s")
             for sentinel in ready:
                 _, proc = pending.pop(sentinel)
                 proc.join()
                 if proc.exitcode != 0:
                     failure = self.failure()  # every rank down so far: the first to die is among them
-                    self.terminate()
+                    self.kill()
                     raise RuntimeError(failure)
 
     def failure(self) -> str | None:
@@ -219,13 +239,3 @@ class RankProcesses:
                 proc.kill()
         for proc in self.processes:
             proc.join()
-
-    def terminate(self) -> None:
-        for proc in self.processes:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self.processes:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()

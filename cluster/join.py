@@ -42,6 +42,7 @@ from pdserve.cluster.group import (
     group_specs,
     group_state_key,
     group_tp_key,
+    stop_signals_held,
 )
 from pdserve.cluster.launcher import ClusterError, model_shape, resolve_transfer
 from pdserve.cluster.protocol import Drain, encode
@@ -179,7 +180,8 @@ class GroupNode:
                 store_prefix=f"tp/{name}.g0/",
             )
         ]
-        self.processes = RankProcesses(worker_main, [(spec,) for spec in specs])
+        with stop_signals_held():
+            self.processes = RankProcesses(worker_main, [(spec,) for spec in specs])
         where = "CPU" if devices is None else "GPUs " + ",".join(map(str, devices))
         logger.info("%s starting on %s, listening on %s, transfer %s", self.name, where, self.address, transfer.backend)
 

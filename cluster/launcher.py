@@ -52,6 +52,7 @@ from pdserve.cluster.group import (
     group_specs,
     group_state_key,
     group_tp_key,
+    stop_signals_held,
 )
 from pdserve.cluster.mps import MpsDaemon, MpsError
 from pdserve.cluster.protocol import Ready
@@ -301,7 +302,8 @@ class Cluster:
                 store_prefix=f"tp/{group.role}{group.index}.g{group.generation}/",
             )
         ]
-        group.processes = RankProcesses(worker_main, [(spec,) for spec in specs])
+        with stop_signals_held():
+            group.processes = RankProcesses(worker_main, [(spec,) for spec in specs])
         group.started = time.monotonic()
         group.ready_since = None
         group.restart_at = None

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,11 +24,11 @@ import zmq
 from pdserve.cluster.colocated import ColocatedLeader
 from pdserve.cluster.config import Addresses, GroupLayout
 from pdserve.cluster.group import (
-    TERMINAL_SIGNALS,
     RankSpec,
     connect_store,
     die_with_parent,
     group_tp_key,
+    ignore_stop_signals,
     init_distributed,
     leave_process,
 )
@@ -140,8 +139,7 @@ def worker_main(spec: WorkerSpec) -> None:
     """Entry point of a rank process: join the world, build the engine, serve until shutdown."""
     os.environ.update(spec.env)
     die_with_parent()
-    for sig in TERMINAL_SIGNALS:  # the launcher drives shutdown, not Ctrl-C or a hangup
-        signal.signal(sig, signal.SIG_IGN)
+    ignore_stop_signals()  # the launcher drives shutdown, not Ctrl-C, SIGTERM or a hangup
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s {spec.role}{spec.group}.{spec.rank.engine.parallel.tp_rank} %(levelname)s %(message)s",

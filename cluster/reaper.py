@@ -3,12 +3,14 @@
     python -m pdserve.cluster.reaper RUN_DIR    (stdin: a pipe whose other end the launcher holds)
 
 The launcher's end of the pipe closes when it exits or dies, so the read below returns then.
-Its own session: a Ctrl-C meant for the launcher does not end it first.
+Its own session, and it ignores the stop signals: a Ctrl-C meant for the launcher, or a stop sent
+to every process of the service (systemd's), does not end it first.
 """
 
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -21,6 +23,8 @@ def spawn(run_dir: str) -> subprocess.Popen[bytes]:
 
 
 def main() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     sys.stdin.buffer.read()
     shutil.rmtree(sys.argv[1], ignore_errors=True)
 

@@ -29,6 +29,14 @@ def front_end_pids(launcher_pid: int) -> list[int]:
     return sorted(found)
 
 
+def cmdline(pid: int) -> list[str]:
+    """A process's arguments (none once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+    except OSError:
+        return []
+
+
 def wait_until_idle(
     client: Client, timeout: float = 60.0, also: Callable[[dict[str, dict[str, int]]], bool] = lambda groups: True
 ) -> dict[str, dict[str, int]]:

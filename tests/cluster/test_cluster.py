@@ -20,7 +20,14 @@ from pdserve.bench.soak import descendants
 from pdserve.cluster.client import Client, ClusterError, Final
 from pdserve.cluster.group import free_port
 from pdserve.engine.sampling import SamplingParams
-from pdserve.tests.cluster.helpers import MAX_MODEL_LEN, abort_mid_stream, oracle, run_concurrently, wait_until_idle
+from pdserve.tests.cluster.helpers import (
+    MAX_MODEL_LEN,
+    abort_mid_stream,
+    cmdline,
+    oracle,
+    run_concurrently,
+    wait_until_idle,
+)
 
 
 def mixed_requests(vocab: int, n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -249,22 +256,33 @@ def test_sigterm_under_load_ends_every_request_and_exits_zero(
     client.close()
 
 
-def test_a_closed_terminal_drains_like_sigterm(cluster_factory, tiny_model_dirs: dict[str, Path]) -> None:
-    """Closing the terminal sends SIGHUP to every process of its foreground job: the launcher
-    drains (its requests finish) and exits 0, and its ranks, which the signal's default action
-    would kill, ignore it."""
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_a_stop_sent_to_the_whole_job_drains_like_sigterm_to_the_launcher(
+    cluster_factory, tiny_model_dirs: dict[str, Path], sig: signal.Signals
+) -> None:
+    """Closing the terminal sends SIGHUP to every process of its foreground job; `timeout`,
+    `kill -- -PGID` and systemd send SIGTERM to every process of theirs. The launcher drains
+    (its requests finish) and exits 0; its ranks, which the signal's default action would kill,
+    and the reaper ignore it: no group fails, none restarts, and the run directory goes."""
     cluster = cluster_factory("--model", str(tiny_model_dirs["tiny-llama"]), "--prefill-tp", "1", "--decode-tp", "1")
     client = Client(cluster.endpoint, timeout=60)
     running = [client.submit(token_ids=[1, 2, 3], max_tokens=40, temperature=0.0, ignore_eos=True) for _ in range(3)]
     time.sleep(1.0)
-    for pid in [cluster.proc.pid, *descendants(cluster.proc.pid)]:
+    job = [cluster.proc.pid, *descendants(cluster.proc.pid)]
+    (run_dir,) = {cmd[-1] for cmd in map(cmdline, job) if "pdserve.cluster.reaper" in cmd}
+    for pid in job:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGHUP)
+            os.kill(pid, sig)
     for request_id in running:
         assert len(client.result(request_id).token_ids) == 40
     cluster.proc.wait(timeout=90)
-    assert cluster.proc.returncode == 0, cluster.output()
-    assert "Traceback" not in cluster.output()
+    log = cluster.output()
+    assert cluster.proc.returncode == 0, log
+    assert "Traceback" not in log and "failed:" not in log and "restart" not in log, log
+    deadline = time.monotonic() + 10
+    while Path(run_dir).exists():
+        assert time.monotonic() < deadline, f"{run_dir} is left behind"
+        time.sleep(0.1)
     client.close()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import os
 import sys
@@ -385,9 +386,13 @@ class AsyncClient:
 
     async def _send(self, data: bytes) -> None:
         """Send without blocking the loop: past the socket's queue limit, wait until it takes more,
-        at most the client's timeout (ClusterUnavailable) or until the connection breaks."""
+        at most the client's timeout (ClusterUnavailable) or until the connection breaks. A
+        connection already known to be broken raises ClusterGone at once: ZMQ would queue the
+        message for a reconnect that may never come."""
         self._start_reader()
         assert self._loop is not None
+        if self._link.broken:
+            raise ClusterGone(self.endpoint)
         while True:
             try:
                 self._socket.send(data, zmq.NOBLOCK)
@@ -470,15 +475,23 @@ class AsyncClient:
         return final
 
     async def abort(self, request_id: str) -> None:
-        await self._send(encode(Abort(request_id)))
+        """Stop a request. Over a connection known to be broken there is none left to stop."""
+        if not self._link.broken:
+            await self._send(encode(Abort(request_id)))
 
     async def stats(self, timeout: float | None = None) -> Stats:
         """The cluster's state (see ``Client.stats``); ClusterUnavailable after ``timeout`` seconds
         (default: the client's)."""
         waiter: asyncio.Future[Stats] = asyncio.get_running_loop().create_future()
         # A waiter that timed out stays queued: the late reply it gets keeps the others in order.
+        # One whose request was never sent goes: no reply will come for it.
         self._stats_waiters.append(waiter)
-        await self._send(encode(StatsRequest()))
+        try:
+            await self._send(encode(StatsRequest()))
+        except BaseException:
+            with contextlib.suppress(ValueError):  # gone already if the connection broke meanwhile
+                self._stats_waiters.remove(waiter)
+            raise
         wait = self.timeout if timeout is None else timeout
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), wait)

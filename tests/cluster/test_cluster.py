@@ -456,3 +456,51 @@ def test_async_client_stats_match_replies_in_order_beside_a_stream() -> None:
         router.close()
     assert [(s.requests_in_flight, s.ready) for s in replies] == [(1, False), (0, True)]
     assert final.token_ids == [7]
+
+
+def test_async_client_refuses_a_request_at_once_once_the_connection_broke() -> None:
+    """A front end whose cluster stopped: the connection is known to be gone, so a new request
+    or stats request raises ClusterGone at once (a 503) instead of waiting out the client's
+    timeout (600 s in the HTTP front end); once a router is back on the endpoint, stats are
+    answered again."""
+    import asyncio
+
+    import zmq
+
+    from pdserve.cluster.client import AsyncClient, ClusterGone
+    from pdserve.cluster.protocol import Stats, encode
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    async def run() -> None:
+        client = AsyncClient(f"tcp://127.0.0.1:{port}", timeout=60)
+        try:
+            task = asyncio.create_task(client.generate(token_ids=[1, 2], request_id="r1", max_tokens=1))
+            identity, _ = await asyncio.to_thread(router.recv_multipart)
+            router.send_multipart([identity, encode(Final("r1", "length", [7], "", {}, {}))])
+            assert (await task).token_ids == [7]
+            router.close()
+            await asyncio.sleep(2.0)  # the monitor reports the disconnect
+            started = time.monotonic()
+            with pytest.raises(ClusterGone):
+                await asyncio.wait_for(client.generate(token_ids=[1, 2], max_tokens=1), 10)
+            with pytest.raises(ClusterGone):
+                await asyncio.wait_for(client.stats(), 10)
+            assert time.monotonic() - started < 1.0
+            back = zmq.Context.instance().socket(zmq.ROUTER)
+            back.setsockopt(zmq.LINGER, 0)
+            back.bind(f"tcp://127.0.0.1:{port}")
+            try:
+                await asyncio.sleep(2.0)  # the client reconnects
+                reply = asyncio.create_task(client.stats(timeout=10))
+                identity, _ = await asyncio.to_thread(back.recv_multipart)
+                back.send_multipart([identity, encode(Stats(0, {}))])
+                assert (await reply).requests_in_flight == 0
+            finally:
+                back.close()
+        finally:
+            client.close()
+
+    asyncio.run(run())

@@ -230,7 +230,7 @@ class GroupLeader:
 
     def emit(self, out: RequestOutput) -> None:
         """Queue a request's new tokens for the router (sent once per step, ``flush_outputs``);
-        a finished output carries its timings."""
+        its first output (the entry group's: index 0) and its finished one carry the timings."""
         index = self.next_index.get(out.request_id, 0)
         self._outputs.append(
             TokenOutput(
@@ -239,7 +239,7 @@ class GroupLeader:
                 out.new_token_ids,
                 out.finished,
                 out.finish_reason,
-                out.timings if out.finished else _NO_TIMINGS,
+                out.timings if out.finished or index == 0 else _NO_TIMINGS,
             )
         )
         if out.finished:

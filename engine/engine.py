@@ -33,7 +33,8 @@ __all__ = ["CacheEvent", "CacheListener", "EngineStats", "LLMEngine", "RequestOu
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request. ``finished`` outputs carry the timings."""
+    """What one step produced for one request. Its first output carries the timings so far
+    (queue, prefill, cached tokens: an abort may come before the end), its finished one all."""
 
     request_id: str
     new_token_ids: list[int]
@@ -327,7 +328,8 @@ class LLMEngine:
             if seq.status is SequenceStatus.FINISHED:  # aborted, or stopped by the step before
                 continue
             seq.token_ids[index] = token
-            if seq.milestones.first_token is None:
+            first = seq.milestones.first_token is None
+            if first:
                 seq.milestones.first_token = now
             reason = self._stop_reason(seq, token, index + 1)
             if reason is None and seq.prefill_only:
@@ -343,6 +345,7 @@ class LLMEngine:
                         [token],
                         num_prompt_tokens=seq.num_prompt_tokens,
                         num_output_tokens=index + 1 - seq.num_prompt_tokens,
+                        timings=self._timings(seq) if first else RequestTimings(),
                     )
                 )
             else:

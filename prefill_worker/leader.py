@@ -103,8 +103,9 @@ class PrefillLeader(GroupLeader):
         if out.finish_reason != "prefilled":  # the first token already ended it
             self.emit(out)
             return
-        # For the router the request goes on: decoding continues in the decode group.
-        self.emit(RequestOutput(out.request_id, out.new_token_ids))
+        # For the router the request goes on: decoding continues in the decode group. Its
+        # prefill timings go with the first token: they are the router's if it is aborted.
+        self.emit(RequestOutput(out.request_id, out.new_token_ids, timings=out.timings))
         block_ids = out.kv_block_ids or []
         announce = KVAnnounce(
             out.request_id, self.group, work.token_ids, out.new_token_ids[0], work.sampling, out.timings, block_ids

@@ -112,6 +112,9 @@ class RequestState:
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     pending: dict[int, TokenOutput] = field(default_factory=dict)  # out-of-order outputs by index
+    # The entry group's timings with the current attempt's first token (queue, prefill, cached
+    # tokens): the worker timings of a final the router writes itself (an abort).
+    entry_timings: RequestTimings | None = None
     detokenizer: IncrementalDetokenizer | None = None
 
 
@@ -613,7 +616,7 @@ class Router:
                 )
                 return
             self._abort_workers(request_id)
-            self._final(request_id, "abort")
+            self._final(request_id, "abort", self.requests[request_id].entry_timings)
         elif isinstance(message, StatsRequest):
             self._reply(
                 client,
@@ -775,6 +778,8 @@ class Router:
         state.pending[output.index + state.offset] = output
         while len(state.token_ids) in state.pending:  # apply outputs in index order
             current = state.pending.pop(len(state.token_ids))
+            if current.index == 0:
+                state.entry_timings = current.timings
             if state.first_token is None:
                 state.first_token = time.monotonic()
                 if self.prefix_index is not None:

@@ -83,9 +83,9 @@ def run_concurrently(client: Client, prompts: list[list[int]], params: list[Samp
     return finals
 
 
-def abort_mid_stream(client: Client, token_ids: list[int]) -> None:
+def abort_mid_stream(client: Client, token_ids: list[int]) -> Final:
     """Stream a long greedy answer to ``token_ids``, abort it after two chunks, and check that
-    the stream ends with an "abort" final."""
+    the stream ends with an "abort" final, which it returns."""
     request_id = client.submit(token_ids=token_ids, stream=True, max_tokens=400, temperature=0.0, ignore_eos=True)
     chunks = client.chunks(request_id)
     next(chunks)
@@ -93,3 +93,4 @@ def abort_mid_stream(client: Client, token_ids: list[int]) -> None:
     client.abort(request_id)
     tail = list(chunks)
     assert isinstance(tail[-1], Final) and tail[-1].finish_reason == "abort"
+    return tail[-1]

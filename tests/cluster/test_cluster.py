@@ -66,11 +66,13 @@ def test_2p1d_matches_single_process_then_survives_bad_input_and_aborts(
         assert keys <= set(decoded.timings)
 
         # Abort mid-stream: the client gets an "abort" final; every block on both sides comes back.
-        abort_mid_stream(client, prompts[5])
+        aborted = abort_mid_stream(client, prompts[5])
         # Its prompt ran before: the prefill group's prefix cache held its full blocks (16 tokens)
-        # but for the last token.
+        # but for the last token. The router wrote the abort final: the prefill group's timings
+        # came with the first token.
         hits = (len(prompts[5]) - 1) // 16 * 16
         assert hits > 0
+        assert aborted.timings["cached_tokens"] == hits and {"queue", "prefill", "total"} <= set(aborted.timings)
         groups = wait_until_idle(client, also=lambda groups: groups["prefill0"]["prefix_hit_tokens"] >= hits)
         assert set(groups) == {"prefill0", "decode0"}
 

@@ -208,6 +208,10 @@ def test_stop_conditions(tiny_model_dirs: dict[str, Path], overlap: bool) -> Non
     outs = [o for step in engine.drain() for o in step]
     assert outs[-1].finished and outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 3
     assert {"queue", "prefill", "decode"} <= set(outs[-1].timings.as_dict())
+    # The first output carries the timings so far (an abort may come before the last); the
+    # others in between none.
+    assert {"queue", "prefill"} <= set(outs[0].timings.as_dict()) and "decode" not in outs[0].timings.as_dict()
+    assert all(not o.timings.as_dict() for o in outs[1:-1]) and len(outs) == 3
 
 
 def test_seeded_sampling_is_reproducible(tiny_model_dirs: dict[str, Path]) -> None:

@@ -838,6 +838,9 @@ def test_stop_strings_stop_token_ids_seed_top_k_and_ignore_eos(served: Served) -
         extra_body={"ignore_eos": True},
     )
     assert (cut.choices[0].text, cut.choices[0].finish_reason) == (full.text[:at], "stop")
+    # The front end ends it (an abort): the usage still says what the prefix cache served.
+    assert cut.usage is not None and cut.usage.prompt_tokens_details is not None
+    assert cut.usage.prompt_tokens_details.cached_tokens == (cut.usage.prompt_tokens - 1) // 16 * 16
     streamed = client.completions.create(
         model=MODEL,
         prompt=TEXT_PROMPT,

@@ -26,7 +26,7 @@ from pdserve.engine.presets import resolve_model
 from pdserve.engine.sampling import SamplingParams
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", default="qwen2.5-1.5b", show_default=True, help="preset name or model directory")
 @click.option("--device", default="cuda:0", show_default=True)
 @click.option("--num-requests", default=64, show_default=True)

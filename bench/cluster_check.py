@@ -88,7 +88,7 @@ def agreement(reference: list[list[int]], got: list[list[int]]) -> dict[str, flo
     }
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", default="qwen2.5-1.5b")
 @click.option("--devices", default="0,1")
 @click.option("--num-requests", default=64, show_default=True)

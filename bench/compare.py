@@ -279,7 +279,7 @@ def write_report(out_dir: Path, results: dict[str, dict[str, Any]], setup: dict[
     return path
 
 
-@click.command(context_settings={"show_default": True})
+@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option("--model", default="demo", help="'demo', a shape preset (random weights) or a HF directory.")
 @click.option(
     "--devices", default="", help="GPU ids, prefill-tp + decode-tp of them (e.g. 0,1, or 0,0 to share one); empty: CPU."

@@ -240,7 +240,7 @@ def evaluate(cases: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return checks
 
 
-@click.command(context_settings={"show_default": True})
+@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option("--preset", "model", default="qwen2.5-1.5b", help="A shape preset or a model directory.")
 @click.option("--devices", default="0,0", help="GPUs of the prefill and the decode rank; empty: CPU (shm).")
 @click.option("--tokens", default=16384, help="Tokens of the moved request.")

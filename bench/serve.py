@@ -869,7 +869,7 @@ def config_from_options(rate: str | None, rates: str | None, long_len: str, **op
         raise click.UsageError(str(e)) from None
 
 
-@click.command(context_settings={"show_default": True})
+@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option(
     "--backend",
     type=click.Choice(BACKENDS),

@@ -152,7 +152,7 @@ def wait_idle(endpoint: str, timeout: float) -> dict:
             time.sleep(0.5)
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--minutes", default=20.0, show_default=True, help="How long the load runs.")
 @click.option("--fault-every", default=180.0, show_default=True, help="Seconds between two faults.")
 @click.option("--concurrency", default=6, show_default=True, help="Streams in flight.")

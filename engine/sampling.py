@@ -75,7 +75,11 @@ def validate_request(
     if len(token_ids) == 0:
         raise RequestError("prompt", "is empty")
     total = len(token_ids) + params.max_tokens
-    if total > max_model_len:  # first: an over-long prompt is refused without a scan of its ids
+    if len(token_ids) >= max_model_len:  # first: refused without a scan of its ids
+        raise RequestError(
+            "prompt", f"has {len(token_ids)} tokens: the maximum model length {max_model_len} leaves no room to answer"
+        )
+    if total > max_model_len:
         raise RequestError(
             "max_tokens",
             f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "

@@ -359,7 +359,7 @@ def parse_request(
 
 def _prompt_too_long(chars: int, max_prompt_chars: int, param: str) -> APIError:
     return bad_request(
-        f"The {param} has {chars} characters, more than this server accepts ({max_prompt_chars})",
+        f"{chars} characters in {param}, more than this server accepts ({max_prompt_chars})",
         param,
         "prompt_too_long",
     )

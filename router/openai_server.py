@@ -753,7 +753,9 @@ def main(
     shared = os.environ.get(MULTIPROC_DIR_ENV)
     if shared and not os.path.isdir(shared):
         raise click.UsageError(f"{MULTIPROC_DIR_ENV}={shared} is not a directory")
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Labelled as the launcher's and the ranks' lines are ("launcher", "prefill0.0"), not by module
+    # name, which reads "__main__" under ``python -m``.
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s http %(levelname)s %(message)s")
     sock = None
     if reuse_port:
         try:

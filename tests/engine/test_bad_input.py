@@ -31,6 +31,7 @@ BAD_REQUESTS = [
     ([1, 2], {"top_k": 0}, "top_k"),
     ([1, 2], {"top_k": -5}, "top_k"),
     (list(range(60)), {"max_tokens": 5}, "max_tokens"),  # 60 + 5 > max_model_len 64
+    (list(range(64)), {"max_tokens": 1}, "prompt"),  # no room to answer: the prompt is what to shorten
     ([1, 2], {"stop_token_ids": (9999,)}, "stop_token_ids"),
 ]
 

@@ -87,6 +87,7 @@ class ClusterGone(ClusterUnavailable):
 
 
 _ids = itertools.count()
+_CLI_CONNECT_S = 5.0  # pdserve-client: how long a connection may take before "is it running?"
 _WATCHED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
@@ -187,6 +188,16 @@ class Client:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+    def connected(self, within: float) -> bool:
+        """Whether a connection to the router is up, waiting at most ``within`` seconds for one."""
+        deadline = time.monotonic() + within
+        while not self._link.up:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._monitor.poll(left * 1000):
+                return self._link.up
+            self._link.update(zmq.utils.monitor.recv_monitor_message(self._monitor))
+        return True
 
     def send_raw(self, data: bytes) -> None:
         """Send bytes as they are (for testing the cluster's handling of bad input)."""
@@ -564,6 +575,9 @@ def main(
         raise click.ClickException(str(e)) from None
     with client:
         try:
+            # Nothing listening is said at once, not after the reply timeout.
+            if not client.connected(within=min(timeout, _CLI_CONNECT_S)):
+                raise ClusterUnavailable(endpoint, min(timeout, _CLI_CONNECT_S))
             request_id = client.submit(prompt, stream=stream, chat=not raw, **sampling)
             for message in client.chunks(request_id):
                 text = message.text if isinstance(message, Chunk) or not stream else ""

@@ -298,6 +298,19 @@ def test_client_reports_a_missing_cluster_clearly() -> None:
         client.generate(token_ids=[1, 2, 3], max_tokens=2)
 
 
+def test_client_cli_says_at_once_that_nothing_listens() -> None:
+    """``pdserve-client`` against a port nothing listens on: the hint within seconds, not after
+    its 60 s reply timeout."""
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "pdserve.cluster.client", "hi", "--endpoint", str(free_port())]
+    started = time.monotonic()
+    result = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "is it running?" in result.stderr, result.stderr
+    assert time.monotonic() - started < 30
+
+
 def test_client_tells_a_silent_cluster_from_a_missing_one() -> None:
     """A router that holds the request past the timeout (a long prompt on a slow machine) is not
     reported as missing: the hint is to wait longer, not to start a cluster."""

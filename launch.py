@@ -135,8 +135,9 @@ def setting_options(function: Callable[..., Any]) -> Callable[..., Any]:
 @click.option(
     "--config",
     "config_path",
-    type=click.Path(exists=True, dir_okay=False),
-    help="A cluster preset (configs/*.yaml, keys as the flags below); flags given here override it.",
+    metavar="PRESET",
+    help="A cluster preset: a YAML file (keys as the flags below) or the name of one in configs/ "
+    "(1p1d, 2p1d, colocated); flags given here override it.",
 )
 @click.option("--demo", is_flag=True, help="Answer a few prompts through the client, then shut down.")
 @click.option("--demo-max-tokens", type=int, default=48, show_default=True, help="Tokens per demo answer.")
@@ -155,7 +156,7 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
         print_status(status_endpoint, given.get("auth_keys"))
         return
     try:
-        config = ClusterConfig.from_yaml(config_path, **given) if config_path else ClusterConfig.from_settings(given)
+        config = ClusterConfig.from_preset(config_path, **given) if config_path else ClusterConfig.from_settings(given)
     except (TypeError, ValueError) as e:
         raise click.UsageError(str(e)) from None
     if config.join is not None:

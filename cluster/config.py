@@ -29,6 +29,8 @@ from pdserve.engine.config import (
 from pdserve.engine.parallel import check_tp_size
 from pdserve.kvtransfer.base import TransferConfig
 
+# The cluster presets shipped with the package (``--config NAME``).
+CLUSTER_PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
 ROLES = ("prefill", "decode", "colocated")
 MODES = ("disagg", "colocated")
 DISPATCH_POLICIES = ("round-robin", "least-tokens", "cache-aware")
@@ -386,6 +388,19 @@ class ClusterConfig:
         if settings.get("devices") is not None:
             settings["devices"] = parse_devices(settings["devices"])
         return build_config(cls, settings, origin)
+
+    @classmethod
+    def from_preset(cls, name_or_path: str, **overrides: Any) -> ClusterConfig:
+        """A YAML preset by path, or by the name of one shipped in ``configs/`` (``2p1d``), then the
+        given overrides."""
+        path = Path(name_or_path)
+        if not path.is_file():
+            shipped = CLUSTER_PRESETS_DIR / f"{path.name.removesuffix('.yaml')}.yaml"
+            if path.parent != Path(".") or not shipped.is_file():
+                names = ", ".join(sorted(p.stem for p in CLUSTER_PRESETS_DIR.glob("*.yaml")))
+                raise ValueError(f"--config {name_or_path}: no such file, nor a preset of that name ({names})")
+            path = shipped
+        return cls.from_yaml(path, **overrides)
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> ClusterConfig:

@@ -59,6 +59,21 @@ def test_presets_load(path: Path) -> None:
     assert ClusterConfig.from_yaml(path).world_size >= 1
 
 
+def test_a_preset_is_named_by_its_path_or_by_the_name_of_one_shipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # away from the repo: "2p1d" is no file here
+    shipped = ClusterConfig.from_yaml(CONFIGS / "2p1d.yaml", port=6001)
+    assert ClusterConfig.from_preset("2p1d", port=6001) == shipped == ClusterConfig.from_preset("2p1d.yaml", port=6001)
+    own = tmp_path / "2p1d"  # a file of that name is the file, not the preset
+    own.write_text("mode: colocated\n")
+    assert ClusterConfig.from_preset("2p1d").mode == "colocated"
+    with pytest.raises(ValueError, match=r"--config nope: no such file, nor a preset of that name \(1p1d, 2p1d"):
+        ClusterConfig.from_preset("nope")
+    with pytest.raises(ValueError, match="no such file"):
+        ClusterConfig.from_preset("elsewhere/2p1d")  # a path that does not exist is not a preset name
+
+
 def test_unknown_preset_setting_is_named(tmp_path: Path) -> None:
     preset = tmp_path / "bad.yaml"
     preset.write_text("prefill-tp: 2\noverlap: false\n")

@@ -219,7 +219,8 @@ class ClusterConfig:
         300.0,
         help="A rank whose serve loop makes no progress for this long while its process runs (a hung "
         "collective or kernel, a deadlock) writes its threads' stacks to the log and exits; its group is "
-        "restarted. Must exceed the longest step (a long prompt's prefill on a CPU); inf: never.",
+        "restarted. Must exceed the longest step (a long prompt's prefill on a CPU) and, with a blocking KV "
+        "transfer (gloo, nccl), --kv-lease-timeout; inf: never.",
         section="Fault tolerance",
     )
     dispatch_timeout: float = setting(
@@ -500,6 +501,17 @@ class ClusterConfig:
     def shared_gpus(self, placement: list[tuple[int, ...] | None]) -> list[int]:
         """The GPUs that run both prefill and decode ranks."""
         return sorted(self.role_gpus(placement, "prefill") & self.role_gpus(placement, "decode"))
+
+    def check_watchdog(self, transfer: TransferConfig) -> None:
+        """Refuse a watchdog that would end a leader waiting, within its lease, on a blocking
+        KV transfer (``transfer`` resolved: ``auto`` is gloo on CPUs)."""
+        if transfer.blocking and self.watchdog_timeout <= self.kv_lease_timeout:
+            raise ValueError(
+                f"--watchdog-timeout {self.watchdog_timeout:g} must exceed --kv-lease-timeout "
+                f"{self.kv_lease_timeout:g} with --transfer {transfer.backend}: a blocking KV transfer holds its "
+                "leader's loop up to its lease (or pick an asynchronous backend: "
+                f"{transfer.backend}-async)"
+            )
 
     def check_shared_gpus(self, placement: list[tuple[int, ...] | None], backend: str) -> None:
         """Refuse a prefill and a decode rank on one GPU with NCCL between them."""

@@ -140,6 +140,7 @@ class GroupNode:
         devices = self._devices(config)
         on_gpu = devices is not None
         transfer = resolve_transfer(config.transfer, on_gpu, peer_access=False, joinable=True)
+        config.check_watchdog(transfer)
         engine = config.engine_config(model_dir, model)
         if on_gpu:
             engine = config.rank_engine(engine, self.role, 1)

@@ -170,6 +170,7 @@ class Cluster:
         on_gpu = self._on_gpu = any(p is not None for p in self.placement) or (not self.placement and visible > 0)
         self.transfer = resolve_transfer(c.transfer, on_gpu, _peer_access(c, self.placement), c.joinable)
         c.check_shared_gpus(self.placement, self.transfer.backend)
+        c.check_watchdog(self.transfer)
         engine = c.engine_config(self.model_dir, model)
         tokenizer = load_tokenizer(self.model_dir)
         if tokenizer is None and (self.require_tokenizer or c.http_port is not None):

@@ -96,6 +96,11 @@ class TransferConfig:
             raise ValueError(f"layer_groups must be >= 1, got {self.layer_groups}")
 
     @property
+    def blocking(self) -> bool:
+        """Whether a transfer holds its leader's loop until it completes (or its lease ends)."""
+        return self.backend in ("gloo", "nccl")
+
+    @property
     def max_staging_bytes(self) -> int:
         return max(1, int(self.staging_mib * 2**20))
 

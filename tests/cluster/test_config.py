@@ -251,3 +251,15 @@ def test_a_preset_spells_devices_as_the_flag_does_or_as_a_list(tmp_path: Path) -
     config = ClusterConfig.from_yaml(path)
     assert config.drain_timeout == 5.0 and isinstance(config.drain_timeout, float)
     assert config.engine.max_model_len is None
+
+
+def test_a_watchdog_must_outwait_a_blocking_transfers_lease() -> None:
+    """A blocking KV transfer holds its leader's loop up to --kv-lease-timeout: a watchdog that
+    ends the loop sooner is refused for those backends, and allowed for the others."""
+    config = ClusterConfig.from_settings({"watchdog_timeout": 10.0, "kv_lease_timeout": 30.0})
+    for backend in ("gloo", "nccl"):
+        with pytest.raises(ValueError, match="--watchdog-timeout 10 must exceed --kv-lease-timeout 30"):
+            config.check_watchdog(TransferConfig(backend))
+    for backend in ("gloo-async", "nccl-async", "shm", "cuda-ipc"):
+        config.check_watchdog(TransferConfig(backend))
+    ClusterConfig().check_watchdog(TransferConfig("gloo"))  # the defaults: 300 s against 30 s

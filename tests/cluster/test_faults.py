@@ -298,6 +298,8 @@ def test_a_rank_whose_loop_hangs_is_ended_by_its_watchdog_and_its_group_restarts
         "demo",
         "--decode-tp",
         "2",
+        "--transfer",
+        "gloo-async",  # a blocking transfer may hold a loop for its lease, longer than this watchdog
         "--num-blocks",
         "300",
         "--heartbeat-timeout",

@@ -17,7 +17,9 @@ vLLM's ``bench serve`` counts them; the server's phase timings (and so the mean
 KV transfer) are only known over ZMQ.
 
 Load: ``--rate R`` sends requests as a Poisson process of R req/s (``inf``: all at once),
-``--rates`` runs several rates in turn on the same requests and arrival pattern (scaled),
+``--rates`` runs several rates in turn on the same arrival pattern (scaled), each on requests of
+its own drawn alike (another seed: a rate must not find in the prefix cache what an earlier one
+left there; ``--workload text`` prompts repeat, as the file holds them),
 ``--concurrency N`` keeps at most N in flight (alone: a closed loop of N clients; with a rate:
 a cap). ``--warmup`` requests run once, all at once (within the cap), before the first rate
 and are left out of the metrics. Every request streams, greedy (temperature 0); token workloads set
@@ -258,6 +260,19 @@ def workload_requests(config: BenchConfig) -> tuple[list[RequestSpec], list[Requ
     return specs[: config.warmup], specs[config.warmup :]
 
 
+# Seed step between the requests of a sweep's rates (the warm-up's multi-turn sessions take +1).
+_POINT_SEED_STEP = 1000
+
+
+def point_requests(config: BenchConfig, measured: list[RequestSpec], index: int) -> list[RequestSpec]:
+    """The requests of the sweep's ``index``-th rate: ``measured`` for the first, then requests
+    drawn alike with a seed of their own, so that no rate replays prompts (or multi-turn
+    sessions) an earlier rate left in the prefix caches."""
+    if index == 0:
+        return measured
+    return build_requests(dataclasses.replace(config, seed=config.seed + _POINT_SEED_STEP * index), len(measured))
+
+
 def arrival_times(count: int, rate: float | None, seed: int) -> list[float]:
     """Send times (s) of a Poisson process of ``rate`` req/s, the first at 0; all 0 if None.
 
@@ -385,9 +400,12 @@ class OpenAIBackend:
         if "error" in event:
             record.error = str(event["error"].get("message", event["error"]))
             return
-        if event.get("usage"):
-            record.prompt_tokens = event["usage"].get("prompt_tokens")
-            record.output_tokens = event["usage"].get("completion_tokens") or 0
+        if usage := event.get("usage"):
+            record.prompt_tokens = usage.get("prompt_tokens")
+            record.output_tokens = usage.get("completion_tokens") or 0
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            if cached is not None:  # the prefix cache's share, as the ZMQ finals' timings give it
+                record.timings["cached_tokens"] = float(cached)
         for choice in event.get("choices") or ():
             text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
             if text:
@@ -538,7 +556,8 @@ def _record_json(record: RequestRecord) -> dict[str, Any]:
 async def run_benchmark(
     config: BenchConfig, endpoint: str, backend: str = "zmq", base_url: str | None = None, model_name: str | None = None
 ) -> dict[str, Any]:
-    """Warm-up, then every rate in turn on the same requests; returns the results document.
+    """Warm-up, then every rate in turn, each on requests of its own (``point_requests``); returns
+    the results document.
     ``backend`` "openai" sends them to ``base_url`` (``endpoint`` is then unused)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -561,10 +580,10 @@ async def run_benchmark(
             max_model_len=config.max_model_len,
         )
         points = []
-        for rate in config.rates:
+        for index, rate in enumerate(config.rates):
             records = await run_requests(
                 client,
-                measured,
+                point_requests(config, measured, index),
                 rate,
                 config.concurrency,
                 config.seed,

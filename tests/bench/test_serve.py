@@ -30,10 +30,12 @@ from pdserve.bench.metrics import (
 )
 from pdserve.bench.serve import (
     BenchConfig,
+    OpenAIBackend,
     RequestSpec,
     arrival_times,
     build_requests,
     kinds_table,
+    point_requests,
     point_result,
     results_table,
     run_requests,
@@ -205,6 +207,32 @@ def test_workloads_lengths_vocabulary_and_arrivals() -> None:
 
     assert required_model_len([RequestSpec("x", 10, token_ids=[1] * 300)], 8192) == 512
     assert required_model_len([RequestSpec("x", 10, token_ids=[1] * 300)], 400) == 400
+
+
+def test_each_rate_of_a_sweep_gets_requests_of_its_own() -> None:
+    """A later rate replaying the first rate's prompts would find them in the prefix cache."""
+    config = BenchConfig(workload="shared-prefix", num_prefixes=2, prefix_len=16, input_len=4, num_requests=10)
+    _, measured = workload_requests(config)
+    first, second = point_requests(config, measured, 0), point_requests(config, measured, 1)
+    assert first is measured and len(second) == len(first) and second == point_requests(config, measured, 1)
+
+    def prefixes(specs: list[RequestSpec]) -> set[tuple[int, ...]]:
+        return {tuple(s.token_ids or [])[:16] for s in specs}
+
+    assert len(prefixes(second)) == 2 and not prefixes(first) & prefixes(second)
+    mixed = BenchConfig(workload="mixed", num_requests=50, long_fraction=0.2, long_len=(300, 400))
+    _, measured = workload_requests(mixed)
+    later = point_requests(mixed, measured, 2)
+    assert [s.kind for s in later].count("long") == [s.kind for s in measured].count("long") == 10
+    assert {tuple(s.token_ids or []) for s in later}.isdisjoint(tuple(s.token_ids or []) for s in measured)
+
+
+def test_openai_backend_reads_what_the_prefix_cache_served_from_the_usage() -> None:
+    rec = RequestRecord("r", "random", 4, 0.0, 0.0)
+    usage = {"prompt_tokens": 40, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 32}}
+    OpenAIBackend._on_event({"choices": [], "usage": usage}, rec, 1.0)
+    assert (rec.prompt_tokens, rec.output_tokens, rec.timings) == (40, 4, {"cached_tokens": 32.0})
+    assert prefix_hit_rate([rec]) == pytest.approx(0.8)
 
 
 def test_prefix_hit_rate_weighs_requests_by_prompt_tokens() -> None:
@@ -390,6 +418,8 @@ def test_load_generator_against_a_cpu_cluster(tmp_path: Path, demo_model_dir: Pa
         assert (m["completed"], m["failed"]) == (5, 0)
         assert m["goodput"] == pytest.approx(m["request_throughput"])  # generous SLOs: every request meets them
         assert m["transfer_ms"]["mean"] > 0  # disaggregated: every request moved its KV
+        # Each rate sends prompts of its own: the second finds nothing of the first's cached.
+        assert m["prefix_hit_rate"] == 0.0
         for r in point["records"]:
             assert r["finish_reason"] == "length" and r["output_tokens"] == r["max_tokens"]  # ignore_eos
             assert sum(r["chunk_tokens"]) == r["output_tokens"] and r["prompt_tokens"] == r["prompt_len"]

@@ -490,6 +490,27 @@ class AsyncClient:
         if not self._link.broken:
             await self._send(encode(Abort(request_id)))
 
+    async def cancel(self, request_id: str, timeout: float | None = None) -> Final | None:
+        """Abort a request whose stream was left, and return its abort ``Final`` (what it used);
+        None when it had ended already, the connection is gone, or no answer came within
+        ``timeout`` (default: the client's)."""
+        if self._link.broken or request_id in self._inboxes:  # gone; or its stream still reads
+            return None
+        inbox = self._inboxes[request_id] = _Inbox()
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        try:
+            await self._send(encode(Abort(request_id)))
+            while True:
+                message = await inbox.get(max(0.0, deadline - time.monotonic()))
+                if isinstance(message, Final):
+                    return message
+                if not isinstance(message, Chunk):  # an error (ended already), a broken connection
+                    return None
+        except (asyncio.TimeoutError, ClusterUnavailable):
+            return None
+        finally:
+            self._inboxes.pop(request_id, None)
+
     async def stats(self, timeout: float | None = None) -> Stats:
         """The cluster's state (see ``Client.stats``); ClusterUnavailable after ``timeout`` seconds
         (default: the client's)."""

@@ -447,8 +447,19 @@ class _Run:
         finally:
             frontend.in_flight -= 1
             if not ended:
-                metrics.success.labels("abort").inc()
-                frontend._spawn(client.abort(self.request_id))
+                frontend._spawn(self._abandoned(time.perf_counter()))
+
+    async def _abandoned(self, left: float) -> None:
+        """Its client left (or the cluster stopped answering) before the end: abort the request
+        and count it in every metric with what it used, as a finished one is."""
+        metrics = self.frontend.metrics
+        assert self.frontend.client is not None
+        final = await self.frontend.client.cancel(self.request_id)
+        metrics.e2e.observe(left - self.arrival)
+        if final is None:
+            metrics.success.labels("abort").inc()
+        else:
+            metrics.observe_final("abort", final.usage, final.timings)
 
     def _finish(self, reason: str, final: Final, now: float) -> None:
         cached = final.timings.get("cached_tokens")

@@ -1221,12 +1221,22 @@ def test_a_client_that_goes_away_aborts_its_request_and_frees_the_kv(served: Ser
     gone = time.monotonic()
     wait_for(lambda: idle(served.zmq.stats()), 60, "the KV was not freed")
     assert time.monotonic() - gone < max(2.0, 476 * per_token / 4)
-    after = metric_samples(served)
-    assert (
-        sample(after, "pdserve:request_success_total", finished_reason="abort")
-        - sample(before, "pdserve:request_success_total", finished_reason="abort")
-        == 2
-    )
+
+    def counted() -> bool:  # each abort in every metric, with what it used, as a finished request
+        after = metric_samples(served)
+
+        def moved(name: str, **labels: str) -> float:
+            return sample(after, name, **labels) - sample(before, name, **labels)
+
+        return (
+            moved("pdserve:request_success_total", finished_reason="abort") == 2
+            and moved("pdserve:e2e_request_latency_seconds_count") == 2
+            and moved("pdserve:request_prefill_time_seconds_count") == 2
+            and moved("pdserve:prompt_tokens_total") > 0
+            and moved("pdserve:generation_tokens_total") >= 3
+        )
+
+    wait_for(counted, 10, "the aborts are not counted in every metric")
 
 
 @pytest.mark.slow

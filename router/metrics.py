@@ -23,12 +23,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from pdserve.cluster.protocol import Stats
+
+# As vLLM: no ``*_created`` series, a timestamp per counter and histogram that scrapers rarely
+# read (the multiprocess mode writes none either, so one front end or several expose the same).
+disable_created_metrics()
 
 PREFIX = "pdserve:"
 # Where prometheus_client's multiprocess mode keeps every process's values (its own variable).

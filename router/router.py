@@ -236,7 +236,9 @@ class Router:
             for rank in range(self.tp_sizes[(role, group)]):
                 since = now - self.last_beat.get((role, group, rank), now)
                 if since > timeout:
-                    silent.append((role, group, f"rank {rank} sent no heartbeat for {since:.1f} s (hung or stopped)"))
+                    silent.append(
+                        (role, group, f"rank {rank} sent no heartbeat for {since:.1f} s (stopped, hung or dead)")
+                    )
                     break
         return silent
 

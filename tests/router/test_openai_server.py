@@ -1074,6 +1074,7 @@ def test_metrics_parse_and_move_with_a_request(served: Served) -> None:
         assert moved(f"pdserve:{phase}_seconds_count") == 1, phase
     assert moved("pdserve:kv_transfer_bytes_total") > 0
     assert sample(after, "pdserve:cluster_ready") == 1
+    assert not [name for name, _ in after if name.endswith("_created")]  # as vLLM, none
     wait_for(lambda: idle(served.zmq.stats()), 30, "the cluster did not become idle")  # groups report every 0.2 s
     idle_samples = metric_samples(served)
     for group in ("prefill0", "decode0"):

@@ -194,8 +194,8 @@ class ClusterConfig:
     )
     max_restarts: int = setting(
         10,
-        help="Restarts of one group (or of one HTTP front-end process: each of --api-servers has its own count) "
-        "before the cluster gives up on it.",
+        help="Restarts in a row of one group (or of one HTTP front-end process: each of --api-servers has its "
+        "own count) before the cluster gives up on it; one that served 60 s before it failed starts afresh.",
         section="Fault tolerance",
     )
     restart_backoff: float = setting(

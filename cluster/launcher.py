@@ -3,9 +3,10 @@
 Supervision: a group whose rank dies (process sentinel) or goes silent (the router's heartbeat
 check) is failed: all its ranks are killed, the router moves its requests, and the group is
 spawned again after a back-off as its next generation (a new TP world, new KV pair groups with
-the survivors, who keep serving). A group that fails ``max_restarts`` times stays down; when a
-role has no group left the cluster stops.
-The HTTP front end, which holds no state, is started again at once (up to ``max_restarts`` times).
+the survivors, who keep serving). A group that fails again after ``max_restarts`` restarts in a
+row stays down (one that served a minute between failures starts its count afresh:
+``RestartBudget``); when a role has no group left the cluster stops.
+The HTTP front end, which holds no state, is started again at once, under the same budget.
 With ``api_servers`` > 1 each of its processes is supervised alone, with its own restart count:
 one that dies is restarted while the others serve the port on; they share a directory of the
 run directory for their metrics (``router.metrics``).
@@ -74,7 +75,28 @@ class ClusterError(RuntimeError):
 
 
 _MAX_BACKOFF_S = 30.0
-_STABLE_S = 60.0  # a group ready this long before it fails starts its back-off afresh
+_STABLE_S = 60.0  # a process that served this long before it fails starts its count afresh
+
+
+@dataclass
+class RestartBudget:
+    """The restarts of one supervised part (a group, a front end), as systemd's start limit: a
+    back-off that doubles with each failure in a row, and ``max_restarts`` restarts in a row at
+    most. A failure after ``_STABLE_S`` of serving starts the count afresh, so a service that
+    fails now and then over weeks is never given up; one that fails again at once soon is."""
+
+    max_restarts: int
+    backoff: float
+    failures_in_row: int = 0
+
+    def failed(self, served: float | None) -> float | None:
+        """A failure after ``served`` seconds of serving (None: it never got ready): the delay
+        before the restart, or None when it stays down."""
+        stable = served is not None and served >= _STABLE_S
+        self.failures_in_row = 1 if stable else self.failures_in_row + 1
+        if self.failures_in_row > self.max_restarts:
+            return None
+        return min(self.backoff * 2 ** (self.failures_in_row - 1), _MAX_BACKOFF_S)
 
 
 @dataclass
@@ -85,10 +107,9 @@ class _Group:
     index: int
     tp: int
     devices: tuple[int, ...] | None
+    budget: RestartBudget
     processes: RankProcesses | None = None
     generation: int = 0
-    restarts: int = 0
-    failures_in_row: int = 0
     started: float = 0.0
     ready_since: float | None = None
     restart_at: float | None = None  # when down: when it is spawned again; None: for good
@@ -104,8 +125,9 @@ class _FrontEnd:
     None once it is down for good), and its restarts."""
 
     slot: int
+    budget: RestartBudget
     process: subprocess.Popen[bytes] | None = None
-    restarts: int = 0
+    started: float = 0.0
 
 
 class Cluster:
@@ -196,7 +218,9 @@ class Cluster:
             self._publish(engine, model)
         self._start_mps(on_gpu)
         for (role, index, tp), devices in zip(c.groups(), self.placement):
-            self.groups[(role, index)] = _Group(role, index, tp, devices)
+            self.groups[(role, index)] = _Group(
+                role, index, tp, devices, RestartBudget(c.max_restarts, c.restart_backoff)
+            )
         try:
             self.router = Router(
                 c,
@@ -323,7 +347,9 @@ class Cluster:
         c = self.config
         if c.api_servers > 1:
             os.mkdir(self._metrics_dir)
-        self.front_ends = [_FrontEnd(slot) for slot in range(c.api_servers)]
+        self.front_ends = [
+            _FrontEnd(slot, RestartBudget(c.max_restarts, c.restart_backoff)) for slot in range(c.api_servers)
+        ]
         waiting: dict[int, _FrontEnd] = {}
         for front_end in self.front_ends:
             read, write = os.pipe()
@@ -393,6 +419,7 @@ class Cluster:
             env[API_KEY_ENV] = c.api_key
         if c.api_servers > 1:
             env[MULTIPROC_DIR_ENV] = self._metrics_dir
+        front_end.started = time.monotonic()
         front_end.process = subprocess.Popen(
             command,
             preexec_fn=die_with_parent,
@@ -458,19 +485,19 @@ class Cluster:
     def _http_failed(self, front_end: _FrontEnd) -> None:
         """Start a front-end process again: it holds nothing but its own clients' connections,
         gone with it (the router aborts their requests); the others serve the port meanwhile.
-        Past ``max_restarts`` of its own it stays down, and the ZMQ endpoint serves on."""
+        Past ``max_restarts`` in a row of its own it stays down, and the ZMQ endpoint serves on."""
         assert front_end.process is not None
         c = self.config
         name = self._http_name(front_end)
         logger.error("%s %s", name, exit_words(front_end.process.returncode))
         front_end.process = None
-        if front_end.restarts >= c.max_restarts:
-            logger.error("%s: %d restarts already, it stays down", name, front_end.restarts)
+        budget = front_end.budget
+        if budget.failed(time.monotonic() - front_end.started) is None:
+            logger.error("%s: %d restarts in a row already, it stays down", name, budget.failures_in_row - 1)
             if all(f.process is None for f in self.front_ends):
                 logger.error("no HTTP front end is left on port %d; the ZMQ endpoint serves on", c.http_port)
             return
-        front_end.restarts += 1
-        logger.warning("%s restarts (restart %d of at most %d)", name, front_end.restarts, c.max_restarts)
+        logger.warning("%s restarts (restart %d in a row, of at most %d)", name, budget.failures_in_row, c.max_restarts)
         self._spawn_http(front_end)
 
     def _group_failed(self, group: _Group, cause: str) -> None:
@@ -481,12 +508,16 @@ class Cluster:
         now = time.monotonic()
         group.processes.kill()
         group.processes = None
-        stable = group.ready_since is not None and now - group.ready_since >= _STABLE_S
-        group.failures_in_row = 1 if stable else group.failures_in_row + 1
+        delay = group.budget.failed(None if group.ready_since is None else now - group.ready_since)
         logger.error("%s group %d (generation %d) failed: %s", group.role, group.index, group.generation, cause)
         self.router.group_failed(group.role, group.index, cause)
-        if group.restarts >= c.max_restarts:
-            logger.error("%s group %d: %d restarts already, it stays down", group.role, group.index, group.restarts)
+        if delay is None:
+            logger.error(
+                "%s group %d: %d restarts in a row already, it stays down",
+                group.role,
+                group.index,
+                group.budget.failures_in_row - 1,
+            )
             down = all(
                 g.processes is None and g.restart_at is None for g in self.groups.values() if g.role == group.role
             )
@@ -496,21 +527,19 @@ class Cluster:
                 self._abandon()
                 raise ClusterError(failure)
             return
-        delay = min(c.restart_backoff * 2 ** (group.failures_in_row - 1), _MAX_BACKOFF_S)
         group.restart_at = now + delay
         logger.warning(
-            "%s group %d restarts in %.1f s (restart %d of at most %d)",
+            "%s group %d restarts in %.1f s (restart %d in a row, of at most %d)",
             group.role,
             group.index,
             delay,
-            group.restarts + 1,
+            group.budget.failures_in_row,
             c.max_restarts,
         )
 
     def _restart(self, group: _Group) -> None:
         assert self.router is not None
         group.generation += 1
-        group.restarts += 1
         self.router.faults["restarts"] += 1
         self.router.group_restarting(group.role, group.index, group.generation)
         self._spawn(group)

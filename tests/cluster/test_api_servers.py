@@ -208,7 +208,7 @@ def test_a_killed_process_is_restarted_alone_while_the_other_serves_on(served: S
     for _ in range(FRESH // 2):  # the port serves on meanwhile
         assert fresh(served, "POST", "/v1/completions", json=body, headers=AUTH).status_code == 200
         sent += 1
-    restarts = re.compile(rf"the HTTP front end \d \(pid {killed}\) restarts \(restart 1 of at most 10\)")
+    restarts = re.compile(rf"the HTTP front end \d \(pid {killed}\) restarts \(restart 1 in a row, of at most 10\)")
     assert restarts.search(served.cluster.output()), served.cluster.output()[-3000:]
     wait_for(lambda: len(served.pids()) == 2, 60, "no front end took the killed one's place")
     (restarted,) = set(served.pids()) - {survivor}

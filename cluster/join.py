@@ -75,6 +75,22 @@ _STORE_CHECK_S = 2.0
 _SHUTDOWN_GRACE_S = 10.0
 
 
+def _wait_listening(host: str, port: int, timeout: float) -> None:
+    """Wait until something accepts connections at ``host:port`` (the router node may start
+    after this one), at most ``timeout`` seconds. Probed here, not by torch's store, which logs
+    every failed try with a C++ stack and takes two of its timeouts to give up."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, left))):
+                return
+        except OSError:
+            if left <= 0:
+                raise TimeoutError(f"nothing accepts connections at {host}:{port}") from None
+            time.sleep(min(0.2, max(0.0, left)))
+
+
 class GroupNode:
     """``start()`` joins the cluster at ``join``; ``serve()`` runs until SIGTERM, SIGINT or SIGHUP, then drains."""
 
@@ -112,11 +128,12 @@ class GroupNode:
         host, port = split_host_port(self.join, "--join")
         self._store_address = f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
         try:
+            _wait_listening(host, port, self.join_timeout)
             self.store = connect_store(self._store_address, timeout_s=self.join_timeout)
             settings = json.loads(self.store.get("cluster/settings"))
             shape = json.loads(self.store.get("cluster/model"))
             router = self.store.get("cluster/router").decode()
-        except (RuntimeError, ValueError) as e:  # torch's store errors are RuntimeErrors
+        except (RuntimeError, ValueError, TimeoutError) as e:  # torch's store errors are RuntimeErrors
             raise ClusterError(
                 f"no pdserve router node answers at {self.join} within {self.join_timeout:g} s "
                 f"(its --master-addr:--master-port?): {str(e).splitlines()[0]}"

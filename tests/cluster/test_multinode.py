@@ -427,6 +427,7 @@ def test_bad_joins_get_one_line_errors_and_change_nothing(
     )
     assert nobody.returncode != 0
     assert re.match(r"Error: no pdserve router node answers at \S+ within 2 s", nobody.stderr.strip().splitlines()[-1])
+    assert "frame #" not in nobody.stderr  # one line, not torch's C++ stacks of each try
     too_wide = on_group_node("launch.py", "--join", router_node.master, "--role", "decode", "--tp", "16")
     assert too_wide.returncode != 0
     assert too_wide.stderr.strip().splitlines()[-1].startswith("Error: --tp 16:"), too_wide.stderr

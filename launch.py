@@ -30,6 +30,7 @@ try:
     import click
 
     from pdserve.cluster.config import ClusterConfig, cluster_settings, parse_devices
+    from pdserve.cluster.group import name_process
     from pdserve.cluster.launcher import Cluster, ClusterError
     from pdserve.engine.config import SettingSpec
 except ModuleNotFoundError as missing:  # run from a checkout that was never installed
@@ -163,6 +164,7 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
         if config_path:
             raise click.UsageError("--config applies to the router node: a group node (--join) takes the cluster's")
         sys.exit(run_group_node(given))
+    name_process("pdserve-launch")
     # The router's lines (groups ready, joining, leaving, restarting; refused clients) read as the ranks' do.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")
     cluster = Cluster(config, require_tokenizer=demo)
@@ -204,6 +206,7 @@ def run_group_node(given: dict[str, Any]) -> int:
     """``--join``: this machine's group joins the cluster, serves until SIGTERM, then leaves it."""
     from pdserve.cluster.join import GroupNode
 
+    name_process("pdserve-node")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node %(levelname)s %(message)s")
     try:
         node = GroupNode(given)

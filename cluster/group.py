@@ -36,6 +36,7 @@ from pdserve.engine.config import EngineConfig, ParallelConfig
 from pdserve.engine.parallel import TensorParallel
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 
 
 # What asks a launcher or a group node to drain and stop: Ctrl-C, SIGTERM, and the hangup of the
@@ -83,6 +84,13 @@ def die_with_parent() -> None:
     no rank or front end is orphaned."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def name_process(name: str) -> None:
+    """Linux: the name ``top``, ``ps -o comm`` and ``pgrep pdserve`` show for this process
+    (at most 15 bytes): spawned ranks otherwise all read "python"."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15])
 
 
 def leave_process() -> typing.NoReturn:

@@ -31,6 +31,7 @@ from pdserve.cluster.group import (
     ignore_stop_signals,
     init_distributed,
     leave_process,
+    name_process,
 )
 from pdserve.cluster.protocol import Heartbeat, encode
 from pdserve.cluster.watchdog import Watchdog
@@ -140,6 +141,7 @@ def worker_main(spec: WorkerSpec) -> None:
     os.environ.update(spec.env)
     die_with_parent()
     ignore_stop_signals()  # the launcher drives shutdown, not Ctrl-C, SIGTERM or a hangup
+    name_process(f"pdserve-{spec.role[0]}{spec.group}.{spec.rank.engine.parallel.tp_rank}")  # pdserve-p0.1
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s {spec.role}{spec.group}.{spec.rank.engine.parallel.tp_rank} %(levelname)s %(message)s",

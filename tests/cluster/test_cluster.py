@@ -272,6 +272,10 @@ def test_a_stop_sent_to_the_whole_job_drains_like_sigterm_to_the_launcher(
     time.sleep(1.0)
     job = [cluster.proc.pid, *descendants(cluster.proc.pid)]
     (run_dir,) = {cmd[-1] for cmd in map(cmdline, job) if "pdserve.cluster.reaper" in cmd}
+    # What ps -o comm, top and `pgrep pdserve` show of the launcher and the ranks.
+    assert {"pdserve-launch", "pdserve-p0.0", "pdserve-d0.0"} <= {
+        Path(f"/proc/{p}/comm").read_text().strip() for p in job
+    }
     for pid in job:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)

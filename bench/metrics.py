@@ -145,12 +145,17 @@ def mean_transfer_bytes(records: Sequence[RequestRecord]) -> float | None:
 
 
 def compute_metrics(
-    records: Sequence[RequestRecord], slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None
+    records: Sequence[RequestRecord],
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+    wall: float | None = None,
 ) -> dict[str, Any]:
-    """Every metric of one run (warm-up records are ignored)."""
+    """Every metric of one run (warm-up records are ignored). ``wall``: the seconds the rates
+    are over (default: the records' own span); a subset of a run (one request kind) takes the
+    run's, so that its rates add up to the run's."""
     measured = [r for r in records if not r.warmup]
     done = [r for r in measured if r.ok]
-    wall = duration(measured)
+    wall = duration(measured) if wall is None else wall
 
     def per_second(count: int) -> float:
         return count / wall if wall > 0 else 0.0

@@ -484,8 +484,10 @@ async def run_requests(
 def point_result(rate: float | None, config: BenchConfig, records: list[RequestRecord]) -> dict[str, Any]:
     """One load point: its metrics (overall and per request kind) and every record."""
 
+    wall = duration([r for r in records if not r.warmup])  # every kind's rates are over the run's time
+
     def metrics(subset: list[RequestRecord]) -> dict[str, Any]:
-        return compute_metrics(subset, config.slo_ttft_ms, config.slo_tpot_ms)
+        return compute_metrics(subset, config.slo_ttft_ms, config.slo_tpot_ms, wall)
 
     kinds = sorted({r.kind for r in records})
     return {
@@ -819,7 +821,10 @@ def parse_rates(text: str) -> tuple[float | None, ...]:
 def parse_range(text: str) -> tuple[int, int]:
     """``"4096-8192"`` -> ``(4096, 8192)``; ``"4096"`` -> ``(4096, 4096)``."""
     low, _, high = text.partition("-")
-    return int(low), int(high or low)
+    try:
+        return int(low), int(high or low)
+    except ValueError:
+        raise ValueError(f"--long-len {text}: give LOW-HIGH in tokens, e.g. 4096-8192") from None
 
 
 def vocab_size_of(model_dir: Path | None) -> int:
@@ -833,7 +838,13 @@ LOAD_OPTIONS = (
     click.option("--workload", type=click.Choice(WORKLOADS), default="random"),
     click.option("--num-requests", type=int, default=100, help="Requests per rate (warm-up not included)."),
     click.option("--warmup", type=int, default=2, help="Requests sent before the first rate, not measured."),
-    click.option("--seed", type=int, default=0, help="Seed of the prompts, lengths and arrivals."),
+    click.option(
+        "--seed",
+        type=int,
+        default=0,
+        help="Seed of the prompts, lengths and arrivals. The same seed sends the same prompts: a second run "
+        "against a server that kept its prefix cache finds them cached (use another seed, or restart it).",
+    ),
     click.option("--rate", default=None, help="Poisson arrivals of this many req/s ('inf': all at once)."),
     click.option("--rates", default=None, help="A sweep: comma-separated rates, run in turn (e.g. 1,2,4,8)."),
     click.option("--concurrency", type=int, default=None, help="Most requests in flight."),
@@ -953,9 +964,7 @@ def main(
         click.echo(by_kind)
     for line in failure_summary(results["points"]):
         click.echo(f"warning: {line}", err=True)
-    if out is not None:
-        write_json(results, out)
-        click.echo(f"results: {out}")
+    write_json(results, out)  # says where
     if plot_dir is not None:
         for path in write_plots({config.workload: results["points"]}, plot_dir):
             click.echo(f"plot: {path}")

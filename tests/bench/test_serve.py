@@ -272,6 +272,20 @@ def test_decode_hit_rate_and_kv_bytes_per_request_reach_the_tables() -> None:
     assert kinds_table([point_result(None, BenchConfig(), [first])]) is None
 
 
+def test_each_kinds_rates_add_up_to_the_runs() -> None:
+    """A kind's requests span less time than the run: their rates are over the run's time, so
+    the rows of the per-kind table add up to the total (goodput too)."""
+    short = [record(float(i), [(i + 0.1, 2)], finished=i + 0.2) for i in range(4)]  # 0 s to 3.2 s
+    long = [record(0.5, [(1.0, 2)], finished=1.5)]
+    long[0].kind = "long"
+    point = point_result(2.0, BenchConfig(slo_ttft_ms=1000.0), short + long)
+    total, kinds = point["metrics"], point["by_kind"]
+    assert total["duration_s"] == pytest.approx(3.2)
+    for key in ("request_throughput", "output_throughput", "goodput"):
+        assert kinds["random"][key] + kinds["long"][key] == pytest.approx(total[key]), key
+    assert kinds["long"]["request_throughput"] == pytest.approx(1 / 3.2)
+
+
 class EchoCluster:
     """Stands in for ``AsyncClient``: answers a prompt of n tokens with ``max_tokens`` tokens
     from n on, and keeps each request's prompt."""

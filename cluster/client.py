@@ -494,7 +494,7 @@ class AsyncClient:
         """Abort a request whose stream was left, and return its abort ``Final`` (what it used);
         None when it had ended already, the connection is gone, or no answer came within
         ``timeout`` (default: the client's)."""
-        if self._link.broken or request_id in self._inboxes:  # gone; or its stream still reads
+        if request_id in self._inboxes:  # its stream still reads it
             return None
         inbox = self._inboxes[request_id] = _Inbox()
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -597,8 +597,9 @@ def main(
     with client:
         try:
             # Nothing listening is said at once, not after the reply timeout.
-            if not client.connected(within=min(timeout, _CLI_CONNECT_S)):
-                raise ClusterUnavailable(endpoint, min(timeout, _CLI_CONNECT_S))
+            connect_s = min(timeout, _CLI_CONNECT_S)
+            if not client.connected(within=connect_s):
+                raise ClusterUnavailable(endpoint, connect_s)
             request_id = client.submit(prompt, stream=stream, chat=not raw, **sampling)
             for message in client.chunks(request_id):
                 text = message.text if isinstance(message, Chunk) or not stream else ""

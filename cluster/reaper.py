@@ -23,6 +23,7 @@ def spawn(run_dir: str) -> subprocess.Popen[bytes]:
 
 
 def main() -> None:
+    # cluster.group's STOP_SIGNALS, spelled out: importing that module would import torch here.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     sys.stdin.buffer.read()

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pdserve.bench.soak import descendants
 from pdserve.cluster.client import Chunk, Client, Final
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
@@ -16,17 +17,8 @@ MAX_MODEL_LEN = 512
 
 
 def front_end_pids(launcher_pid: int) -> list[int]:
-    """The pids of the HTTP front ends the launcher runs (its children running openai_server)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = (entry / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == launcher_pid and b"pdserve.router.openai_server" in command:
-            found.append(int(entry.name))
-    return sorted(found)
+    """The pids of the HTTP front ends the launcher runs (its processes running openai_server)."""
+    return sorted(p for p in descendants(launcher_pid) if "pdserve.router.openai_server" in cmdline(p))
 
 
 def cmdline(pid: int) -> list[str]:

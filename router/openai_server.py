@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -47,7 +47,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable
 from pdserve.cluster.config import API_KEY_ENV, cluster_settings, origins
@@ -159,44 +159,23 @@ class Frontend:
 
     # -- the app ----------------------------------------------------------------------------
 
-    def app(self) -> FastAPI:
+    def app(self) -> ASGIApp:
+        """The generation routes (``_GenerationRoutes``) in front of a FastAPI app for the rest."""
         app = FastAPI(title="pdserve", lifespan=self.lifespan, openapi_url=None, docs_url=None, redoc_url=None)
-        if self.allowed_origins:  # as vLLM's: any method and header (the openai client adds x-stainless-*)
-            app.add_middleware(
-                CORSMiddleware, allow_origins=self.allowed_origins, allow_methods=["*"], allow_headers=["*"]
-            )
 
         @app.exception_handler(APIError)
         async def api_error(request: Request, error: APIError) -> JSONResponse:
-            self.metrics.observe_error(error.code)
-            self._log_rejection(request, error)
-            return JSONResponse(error.body(), status_code=error.status)
+            return self.error_response(request, error)
 
         @app.exception_handler(HTTPException)
         async def http_error(request: Request, error: HTTPException) -> JSONResponse:
-            code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
-            where = f"{request.method} {request.url.path}"
-            message = {404: f"Invalid URL ({where})", 405: f"Invalid method for URL ({where})"}  # OpenAI's words
-            api_error = APIError(error.status_code, message.get(error.status_code, str(error.detail)), code)
-            self._log_rejection(request, api_error)
-            return JSONResponse(api_error.body(), status_code=error.status_code, headers=error.headers)
+            return self.http_error_response(request, error.status_code, str(error.detail), error.headers)
 
         @app.exception_handler(Exception)
         async def internal_error(_: Request, error: Exception) -> JSONResponse:
-            logger.exception("internal error")
-            self.metrics.observe_error("internal_error")
-            body = APIError(500, f"internal error: {type(error).__name__}: {error}", "internal_error").body()
-            return JSONResponse(body, status_code=500)
+            return self.internal_error_response(error)
 
-        v1 = APIRouter(prefix="/v1", dependencies=[Depends(self._authorize)] if self.api_key else [])
-
-        @v1.post("/completions")
-        async def completions(request: Request) -> Response:
-            return await self.generate("completion", request)
-
-        @v1.post("/chat/completions")
-        async def chat_completions(request: Request) -> Response:
-            return await self.generate("chat", request)
+        v1 = APIRouter(prefix="/v1", dependencies=[Depends(self.authorize)] if self.api_key else [])
 
         @v1.get("/models")
         async def models() -> JSONResponse:
@@ -234,7 +213,32 @@ class Frontend:
                 await self._stats()
             return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-        return app
+        routes: ASGIApp = _GenerationRoutes(self, app)
+        if self.allowed_origins:  # as vLLM's: any method and header (the openai client adds x-stainless-*)
+            return CORSMiddleware(routes, allow_origins=self.allowed_origins, allow_methods=["*"], allow_headers=["*"])
+        return routes
+
+    def error_response(self, request: Request, error: APIError) -> JSONResponse:
+        self.metrics.observe_error(error.code)
+        self._log_rejection(request, error)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    def http_error_response(
+        self, request: Request, status: int, detail: str, headers: Mapping[str, str] | None = None
+    ) -> JSONResponse:
+        """A routing error (no such route, or not with this method) in OpenAI's shape and words."""
+        code = {404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
+        where = f"{request.method} {request.url.path}"
+        message = {404: f"Invalid URL ({where})", 405: f"Invalid method for URL ({where})"}
+        error = APIError(status, message.get(status, detail), code)
+        self._log_rejection(request, error)
+        return JSONResponse(error.body(), status_code=status, headers=headers)
+
+    def internal_error_response(self, error: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        self.metrics.observe_error("internal_error")
+        body = APIError(500, f"internal error: {type(error).__name__}: {error}", "internal_error").body()
+        return JSONResponse(body, status_code=500)
 
     def _model_card(self) -> dict[str, Any]:
         return {
@@ -246,7 +250,7 @@ class Frontend:
             "max_model_len": self.max_model_len,
         }
 
-    async def _authorize(self, request: Request) -> None:
+    async def authorize(self, request: Request) -> None:
         """A /v1 request's API key, as OpenAI's clients send it (``Authorization: Bearer KEY``):
         401 in OpenAI's shape without it or with another. Async: a plain function would run on
         a worker thread, a hop for every request."""
@@ -493,6 +497,40 @@ class _DeltaEvents:
 
     def __call__(self, text: str) -> bytes:
         return self.head + json.dumps(text, ensure_ascii=False).encode() + self.tail
+
+
+class _GenerationRoutes:
+    """``POST /v1/completions`` and ``/v1/chat/completions`` served straight from uvicorn, every
+    other request passed to ``app``: the hot routes skip FastAPI's request handling and middleware,
+    and the wrappers several of them put around each event's ``send`` (docs/decisions.md). Errors
+    are answered as ``app``'s handlers answer them."""
+
+    PATHS: dict[str, Literal["completion", "chat"]] = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+
+    def __init__(self, frontend: Frontend, app: ASGIApp) -> None:
+        self.frontend = frontend
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = self.PATHS.get(scope["path"]) if scope["type"] == "http" else None
+        if kind is None:
+            await self.app(scope, receive, send)
+            return
+        frontend = self.frontend
+        request = Request(scope, receive, send)
+        response: Response
+        try:
+            if scope["method"] != "POST":
+                response = frontend.http_error_response(request, 405, "Method Not Allowed", {"Allow": "POST"})
+            else:
+                if frontend.api_key is not None:
+                    await frontend.authorize(request)
+                response = await frontend.generate(kind, request)
+        except APIError as error:
+            response = frontend.error_response(request, error)
+        except Exception as error:
+            response = frontend.internal_error_response(error)
+        await response(scope, receive, send)
 
 
 class _EventStream(Response):

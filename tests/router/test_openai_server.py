@@ -485,6 +485,9 @@ def test_cors_is_off_unless_origins_are_allowed_and_then_needs_no_key_to_ask(dem
     assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == ui
     refused = http.get("/v1/models", headers={"Origin": ui})
     assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == ui  # readable
+    for route in ("/v1/completions", "/v1/chat/completions"):  # served apart from the other routes
+        refused = http.post(route, json={}, headers={"Origin": ui})
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == ui, route
     stranger = http.options("/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"})
     assert stranger.status_code == 400 and "access-control-allow-origin" not in stranger.headers
 

@@ -27,7 +27,7 @@ from pdserve.engine.config import (
     subtree,
 )
 from pdserve.engine.parallel import check_tp_size
-from pdserve.kvtransfer.base import TransferConfig
+from pdserve.kvtransfer.base import TransferConfig, backend_traits, backends_for
 
 # The cluster presets shipped with the package (``--config NAME``).
 CLUSTER_PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -505,21 +505,23 @@ class ClusterConfig:
     def check_watchdog(self, transfer: TransferConfig) -> None:
         """Refuse a watchdog that would end a leader waiting, within its lease, on a blocking
         KV transfer (``transfer`` resolved: ``auto`` is gloo on CPUs)."""
-        if transfer.blocking and self.watchdog_timeout <= self.kv_lease_timeout:
+        traits = transfer.traits
+        if traits.blocking and self.watchdog_timeout <= self.kv_lease_timeout:
+            unblocking = " or ".join(backends_for(traits.device, blocking=False))
             raise ValueError(
                 f"--watchdog-timeout {self.watchdog_timeout:g} must exceed --kv-lease-timeout "
                 f"{self.kv_lease_timeout:g} with --transfer {transfer.backend}: a blocking KV transfer holds its "
-                "leader's loop up to its lease (or pick an asynchronous backend: "
-                f"{transfer.backend}-async)"
+                f"leader's loop up to its lease (or pick a backend that does not block: {unblocking})"
             )
 
     def check_shared_gpus(self, placement: list[tuple[int, ...] | None], backend: str) -> None:
-        """Refuse a prefill and a decode rank on one GPU with NCCL between them."""
+        """Refuse a prefill and a decode rank on one GPU with a backend that cannot connect them."""
         shared = self.shared_gpus(placement)
-        if shared and backend.startswith("nccl"):
+        if shared and not backend_traits(backend).shares_gpu:
             raise ValueError(
                 f"prefill and decode ranks share GPU {shared[0]}, and --transfer {backend} cannot connect two "
-                "ranks on one GPU (NCCL refuses): use --transfer cuda-ipc (what auto picks)"
+                f"ranks on one GPU: use --transfer {' or '.join(backends_for('cuda', shares_gpu=True))} "
+                "(auto picks cuda-ipc)"
             )
 
     @staticmethod

@@ -63,7 +63,7 @@ from pdserve.engine.parallel import check_tp_size
 from pdserve.engine.presets import resolve_model
 from pdserve.engine.tokenization import load_tokenizer
 from pdserve.engine.weights import checkpoint_files
-from pdserve.kvtransfer.base import TransferConfig
+from pdserve.kvtransfer.base import TransferConfig, backends_for
 from pdserve.router.metrics import MULTIPROC_DIR_ENV
 from pdserve.router.router import Router
 
@@ -630,10 +630,11 @@ class Cluster:
 def resolve_transfer(transfer: TransferConfig, on_gpu: bool, peer_access: bool, joinable: bool) -> TransferConfig:
     """The KV transfer backend for this node's groups: in a cluster that spans machines, one
     that crosses hosts (groups on other machines share no memory with these)."""
-    if joinable and transfer.backend in ("cuda-ipc", "shm"):
+    if joinable and transfer.backend != "auto" and transfer.traits.same_host:
+        gpus, cpus = (" or ".join(backends_for(device, same_host=False)) for device in ("cuda", "cpu"))
         raise ClusterError(
             f"--transfer {transfer.backend} moves KV within one host; groups on other machines need "
-            "nccl-async or nccl (GPUs), gloo or gloo-async (CPU)"
+            f"{gpus} (GPUs), {cpus} (CPU)"
         )
     return transfer.resolved(on_gpu, peer_access and not joinable)
 

@@ -15,7 +15,8 @@ the prefill pool: its ``recv`` needs the prefill side's block ids, its ``send`` 
 and the prefill side keeps the blocks until the decode side reports the pull complete.
 
 A new backend (NIXL, RDMA) subclasses ``TransferBackend`` and registers itself with
-``@register_backend("name")``; the workers only ever see this interface.
+``@register_backend("name", BackendTraits(...))``; the workers only ever see this interface, and
+the launcher only its traits (where it may run, whether it blocks).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -96,9 +98,9 @@ class TransferConfig:
             raise ValueError(f"layer_groups must be >= 1, got {self.layer_groups}")
 
     @property
-    def blocking(self) -> bool:
-        """Whether a transfer holds its leader's loop until it completes (or its lease ends)."""
-        return self.backend in ("gloo", "nccl")
+    def traits(self) -> BackendTraits:
+        """The backend's traits (``auto`` resolved first: ``resolved``)."""
+        return backend_traits(self.backend)
 
     @property
     def max_staging_bytes(self) -> int:
@@ -111,14 +113,17 @@ class TransferConfig:
         if self.backend == "auto":
             backend = ("cuda-ipc" if peer_access else "nccl-async") if on_gpu else "gloo"
             return dataclasses.replace(self, backend=backend)
-        gpu_only, cpu_only = ("nccl", "nccl-async", "cuda-ipc"), ("gloo", "gloo-async", "shm")
-        if self.backend in gpu_only and not on_gpu:
-            raise ValueError(f"--transfer {self.backend} needs GPUs; use gloo or shm on CPU")
-        if self.backend in cpu_only and on_gpu:
-            raise ValueError(f"--transfer {self.backend} moves CPU tensors; use cuda-ipc or nccl on GPUs")
-        if self.backend == "cuda-ipc" and not peer_access:
+        traits = self.traits
+        if traits.device == "cuda" and not on_gpu:
+            raise ValueError(f"--transfer {self.backend} needs GPUs; on CPU use {' or '.join(backends_for('cpu'))}")
+        if traits.device == "cpu" and on_gpu:
             raise ValueError(
-                "--transfer cuda-ipc needs peer access between every prefill and decode GPU; use nccl-async"
+                f"--transfer {self.backend} moves CPU tensors; on GPUs use {' or '.join(backends_for('cuda'))}"
+            )
+        if traits.same_host and on_gpu and not peer_access:
+            raise ValueError(
+                f"--transfer {self.backend} needs peer access between every prefill and decode GPU; use "
+                f"{' or '.join(backends_for('cuda', same_host=False))}"
             )
         return self
 
@@ -243,28 +248,57 @@ class TransferBackend(ABC):
         """The peer group died: fail every transfer in flight without waiting for it."""
 
 
-_REGISTRY: dict[str, Callable[[TransferConfig, TransferTopology, torch.Tensor], TransferBackend]] = {}
+@dataclass(frozen=True)
+class BackendTraits:
+    """What the launcher checks of a backend before any rank runs it."""
+
+    device: Literal["cpu", "cuda"]  # where the KV pools it moves between live
+    blocking: bool = False  # a transfer holds its leader's loop until it completes (or its lease ends)
+    same_host: bool = False  # both groups on one host (on GPUs: each pair of GPUs with peer access)
+    shares_gpu: bool = True  # a prefill and a decode rank may be on one GPU
 
 
-def register_backend(name: str) -> Callable:
-    def wrap(factory: Callable) -> Callable:
-        _REGISTRY[name] = factory
+BackendFactory = Callable[[TransferConfig, TransferTopology, torch.Tensor], TransferBackend]
+_REGISTRY: dict[str, tuple[BackendFactory, BackendTraits]] = {}
+
+
+def register_backend(name: str, traits: BackendTraits) -> Callable[[BackendFactory], BackendFactory]:
+    def wrap(factory: BackendFactory) -> BackendFactory:
+        _REGISTRY[name] = (factory, traits)
         return factory
 
     return wrap
 
 
-def available_backends() -> list[str]:
-    """Names of the registered backends, the built-in ones included."""
+def _registry() -> dict[str, tuple[BackendFactory, BackendTraits]]:
     # The built-in backends register themselves when their module is imported; importing it
     # here (not at the top: it imports this module) spares every caller that step.
     from pdserve.kvtransfer import ipc, torch_dist  # noqa: F401
 
-    return sorted(_REGISTRY)
+    return _REGISTRY
+
+
+def available_backends() -> list[str]:
+    """Names of the registered backends, the built-in ones included."""
+    return sorted(_registry())
+
+
+def backends_for(device: Literal["cpu", "cuda"], **wanted: bool) -> list[str]:
+    """The registered backends for ``device`` whose traits have the ``wanted`` values."""
+    return [
+        name
+        for name, (_, traits) in sorted(_registry().items())
+        if traits.device == device and all(getattr(traits, trait) == value for trait, value in wanted.items())
+    ]
+
+
+def backend_traits(name: str) -> BackendTraits:
+    if name == "auto":
+        raise ValueError("resolve the 'auto' transfer backend first (TransferConfig.resolved)")
+    return _registry()[name][1]
 
 
 def create_backend(config: TransferConfig, topology: TransferTopology, kv_cache: torch.Tensor) -> TransferBackend:
     if config.backend == "auto":
         raise ValueError("resolve the 'auto' transfer backend first (TransferConfig.resolved)")
-    available_backends()
-    return _REGISTRY[config.backend](config, topology, kv_cache)
+    return _registry()[config.backend][0](config, topology, kv_cache)

@@ -34,6 +34,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from pdserve.kernels.kv_copy import PagedKVCopy, paged_kv_copy_ref
 from pdserve.kvtransfer.base import (
+    BackendTraits,
     Transfer,
     TransferBackend,
     TransferConfig,
@@ -233,5 +234,5 @@ def _copy_ref(
     paged_kv_copy_ref(src, dst, src_ids, dst_ids, src_heads, dst_heads)
 
 
-for _name in ("cuda-ipc", "shm"):
-    register_backend(_name)(IpcBackend)
+register_backend("cuda-ipc", BackendTraits("cuda", same_host=True))(IpcBackend)
+register_backend("shm", BackendTraits("cpu", same_host=True))(IpcBackend)

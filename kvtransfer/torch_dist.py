@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from pdserve.engine.parallel import split_range
 from pdserve.kvtransfer.base import (
+    BackendTraits,
     PairRendezvous,
     Transfer,
     TransferBackend,
@@ -322,5 +323,10 @@ class TorchDistributedBackend(TransferBackend):
         self._pending = []
 
 
-for _name, _async in (("gloo", False), ("gloo-async", True), ("nccl", False), ("nccl-async", True)):
-    register_backend(_name)(lambda c, t, kv, _a=_async: TorchDistributedBackend(c, t, kv, is_async=_a))
+# NCCL refuses a communicator with two ranks on one GPU.
+for _device, _collectives in (("cpu", "gloo"), ("cuda", "nccl")):
+    for _async in (False, True):
+        register_backend(
+            _collectives + "-async" * _async,
+            BackendTraits(_device, blocking=not _async, shares_gpu=_device == "cpu"),
+        )(lambda c, t, kv, _a=_async: TorchDistributedBackend(c, t, kv, is_async=_a))

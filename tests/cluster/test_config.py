@@ -132,8 +132,9 @@ def test_a_prefill_and_a_decode_rank_may_share_a_gpu_with_budgets_of_their_own()
 
 
 def test_gpu_sharing_that_cannot_work_is_refused_before_any_rank_starts() -> None:
-    with pytest.raises(ValueError, match="NCCL refuses"):
-        ClusterConfig(devices=(0, 0)).check_shared_gpus([(0,), (0,)], "nccl-async")
+    for backend in ("nccl", "nccl-async"):  # NCCL refuses two ranks of one communicator on one GPU
+        with pytest.raises(ValueError, match=f"--transfer {backend} cannot connect two ranks on one GPU: use "):
+            ClusterConfig(devices=(0, 0)).check_shared_gpus([(0,), (0,)], backend)
     ClusterConfig(devices=(0, 0)).check_shared_gpus([(0,), (0,)], "cuda-ipc")
     ClusterConfig(devices=(0, 1)).check_shared_gpus([(0,), (1,)], "nccl")
     with pytest.raises(ValueError, match="need a GPU each"):
@@ -263,3 +264,26 @@ def test_a_watchdog_must_outwait_a_blocking_transfers_lease() -> None:
     for backend in ("gloo-async", "nccl-async", "shm", "cuda-ipc"):
         config.check_watchdog(TransferConfig(backend))
     ClusterConfig().check_watchdog(TransferConfig("gloo"))  # the defaults: 300 s against 30 s
+
+
+def test_a_registered_backend_is_checked_by_the_traits_it_declares(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend from outside (an RDMA one, say) registers its traits with its factory: the
+    launcher's checks read them, not a list of the built-in names."""
+    from pdserve.kvtransfer import base
+
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._registry()))  # the registration ends with the test
+    traits = base.BackendTraits("cuda", blocking=True, same_host=True, shares_gpu=False)
+    base.register_backend("test-rdma", traits)(lambda config, topology, kv_cache: None)
+    rdma = TransferConfig("test-rdma")
+    assert rdma.traits == traits and "test-rdma" in base.backends_for("cuda", blocking=True)
+    with pytest.raises(ValueError, match="--transfer test-rdma needs GPUs; on CPU use gloo or gloo-async or shm"):
+        rdma.resolved(on_gpu=False)
+    with pytest.raises(ValueError, match="needs peer access"):
+        rdma.resolved(on_gpu=True, peer_access=False)
+    with pytest.raises(ClusterError, match="--transfer test-rdma moves KV within one host"):
+        resolve_transfer(rdma, on_gpu=True, peer_access=True, joinable=True)
+    with pytest.raises(ValueError, match="--transfer test-rdma cannot connect two ranks on one GPU"):
+        ClusterConfig(devices=(0, 0)).check_shared_gpus([(0,), (0,)], "test-rdma")
+    config = ClusterConfig.from_settings({"watchdog_timeout": 10.0, "kv_lease_timeout": 30.0})
+    with pytest.raises(ValueError, match="does not block: cuda-ipc or nccl-async"):
+        config.check_watchdog(rdma)

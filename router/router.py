@@ -630,6 +630,7 @@ class Router:
                     self.max_model_len,
                     dict(self.faults),
                     self.members(),
+                    message.tag,
                 ),
             )
         else:

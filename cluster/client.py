@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import itertools
 import os
 import sys
@@ -355,7 +354,8 @@ class AsyncClient:
         self._monitor = _keep_alive(self._socket, heartbeat_timeout)
         self._socket.connect(endpoint)
         self._inboxes: dict[str, _Inbox] = {}
-        self._stats_waiters: collections.deque[asyncio.Future[Stats]] = collections.deque()  # in send order
+        self._stats_waiters: dict[int, asyncio.Future[Stats]] = {}  # by their request's tag
+        self._stats_tags = itertools.count()
         self._send_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._loop: asyncio.AbstractEventLoop | None = None  # where the reader callback runs
         self._fd = -1  # the socket's descriptor, while the loop watches it
@@ -386,8 +386,9 @@ class AsyncClient:
                     waiter.set_result(None)
 
     def _dispatch(self, message: Message) -> None:
-        if isinstance(message, Stats):  # replies to stats requests come in the order they were sent
-            if self._stats_waiters and not (waiter := self._stats_waiters.popleft()).done():
+        if isinstance(message, Stats):  # one whose asker gave up (or without a tag) is dropped
+            waiter = self._stats_waiters.pop(message.tag, None) if message.tag is not None else None
+            if waiter is not None and not waiter.done():
                 waiter.set_result(message)
             return
         for reply in message.chunks if isinstance(message, Chunks) else (message,):
@@ -395,9 +396,10 @@ class AsyncClient:
             if inbox is not None:
                 inbox.put(reply)
 
-    async def _send(self, data: bytes) -> None:
+    async def _send(self, data: bytes, timeout: float | None = None) -> None:
         """Send without blocking the loop: past the socket's queue limit, wait until it takes more,
-        at most the client's timeout (ClusterUnavailable) or until the connection breaks. A
+        at most ``timeout`` (default: the client's; then ClusterUnavailable) or until the
+        connection breaks. A
         connection already known to be broken raises ClusterGone at once: ZMQ would queue the
         message for a reconnect that may never come."""
         self._start_reader()
@@ -412,10 +414,11 @@ class AsyncClient:
                 waiter = self._loop.create_future()
                 self._send_waiters.append(waiter)
                 self._loop.call_soon(self._on_events)  # POLLOUT may have come before the wait began
+                wait = self.timeout if timeout is None else timeout
                 try:
-                    await asyncio.wait_for(waiter, self.timeout)
+                    await asyncio.wait_for(waiter, wait)
                 except asyncio.TimeoutError:
-                    raise ClusterUnavailable(self.endpoint, self.timeout, self._link.up) from None
+                    raise ClusterUnavailable(self.endpoint, wait, self._link.up) from None
         # The send may have consumed the descriptor's signal of a message that came meanwhile.
         self._loop.call_soon(self._on_events)
 
@@ -430,11 +433,12 @@ class AsyncClient:
     def _fail_waiting(self, error: BaseException) -> None:
         for inbox in self._inboxes.values():
             inbox.put(error)
-        for waiters in (self._stats_waiters, self._send_waiters):
-            while waiters:
-                waiter = waiters.popleft()
-                if not waiter.done():
-                    waiter.set_exception(error)
+        waiting: list[asyncio.Future[Any]] = [*self._stats_waiters.values(), *self._send_waiters]
+        self._stats_waiters.clear()
+        self._send_waiters.clear()
+        for waiter in waiting:
+            if not waiter.done():
+                waiter.set_exception(error)
 
     def _start_reader(self) -> None:
         if self._loop is None:
@@ -513,22 +517,19 @@ class AsyncClient:
 
     async def stats(self, timeout: float | None = None) -> Stats:
         """The cluster's state (see ``Client.stats``); ClusterUnavailable after ``timeout`` seconds
-        (default: the client's)."""
-        waiter: asyncio.Future[Stats] = asyncio.get_running_loop().create_future()
-        # A waiter that timed out stays queued: the late reply it gets keeps the others in order.
-        # One whose request was never sent goes: no reply will come for it.
-        self._stats_waiters.append(waiter)
-        try:
-            await self._send(encode(StatsRequest()))
-        except BaseException:
-            with contextlib.suppress(ValueError):  # gone already if the connection broke meanwhile
-                self._stats_waiters.remove(waiter)
-            raise
+        (default: the client's), sending included."""
         wait = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        tag = next(self._stats_tags)
+        waiter = self._stats_waiters[tag] = asyncio.get_running_loop().create_future()
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter), wait)
-        except asyncio.TimeoutError:
-            raise ClusterUnavailable(self.endpoint, wait, self._link.up) from None
+            await self._send(encode(StatsRequest(tag)), wait)
+            try:
+                return await asyncio.wait_for(waiter, max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise ClusterUnavailable(self.endpoint, wait, self._link.up) from None
+        finally:
+            self._stats_waiters.pop(tag, None)  # its reply, should it come later, is dropped
 
     def close(self) -> None:
         if self._watcher is not None:

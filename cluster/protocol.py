@@ -333,6 +333,7 @@ class StatsRequest(Message):
     """Client -> router: ask for the cluster's state."""
 
     type: ClassVar[str] = "stats_request"
+    tag: int | None = None  # echoed on the reply: a client with several asks out tells them apart
 
 
 @dataclass
@@ -350,6 +351,7 @@ class Stats(Message):
     # ended past the migration limit).
     faults: dict[str, int] = field(default_factory=dict)
     members: list[GroupInfo] = field(default_factory=list)  # every group the router knows of
+    tag: int | None = None  # the request's
 
 
 @dataclass

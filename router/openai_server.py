@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -312,13 +312,24 @@ class Frontend:
         gen = await self._parse(kind, body, max_model_len)
         run = _Run(self, gen, arrival)
         texts = run.texts()
-        if not gen.stream:
-            return await _until_disconnect(request, self._whole(gen, run, texts))
-        try:  # wait for the first token: a request the cluster refuses still gets its 4xx/5xx status
-            first: str | None = await anext(texts)
-        except StopAsyncIteration:
-            first = None
-        return _EventStream(self._events(gen, run, texts, first), texts)
+        client = _Disconnect(request.receive)  # from here a client that leaves ends the run
+        streaming = False
+        try:
+            if not gen.stream:
+                return await self._whole(gen, run, texts)
+            try:  # wait for the first token: a request the cluster refuses still gets its 4xx/5xx status
+                first: str | None = await anext(texts)
+            except StopAsyncIteration:
+                first = None
+            streaming = True
+            return _EventStream(self._events(gen, run, texts, first), texts, client)
+        except asyncio.CancelledError:
+            if not client.absorb():
+                raise
+            return Response(status_code=499)  # nobody is listening; 499 is nginx's "client closed request"
+        finally:
+            if not streaming:
+                client.stop()
 
     async def _parse(self, kind: Literal["completion", "chat"], body: bytes, max_model_len: int) -> GenerationRequest:
         """``parse_request`` of a body: a small one here, as handing it to the parsing thread and
@@ -431,9 +442,10 @@ class _Run:
                         yield message.text
                         continue
                     text, stopped = matcher.add(message.text)
-                    yield text
-                    if stopped:  # the cluster only knows stop tokens: end it here, then read its final
+                    if stopped:  # the cluster only knows stop tokens: end it here, before the client reads on
                         await client.abort(self.request_id)
+                    yield text
+                    if stopped:  # then read its final
                         final = None
                         async for message in messages:
                             final = message if isinstance(message, Final) else final
@@ -477,7 +489,8 @@ def _cluster_error(error: ClusterError) -> APIError:
     if error.code == "invalid_request":
         field = error.error.message.partition(":")[0]
         return APIError(400, error.error.message, "invalid_request", "prompt" if field == "token_ids" else field)
-    if error.code in ("shutting_down", "shutdown", "worker_failed", "no_group"):
+    # The ones a later try may not meet (503, as OpenAI's "engine is currently overloaded").
+    if error.code in ("shutting_down", "shutdown", "worker_failed", "no_group", "overloaded"):
         return APIError(503, error.error.message, error.code)
     return APIError(500, f"{error.code}: {error.error.message}", error.code)
 
@@ -512,7 +525,8 @@ class _GenerationRoutes:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = self.PATHS.get(scope["path"]) if scope["type"] == "http" else None
+        # With a trailing slash too, which FastAPI's routes would redirect here.
+        kind = self.PATHS.get(scope["path"].rstrip("/")) if scope["type"] == "http" else None
         if kind is None:
             await self.app(scope, receive, send)
             return
@@ -533,34 +547,58 @@ class _GenerationRoutes:
         await response(scope, receive, send)
 
 
+class _Disconnect:
+    """Watches a request's client from when its body is read: if it disconnects before ``stop``,
+    the task that made this is cancelled (a stream's run then aborts the request in the cluster).
+    One watcher task for the whole request, waiting for its first token included; ``absorb``
+    tells that cancellation from any other."""
+
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.gone = False
+        self.stopped = False
+        self.watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self.stopped:
+            self.gone = True
+            self.task.cancel()
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.watcher.cancel()
+
+    def absorb(self) -> bool:
+        """Called on a CancelledError: True, and the cancellation undone so that later awaits of
+        the task run, when the client leaving caused it."""
+        if not self.gone:
+            return False
+        if sys.version_info >= (3, 11):
+            self.task.uncancel()
+        return True
+
+
 class _EventStream(Response):
-    """A server-sent event stream that closes its request's run however the response ends. A
-    client that disconnects cancels the stream (possibly before it started), as Starlette's
-    ``StreamingResponse`` does, but with one watcher task rather than an anyio task group; and
-    the last event goes out with the end of the body, in one write."""
+    """A server-sent event stream that closes its request's run however the response ends: a
+    client that disconnects cancels it (possibly before it started), as Starlette's
+    ``StreamingResponse`` does, but through the request's one watcher rather than an anyio task
+    group; and the last event goes out with the end of the body, in one write."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], texts: AsyncIterator[str]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], texts: AsyncIterator[str], client: _Disconnect) -> None:
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache"})
         self.events = events
         self.texts = texts
+        self.client = client
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        streaming = asyncio.current_task()
-        assert streaming is not None
-        state = {"ended": False, "gone": False}
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if not state["ended"]:  # the client went away: stop streaming
-                state["gone"] = True
-                streaming.cancel()
-
-        watcher = asyncio.get_running_loop().create_task(watch())
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             more = True
@@ -570,36 +608,11 @@ class _EventStream(Response):
             if more:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not state["gone"]:
+            if not self.client.absorb():
                 raise
-            if sys.version_info >= (3, 11):  # later awaits of this task must not see the cancel
-                streaming.uncancel()
         finally:
-            state["ended"] = True
-            watcher.cancel()
+            self.client.stop()
             await self.texts.aclose()  # type: ignore[attr-defined]
-
-
-async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
-    """``work``'s response, or, if the client disconnects first, ``work`` cancelled (its run then
-    aborts the request in the cluster)."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.wait((task,))  # cancelled once it has run its cancellation (the abort)
-    if task.cancelled():
-        return Response(status_code=499)  # nobody is listening; 499 is nginx's "client closed request"
-    return task.result()
 
 
 class RepeatLimit(logging.Filter):

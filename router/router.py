@@ -608,14 +608,9 @@ class Router:
         elif isinstance(message, Abort):
             request_id = self.by_client.get((client, message.request_id))
             if request_id is None:
-                self._reject(
-                    client,
-                    Error(
-                        message.request_id,
-                        "unknown_request",
-                        f"no request {message.request_id!r} is running for this client",
-                    ),
-                )
+                # Replied, not logged: an abort crossing its request's final is every client's race.
+                why = f"no request {message.request_id!r} is running for this client"
+                self._reply(client, Error(message.request_id, "unknown_request", why))
                 return
             self._abort_workers(request_id)
             self._final(request_id, "abort", self.requests[request_id].entry_timings)
@@ -630,6 +625,7 @@ class Router:
                     self.max_model_len,
                     dict(self.faults),
                     self.members(),
+                    message.tag,
                 ),
             )
         else:

@@ -437,9 +437,10 @@ def test_async_client_skips_an_undecodable_frame_and_gets_its_final() -> None:
         router.close()
 
 
-def test_async_client_stats_match_replies_in_order_beside_a_stream() -> None:
-    """Stats replies carry no request id: each goes to the oldest waiting ``stats()``, and a
-    stream's messages on the same socket are not taken for them; no reply is ClusterUnavailable."""
+def test_async_client_stats_match_replies_by_tag_beside_a_stream() -> None:
+    """Each stats reply goes to the ``stats()`` whose tag it echoes, and a stream's messages on
+    the same socket are not taken for them; no reply is ClusterUnavailable, and a reply that never
+    came (or comes too late) leaves the later ones to their own askers."""
     import asyncio
 
     import zmq
@@ -457,14 +458,21 @@ def test_async_client_stats_match_replies_in_order_beside_a_stream() -> None:
             identity, frame = await asyncio.to_thread(router.recv_multipart)
             assert decode(frame).type == "generate"
             first, second = (asyncio.create_task(client.stats()) for _ in range(2))
-            for _ in range(2):
-                assert isinstance(decode((await asyncio.to_thread(router.recv_multipart))[1]), StatsRequest)
-            router.send_multipart([identity, encode(Stats(1, {}, ready=False, max_model_len=64))])
+            asks = [decode((await asyncio.to_thread(router.recv_multipart))[1]) for _ in range(2)]
+            assert all(isinstance(ask, StatsRequest) for ask in asks)
+            router.send_multipart([identity, encode(Stats(1, {}, ready=False, max_model_len=64, tag=asks[0].tag))])
             router.send_multipart([identity, encode(Final("r1", "length", [7], "", {}, {}))])
-            router.send_multipart([identity, encode(Stats(0, {}, ready=True, max_model_len=64))])
+            router.send_multipart([identity, encode(Stats(0, {}, ready=True, max_model_len=64, tag=asks[1].tag))])
             replies = [await first, await second]
             with pytest.raises(ClusterUnavailable):
                 await client.stats(timeout=0.2)
+            lost = decode((await asyncio.to_thread(router.recv_multipart))[1])  # its reply never comes
+            for in_flight in (3, 4):
+                later = asyncio.create_task(client.stats(timeout=10))
+                ask = decode((await asyncio.to_thread(router.recv_multipart))[1])
+                router.send_multipart([identity, encode(Stats(in_flight, {}, tag=ask.tag))])
+                replies.append(await later)
+                router.send_multipart([identity, encode(Stats(5, {}, tag=lost.tag))])  # then comes, too late
             return replies, await stream
         finally:
             client.close()
@@ -473,7 +481,7 @@ def test_async_client_stats_match_replies_in_order_beside_a_stream() -> None:
         replies, final = asyncio.run(run())
     finally:
         router.close()
-    assert [(s.requests_in_flight, s.ready) for s in replies] == [(1, False), (0, True)]
+    assert [(s.requests_in_flight, s.ready) for s in replies] == [(1, False), (0, True), (3, False), (4, False)]
     assert final.token_ids == [7]
 
 
@@ -487,7 +495,7 @@ def test_async_client_refuses_a_request_at_once_once_the_connection_broke() -> N
     import zmq
 
     from pdserve.cluster.client import AsyncClient, ClusterGone
-    from pdserve.cluster.protocol import Stats, encode
+    from pdserve.cluster.protocol import Stats, decode, encode
 
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -514,8 +522,8 @@ def test_async_client_refuses_a_request_at_once_once_the_connection_broke() -> N
             try:
                 await asyncio.sleep(2.0)  # the client reconnects
                 reply = asyncio.create_task(client.stats(timeout=10))
-                identity, _ = await asyncio.to_thread(back.recv_multipart)
-                back.send_multipart([identity, encode(Stats(0, {}))])
+                identity, frame = await asyncio.to_thread(back.recv_multipart)
+                back.send_multipart([identity, encode(Stats(0, {}, tag=decode(frame).tag))])
                 assert (await reply).requests_in_flight == 0
             finally:
                 back.close()

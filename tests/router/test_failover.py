@@ -157,3 +157,19 @@ def test_a_silent_rank_of_a_ready_group_is_reported_within_the_timeout(rig: Rig)
     rig.client.send(encode(StatsRequest()))
     (stats,) = rig.replies()
     assert "decode1" not in stats.groups and not stats.ready and stats.faults["group_failures"] == 1
+
+
+def test_an_abort_that_crosses_its_requests_final_is_answered_without_a_warning(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every client has this race (the HTTP front end's stop strings end a request from its last
+    chunk): the abort gets its one reply, and the log keeps its warnings for clients at fault."""
+    work = _start(rig, max_tokens=2)
+    rig.worker(TokenOutputs([TokenOutput(work.request_id, 0, [11])]))
+    rig.worker(TokenOutputs([TokenOutput(work.request_id, 1, [12], True, "length")]))
+    with caplog.at_level("WARNING"):
+        rig.client.send(encode(Abort("c1")))
+        replies = rig.replies()
+    assert [type(m) for m in replies] == [Chunk, Chunk, Final, Error]
+    assert replies[-1].code == "unknown_request" and replies[-1].request_id == "c1"
+    assert not caplog.records

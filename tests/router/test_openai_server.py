@@ -27,14 +27,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from fastapi.responses import Response
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench.compare import LaunchedCluster
 from pdserve.cluster.client import Client, Final
 from pdserve.cluster.group import free_port
 from pdserve.router.openai_api import APIError, ChatRequest, parse_request
-from pdserve.router.openai_server import RepeatLimit, _until_disconnect
+from pdserve.router.openai_server import Frontend, RepeatLimit
 from pdserve.router.stop_strings import StopStringMatcher
 
 REPO = Path(__file__).resolve().parents[2]
@@ -332,25 +331,58 @@ def test_bodies_have_openais_shapes_with_a_null_system_fingerprint(kind: str) ->
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 5
 
 
-def test_a_whole_response_whose_client_went_away_is_cancelled_and_answers_499() -> None:
-    """The work is cancelled (its run aborts the request in the cluster) and the answer is a
-    499, not an internal error with its traceback logged twice."""
-    stopped = []
+class StalledCluster:
+    """A cluster client whose requests never get a token: what a long queue or prefill looks like."""
 
-    async def work() -> Response:
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            stopped.append(True)
-            raise
-        return Response()
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
 
-    class Gone:  # a request whose client has disconnected
-        async def receive(self) -> dict[str, str]:
+    async def stream(self, **_: Any) -> Any:
+        await asyncio.Event().wait()
+        yield  # an async generator, as AsyncClient.stream
+
+    async def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_before_the_first_token_has_its_request_aborted(
+    demo_model_dir: Path, stream: bool
+) -> None:
+    """Waiting for the first token (a long queue, a long prompt), streamed or not, the front end
+    still watches the connection: a client that leaves then gets its request aborted in the
+    cluster, not prefilled for nobody; the answer is a 499, not an internal error."""
+    frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), served_model_name=MODEL)
+    frontend.max_model_len = MAX_MODEL_LEN
+    cluster = frontend.client = StalledCluster()  # type: ignore[assignment]
+    body = json.dumps({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4, "stream": stream}).encode()
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "headers": [(b"content-type", b"application/json")],
+        "query_string": b"",
+    }
+    sent: list[dict[str, Any]] = []
+
+    async def serve() -> None:
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop()
+            await asyncio.sleep(0.2)  # the request is in the cluster by now
             return {"type": "http.disconnect"}
 
-    response = asyncio.run(_until_disconnect(Gone(), work()))  # type: ignore[arg-type]
-    assert response.status_code == 499 and stopped
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await asyncio.wait_for(frontend.app()(scope, receive, send), 10)
+        await asyncio.sleep(0.1)  # the abort runs on its own task
+
+    asyncio.run(serve())
+    assert sent[0]["status"] == 499
+    assert cluster.cancelled == ["http-0"] and frontend.in_flight == 0
 
 
 def test_a_repeated_warning_is_logged_once_a_minute_with_a_count() -> None:
@@ -413,6 +445,24 @@ def test_unknown_routes_and_methods_get_openais_error_body(demo_model_dir: Path)
     wrong_method = http.get("/v1/chat/completions")
     message = openai_error(wrong_method, 405, "method_not_allowed")
     assert message == "Invalid method for URL (GET /v1/chat/completions)" and wrong_method.headers["allow"] == "POST"
+    for path in ("/v1/completions/", "/v1/chat/completions/"):  # a trailing slash serves the route too
+        openai_error(http.post(path, content=b"{not json"), 400, "malformed_json")
+
+
+def test_cluster_errors_get_the_status_a_client_retries_on_or_not() -> None:
+    """A refusal that a later try may not meet (the cluster busy, restarting or stopping) is a
+    503, which OpenAI's clients retry; a request the cluster cannot serve is a 400."""
+    from pdserve.cluster.client import ClusterError
+    from pdserve.cluster.protocol import Error
+    from pdserve.router.openai_server import _cluster_error
+
+    def status(code: str, message: str = "m") -> int:
+        return _cluster_error(ClusterError(Error("http-0", code, message))).status
+
+    for code in ("overloaded", "shutting_down", "shutdown", "worker_failed", "no_group"):
+        assert status(code) == 503, code
+    assert status("invalid_request", "max_tokens: too many") == 400
+    assert status("internal_error") == 500
 
 
 def test_a_model_is_retrieved_by_its_id(demo_model_dir: Path) -> None:

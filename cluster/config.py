@@ -150,6 +150,12 @@ class ClusterConfig:
         "the least-loaded group and still get the request.",
         section="Serving",
     )
+    send_timeout: float = setting(
+        60.0,
+        help="Seconds an HTTP client may leave its stream unread (the front end's buffers for it full) before "
+        "its request is aborted and its connection closed, as nginx's send_timeout.",
+        section="Serving",
+    )
     max_message_mib: float = setting(
         4.0,
         help="Largest message a client may send, in MiB: a bigger one drops its connection unread "
@@ -327,7 +333,7 @@ class ClusterConfig:
         if self.allowed_origins is not None and (self.http_port is None or not origins(self.allowed_origins)):
             why = "applies to the HTTP API: give --http-port too" if origins(self.allowed_origins) else "names none"
             raise ValueError(f"--allowed-origins {why}")
-        for name in ("max_message_mib", "max_prompt_chars", "max_requests_per_client", "max_requests"):
+        for name in ("max_message_mib", "max_prompt_chars", "max_requests_per_client", "max_requests", "send_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.drain_timeout < 0:

@@ -407,6 +407,8 @@ class Cluster:
             str(c.max_message_mib),
             "--max-prompt-chars",
             str(c.max_prompt_chars),
+            "--send-timeout",
+            str(c.send_timeout),
             *(["--auth-keys", c.auth_keys] if c.auth_keys is not None else []),
             *(["--allowed-origins", c.allowed_origins] if c.allowed_origins is not None else []),
             *(["--reuse-port"] if c.api_servers > 1 else []),

@@ -65,7 +65,7 @@ DONE = b"data: [DONE]\n\n"
 SHARED = {
     s.key: s
     for s in cluster_settings()
-    if s.key in ("max_message_mib", "max_prompt_chars", "api_key", "allowed_origins")
+    if s.key in ("max_message_mib", "max_prompt_chars", "api_key", "allowed_origins", "send_timeout")
 }
 STATS_TIMEOUT = 2.0  # seconds a health check or scrape waits for the router's stats
 # Bodies up to this size are parsed on the event loop (docs/decisions.md: the worker thread's
@@ -95,6 +95,7 @@ class Frontend:
         max_prompt_chars: int = SHARED["max_prompt_chars"].default,
         api_key: str | None = None,
         allowed_origins: str | None = None,
+        send_timeout: float = SHARED["send_timeout"].default,
     ) -> None:
         self.endpoint = endpoint
         self.api_key = api_key.encode() if api_key else None
@@ -116,6 +117,7 @@ class Frontend:
         self.created = int(time.time())
         self._ids = itertools.count()
         self._background: set[asyncio.Task[Any]] = set()
+        self.stalls = _Stalls(send_timeout)
         # Bodies past INLINE_BODY_BYTES are checked and tokenized on one thread of their own: a
         # long prompt then holds up the next requests' parsing, not every stream's tokens. The
         # lock keeps the tokenizer to one caller at a time (it is not safe to call from several
@@ -130,9 +132,11 @@ class Frontend:
         self.client = AsyncClient(self.endpoint, timeout=self.timeout, auth_keys=self.auth_keys)
         with contextlib.suppress(APIError):  # the cluster may come up after us: /health says when
             await self._model_len()
+        stalls = asyncio.get_running_loop().create_task(self.stalls.watch())
         try:
             yield
         finally:
+            stalls.cancel()
             self.client.close()
             self._parser.shutdown(wait=False, cancel_futures=True)
 
@@ -322,7 +326,7 @@ class Frontend:
             except StopAsyncIteration:
                 first = None
             streaming = True
-            return _EventStream(self._events(gen, run, texts, first), texts, client)
+            return _EventStream(self._events(gen, run, texts, first), texts, client, self.stalls)
         except asyncio.CancelledError:
             if not client.absorb():
                 raise
@@ -564,13 +568,17 @@ class _Disconnect:
     async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        if not self.stopped:
-            self.gone = True
-            self.task.cancel()
+        self.leave()
 
     def stop(self) -> None:
         self.stopped = True
         self.watcher.cancel()
+
+    def leave(self) -> None:
+        """Treat the client as gone (see ``_Stalls``)."""
+        if not self.stopped:
+            self.gone = True
+            self.task.cancel()
 
     def absorb(self) -> bool:
         """Called on a CancelledError: True, and the cancellation undone so that later awaits of
@@ -582,6 +590,27 @@ class _Disconnect:
         return True
 
 
+class _Stalls:
+    """Streams whose client takes nothing for ``timeout`` seconds: a send waits while the buffers
+    for a connection are full, and would hold its request (its replies piling up in memory, the
+    front end's drain waiting on it) for as long as the client neither reads nor leaves. Such a
+    client is taken for gone: its request is aborted and uvicorn closes the connection."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.sending: dict[_Disconnect, float] = {}  # a stream's client -> when its pending send began
+
+    async def watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(1.0, self.timeout / 4))
+            now = loop.time()
+            for client, since in list(self.sending.items()):
+                if now - since > self.timeout:
+                    logger.warning("a client read nothing of its stream for %gs: its request is aborted", self.timeout)
+                    client.leave()
+
+
 class _EventStream(Response):
     """A server-sent event stream that closes its request's run however the response ends: a
     client that disconnects cancels it (possibly before it started), as Starlette's
@@ -590,28 +619,36 @@ class _EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], texts: AsyncIterator[str], client: _Disconnect) -> None:
+    def __init__(
+        self, events: AsyncIterator[bytes], texts: AsyncIterator[str], client: _Disconnect, stalls: _Stalls
+    ) -> None:
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache"})
         self.events = events
         self.texts = texts
         self.client = client
+        self.stalls = stalls
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        client, sending = self.client, self.stalls.sending
+        clock = asyncio.get_running_loop().time
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             more = True
             async for event in self.events:
                 more = not event.endswith(DONE)
+                sending[client] = clock()
                 await send({"type": "http.response.body", "body": event, "more_body": more})
+                del sending[client]
             if more:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not self.client.absorb():
+            if not client.absorb():
                 raise
         finally:
-            self.client.stop()
+            sending.pop(client, None)
+            client.stop()
             await self.texts.aclose()  # type: ignore[attr-defined]
 
 
@@ -694,6 +731,7 @@ def serve_openai(
     allowed_origins: str | None = None,
     sock: socket.socket | None = None,
     ready_fd: int | None = None,
+    send_timeout: float = SHARED["send_timeout"].default,
 ) -> None:
     """Serve the OpenAI API for the cluster at ``endpoint`` until SIGTERM/SIGINT (blocking; run it
     in its own process: the router's loop and this one should not share an interpreter lock). On
@@ -710,6 +748,7 @@ def serve_openai(
         max_prompt_chars=max_prompt_chars,
         api_key=api_key,
         allowed_origins=allowed_origins,
+        send_timeout=send_timeout,
     )
     config = uvicorn.Config(
         frontend.app(), host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
@@ -778,6 +817,12 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
 )
 @click.option("--allowed-origins", default=SHARED["allowed_origins"].default, help=SHARED["allowed_origins"].help)
 @click.option(
+    "--send-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=SHARED["send_timeout"].default,
+    help=SHARED["send_timeout"].help,
+)
+@click.option(
     "--reuse-port",
     is_flag=True,
     help="Bind the port with SO_REUSEPORT, so that several of these servers share it (Linux spreads the "
@@ -804,6 +849,7 @@ def main(
     max_prompt_chars: int,
     api_key: str | None,
     allowed_origins: str | None,
+    send_timeout: float,
     reuse_port: bool,
     ready_fd: int | None,
 ) -> None:
@@ -847,6 +893,7 @@ def main(
         allowed_origins,
         sock,
         ready_fd,
+        send_timeout,
     )
 
 

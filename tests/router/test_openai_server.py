@@ -1293,6 +1293,41 @@ def test_a_client_that_goes_away_aborts_its_request_and_frees_the_kv(served: Ser
     wait_for(counted, 10, "the aborts are not counted in every metric")
 
 
+def test_a_client_that_stops_reading_is_dropped_after_the_send_timeout(demo_model_dir: Path, tmp_path: Path) -> None:
+    """A client that neither reads nor leaves would hold its stream, and its replies in the front
+    end's memory, for good: once its buffers stay full for --send-timeout, the request is aborted
+    and the connection closed (the stream ends without [DONE]), and the front end drains at once."""
+    from pdserve.bench.frontend import stand_in_cluster
+
+    with stand_in_cluster(60_000, 0.0, str(demo_model_dir)) as cluster:  # 60000 tokens, unpaced
+        frontend = FrontendProcess(cluster.endpoint, tmp_path / "frontend.log", "--send-timeout", "1")
+        try:
+            body = json.dumps(
+                {"model": MODEL, "prompt": [1000, 1001], "max_tokens": 59_990, "ignore_eos": True, "stream": True}
+            ).encode()
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", frontend.port))
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            time.sleep(6.0)  # reading nothing: the stand-in is done in about a second, the front end stalls
+            sock.settimeout(20)
+            received = bytearray()
+            while chunk := sock.recv(1 << 16):
+                received += chunk
+            sock.close()
+            assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
+            assert received.count(b"data: ") < 59_990  # cut off, not streamed to the end
+            started = time.monotonic()
+            assert frontend.stop(timeout=20) == 0 and time.monotonic() - started < 10  # nothing left to drain
+            assert "read nothing of its stream for 1s" in frontend.log_path.read_text()
+        finally:
+            frontend.kill()
+
+
 @pytest.mark.slow
 def test_sigterm_drains_refuses_new_requests_with_503_and_exits_zero(served: Served, tmp_path: Path) -> None:
     frontend = FrontendProcess(served.cluster.endpoint, tmp_path / "frontend.log")

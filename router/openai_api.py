@@ -331,7 +331,14 @@ def parse_request(
         token_ids, prompt_param = _chat_prompt(request, tokenizer, max_prompt_chars), "messages"
         max_tokens = request.max_completion_tokens or request.max_tokens or max_model_len - len(token_ids)
     total = len(token_ids) + max_tokens
-    if total > max_model_len or max_tokens < 1:
+    if max_tokens < 1:  # a chat without max_tokens whose messages fill the context alone
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens; the {prompt_param} hold "
+            f"{len(token_ids)}, which leaves none to generate. Shorten the {prompt_param}.",
+            prompt_param,
+            "context_length_exceeded",
+        )
+    if total > max_model_len:
         fits = len(token_ids) < max_model_len
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens; this request asks for {total} "

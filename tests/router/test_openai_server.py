@@ -183,6 +183,17 @@ def parsed(kind: str, body: dict[str, Any], tokenizer: Any) -> Any:
     return parse_request(kind, json.dumps({"model": MODEL, **body}).encode(), MODEL, tokenizer, MAX_MODEL_LEN, 1000)
 
 
+def test_a_chat_that_fills_the_context_without_max_tokens_is_told_so(demo_tokenizer: Any) -> None:
+    """Without max_tokens a chat may generate what its messages leave; messages that leave nothing
+    are refused in those words, not with a negative count of tokens to generate."""
+    with pytest.raises(APIError) as refused:
+        parsed("chat", {"messages": [{"role": "user", "content": "7" * 600}]}, demo_tokenizer)  # a token a digit
+    assert refused.value.code == "context_length_exceeded" and refused.value.param == "messages"
+    assert "which leaves none to generate" in refused.value.message and "-" not in refused.value.message
+    fits = parsed("chat", {"messages": [{"role": "user", "content": "hi"}]}, demo_tokenizer)
+    assert len(fits.token_ids) + fits.sampling["max_tokens"] == MAX_MODEL_LEN
+
+
 def same_request(a: Any, b: Any) -> bool:
     """Two checked requests the cluster would run alike and answer in the same shape."""
     keys = ("kind", "model", "token_ids", "sampling", "stop", "stream", "include_usage")

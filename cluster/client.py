@@ -174,6 +174,7 @@ class Client:
         self._poller.register(self._monitor, zmq.POLLIN)
         self._socket.connect(endpoint)
         self._buffered: dict[str, list[Message]] = {}
+        self._stats_tags = itertools.count()
 
     def close(self) -> None:
         if self._socket.closed:  # closing twice is harmless
@@ -281,11 +282,14 @@ class Client:
 
     def stats(self) -> Stats:
         """The cluster's state: requests in flight and each group's KV pool and queues."""
-        self._send(encode(StatsRequest()))
+        tag = next(self._stats_tags)
+        self._send(encode(StatsRequest(tag)))
         while True:
             message = self.receive()
             if isinstance(message, Stats):
-                return message
+                if message.tag == tag:  # not the late reply to an ask that timed out
+                    return message
+                continue
             self._buffered.setdefault(getattr(message, "request_id", None) or "", []).append(message)
 
 

@@ -186,8 +186,9 @@ def test_status_prints_a_table_and_the_faults_in_words() -> None:
 
     def answer() -> None:
         identity, frame = router.recv_multipart()
-        assert decode(frame).type == "stats_request"
-        stats = Stats(3, reports, ready=True, faults=faults, members=members)
+        ask = decode(frame)
+        assert ask.type == "stats_request"
+        stats = Stats(3, reports, ready=True, faults=faults, members=members, tag=ask.tag)
         router.send_multipart([identity, encode(stats)])
 
     thread = threading.Thread(target=answer, daemon=True)

@@ -10,6 +10,7 @@ import contextlib
 import os
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -483,6 +484,34 @@ def test_async_client_stats_match_replies_by_tag_beside_a_stream() -> None:
         router.close()
     assert [(s.requests_in_flight, s.ready) for s in replies] == [(1, False), (0, True), (3, False), (4, False)]
     assert final.token_ids == [7]
+
+
+def test_client_stats_skip_the_late_reply_to_an_ask_that_timed_out() -> None:
+    """The blocking client's ``stats()`` answers with its own reply, not an older one that came
+    after its asker gave up."""
+    import zmq
+
+    from pdserve.cluster.client import ClusterUnavailable
+    from pdserve.cluster.protocol import Stats, decode, encode
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with Client(f"tcp://127.0.0.1:{port}", timeout=0.5) as client:
+            with pytest.raises(ClusterUnavailable):
+                client.stats()
+            identity, late = router.recv_multipart()
+            router.send_multipart([identity, encode(Stats(5, {}, tag=decode(late).tag))])  # after the timeout
+            answered = threading.Thread(target=lambda: replies.append(client.stats()))
+            replies: list[Stats] = []
+            answered.start()
+            identity, ask = router.recv_multipart()
+            router.send_multipart([identity, encode(Stats(3, {}, tag=decode(ask).tag))])
+            answered.join(10)
+        assert [s.requests_in_flight for s in replies] == [3]
+    finally:
+        router.close()
 
 
 def test_async_client_refuses_a_request_at_once_once_the_connection_broke() -> None:

@@ -187,6 +187,8 @@ class Frontend:
 
         @v1.get("/models/{model:path}")  # a served name may hold a slash ("Qwen/Qwen2.5-1.5B")
         async def model(model: str) -> JSONResponse:
+            if not model:  # "/v1/models/": the list, as FastAPI's redirect of a trailing slash would give
+                return await models()
             if model != self.model_name:
                 raise APIError(
                     404,

@@ -483,6 +483,7 @@ def test_a_model_is_retrieved_by_its_id(demo_model_dir: Path) -> None:
     http = TestClient(frontend_app(demo_model_dir))
     (card,) = http.get("/v1/models").json()["data"]
     assert http.get(f"/v1/models/{MODEL}").json() == card
+    assert http.get("/v1/models/").json() == http.get("/v1/models").json()  # a trailing slash: the list
     assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] == MAX_MODEL_LEN
     message = openai_error(http.get("/v1/models/gpt-4"), 404, "model_not_found", "model")
     assert message == f"The model 'gpt-4' does not exist: this server serves '{MODEL}'"

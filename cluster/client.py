@@ -403,9 +403,8 @@ class AsyncClient:
     async def _send(self, data: bytes, timeout: float | None = None) -> None:
         """Send without blocking the loop: past the socket's queue limit, wait until it takes more,
         at most ``timeout`` (default: the client's; then ClusterUnavailable) or until the
-        connection breaks. A
-        connection already known to be broken raises ClusterGone at once: ZMQ would queue the
-        message for a reconnect that may never come."""
+        connection breaks. A connection already known to be broken raises ClusterGone at once:
+        ZMQ would queue the message for a reconnect that may never come."""
         self._start_reader()
         assert self._loop is not None
         if self._link.broken:

@@ -117,7 +117,7 @@ class Frontend:
         self.created = int(time.time())
         self._ids = itertools.count()
         self._background: set[asyncio.Task[Any]] = set()
-        self.stalls = _Stalls(send_timeout)
+        self.stalls = _Stalls(send_timeout, self.rejections)
         # Bodies past INLINE_BODY_BYTES are checked and tokenized on one thread of their own: a
         # long prompt then holds up the next requests' parsing, not every stream's tokens. The
         # lock keeps the tokenizer to one caller at a time (it is not safe to call from several
@@ -598,8 +598,9 @@ class _Stalls:
     front end's drain waiting on it) for as long as the client neither reads nor leaves. Such a
     client is taken for gone: its request is aborted and uvicorn closes the connection."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, rejections: RejectionLog) -> None:
         self.timeout = timeout
+        self.rejections = rejections  # a line per stalled client, rate-limited: many may stall at once
         self.sending: dict[_Disconnect, float] = {}  # a stream's client -> when its pending send began
 
     async def watch(self) -> None:
@@ -609,7 +610,11 @@ class _Stalls:
             now = loop.time()
             for client, since in list(self.sending.items()):
                 if now - since > self.timeout:
-                    logger.warning("a client read nothing of its stream for %gs: its request is aborted", self.timeout)
+                    self.rejections.warning(
+                        "send_timeout",
+                        "a client read nothing of its stream for %gs: its request is aborted",
+                        self.timeout,
+                    )
                     client.leave()
 
 

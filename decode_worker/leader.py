@@ -17,7 +17,9 @@ Lifecycle of a request here:
    prefill); the final one carries the transfer time and size.
 
 Invariant: a posted receive always completes (the prefill side always sends once accepted),
-so an abort during a transfer frees the blocks only after it. An abort may arrive before the
+so an abort during a transfer frees the blocks only after the leader's part of it; the peers'
+parts are then discarded (a discarded receive is never written into the cache, and its
+buffers go once it lands). An abort may arrive before the
 request's announcement (the router tells both groups at once; the prefill side announces when
 its prefill ends): its id is remembered for ``_ABORTED_TTL_S`` and its announcement refused, so
 the prefill side frees the KV and nothing is decoded.
@@ -127,7 +129,6 @@ class DecodeLeader(GroupLeader):
             self.aborted.popitem(last=False)
         lease_end = time.monotonic() - self.kv_lease_timeout
         for request_id in [r for r, t in self.receive_started.items() if t < lease_end]:
-            self.transfers.discard(request_id)
             self._give_up(request_id, "kv_lease_expired", f"its KV did not arrive in {self.kv_lease_timeout:g} s")
         for request_id in [r for r in self.receiving if self.transfers.done(r)]:
             announce, cached = self.receiving.pop(request_id)
@@ -141,6 +142,7 @@ class DecodeLeader(GroupLeader):
                 self.send_leader("prefill", announce.prefill_group, KVReply(request_id, True, cached))
             if request_id in self.aborted_in_flight:
                 self.aborted_in_flight.discard(request_id)
+                self.transfers.discard(request_id)  # the peers' parts, never to be waited for
                 self.engine.abort(request_id)
                 continue
             self.handoffs[request_id] = (announce.timings, stats)
@@ -152,6 +154,8 @@ class DecodeLeader(GroupLeader):
         self.kv_transfer_failures += 1
         self.receiving.pop(request_id, None)
         self.receive_started.pop(request_id, None)
+        # On every rank: a peer's part is otherwise held (its staging buffers too) for good.
+        self.transfers.discard(request_id)
         self.engine.abort(request_id)
         self.next_index.pop(request_id, None)
         if request_id in self.aborted_in_flight:

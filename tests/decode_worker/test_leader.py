@@ -4,9 +4,11 @@ receives land when the test says, no processes."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -16,7 +18,8 @@ from pdserve.cluster.protocol import Abort, KVAnnounce, KVReply, Message, Sampli
 from pdserve.decode_worker.leader import DecodeLeader
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.kvtransfer.base import TransferStats
+from pdserve.kvtransfer.agent import KVTransferAgent
+from pdserve.kvtransfer.base import Transfer, TransferFailed, TransferStats
 
 NUM_BLOCKS = 32
 PROMPT = list(range(1, 41))  # 40 tokens: 3 blocks of 16
@@ -53,6 +56,9 @@ class StandInTransfers:
         self.landed.discard(request_id)
         return TransferStats(num_bytes=len(self.posted.pop(request_id)), host_seconds=0.0)
 
+    def discard(self, request_id: str) -> None:
+        self.posted.pop(request_id, None)
+
     def close(self) -> None:
         pass
 
@@ -61,7 +67,7 @@ class StandInTransfers:
 class Setup:
     leader: DecodeLeader
     engine: LLMEngine
-    transfers: StandInTransfers
+    transfers: Any  # StandInTransfers, or a real agent
     prefill_inbox: zmq.Socket
 
     def replies(self) -> list[Message]:
@@ -92,6 +98,12 @@ class Setup:
 
 @pytest.fixture
 def setup(request: pytest.FixtureRequest, tmp_path: Path, tiny_model_dirs: dict[str, Path]) -> Iterator[Setup]:
+    with leader_setup(tmp_path, tiny_model_dirs, StandInTransfers(pulling=getattr(request, "param", False))) as s:
+        yield s
+
+
+@contextlib.contextmanager
+def leader_setup(tmp_path: Path, tiny_model_dirs: dict[str, Path], transfers: Any) -> Iterator[Setup]:
     engine = LLMEngine(
         EngineConfig(
             model=str(tiny_model_dirs["tiny-llama"]),
@@ -107,8 +119,7 @@ def setup(request: pytest.FixtureRequest, tmp_path: Path, tiny_model_dirs: dict[
     router_inbox.bind(addresses.router)
     prefill_inbox = ctx.socket(zmq.PULL)
     prefill_inbox.bind(addresses.leader("prefill", 0))
-    transfers = StandInTransfers(pulling=getattr(request, "param", False))
-    leader = DecodeLeader(0, addresses, engine, transfers)  # type: ignore[arg-type]
+    leader = DecodeLeader(0, addresses, engine, transfers)
     try:
         yield Setup(leader, engine, transfers, prefill_inbox)
     finally:
@@ -232,3 +243,86 @@ def test_an_abort_during_a_partial_receive_caches_nothing_that_was_arriving(setu
     stats = setup.engine.stats()
     assert stats.free_blocks == NUM_BLOCKS and not setup.engine.has_unfinished()
     assert stats.prefix_cache is not None and stats.prefix_cache.cached_blocks == cached_before
+
+
+class Part(Transfer):
+    """One rank's part of a pushed receive: lands when the test says, and holds its buffers until
+    it is waited for (scattered into the cache) or discarded."""
+
+    def __init__(self) -> None:
+        self.landed = False
+        self.held = True
+        self.fails = False
+
+    def done(self) -> bool:
+        return self.landed
+
+    def wait(self) -> TransferStats:
+        self.held = False
+        if self.fails:
+            raise TransferFailed("the sender died")
+        return TransferStats(0, 0.0)
+
+    def discard(self) -> None:
+        self.held = False
+
+
+class PushBackend:
+    """What the agent uses of a push backend (nccl-async, gloo-async) on one rank."""
+
+    pulls = False
+    is_async = True
+
+    def __init__(self) -> None:
+        self.parts: list[Part] = []
+
+    def recv(self, block_ids: list[int], src_block_ids: list[int]) -> Part:
+        self.parts.append(Part())
+        return self.parts[-1]
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(1024 for part in self.parts if part.held)
+
+    def block_bytes(self) -> int:
+        return 1
+
+    def connected(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class ToPeer:
+    """The leader's step channel to one TP peer, whose agent executes each command at once."""
+
+    def __init__(self, peer: KVTransferAgent) -> None:
+        self.peer = peer
+
+    def send(self, command: Any) -> None:
+        self.peer.execute(command)
+
+
+@pytest.mark.parametrize("ending", ["abort", "failure"])
+def test_a_receive_given_up_on_the_leader_lets_go_of_the_peers_parts(
+    tmp_path: Path, tiny_model_dirs: dict[str, Path], ending: str
+) -> None:
+    """Decode TP 2 over a push backend: a receive aborted while it moved, or whose leader part
+    failed, is never admitted, so no step tells the peer to wait for its part; the peer must still
+    let the part go (its buffers, and a later write into blocks freed meanwhile)."""
+    leader_backend, peer_backend = PushBackend(), PushBackend()
+    peer = KVTransferAgent({0: peer_backend}, 1 << 30)  # type: ignore[dict-item]
+    agent = KVTransferAgent({0: leader_backend}, 1 << 30, ToPeer(peer))  # type: ignore[dict-item,arg-type]
+    with leader_setup(tmp_path, tiny_model_dirs, agent) as setup:
+        setup.announce("r")
+        assert peer.staging_bytes() == 1024
+        if ending == "abort":
+            setup.leader.handle(Abort("r"))
+        else:
+            leader_backend.parts[0].fails = True
+        leader_backend.parts[0].landed = True
+        setup.leader.background()
+        assert setup.free_blocks() == NUM_BLOCKS and not setup.engine.has_unfinished()
+        assert agent.staging_bytes() == 0
+        assert peer.staging_bytes() == 0, "the peer still holds its part"

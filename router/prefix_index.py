@@ -19,7 +19,8 @@ from pdserve.cluster.protocol import prefix_hashes
 
 
 class PrefixIndex:
-    """Per entry group: the block hashes its cache holds, and those of its prompts in flight."""
+    """Per group (of the entry role, or decode): the block hashes its cache holds, and those of
+    its prompts in flight."""
 
     def __init__(self, groups: Iterable[int], block_size: int) -> None:
         self.block_size = block_size
@@ -49,9 +50,12 @@ class PrefixIndex:
         self._computing.pop(group, None)
 
     def reset(self, group: int) -> None:
-        """The group (re)started: its cache is empty."""
+        """The group (re)started: its cache is empty, and it computes no prompt of before."""
         if group in self._cached:
             self._cached[group].clear()
+            self._computing[group].clear()
+            for request_id in [r for r, (g, _) in self._in_flight.items() if g == group]:
+                del self._in_flight[request_id]
 
     def sizes(self) -> dict[int, int]:
         """Blocks each group's cache holds, as its events said."""

@@ -182,10 +182,11 @@ class Router:
             else None
         )
         # The same of the decode groups, whose caches keep the requests they decoded (a chat's
-        # earlier turns): the KV of a prompt's prefix held there does not move.
+        # earlier turns): the KV of a prompt's prefix held there does not move. Built without
+        # any decode group too: they may all join at run time.
         self.decode_prefix_index = (
             PrefixIndex(self.decode_load, cache.block_size)
-            if self.decode_policy.uses_cache and cache.enable_prefix_caching and self.decode_load
+            if self.decode_policy.uses_cache and cache.enable_prefix_caching and entry_role == "prefill"
             else None
         )
         self.requests: dict[str, RequestState] = {}
@@ -303,8 +304,9 @@ class Router:
         self.joined.add(key)
         self._connect_leader(key, ready.address)
         (self.entry_load if ready.role == self.entry_role else self.decode_load)[ready.group] = 0
-        if self.prefix_index is not None and ready.role == self.entry_role:
-            self.prefix_index.add_group(ready.group)
+        index = self._cache_index(ready.role)
+        if index is not None:
+            index.add_group(ready.group)
         self.starting.add(key)
 
     def _forget(self, key: tuple[str, int]) -> None:
@@ -315,8 +317,9 @@ class Router:
         for table in (self.tp_sizes, self.generations, self.leader_addresses, self.draining):
             table.pop(key, None)
         (self.entry_load if role == self.entry_role else self.decode_load).pop(group, None)
-        if self.prefix_index is not None and role == self.entry_role:
-            self.prefix_index.remove_group(group)
+        index = self._cache_index(role)
+        if index is not None:
+            index.remove_group(group)
         self.ready.discard(key)
         self.starting.discard(key)
         self.worker_stats.pop(f"{role}{group}", None)
@@ -417,7 +420,7 @@ class Router:
                 f"migration limit {self.config.migration_limit})",
             )
             return
-        self._unassign(state)
+        self._unassign(request_id, state)
         del self.requests[request_id]
         state.migrations += 1
         logger.info(
@@ -431,7 +434,11 @@ class Router:
         self.by_client[(state.client, state.client_request_id)] = new_id
         self._dispatch(new_id)
 
-    def _unassign(self, state: RequestState) -> None:
+    def _unassign(self, request_id: str, state: RequestState) -> None:
+        """The request leaves its groups (it ended, or moves): their loads and the prompt it was
+        computing in its entry group's cache view drop it."""
+        if self.prefix_index is not None:
+            self.prefix_index.settled(request_id)
         # A group that left the cluster has no load to take back.
         if state.entry_group is not None and state.entry_group[1] in self.entry_load:
             self.entry_load[state.entry_group[1]] -= state.outstanding_tokens
@@ -721,8 +728,9 @@ class Router:
                     self._abort_workers(message.request_id)
                     self._terminal_error(message.request_id, message.code, message.message)
         elif isinstance(message, CacheEvents):
+            # As for stats: events from a group that is not ready are a dead generation's.
             index = self._cache_index(message.role)
-            if index is not None:
+            if index is not None and (message.role, message.group) in self.ready:
                 index.apply(message.group, message.hashes)
         elif isinstance(message, WorkerStats):
             # A leader reports after its ``ready``: a report from a group that is not ready is a
@@ -804,13 +812,11 @@ class Router:
     def _release(self, request_id: str) -> RequestState:
         state = self.requests.pop(request_id)
         self.by_client.pop((state.client, state.client_request_id), None)
-        if self.prefix_index is not None:
-            self.prefix_index.settled(request_id)
         if self.client_load[state.client] > 1:
             self.client_load[state.client] -= 1
         else:
             del self.client_load[state.client]
-        self._unassign(state)
+        self._unassign(request_id, state)
         return state
 
     def _final(self, request_id: str, reason: str, worker_timings: RequestTimings | None = None) -> None:

@@ -173,3 +173,25 @@ def test_an_abort_that_crosses_its_requests_final_is_answered_without_a_warning(
     assert [type(m) for m in replies] == [Chunk, Chunk, Final, Error]
     assert replies[-1].code == "unknown_request" and replies[-1].request_id == "c1"
     assert not caplog.records
+
+
+def test_a_request_moved_before_its_first_token_leaves_no_claim_on_its_old_group(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Cache-aware dispatch counts a prompt as cached in its entry group from dispatch to first
+    token. A request that moves before its first token (here its decode group dies) must take
+    that claim with it: once it has ended, no group is credited with a prefix it never cached."""
+    prompt = list(range(100, 164))  # four blocks of 16
+    for rig in _rig(tmp_path_factory, prefill_groups=2):
+        index = rig.router.prefix_index
+        assert index is not None
+        hashes = index.hashes(prompt)
+        rig.client.send(encode(Generate(request_id="c1", token_ids=prompt, sampling=Sampling(max_tokens=3))))
+        (entry, work), *_ = [(g, m) for g in (0, 1) for m in rig.received("prefill", g) if isinstance(m, WorkRequest)]
+        assert index.matched_tokens(hashes)[entry] == 64  # being computed there
+        rig.router.group_failed("decode", work.decode_group, "killed")
+        (again,) = [m for g in (0, 1) for m in rig.received("prefill", g) if isinstance(m, WorkRequest)]
+        rig.worker(TokenOutputs([TokenOutput(again.request_id, 0, [11])]))
+        rig.worker(TokenOutputs([TokenOutput(again.request_id, 1, [12, 13], True, "length")]))
+        assert isinstance(rig.replies()[-1], Final) and not rig.router.requests
+        assert index.matched_tokens(hashes) == {0: 0, 1: 0}

@@ -13,6 +13,7 @@ import zmq
 
 from pdserve.cluster.config import Addresses, ClusterConfig
 from pdserve.cluster.protocol import (
+    CacheEvents,
     Drain,
     Error,
     Final,
@@ -30,6 +31,7 @@ from pdserve.cluster.protocol import (
     WorkerStats,
     WorkRequest,
     encode,
+    prefix_hashes,
 )
 from pdserve.router.router import Router
 from pdserve.tests.router.helpers import RouterRig
@@ -218,3 +220,19 @@ def test_a_request_no_group_could_take_ends_after_the_dispatch_timeout(impatient
     (_, work) = rig.received("prefill", 0)  # the introduction, then the request that waited
     assert isinstance(work, WorkRequest) and work.decode_group == 3
     assert list(rig.router.requests) == [work.request_id] and not rig.router.parked
+
+
+def test_joined_decode_groups_have_their_caches_followed(rig: Rig) -> None:
+    """Decode groups that join (here every one of them) get a view of their prefix caches from
+    their own events, as the groups started with the router do; events of a group that is not
+    ready (a dead generation's, still queued) change nothing."""
+    index = rig.router.decode_prefix_index
+    assert index is not None
+    hashes = prefix_hashes(list(range(64)), 16)
+    rig.join("decode", 0)
+    rig.join("decode", 1)
+    rig.worker(CacheEvents("decode", 1, hashes))
+    assert index.sizes() == {0: 0, 1: 4}
+    rig.router.group_failed("decode", 0, "killed")
+    rig.worker(CacheEvents("decode", 0, hashes))
+    assert 0 not in index.sizes() and index.matched_tokens(hashes) == {1: 64}

@@ -90,6 +90,12 @@ def test_the_index_follows_evictions_restarts_and_prompts_in_flight() -> None:
     assert index.matched_tokens(hashes) == {0: 4, 1: 0}
     index.reset(0)  # the group restarted
     assert index.matched_tokens(hashes) == {0: 0, 1: 0}
+    index.dispatched("r3", 1, hashes)
+    index.reset(1)  # restarted with a prompt in flight: it computes that one no more
+    assert index.matched_tokens(hashes) == {0: 0, 1: 0}
+    index.dispatched("r4", 1, hashes[:1])
+    index.settled("r3")  # settled after the restart: the later claim stays whole
+    assert index.matched_tokens(hashes) == {0: 0, 1: 4}
     index.apply(7, inserted(system))  # a group the index does not route to: ignored
     assert index.cached(0) == set() and index.cached(1) == set()
 

@@ -192,7 +192,7 @@ async def compare_backends(
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option("--endpoint", default=DEFAULT_ENDPOINT, help="The cluster's client endpoint.")
-@click.option("--base-url", default=DEFAULT_BASE_URL, help="The same cluster's HTTP front end (without /v1).")
+@click.option("--base-url", default=DEFAULT_BASE_URL, help="The same cluster's HTTP front end (with or without /v1).")
 @click.option("--model-name", default=None, help="The 'model' of each HTTP request [default: the first of /v1/models].")
 @click.option("--concurrencies", default="1,8", help="Closed-loop clients of each run, comma-separated.")
 @click.option("--repeats", type=int, default=5, help="Repetitions of every (concurrency, backend) run.")

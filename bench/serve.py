@@ -329,10 +329,16 @@ class OpenAIBackend:
         # aiohttp (the bench extra's; the ZMQ path does without it), as vLLM's ``bench serve``:
         # its client costs less per request than httpx's, and the load generator's own time
         # counts in every TTFT it measures.
-        import aiohttp
+        try:
+            import aiohttp
+        except ImportError:
+            raise click.ClickException(
+                "--backend openai needs aiohttp: pip install -e '.[bench]' (or pip install aiohttp)"
+            ) from None
 
         self.aiohttp = aiohttp
-        self.base_url = base_url.rstrip("/")
+        # The server's root; the base URL an OpenAI client is given (ending /v1) works too.
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.timeout = timeout
         self.model = model
         self._session: Any = None  # made in the event loop, on first use
@@ -907,7 +913,7 @@ def config_from_options(rate: str | None, rates: str | None, long_len: str, **op
     help="zmq: the cluster's own protocol at --endpoint; openai: an OpenAI-compatible server at --base-url.",
 )
 @click.option("--endpoint", default=DEFAULT_ENDPOINT, help="The cluster's client endpoint.")
-@click.option("--base-url", default=DEFAULT_BASE_URL, help="openai: the server's URL (without /v1).")
+@click.option("--base-url", default=DEFAULT_BASE_URL, help="openai: the server's URL (with or without /v1).")
 @click.option(
     "--model-name", default=None, help="openai: the 'model' of each request [default: the first of /v1/models]."
 )

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 
 from pdserve.bench.common import to_json
@@ -337,6 +338,13 @@ def test_plots_are_skipped_with_a_warning_without_matplotlib(monkeypatch: pytest
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     with pytest.warns(UserWarning, match="matplotlib is not installed"):
         assert write_plots({"run": []}, tmp_path) == []
+
+
+def test_the_openai_backend_without_aiohttp_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """aiohttp comes with the bench extra, not the plain install: a one-line answer, not a traceback."""
+    monkeypatch.setitem(sys.modules, "aiohttp", None)
+    with pytest.raises(click.ClickException, match=r"pip install -e '\.\[bench\]'"):
+        OpenAIBackend("http://127.0.0.1:8000", None, 1.0)
 
 
 @pytest.mark.slow

@@ -1482,7 +1482,9 @@ def test_bench_serve_openai_backend_measures_the_front_end(served: Served, demo_
             vocab_size=vocab,
             timeout=60,
         )
-        over_http = asyncio.run(run_benchmark(config, "", backend="openai", base_url=served.base_url))
+        # The base URL an OpenAI client takes (ending /v1) serves as well as the server's root.
+        base_url = served.base_url if workload == "random" else f"{served.base_url}/v1/"
+        over_http = asyncio.run(run_benchmark(config, "", backend="openai", base_url=base_url))
         over_zmq = asyncio.run(run_benchmark(config, served.cluster.endpoint))
         assert over_http["meta"]["backend"] == "openai" and over_http["meta"]["model_id"] == MODEL
         for key in ("completed", "total_input_tokens", "total_output_tokens"):

@@ -63,16 +63,16 @@ class BlockManager:
         new = np.fromiter((self._free.popleft() for _ in range(needed)), dtype=np.int32, count=needed)
         seq.block_table = np.concatenate([seq.block_table, new])
 
-    def match_prefix(self, seq: Sequence, num_tokens: int | None = None) -> None:
+    def match_prefix(self, seq: Sequence, num_tokens: int | None = None, count: bool = True) -> None:
         """Start ``seq`` (no blocks yet) after the longest cached prefix of full blocks of its
         first ``num_tokens`` tokens: those blocks, locked, become the head of its block table
         and count as computed. By default the last token is left to compute: its logits give
-        the next token."""
+        the next token. ``count``: in the cache's hit and miss counts (``count_query``)."""
         if self.prefix_cache is None:
             return
         assert len(seq.block_table) == 0 and seq.cache_node is None, f"{seq.request_id} already has blocks"
         limit = seq.num_tokens - 1 if num_tokens is None else num_tokens
-        block_ids, node = self.prefix_cache.match(seq.token_ids[:limit])
+        block_ids, node = self.prefix_cache.match(seq.token_ids[:limit], count)
         self.prefix_cache.lock(node)
         seq.cache_node = node
         seq.num_shared_blocks = len(block_ids)

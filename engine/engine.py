@@ -185,7 +185,8 @@ class LLMEngine:
         self._check_new_id(request_id)
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, [*prompt_token_ids, first_token], params, num_prompt_tokens=len(prompt_token_ids))
-        self.block_manager.match_prefix(seq, len(prompt_token_ids) - 1)
+        # Counted once it is granted: the prefill side retries a refused one every few ms.
+        self.block_manager.match_prefix(seq, len(prompt_token_ids) - 1, count=False)
         seq.num_cached_tokens = seq.num_computed_tokens
         # Keep one free block per running or arriving sequence for its next tokens: admitting work
         # that would force a preemption right away is worse than asking the prefill side to wait.
@@ -194,6 +195,8 @@ class LLMEngine:
             self.block_manager.free(seq)  # unlocks the matched prefix
             return None
         self.block_manager.allocate(seq, len(prompt_token_ids))
+        if self.block_manager.prefix_cache is not None:
+            self.block_manager.prefix_cache.count_query(seq.num_cached_tokens, len(prompt_token_ids) - 1)
         # Until ``admit`` only the cached prefix counts as computed: an abort before then must
         # not offer the cache blocks whose KV may never have arrived on every rank.
         self.reserved[request_id] = seq

@@ -159,9 +159,10 @@ class PrefixCache:
     def owns(self, block_id: int) -> bool:
         return block_id in self._owner
 
-    def match(self, token_ids: Sequence[int]) -> PrefixMatch:
+    def match(self, token_ids: Sequence[int], count: bool = True) -> PrefixMatch:
         """The longest prefix of ``token_ids`` held in full cached blocks; marks it recently used
-        and counts its tokens as hits, the rest of ``token_ids`` as misses. Locks nothing."""
+        and (``count``) counts its tokens as hits, the rest of ``token_ids`` as misses. Locks
+        nothing."""
         tick = next(self._clock)
         node = self.root
         block_ids: list[int] = []
@@ -173,10 +174,15 @@ class PrefixCache:
             block_ids.append(child.block_id)
             node = child
         self._queue_if_evictable(node)
-        hit = len(block_ids) * self.block_size
-        self._hit_tokens += hit
-        self._miss_tokens += len(token_ids) - hit
+        if count:
+            self.count_query(len(block_ids) * self.block_size, len(token_ids))
         return PrefixMatch(block_ids, node)
+
+    def count_query(self, hit_tokens: int, queried_tokens: int) -> None:
+        """One request's query of the cache, in the hit and miss counts: each request is counted
+        once (not a refused reservation's retries, nor a preempted sequence's return)."""
+        self._hit_tokens += hit_tokens
+        self._miss_tokens += queried_tokens - hit_tokens
 
     # -- updates -------------------------------------------------------------------------------
 

@@ -96,7 +96,10 @@ def test_greedy_output_is_identical_with_the_cache_on_and_off(
     cached = [int(o.timings.cached_tokens or 0) for o in on]
     assert all(c % BLOCK == 0 and c < len(p) for c, p in zip(cached, prompts[-3:-2] + prompts))
     stats = engine.stats()
-    assert stats.prefix_cache is not None and stats.prefix_cache.hit_tokens >= sum(cached) > 0
+    # Each request's first admission is its one query of the cache: a preempted one's return is not.
+    assert stats.prefix_cache is not None and stats.prefix_cache.hit_tokens == sum(cached) > 0
+    queried = stats.prefix_cache.hit_tokens + stats.prefix_cache.miss_tokens
+    assert queried == sum(len(p) - 1 for p in prompts[-3:-2] + prompts)
     assert stats.prefix_cache.pinned_blocks == 0
     assert stats.free_blocks == num_blocks  # cached blocks that no request uses count as free
     if num_blocks == 12:
@@ -287,8 +290,15 @@ def test_a_decode_reservation_given_up_caches_only_what_it_held(tiny_model_dirs:
     reservation = engine.reserve("b", longer, 1, params)
     assert reservation is not None and reservation.num_cached_blocks == 3 and len(reservation.block_ids) == 7
     assert engine.stats().free_blocks == 1
-    assert engine.reserve("c", prompt + [5], 1, params) is None  # needs 1 block beyond the cached 3, + headroom
-    assert engine.stats().free_blocks == 1 and engine.stats().prefix_cache.pinned_blocks == 3  # type: ignore[union-attr]
+    granted = engine.stats().prefix_cache
+    assert granted is not None  # the granted reservation is one query: its 3 blocks hit, the rest missed
+    assert granted.hit_tokens - cache.hit_tokens == 3 * BLOCK
+    assert granted.miss_tokens - cache.miss_tokens == len(longer) - 1 - 3 * BLOCK
+    for _ in range(3):  # the prefill side retries a refused reservation
+        assert engine.reserve("c", prompt + [5], 1, params) is None  # needs 1 block beyond the cached 3, + headroom
+    stats = engine.stats()
+    assert stats.free_blocks == 1 and stats.prefix_cache is not None and stats.prefix_cache.pinned_blocks == 3
+    assert (stats.prefix_cache.hit_tokens, stats.prefix_cache.miss_tokens) == (granted.hit_tokens, granted.miss_tokens)
     engine.abort("b")
     stats = engine.stats()
     assert stats.free_blocks == 8 and stats.prefix_cache is not None

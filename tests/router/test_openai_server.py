@@ -216,6 +216,17 @@ def test_fields_clients_send_with_their_unused_values_are_accepted_and_change_no
     assert same_request(parsed(kind, {**base, **extra}, demo_tokenizer), parsed(kind, base, demo_tokenizer))
 
 
+TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_tools_the_model_may_not_call_are_accepted_and_change_nothing(demo_tokenizer: Any) -> None:
+    """``tool_choice: none`` with tools (agent frameworks send their tools on every turn): the
+    tools stay out of the prompt, as vLLM leaves them by default."""
+    base = {"messages": [{"role": "user", "content": QUESTION}]}
+    with_tools = {**base, "tools": [TOOL], "tool_choice": "none"}
+    assert same_request(parsed("chat", with_tools, demo_tokenizer), parsed("chat", base, demo_tokenizer))
+
+
 def test_stream_options_may_leave_include_usage_null(demo_tokenizer: Any) -> None:
     body = {"prompt": TEXT_PROMPT, "stream": True}
     for options, usage in (({"include_usage": None}, False), ({}, False), ({"include_usage": True}, True)):
@@ -248,6 +259,7 @@ def test_a_reply_as_the_official_client_dumps_it_is_a_valid_next_turn(demo_token
         ("chat", {"presence_penalty": False}, "presence_penalty", "presence_penalty is not supported by this server"),
         ("chat", {"presence_penalty": 0.5}, "presence_penalty", "presence_penalty is not supported by this server"),
         ("chat", {"tool_choice": "auto"}, "tool_choice", "tool_choice is not supported by this server"),
+        ("chat", {"tools": [TOOL]}, "tools", "tools is not supported by this server"),  # OpenAI's choice: auto
         (
             "chat",
             {"response_format": {"type": "json_object"}},

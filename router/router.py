@@ -829,6 +829,10 @@ class Router:
             # misses the time the request sat unread in a worker's inbox behind a long step.
             timings = dataclasses.replace(timings, queue=max(0.0, first_token - timings.prefill))
         timings = dataclasses.replace(timings, total=now - state.arrival, first_token=first_token)
+        if reason == "abort" and timings.decode is None and state.first_token is not None:
+            # Its decoding ends here, by the router's clock: a group's own figure comes only with
+            # a last token, which an aborted request never has.
+            timings = dataclasses.replace(timings, decode=now - state.first_token)
         self._reply(
             state.client,
             Final(

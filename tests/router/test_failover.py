@@ -195,3 +195,15 @@ def test_a_request_moved_before_its_first_token_leaves_no_claim_on_its_old_group
         rig.worker(TokenOutputs([TokenOutput(again.request_id, 1, [12, 13], True, "length")]))
         assert isinstance(rig.replies()[-1], Final) and not rig.router.requests
         assert index.matched_tokens(hashes) == {0: 0, 1: 0}
+
+
+def test_an_aborted_requests_final_counts_its_decoding_so_far(rig: Rig) -> None:
+    """The router writes an abort's final: its timings carry the decode time since the first
+    token (for the decode-time metric), besides the entry group's own."""
+    work = _start(rig)
+    rig.worker(TokenOutputs([TokenOutput(work.request_id, 0, [11])]))
+    time.sleep(0.05)
+    rig.client.send(encode(Abort("c1")))
+    final = rig.replies()[-1]
+    assert isinstance(final, Final) and final.finish_reason == "abort"
+    assert 0.05 <= final.timings["decode"] <= final.timings["total"]

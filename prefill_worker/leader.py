@@ -11,7 +11,9 @@ Lifecycle of a request here:
    the send has nothing left to do and the blocks are freed at once.
    ``KVReply`` refused (the decode group has no free blocks) -> the announcement is retried
    later with back-off; the KV stays here meanwhile (back-pressure, never a drop), and the later
-   requests to that decode group wait behind it (first prefilled, first offered).
+   requests to that decode group wait behind it (first prefilled, first offered). One waiting
+   for staging room (the buffers of sends in flight, shared by every decode group) holds back
+   every later one.
 
 Invariant: once a decode group has accepted a transfer it has posted the receive, so the send
 always happens, even for a request aborted in between (its blocks are freed afterwards).
@@ -117,14 +119,21 @@ class PrefillLeader(GroupLeader):
             self._release(request_id)
         now = time.monotonic()
         # A decode group is offered KV in prefill order: one handoff that must wait holds back
-        # the later ones to its group, else those take the room that frees and it starves.
+        # the later ones to its group, else those take the room that frees and it starves. Staging
+        # room is shared by every group, so one handoff waiting for it holds back every later one:
+        # else a flow to another group keeps sends in flight, and one larger than the whole
+        # bound, which goes only when none is, never goes.
         waiting: set[int] = set()
+        room_short = False
         for _ in range(len(self.to_announce)):
             handoff = self.to_announce.popleft()
             if now - handoff.since > self.kv_lease_timeout:
                 self._expire(handoff)
                 continue
-            if handoff.decode_group in waiting or handoff.retry_at > now or not self._staging_room(handoff):
+            held = handoff.decode_group in waiting or handoff.retry_at > now
+            if not held and (room_short or not self._staging_room(handoff)):
+                held = room_short = True
+            if held:
                 waiting.add(handoff.decode_group)
                 self.to_announce.append(handoff)
                 continue

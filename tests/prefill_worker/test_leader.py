@@ -14,6 +14,8 @@ from pdserve.cluster.config import Addresses
 from pdserve.cluster.protocol import KVAnnounce, KVReply, Sampling, WorkRequest, decode
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.kvtransfer.agent import KVTransferAgent
+from pdserve.kvtransfer.base import Transfer, TransferStats
 from pdserve.prefill_worker import leader as prefill_leader
 from pdserve.prefill_worker.leader import PrefillLeader
 
@@ -98,3 +100,106 @@ def test_a_refused_handoff_is_offered_again_before_any_later_one(
     clock.now += 1.0
     prefill.background()
     assert _announced(decode_inbox) == ["old", "new"]
+
+
+class Send(Transfer):
+    """A send holding ``nbytes`` of packed KV until the test lands it."""
+
+    def __init__(self, backend: Backend, nbytes: int) -> None:
+        self.backend, self.nbytes, self.landed = backend, nbytes, False
+        backend.staging += nbytes
+
+    def done(self) -> bool:
+        if self.landed and self.nbytes:
+            self.backend.staging, self.nbytes = self.backend.staging - self.nbytes, 0
+        return self.landed
+
+    def wait(self) -> TransferStats:
+        return TransferStats(0, 0.0)
+
+
+class Backend:
+    """What the agent uses of a push backend to one decode group: blocks of 100 bytes."""
+
+    pulls = False
+    is_async = True
+
+    def __init__(self) -> None:
+        self.staging = 0
+        self.sends: list[Send] = []
+
+    def send(self, block_ids: list[int]) -> Send:
+        self.sends.append(Send(self, len(block_ids) * self.block_bytes()))
+        return self.sends[-1]
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.staging
+
+    def block_bytes(self) -> int:
+        return 100
+
+    def connected(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_handoff_larger_than_the_staging_bound_is_not_starved_by_another_groups_flow(
+    tmp_path: Path, tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handoff whose KV exceeds the staging bound goes only when no send is in flight. A steady
+    flow of small handoffs to another decode group must not keep one in flight for good: the
+    big one holds the later ones back, the sends drain, and it goes."""
+    clock = FrozenClock()
+    monkeypatch.setattr(prefill_leader, "time", clock)
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_dirs["tiny-llama"]),
+            dtype="float32",
+            device="cpu",
+            max_model_len=128,
+            cache=CacheConfig(num_blocks=64),
+        )
+    )
+    addresses = Addresses(str(tmp_path), "tcp://127.0.0.1:1")
+    ctx = zmq.Context.instance()
+    router_inbox = ctx.socket(zmq.PULL)
+    router_inbox.bind(addresses.router)
+    inboxes = {g: ctx.socket(zmq.PULL) for g in (0, 1)}
+    for g, sock in inboxes.items():
+        sock.bind(addresses.leader("decode", g))
+    backends = {0: Backend(), 1: Backend()}
+    agent = KVTransferAgent(backends, max_staging_bytes=500)  # type: ignore[arg-type]
+    prefill = PrefillLeader(0, addresses, engine, agent, kv_lease_timeout=30.0)
+
+    def prefilled(request_id: str, prompt_len: int, decode_group: int) -> None:
+        work = WorkRequest(request_id, list(range(1, prompt_len + 1)), Sampling(max_tokens=8), decode_group)
+        prefill.handle(work)
+        while prefill.engine.has_unfinished():
+            prefill.send_outputs(prefill.engine.step())
+
+    try:
+        prefilled("s0", 10, 1)
+        prefill.background()
+        assert _announced(inboxes[1]) == ["s0"]
+        prefill.handle(KVReply("s0", True))  # one block in flight to decode group 1
+        prefilled("big", 80, 0)  # five blocks: 500 bytes, more than the bound leaves
+        for i in range(1, 4):
+            prefilled(f"s{i}", 10, 1)
+            prefill.background()
+            assert _announced(inboxes[0]) == [] and _announced(inboxes[1]) == []  # all wait behind "big"
+            clock.now += 1.0
+        backends[1].sends[0].landed = True  # the one send in flight completes
+        prefill.background()
+        assert _announced(inboxes[0]) == ["big"]
+        prefill.handle(KVReply("big", True))
+        backends[0].sends[0].landed = True
+        prefill.background()
+        assert _announced(inboxes[1]) == ["s1", "s2", "s3"]  # then the others, in order
+    finally:
+        prefill.close()
+        router_inbox.close(linger=0)
+        for sock in inboxes.values():
+            sock.close(linger=0)

@@ -26,7 +26,8 @@ the prefill side frees the KV and nothing is decoded.
 
 Failures: a receive not complete within ``kv_lease_timeout`` (its sender hung), or cut off by
 the sender's death, frees its blocks and is discarded on every rank: whatever lands later is
-never written into the cache. The router hears ``kv_lease_expired`` or ``kv_transfer_failed``
+never written into the cache. A pulled one's reply still goes, so the prefill side frees its
+blocks too. The router hears ``kv_lease_expired`` or ``kv_transfer_failed``
 and moves the request. A dead prefill group (``PeerFailed``) takes its receives with it.
 """
 
@@ -129,14 +130,15 @@ class DecodeLeader(GroupLeader):
             self.aborted.popitem(last=False)
         lease_end = time.monotonic() - self.kv_lease_timeout
         for request_id in [r for r, t in self.receive_started.items() if t < lease_end]:
-            self._give_up(request_id, "kv_lease_expired", f"its KV did not arrive in {self.kv_lease_timeout:g} s")
+            why = f"its KV did not arrive in {self.kv_lease_timeout:g} s"
+            self._give_up(request_id, self.receiving.pop(request_id), "kv_lease_expired", why)
         for request_id in [r for r in self.receiving if self.transfers.done(r)]:
-            announce, cached = self.receiving.pop(request_id)
+            announce, cached = receive = self.receiving.pop(request_id)
             self.receive_started.pop(request_id, None)
             try:
                 stats = self.transfers.wait(request_id)
             except TransferFailed as e:
-                self._give_up(request_id, "kv_transfer_failed", str(e))
+                self._give_up(request_id, receive, "kv_transfer_failed", str(e))
                 continue
             if self.transfers.pulls(announce.prefill_group):  # the copy is done: the prefill side may free
                 self.send_leader("prefill", announce.prefill_group, KVReply(request_id, True, cached))
@@ -148,14 +150,16 @@ class DecodeLeader(GroupLeader):
             self.handoffs[request_id] = (announce.timings, stats)
             self.engine.admit(request_id)
 
-    def _give_up(self, request_id: str, code: str, why: str) -> None:
+    def _give_up(self, request_id: str, receive: _Receive, code: str, why: str) -> None:
         """A receive that will never be admitted: free its blocks; the router moves the request
         (unless it was aborted meanwhile)."""
         self.kv_transfer_failures += 1
-        self.receiving.pop(request_id, None)
         self.receive_started.pop(request_id, None)
         # On every rank: a peer's part is otherwise held (its staging buffers too) for good.
         self.transfers.discard(request_id)
+        group = receive.announce.prefill_group
+        if self.transfers.pulls(group):  # its copies are over (discarded): the prefill side may free
+            self.send_leader("prefill", group, KVReply(request_id, True, receive.cached_blocks))
         self.engine.abort(request_id)
         self.next_index.pop(request_id, None)
         if request_id in self.aborted_in_flight:

@@ -5,6 +5,7 @@ receives land when the test says, no processes."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +104,9 @@ def setup(request: pytest.FixtureRequest, tmp_path: Path, tiny_model_dirs: dict[
 
 
 @contextlib.contextmanager
-def leader_setup(tmp_path: Path, tiny_model_dirs: dict[str, Path], transfers: Any) -> Iterator[Setup]:
+def leader_setup(
+    tmp_path: Path, tiny_model_dirs: dict[str, Path], transfers: Any, kv_lease_timeout: float = float("inf")
+) -> Iterator[Setup]:
     engine = LLMEngine(
         EngineConfig(
             model=str(tiny_model_dirs["tiny-llama"]),
@@ -119,7 +122,7 @@ def leader_setup(tmp_path: Path, tiny_model_dirs: dict[str, Path], transfers: An
     router_inbox.bind(addresses.router)
     prefill_inbox = ctx.socket(zmq.PULL)
     prefill_inbox.bind(addresses.leader("prefill", 0))
-    leader = DecodeLeader(0, addresses, engine, transfers)
+    leader = DecodeLeader(0, addresses, engine, transfers, kv_lease_timeout)
     try:
         yield Setup(leader, engine, transfers, prefill_inbox)
     finally:
@@ -326,3 +329,19 @@ def test_a_receive_given_up_on_the_leader_lets_go_of_the_peers_parts(
         assert setup.free_blocks() == NUM_BLOCKS and not setup.engine.has_unfinished()
         assert agent.staging_bytes() == 0
         assert peer.staging_bytes() == 0, "the peer still holds its part"
+
+
+def test_a_pulled_receive_whose_lease_expires_frees_the_prefill_blocks(
+    tmp_path: Path, tiny_model_dirs: dict[str, Path]
+) -> None:
+    """Where the decode side pulls, only its reply frees the prefill side's blocks: a receive it
+    gives up (its lease expired) must still send it, once its copies are over, or the prefill
+    group holds that KV for good; the router hears the expiry and moves the request."""
+    transfers = StandInTransfers(pulling=True)
+    with leader_setup(tmp_path, tiny_model_dirs, transfers, kv_lease_timeout=0.05) as setup:
+        setup.announce("r")
+        assert setup.replies() == []  # copying
+        time.sleep(0.1)
+        setup.leader.background()
+        assert setup.replies() == [KVReply("r", accepted=True)]
+        assert setup.free_blocks() == NUM_BLOCKS and "r" not in transfers.posted

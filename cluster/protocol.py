@@ -441,6 +441,7 @@ class KVAnnounce(Message):
     sampling: Sampling
     timings: RequestTimings = field(default_factory=RequestTimings)  # measured by the prefill group's engine
     block_ids: list[int] = field(default_factory=list)  # the prompt's KV blocks in the prefill pool
+    generation: int = 0  # the prefill group's: a dead generation's announce, read late, is dropped
 
 
 @dataclass

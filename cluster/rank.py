@@ -132,8 +132,12 @@ def _lead(spec: WorkerSpec, engine: LLMEngine, watchdog: Watchdog) -> None:
         ColocatedLeader(spec.group, spec.addresses, engine).run(watchdog)
         return
     transfers = _transfers(spec, engine.kv_cache, engine.model_config, engine.step_channel)
-    role = PrefillLeader if spec.role == "prefill" else DecodeLeader
-    role(spec.group, spec.addresses, engine, transfers, spec.kv_lease_timeout).run(watchdog)
+    lease = spec.kv_lease_timeout
+    if spec.role == "prefill":
+        PrefillLeader(spec.group, spec.addresses, engine, transfers, lease, spec.generation).run(watchdog)
+    else:
+        prefill_generations = spec.generations.get("prefill", [])
+        DecodeLeader(spec.group, spec.addresses, engine, transfers, lease, prefill_generations).run(watchdog)
 
 
 def worker_main(spec: WorkerSpec) -> None:

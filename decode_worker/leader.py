@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from pdserve.cluster.config import Addresses
@@ -70,10 +71,14 @@ class DecodeLeader(GroupLeader):
         engine: LLMEngine,
         transfers: KVTransferAgent,
         kv_lease_timeout: float = float("inf"),
+        prefill_generations: Sequence[int] = (),
     ) -> None:
         super().__init__(group, addresses, engine)
         self.transfers = transfers  # from every prefill group
         self.kv_lease_timeout = kv_lease_timeout
+        # Each prefill group's generation that the transfers are connected to (joined groups: once
+        # introduced); an announce of another generation is a dead one's, read late.
+        self.prefill_generations = dict(enumerate(prefill_generations))
         self.receiving: dict[str, _Receive] = {}
         self.receive_started: dict[str, float] = {}
         self.aborted_in_flight: set[str] = set()
@@ -93,6 +98,10 @@ class DecodeLeader(GroupLeader):
 
     def on_announce(self, announce: KVAnnounce) -> None:
         request_id = announce.request_id
+        if announce.generation != self.prefill_generations.get(announce.prefill_group, announce.generation):
+            # Its sender is gone, and a receive posted for it would take the next send of the new
+            # generation's pair: drop it (the router moved or ended its request already).
+            return
         if request_id in self.aborted:  # aborted before its KV was announced: never decode it
             self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
             return
@@ -177,6 +186,7 @@ class DecodeLeader(GroupLeader):
             self.next_index.pop(request_id, None)
 
     def peer_restarted(self, group: int, generation: int) -> None:
+        self.prefill_generations[group] = generation
         self.transfers.reconnect(group, generation)
 
     def abort(self, request_id: str) -> None:

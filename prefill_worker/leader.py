@@ -63,10 +63,12 @@ class PrefillLeader(GroupLeader):
         engine: LLMEngine,
         transfers: KVTransferAgent,
         kv_lease_timeout: float = float("inf"),
+        generation: int = 0,
     ) -> None:
         super().__init__(group, addresses, engine)
         self.transfers = transfers  # to every decode group
         self.kv_lease_timeout = kv_lease_timeout
+        self.generation = generation  # this group's, named in its announces
         self.work: dict[str, WorkRequest] = {}  # until prefilled: where the KV goes, how to sample
         self.to_announce: deque[_Handoff] = deque()  # waiting for staging room or a retry
         self.announced: dict[str, _Handoff] = {}  # waiting for the decode group's reply
@@ -110,7 +112,14 @@ class PrefillLeader(GroupLeader):
         self.emit(RequestOutput(out.request_id, out.new_token_ids, timings=out.timings))
         block_ids = out.kv_block_ids or []
         announce = KVAnnounce(
-            out.request_id, self.group, work.token_ids, out.new_token_ids[0], work.sampling, out.timings, block_ids
+            out.request_id,
+            self.group,
+            work.token_ids,
+            out.new_token_ids[0],
+            work.sampling,
+            out.timings,
+            block_ids,
+            self.generation,
         )
         self.to_announce.append(_Handoff(announce, work.decode_group, block_ids))
 

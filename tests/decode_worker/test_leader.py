@@ -60,6 +60,9 @@ class StandInTransfers:
     def discard(self, request_id: str) -> None:
         self.posted.pop(request_id, None)
 
+    def reconnect(self, peer_group: int, generation: int) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -78,11 +81,10 @@ class Setup:
             out.append(decode(self.prefill_inbox.recv()))
         return out
 
-    def announce(self, request_id: str, prompt: list[int] = PROMPT) -> None:
+    def announce(self, request_id: str, prompt: list[int] = PROMPT, generation: int = 0) -> None:
         src_blocks = list(range(100, 100 + self.engine.blocks_for(len(prompt))))
-        self.leader.handle(
-            KVAnnounce(request_id, 0, prompt, 7, Sampling(max_tokens=8, temperature=0.0), block_ids=src_blocks)
-        )
+        sampling = Sampling(max_tokens=8, temperature=0.0)
+        self.leader.handle(KVAnnounce(request_id, 0, prompt, 7, sampling, block_ids=src_blocks, generation=generation))
 
     def decode_all(self) -> list[int]:
         """Step the engine until it is idle; the tokens it generated."""
@@ -122,7 +124,7 @@ def leader_setup(
     router_inbox.bind(addresses.router)
     prefill_inbox = ctx.socket(zmq.PULL)
     prefill_inbox.bind(addresses.leader("prefill", 0))
-    leader = DecodeLeader(0, addresses, engine, transfers, kv_lease_timeout)
+    leader = DecodeLeader(0, addresses, engine, transfers, kv_lease_timeout, prefill_generations=[0])
     try:
         yield Setup(leader, engine, transfers, prefill_inbox)
     finally:
@@ -345,3 +347,15 @@ def test_a_pulled_receive_whose_lease_expires_frees_the_prefill_blocks(
         setup.leader.background()
         assert setup.replies() == [KVReply("r", accepted=True)]
         assert setup.free_blocks() == NUM_BLOCKS and "r" not in transfers.posted
+
+
+def test_an_announce_of_a_dead_prefill_generation_is_dropped(setup: Setup) -> None:
+    """A prefill group restarted: an announce its dead generation left in this leader's inbox,
+    read after the reconnection, must post no receive (it would take the new pair's next send,
+    another request's KV) and reserve nothing; the new generation's announces are served."""
+    setup.leader.peer_restarted(0, 1)
+    setup.announce("old", generation=0)
+    assert setup.replies() == [] and setup.transfers.posted == {}
+    assert setup.free_blocks() == NUM_BLOCKS
+    setup.announce("new", generation=1)
+    assert setup.replies() == [KVReply("new", accepted=True)] and set(setup.transfers.posted) == {"new"}

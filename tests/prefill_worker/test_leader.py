@@ -3,6 +3,7 @@ transfer agent, and the decode group's inbox read directly, no processes."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,9 @@ from pdserve.prefill_worker.leader import PrefillLeader
 
 class StandInTransfers:
     """What the prefill leader uses of ``KVTransferAgent``: room always, sends that land at once."""
+
+    def connected(self, peer_group: int) -> bool:
+        return True
 
     def has_staging_room(self, peer_group: int, num_blocks: int) -> bool:
         return True
@@ -124,9 +128,10 @@ class Backend:
     pulls = False
     is_async = True
 
-    def __init__(self) -> None:
+    def __init__(self, connected: bool = True) -> None:
         self.staging = 0
         self.sends: list[Send] = []
+        self.up = connected
 
     def send(self, block_ids: list[int]) -> Send:
         self.sends.append(Send(self, len(block_ids) * self.block_bytes()))
@@ -140,7 +145,7 @@ class Backend:
         return 100
 
     def connected(self) -> bool:
-        return True
+        return self.up
 
     def close(self) -> None:
         pass
@@ -154,6 +159,48 @@ def test_a_handoff_larger_than_the_staging_bound_is_not_starved_by_another_group
     big one holds the later ones back, the sends drain, and it goes."""
     clock = FrozenClock()
     monkeypatch.setattr(prefill_leader, "time", clock)
+    backends = {0: Backend(), 1: Backend()}
+    with two_decode_groups(tmp_path, tiny_model_dirs, backends) as (prefill, inboxes):
+        prefilled(prefill, "s0", 10, 1)
+        prefill.background()
+        assert _announced(inboxes[1]) == ["s0"]
+        prefill.handle(KVReply("s0", True))  # one block in flight to decode group 1
+        prefilled(prefill, "big", 80, 0)  # five blocks: 500 bytes, more than the bound leaves
+        for i in range(1, 4):
+            prefilled(prefill, f"s{i}", 10, 1)
+            prefill.background()
+            assert _announced(inboxes[0]) == [] and _announced(inboxes[1]) == []  # all wait behind "big"
+            clock.now += 1.0
+        backends[1].sends[0].landed = True  # the one send in flight completes
+        prefill.background()
+        assert _announced(inboxes[0]) == ["big"]
+        prefill.handle(KVReply("big", True))
+        backends[0].sends[0].landed = True
+        prefill.background()
+        assert _announced(inboxes[1]) == ["s1", "s2", "s3"]  # then the others, in order
+
+
+def test_a_decode_group_whose_pair_is_forming_holds_back_only_its_own_handoffs(
+    tmp_path: Path, tiny_model_dirs: dict[str, Path]
+) -> None:
+    """A decode group that just joined (or restarted) is not connected until its pair forms: its
+    handoffs wait, and those to the other decode groups go meanwhile."""
+    backends = {0: Backend(connected=False), 1: Backend()}
+    with two_decode_groups(tmp_path, tiny_model_dirs, backends) as (prefill, inboxes):
+        prefilled(prefill, "to-joining", 10, 0)
+        prefilled(prefill, "to-ready", 10, 1)
+        prefill.background()
+        assert _announced(inboxes[0]) == [] and _announced(inboxes[1]) == ["to-ready"]
+        backends[0].up = True
+        prefill.background()
+        assert _announced(inboxes[0]) == ["to-joining"]
+
+
+@contextlib.contextmanager
+def two_decode_groups(
+    tmp_path: Path, tiny_model_dirs: dict[str, Path], backends: dict[int, Backend]
+) -> Iterator[tuple[PrefillLeader, dict[int, zmq.Socket]]]:
+    """A prefill leader over a real agent (staging bound 500 bytes) to decode groups 0 and 1."""
     engine = LLMEngine(
         EngineConfig(
             model=str(tiny_model_dirs["tiny-llama"]),
@@ -170,36 +217,20 @@ def test_a_handoff_larger_than_the_staging_bound_is_not_starved_by_another_group
     inboxes = {g: ctx.socket(zmq.PULL) for g in (0, 1)}
     for g, sock in inboxes.items():
         sock.bind(addresses.leader("decode", g))
-    backends = {0: Backend(), 1: Backend()}
     agent = KVTransferAgent(backends, max_staging_bytes=500)  # type: ignore[arg-type]
     prefill = PrefillLeader(0, addresses, engine, agent, kv_lease_timeout=30.0)
-
-    def prefilled(request_id: str, prompt_len: int, decode_group: int) -> None:
-        work = WorkRequest(request_id, list(range(1, prompt_len + 1)), Sampling(max_tokens=8), decode_group)
-        prefill.handle(work)
-        while prefill.engine.has_unfinished():
-            prefill.send_outputs(prefill.engine.step())
-
     try:
-        prefilled("s0", 10, 1)
-        prefill.background()
-        assert _announced(inboxes[1]) == ["s0"]
-        prefill.handle(KVReply("s0", True))  # one block in flight to decode group 1
-        prefilled("big", 80, 0)  # five blocks: 500 bytes, more than the bound leaves
-        for i in range(1, 4):
-            prefilled(f"s{i}", 10, 1)
-            prefill.background()
-            assert _announced(inboxes[0]) == [] and _announced(inboxes[1]) == []  # all wait behind "big"
-            clock.now += 1.0
-        backends[1].sends[0].landed = True  # the one send in flight completes
-        prefill.background()
-        assert _announced(inboxes[0]) == ["big"]
-        prefill.handle(KVReply("big", True))
-        backends[0].sends[0].landed = True
-        prefill.background()
-        assert _announced(inboxes[1]) == ["s1", "s2", "s3"]  # then the others, in order
+        yield prefill, inboxes
     finally:
         prefill.close()
         router_inbox.close(linger=0)
         for sock in inboxes.values():
             sock.close(linger=0)
+
+
+def prefilled(prefill: PrefillLeader, request_id: str, prompt_len: int, decode_group: int) -> None:
+    """Prefill a request for ``decode_group``: its handoff waits to be announced."""
+    work = WorkRequest(request_id, list(range(1, prompt_len + 1)), Sampling(max_tokens=8), decode_group)
+    prefill.handle(work)
+    while prefill.engine.has_unfinished():
+        prefill.send_outputs(prefill.engine.step())

@@ -98,9 +98,13 @@ class DecodeLeader(GroupLeader):
 
     def on_announce(self, announce: KVAnnounce) -> None:
         request_id = announce.request_id
-        if announce.generation != self.prefill_generations.get(announce.prefill_group, announce.generation):
+        known = self.prefill_generations.get(announce.prefill_group, announce.generation)
+        if announce.generation < known:
             # Its sender is gone, and a receive posted for it would take the next send of the new
             # generation's pair: drop it (the router moved or ended its request already).
+            return
+        if announce.generation > known:  # ahead of its PeerRestarted here: it asks again later
+            self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
             return
         if request_id in self.aborted:  # aborted before its KV was announced: never decode it
             self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))

@@ -359,3 +359,5 @@ def test_an_announce_of_a_dead_prefill_generation_is_dropped(setup: Setup) -> No
     assert setup.free_blocks() == NUM_BLOCKS
     setup.announce("new", generation=1)
     assert setup.replies() == [KVReply("new", accepted=True)] and set(setup.transfers.posted) == {"new"}
+    setup.announce("newer", generation=2)  # ahead of its restart notice: refused, so it asks again
+    assert setup.replies() == [KVReply("newer", accepted=False)] and "newer" not in setup.transfers.posted

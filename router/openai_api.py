@@ -310,7 +310,9 @@ def parse_request(
         )
     for name, neutral in UNSUPPORTED.items():
         if name == "tools" and getattr(request, "tool_choice", None) == "none":
-            continue  # tools the model may not call: left out of the prompt, as vLLM does by default
+            # Tools the model may not call stay out of the prompt (vLLM's --exclude-tools-when-
+            # tool-choice-none; its default renders them): this server renders no tools at all.
+            continue
         if name in request.model_fields_set and not _neutral(getattr(request, name), neutral):
             raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
     for i, message in enumerate(getattr(request, "messages", ())):

@@ -221,7 +221,7 @@ TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type
 
 def test_tools_the_model_may_not_call_are_accepted_and_change_nothing(demo_tokenizer: Any) -> None:
     """``tool_choice: none`` with tools (agent frameworks send their tools on every turn): the
-    tools stay out of the prompt, as vLLM leaves them by default."""
+    tools stay out of the prompt, as vLLM's ``--exclude-tools-when-tool-choice-none`` leaves them."""
     base = {"messages": [{"role": "user", "content": QUESTION}]}
     with_tools = {**base, "tools": [TOOL], "tool_choice": "none"}
     assert same_request(parsed("chat", with_tools, demo_tokenizer), parsed("chat", base, demo_tokenizer))

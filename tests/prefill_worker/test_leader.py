@@ -7,6 +7,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -46,28 +47,44 @@ class FrozenClock:
 
 @pytest.fixture
 def leader(tmp_path: Path, tiny_model_dirs: dict[str, Path]) -> Iterator[tuple[PrefillLeader, zmq.Socket]]:
+    with leader_setup(tmp_path, tiny_model_dirs, StandInTransfers()) as (prefill, inboxes):
+        yield prefill, inboxes[0]
+
+
+@contextlib.contextmanager
+def leader_setup(
+    tmp_path: Path,
+    tiny_model_dirs: dict[str, Path],
+    transfers: Any,
+    decode_groups: tuple[int, ...] = (0,),
+    num_blocks: int = 32,
+    kv_lease_timeout: float = float("inf"),
+) -> Iterator[tuple[PrefillLeader, dict[int, zmq.Socket]]]:
+    """A prefill leader (tiny model, CPU) over ``transfers``, and the inboxes of ``decode_groups``."""
     engine = LLMEngine(
         EngineConfig(
             model=str(tiny_model_dirs["tiny-llama"]),
             dtype="float32",
             device="cpu",
             max_model_len=128,
-            cache=CacheConfig(num_blocks=32),
+            cache=CacheConfig(num_blocks=num_blocks),
         )
     )
     addresses = Addresses(str(tmp_path), "tcp://127.0.0.1:1")
     ctx = zmq.Context.instance()
     router_inbox = ctx.socket(zmq.PULL)
     router_inbox.bind(addresses.router)
-    decode_inbox = ctx.socket(zmq.PULL)
-    decode_inbox.bind(addresses.leader("decode", 0))
-    leader = PrefillLeader(0, addresses, engine, StandInTransfers())  # type: ignore[arg-type]
+    inboxes = {g: ctx.socket(zmq.PULL) for g in decode_groups}
+    for g, sock in inboxes.items():
+        sock.bind(addresses.leader("decode", g))
+    prefill = PrefillLeader(0, addresses, engine, transfers, kv_lease_timeout)
     try:
-        yield leader, decode_inbox
+        yield prefill, inboxes
     finally:
-        leader.close()
+        prefill.close()
         router_inbox.close(linger=0)
-        decode_inbox.close(linger=0)
+        for sock in inboxes.values():
+            sock.close(linger=0)
 
 
 def _prefill(leader: PrefillLeader, request_id: str) -> None:
@@ -201,31 +218,9 @@ def two_decode_groups(
     tmp_path: Path, tiny_model_dirs: dict[str, Path], backends: dict[int, Backend]
 ) -> Iterator[tuple[PrefillLeader, dict[int, zmq.Socket]]]:
     """A prefill leader over a real agent (staging bound 500 bytes) to decode groups 0 and 1."""
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(tiny_model_dirs["tiny-llama"]),
-            dtype="float32",
-            device="cpu",
-            max_model_len=128,
-            cache=CacheConfig(num_blocks=64),
-        )
-    )
-    addresses = Addresses(str(tmp_path), "tcp://127.0.0.1:1")
-    ctx = zmq.Context.instance()
-    router_inbox = ctx.socket(zmq.PULL)
-    router_inbox.bind(addresses.router)
-    inboxes = {g: ctx.socket(zmq.PULL) for g in (0, 1)}
-    for g, sock in inboxes.items():
-        sock.bind(addresses.leader("decode", g))
     agent = KVTransferAgent(backends, max_staging_bytes=500)  # type: ignore[arg-type]
-    prefill = PrefillLeader(0, addresses, engine, agent, kv_lease_timeout=30.0)
-    try:
-        yield prefill, inboxes
-    finally:
-        prefill.close()
-        router_inbox.close(linger=0)
-        for sock in inboxes.values():
-            sock.close(linger=0)
+    with leader_setup(tmp_path, tiny_model_dirs, agent, (0, 1), num_blocks=64, kv_lease_timeout=30.0) as setup:
+        yield setup
 
 
 def prefilled(prefill: PrefillLeader, request_id: str, prompt_len: int, decode_group: int) -> None:

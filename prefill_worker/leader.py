@@ -139,10 +139,13 @@ class PrefillLeader(GroupLeader):
             if now - handoff.since > self.kv_lease_timeout:
                 self._expire(handoff)
                 continue
-            held = handoff.decode_group in waiting or handoff.retry_at > now
-            if not held and not self.transfers.connected(handoff.decode_group):
-                held = True  # its pair is still forming (a group that just joined or restarted)
-            elif not held and (room_short or not self._staging_room(handoff)):
+            held = (
+                handoff.decode_group in waiting
+                or handoff.retry_at > now
+                # Its pair still forming (a group that just joined or restarted) holds back its own.
+                or not self.transfers.connected(handoff.decode_group)
+            )
+            if not held and (room_short or not self._staging_room(handoff)):
                 held = room_short = True
             if held:
                 waiting.add(handoff.decode_group)

@@ -5,7 +5,9 @@ Lifecycle of a request here:
    longest prefix of its full blocks that this group's prefix cache holds (the KV of requests
    it decoded before: a chat's earlier turns). None free, or its receive buffers would take
    the leader's buffers in flight past ``max_staging_bytes``: reply refused (the prefill side
-   keeps the KV and retries). Otherwise reply accepted, naming the ``cached_blocks`` it held,
+   keeps the KV and retries). Refused announces get room in the order they were first refused,
+   across prefill groups: while one waits, a later one goes only if it leaves that one its
+   room. Otherwise reply accepted, naming the ``cached_blocks`` it held,
    then every rank of the group posts its receive of the other blocks (the command rides the
    step channel, in order). A pulling backend (``TransferBackend.pulls``) copies those from
    the prefill pool instead, and the reply waits until that copy is complete: it tells the
@@ -51,6 +53,9 @@ from pdserve.kvtransfer.base import TransferFailed, TransferStats
 # Long enough for any announcement still on its way, short and bounded so the memory stays small.
 _ABORTED_TTL_S = 120.0
 _ABORTED_MAX = 100_000
+# How long room is kept for an announce refused for want of it, after its last try: the prefill
+# side retries well within this unless it gave the request up.
+_ROOM_WAIT_TTL_S = 1.0
 
 
 class _Receive(NamedTuple):
@@ -59,6 +64,14 @@ class _Receive(NamedTuple):
 
     announce: KVAnnounce
     cached_blocks: int
+
+
+class _RoomWait(NamedTuple):
+    """An announce refused for want of free blocks or staging room, to be retried."""
+
+    prefill_group: int
+    num_blocks: int
+    refused_at: float
 
 
 class DecodeLeader(GroupLeader):
@@ -83,6 +96,7 @@ class DecodeLeader(GroupLeader):
         self.receive_started: dict[str, float] = {}
         self.aborted_in_flight: set[str] = set()
         self.aborted: OrderedDict[str, float] = OrderedDict()  # request -> when its abort came, oldest first
+        self.room_waits: OrderedDict[str, _RoomWait] = OrderedDict()  # first refused first
         # Prefill's timings and the transfer's stats, read when the request finishes (on CUDA the
         # transfer time comes from events: reading it earlier would stall the loop).
         self.handoffs: dict[str, tuple[RequestTimings, TransferStats]] = {}
@@ -109,21 +123,35 @@ class DecodeLeader(GroupLeader):
         if request_id in self.aborted:  # aborted before its KV was announced: never decode it
             self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
             return
-        num_blocks = self.engine.blocks_for(len(announce.token_ids))
-        if not self.transfers.has_staging_room(announce.prefill_group, num_blocks):
+        if not self.transfers.connected(announce.prefill_group):  # its pair still forming
             self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
+            return
+        # Room goes to announces in the order they were first refused, across prefill groups:
+        # a later one goes only if it leaves the first waiting one its room, else a steady flow
+        # from one prefill group starves a large request from another.
+        num_blocks = self.engine.blocks_for(len(announce.token_ids))
+        ahead = self._first_room_wait(request_id)
+        keep = None if ahead is None else (ahead.prefill_group, ahead.num_blocks)
+        if not self.transfers.has_staging_room(announce.prefill_group, num_blocks, keep):
+            self._wait_for_room(announce, num_blocks)
             return
         try:
             reservation = self.engine.reserve(
-                request_id, announce.token_ids, announce.first_token, announce.sampling.to_params()
+                request_id,
+                announce.token_ids,
+                announce.first_token,
+                announce.sampling.to_params(),
+                keep_free=0 if ahead is None else ahead.num_blocks,
             )
         except RequestError as e:
+            self.room_waits.pop(request_id, None)
             self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
             self.send_router(WorkerError(request_id, "invalid_request", str(e)))
             return
         if reservation is None:
-            self.send_leader("prefill", announce.prefill_group, KVReply(request_id, accepted=False))
+            self._wait_for_room(announce, num_blocks)
             return
+        self.room_waits.pop(request_id, None)
         # Only the blocks after those this group's prefix cache already holds move.
         cached = reservation.num_cached_blocks
         if not self.transfers.pulls(announce.prefill_group):
@@ -136,6 +164,20 @@ class DecodeLeader(GroupLeader):
         self.receiving[request_id] = _Receive(announce, cached)
         self.receive_started[request_id] = time.monotonic()
         self.next_index[request_id] = 1
+
+    def _first_room_wait(self, request_id: str) -> _RoomWait | None:
+        """The announce first refused for want of room and still retried, unless that is this one."""
+        expired = time.monotonic() - _ROOM_WAIT_TTL_S
+        while self.room_waits and next(iter(self.room_waits.values())).refused_at < expired:
+            self.room_waits.popitem(last=False)  # given up on the prefill side (its lease, an abort)
+        first = next(iter(self.room_waits), None)
+        return None if first in (None, request_id) else self.room_waits[first]
+
+    def _wait_for_room(self, announce: KVAnnounce, num_blocks: int) -> None:
+        """Refuse for now; the prefill side keeps the KV and asks again (in its first place here)."""
+        wait = _RoomWait(announce.prefill_group, num_blocks, time.monotonic())
+        self.room_waits[announce.request_id] = wait  # an existing key keeps its place
+        self.send_leader("prefill", announce.prefill_group, KVReply(announce.request_id, accepted=False))
 
     def background(self) -> None:
         expired = time.monotonic() - _ABORTED_TTL_S
@@ -182,6 +224,7 @@ class DecodeLeader(GroupLeader):
 
     def peer_failed(self, group: int) -> None:
         self.transfers.drop(group)
+        self._forget_room_waits(group)
         for request_id in [r for r, a in self.receiving.items() if a.announce.prefill_group == group]:
             self.receiving.pop(request_id)
             self.receive_started.pop(request_id, None)
@@ -191,10 +234,16 @@ class DecodeLeader(GroupLeader):
 
     def peer_restarted(self, group: int, generation: int) -> None:
         self.prefill_generations[group] = generation
+        self._forget_room_waits(group)
         self.transfers.reconnect(group, generation)
+
+    def _forget_room_waits(self, group: int) -> None:
+        for request_id in [r for r, w in self.room_waits.items() if w.prefill_group == group]:
+            del self.room_waits[request_id]
 
     def abort(self, request_id: str) -> None:
         self.aborted[request_id] = time.monotonic()
+        self.room_waits.pop(request_id, None)
         if request_id in self.receiving:
             self.aborted_in_flight.add(request_id)  # free after the receive lands
             return

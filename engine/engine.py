@@ -173,9 +173,15 @@ class LLMEngine:
         return self.block_manager.blocks_for(num_tokens)
 
     def reserve(
-        self, request_id: str, prompt_token_ids: SequenceType[int], first_token: int, params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: SequenceType[int],
+        first_token: int,
+        params: SamplingParams,
+        keep_free: int = 0,
     ) -> Reservation | None:
-        """Decode role: blocks for the prompt's KV, or None if too few are free (try later).
+        """Decode role: blocks for the prompt's KV, or None if too few are free (try later);
+        ``keep_free`` more blocks stay free (for a request waiting ahead of this one).
 
         With a prefix cache the reservation starts with the longest cached prefix of the
         prompt's full blocks (leaving its last token, as a prompt's own match does), locked:
@@ -191,7 +197,8 @@ class LLMEngine:
         # Keep one free block per running or arriving sequence for its next tokens: admitting work
         # that would force a preemption right away is worse than asking the prefill side to wait.
         headroom = len(self.scheduler.running) + len(self.reserved)
-        if self.block_manager.blocks_needed(seq, len(prompt_token_ids)) + headroom > self.block_manager.num_free_blocks:
+        needed = self.block_manager.blocks_needed(seq, len(prompt_token_ids))
+        if needed + headroom + keep_free > self.block_manager.num_free_blocks:
             self.block_manager.free(seq)  # unlocks the matched prefix
             return None
         self.block_manager.allocate(seq, len(prompt_token_ids))

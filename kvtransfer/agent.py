@@ -145,15 +145,24 @@ class KVTransferAgent:
         """Bytes of KV buffers held for this rank's transfers in flight, sends and receives."""
         return sum(b.staging_bytes for b in self.backends.values())
 
-    def has_staging_room(self, peer_group: int, num_blocks: int) -> bool:
+    def has_staging_room(self, peer_group: int, num_blocks: int, keep: tuple[int, int] | None = None) -> bool:
         """Whether a transfer of ``num_blocks`` blocks with ``peer_group`` fits under
         ``max_staging_bytes`` of buffers in flight. With nothing in flight it always fits, so a
-        request larger than the bound still moves (alone). False while the pair is not connected."""
+        request larger than the bound still moves (alone). ``keep``: the (peer group, blocks) of
+        a transfer waiting ahead of this one, whose room it must leave. False while the pair is
+        not connected."""
         if not self.connected(peer_group):
             return False
+        needed = self._staging_need(peer_group, num_blocks)
+        kept = 0 if keep is None else self._staging_need(*keep)
         in_flight = self.staging_bytes()
-        needed = num_blocks * self.backends[peer_group].block_bytes()
-        return in_flight == 0 or in_flight + needed <= self.max_staging_bytes
+        return needed == 0 or (in_flight == 0 and kept == 0) or in_flight + needed + kept <= self.max_staging_bytes
+
+    def _staging_need(self, peer_group: int, num_blocks: int) -> int:
+        backend = self.backends.get(peer_group)
+        if backend is None or backend.pulls:  # pool to pool: nothing is staged
+            return 0
+        return num_blocks * backend.block_bytes()
 
     def _prune(self) -> None:
         """Forget completed sends nobody waits for (peers), releasing their staging buffers."""

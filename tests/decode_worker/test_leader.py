@@ -16,6 +16,7 @@ import zmq
 
 from pdserve.cluster.config import Addresses
 from pdserve.cluster.protocol import Abort, KVAnnounce, KVReply, Message, Sampling, decode
+from pdserve.decode_worker import leader as leader_module
 from pdserve.decode_worker.leader import DecodeLeader
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
@@ -36,7 +37,10 @@ class StandInTransfers:
         self.sources: dict[str, list[int]] = {}  # the prefill blocks named in each receive
         self.landed: set[str] = set()
 
-    def has_staging_room(self, peer_group: int, num_blocks: int) -> bool:
+    def connected(self, peer_group: int) -> bool:
+        return True
+
+    def has_staging_room(self, peer_group: int, num_blocks: int, keep: tuple[int, int] | None = None) -> bool:
         return True
 
     def pulls(self, peer_group: int) -> bool:
@@ -72,19 +76,23 @@ class Setup:
     leader: DecodeLeader
     engine: LLMEngine
     transfers: Any  # StandInTransfers, or a real agent
-    prefill_inbox: zmq.Socket
+    prefill_inboxes: list[zmq.Socket]  # prefill groups 0 and 1
 
-    def replies(self) -> list[Message]:
+    def replies(self, prefill_group: int = 0) -> list[Message]:
         """What the leader sent the prefill group so far."""
-        out = []
-        while self.prefill_inbox.poll(200):
-            out.append(decode(self.prefill_inbox.recv()))
+        inbox, out = self.prefill_inboxes[prefill_group], []
+        while inbox.poll(200):
+            out.append(decode(inbox.recv()))
         return out
 
-    def announce(self, request_id: str, prompt: list[int] = PROMPT, generation: int = 0) -> None:
+    def announce(
+        self, request_id: str, prompt: list[int] = PROMPT, generation: int = 0, prefill_group: int = 0
+    ) -> None:
         src_blocks = list(range(100, 100 + self.engine.blocks_for(len(prompt))))
         sampling = Sampling(max_tokens=8, temperature=0.0)
-        self.leader.handle(KVAnnounce(request_id, 0, prompt, 7, sampling, block_ids=src_blocks, generation=generation))
+        self.leader.handle(
+            KVAnnounce(request_id, prefill_group, prompt, 7, sampling, block_ids=src_blocks, generation=generation)
+        )
 
     def decode_all(self) -> list[int]:
         """Step the engine until it is idle; the tokens it generated."""
@@ -122,15 +130,17 @@ def leader_setup(
     ctx = zmq.Context.instance()
     router_inbox = ctx.socket(zmq.PULL)
     router_inbox.bind(addresses.router)
-    prefill_inbox = ctx.socket(zmq.PULL)
-    prefill_inbox.bind(addresses.leader("prefill", 0))
-    leader = DecodeLeader(0, addresses, engine, transfers, kv_lease_timeout, prefill_generations=[0])
+    prefill_inboxes = [ctx.socket(zmq.PULL) for _ in range(2)]
+    for group, inbox in enumerate(prefill_inboxes):
+        inbox.bind(addresses.leader("prefill", group))
+    leader = DecodeLeader(0, addresses, engine, transfers, kv_lease_timeout, prefill_generations=[0, 0])
     try:
-        yield Setup(leader, engine, transfers, prefill_inbox)
+        yield Setup(leader, engine, transfers, prefill_inboxes)
     finally:
         leader.close()
         router_inbox.close(linger=0)
-        prefill_inbox.close(linger=0)
+        for inbox in prefill_inboxes:
+            inbox.close(linger=0)
 
 
 def test_an_abort_before_the_announce_refuses_it_and_reserves_nothing(setup: Setup) -> None:
@@ -361,3 +371,55 @@ def test_an_announce_of_a_dead_prefill_generation_is_dropped(setup: Setup) -> No
     assert setup.replies() == [KVReply("new", accepted=True)] and set(setup.transfers.posted) == {"new"}
     setup.announce("newer", generation=2)  # ahead of its restart notice: refused, so it asks again
     assert setup.replies() == [KVReply("newer", accepted=False)] and "newer" not in setup.transfers.posted
+
+
+LONG = list(range(1, 121))  # 120 tokens: 8 blocks
+
+
+def fill_to_eight_free_blocks(setup: Setup) -> None:
+    """Three long receives in flight: 24 blocks reserved, 8 free, a headroom of 3."""
+    for request_id in ("a", "b", "c"):
+        setup.announce(request_id, LONG)
+    assert setup.replies() == [KVReply(r, accepted=True) for r in ("a", "b", "c")]
+    assert setup.free_blocks() == NUM_BLOCKS - 24
+
+
+def test_a_request_refused_for_room_is_not_overtaken_by_another_prefill_groups(setup: Setup) -> None:
+    """Prefill group 1's long request is refused for want of blocks; group 0's short one, which
+    would fit alone, must then wait too, else a steady flow of short requests from one prefill
+    group takes every block that frees and the long one starves. Once blocks free, the long one
+    goes first, then the short one."""
+    fill_to_eight_free_blocks(setup)
+    setup.announce("long", LONG, prefill_group=1)  # 8 + 3 > 8
+    assert setup.replies(1) == [KVReply("long", accepted=False)]
+    setup.announce("short", prefill_group=0)  # 3 + 3 <= 8 alone, but it would leave "long" 5
+    assert setup.replies(0) == [KVReply("short", accepted=False)]
+    assert setup.free_blocks() == NUM_BLOCKS - 24
+
+    setup.leader.handle(Abort("a"))
+    setup.transfers.land("a")
+    setup.leader.background()  # "a" landed and is freed: 16 free, a headroom of 2
+    assert setup.free_blocks() == NUM_BLOCKS - 16
+    setup.announce("short", prefill_group=0)  # 3 + 2 + 8 <= 16: leaves "long" its room
+    assert setup.replies(0) == [KVReply("short", accepted=True)]
+    setup.announce("long", LONG, prefill_group=1)
+    assert setup.replies(1) == [KVReply("long", accepted=True)]
+    assert setup.free_blocks() == NUM_BLOCKS - 16 - 3 - 8
+
+
+@pytest.mark.parametrize("ending", ["abort", "no retry"])
+def test_a_request_no_longer_waiting_for_room_holds_none(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch, ending: str
+) -> None:
+    """The waiting request aborted, or never asking again (its prefill side gave it up): a later
+    request from another prefill group then gets the room it fits in."""
+    monkeypatch.setattr(leader_module, "_ROOM_WAIT_TTL_S", 0.05)
+    fill_to_eight_free_blocks(setup)
+    setup.announce("long", LONG, prefill_group=1)
+    assert setup.replies(1) == [KVReply("long", accepted=False)]
+    if ending == "abort":
+        setup.leader.handle(Abort("long"))
+    else:
+        time.sleep(0.1)
+    setup.announce("short", prefill_group=0)
+    assert setup.replies(0) == [KVReply("short", accepted=True)]

@@ -233,8 +233,8 @@ def test_cuda_ipc_kv_is_bitwise_the_prefill_kv_between_processes_on_one_gpu(refe
 class _Backend:
     """Stands in for a backend: a fixed block size and buffers in flight."""
 
-    def __init__(self, block_bytes: int, staging_bytes: int, up: bool = True) -> None:
-        self._block_bytes, self.staging_bytes, self._up = block_bytes, staging_bytes, up
+    def __init__(self, block_bytes: int, staging_bytes: int, up: bool = True, pulls: bool = False) -> None:
+        self._block_bytes, self.staging_bytes, self._up, self.pulls = block_bytes, staging_bytes, up, pulls
 
     def block_bytes(self) -> int:
         return self._block_bytes
@@ -253,6 +253,23 @@ def test_staging_room_counts_every_peer_group_and_lets_a_lone_transfer_through()
     assert not busy.has_staging_room(1, 2)  # 600 + 600: the peer group's block size counts
     connecting = KVTransferAgent({0: _Backend(100, 0, up=False)}, max_staging_bytes=1000)  # type: ignore[dict-item]
     assert not connecting.has_staging_room(0, 1)  # a pair group still forming (a restarted peer) takes nothing
+
+
+def test_staging_room_leaves_a_waiting_transfer_its_room() -> None:
+    busy = KVTransferAgent({0: _Backend(100, 400), 1: _Backend(300, 200)}, max_staging_bytes=1000)  # type: ignore[dict-item]
+    assert busy.has_staging_room(0, 2, keep=(0, 2))  # 600 + 200 + 200
+    assert not busy.has_staging_room(0, 2, keep=(1, 1))  # 600 + 200 + 300
+    idle = KVTransferAgent({0: _Backend(100, 0), 1: _Backend(300, 0)}, max_staging_bytes=1000)  # type: ignore[dict-item]
+    assert idle.has_staging_room(0, 5, keep=(0, 5))
+    # One ahead that exceeds the bound goes only alone: nothing may go before it.
+    assert not idle.has_staging_room(0, 1, keep=(1, 50))
+
+
+def test_a_pulled_transfer_takes_no_staging_room() -> None:
+    agent = KVTransferAgent({0: _Backend(100, 900), 1: _Backend(300, 0, pulls=True)}, max_staging_bytes=1000)  # type: ignore[dict-item]
+    assert agent.has_staging_room(1, 50)  # pool to pool, whatever the others have in flight
+    assert agent.has_staging_room(1, 50, keep=(0, 50))
+    assert not agent.has_staging_room(0, 2)
 
 
 def test_head_shards_used_by_the_backend_cover_the_model() -> None:

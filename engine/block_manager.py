@@ -78,8 +78,6 @@ class BlockManager:
         seq.num_shared_blocks = len(block_ids)
         seq.block_table = np.array(block_ids, dtype=np.int32)
         seq.num_computed_tokens = len(block_ids) * self.block_size
-        if seq.num_output_tokens == 0:  # a first admission, not a preempted sequence's return
-            seq.num_cached_tokens = seq.num_computed_tokens
 
     def cache_blocks(self, seq: Sequence) -> None:
         """Hand ``seq``'s full computed blocks to the prefix cache, which keeps them locked for

@@ -120,8 +120,12 @@ class Scheduler:
         while self.waiting and budget > 0 and free_seq_slots > 0:
             seq = self.waiting[0]
             if seq.cache_node is None:  # not matched since it last held blocks
-                # A preempted sequence's return is not another request in the cache's counts.
-                self.block_manager.match_prefix(seq, count=seq.milestones.first_scheduled is None)
+                # A preempted sequence's return is not another request, in the cache's counts
+                # nor in its own cached tokens.
+                first = seq.milestones.first_scheduled is None
+                self.block_manager.match_prefix(seq, count=first)
+                if first:
+                    seq.num_cached_tokens = seq.num_computed_tokens
             remaining = seq.num_tokens - seq.num_computed_tokens
             chunk = min(remaining, budget) if chunked else remaining
             if chunk > budget:

@@ -786,10 +786,10 @@ class Router:
             current = state.pending.pop(len(state.token_ids))
             if current.index == 0:
                 state.entry_timings = current.timings
+                if self.prefix_index is not None:  # this attempt's first token: its prompt is in
+                    self.prefix_index.settled(output.request_id)
             if state.first_token is None:
                 state.first_token = time.monotonic()
-                if self.prefix_index is not None:
-                    self.prefix_index.settled(output.request_id)
             state.token_ids.extend(current.token_ids)
             delta = state.detokenizer.add(current.token_ids) if state.detokenizer else ""
             if current.finished and state.detokenizer:

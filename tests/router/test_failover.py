@@ -207,3 +207,26 @@ def test_an_aborted_requests_final_counts_its_decoding_so_far(rig: Rig) -> None:
     final = rig.replies()[-1]
     assert isinstance(final, Final) and final.finish_reason == "abort"
     assert 0.05 <= final.timings["decode"] <= final.timings["total"]
+
+
+def test_a_request_moved_after_its_first_token_settles_at_its_new_first_token(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A request moved after its first token (its decode group died mid-decode) is prefilled
+    again, and counted as computing its prompt there from dispatch. Its new attempt's first
+    token ends that claim, as a request's first token does; else it lasts until the request ends."""
+    prompt = list(range(100, 164))  # four blocks of 16
+    for rig in _rig(tmp_path_factory, prefill_groups=2):
+        index = rig.router.prefix_index
+        assert index is not None
+        rig.client.send(encode(Generate(request_id="c1", token_ids=prompt, sampling=Sampling(max_tokens=40))))
+        (entry, work), *_ = [(g, m) for g in (0, 1) for m in rig.received("prefill", g) if isinstance(m, WorkRequest)]
+        rig.worker(TokenOutputs([TokenOutput(work.request_id, 0, [11])]))
+        rig.worker(TokenOutputs([TokenOutput(work.request_id, 1, list(range(12, 28)))]))  # 17 tokens out
+        rig.router.group_failed("decode", work.decode_group, "killed")
+        (again,) = [m for g in (0, 1) for m in rig.received("prefill", g) if isinstance(m, WorkRequest)]
+        hashes = index.hashes(again.token_ids)
+        assert max(index.matched_tokens(hashes).values()) == 80  # five blocks being computed
+        rig.worker(TokenOutputs([TokenOutput(again.request_id, 0, [30])]))  # its new first token
+        assert rig.router.requests  # still decoding
+        assert index.matched_tokens(hashes) == {0: 0, 1: 0}, "the moved request still claims its prompt"

@@ -201,6 +201,7 @@ class DecodeLeader(GroupLeader):
                 self.aborted_in_flight.discard(request_id)
                 self.transfers.discard(request_id)  # the peers' parts, never to be waited for
                 self.engine.abort(request_id)
+                self.next_index.pop(request_id, None)
                 continue
             self.handoffs[request_id] = (announce.timings, stats)
             self.engine.admit(request_id)

@@ -423,3 +423,13 @@ def test_a_request_no_longer_waiting_for_room_holds_none(
         time.sleep(0.1)
     setup.announce("short", prefill_group=0)
     assert setup.replies(0) == [KVReply("short", accepted=True)]
+
+
+def test_a_request_aborted_during_its_receive_leaves_no_state_behind(setup: Setup) -> None:
+    setup.announce("r")
+    setup.leader.handle(Abort("r"))
+    setup.transfers.land("r")
+    setup.leader.background()
+    assert setup.free_blocks() == NUM_BLOCKS
+    leader = setup.leader
+    assert not (leader.next_index or leader.receiving or leader.receive_started or leader.aborted_in_flight)

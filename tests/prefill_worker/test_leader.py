@@ -229,3 +229,18 @@ def prefilled(prefill: PrefillLeader, request_id: str, prompt_len: int, decode_g
     prefill.handle(work)
     while prefill.engine.has_unfinished():
         prefill.send_outputs(prefill.engine.step())
+
+
+def test_a_handed_off_request_leaves_no_state_behind(tmp_path: Path, tiny_model_dirs: dict[str, Path]) -> None:
+    """Once its KV has moved, nothing of a request stays on the prefill leader: a long-running
+    group would otherwise grow by an entry per request it served."""
+    backends = {0: Backend(), 1: Backend()}
+    with two_decode_groups(tmp_path, tiny_model_dirs, backends) as (prefill, inboxes):
+        prefilled(prefill, "r", 10, 0)
+        prefill.background()
+        assert _announced(inboxes[0]) == ["r"]
+        prefill.handle(KVReply("r", True))
+        backends[0].sends[0].landed = True
+        prefill.background()
+        assert prefill.engine.stats().free_blocks == 64
+        assert not (prefill.next_index or prefill.work or prefill.announced or prefill.sending)

@@ -433,3 +433,20 @@ def test_a_request_aborted_during_its_receive_leaves_no_state_behind(setup: Setu
     assert setup.free_blocks() == NUM_BLOCKS
     leader = setup.leader
     assert not (leader.next_index or leader.receiving or leader.receive_started or leader.aborted_in_flight)
+
+
+def test_a_later_request_leaves_the_waiting_one_room_for_its_own_headroom_too(setup: Setup) -> None:
+    """ "long" (8 blocks) waits for room with 16 free and a headroom of 2. A 6-block request from
+    another prefill group would leave it 8 + 2, but reserving it adds a block of headroom: "long"
+    would then need 11 of the 10 left. So the 6-block one waits, and "long" goes."""
+    fill_to_eight_free_blocks(setup)
+    setup.announce("long", LONG, prefill_group=1)
+    assert setup.replies(1) == [KVReply("long", accepted=False)]
+    setup.leader.handle(Abort("a"))
+    setup.transfers.land("a")
+    setup.leader.background()
+    assert setup.free_blocks() == NUM_BLOCKS - 16
+    setup.announce("mid", list(range(1, 97)), prefill_group=0)  # 96 tokens: 6 blocks
+    assert setup.replies(0) == [KVReply("mid", accepted=False)]
+    setup.announce("long", LONG, prefill_group=1)
+    assert setup.replies(1) == [KVReply("long", accepted=True)]

@@ -75,20 +75,22 @@ _STORE_CHECK_S = 2.0
 _SHUTDOWN_GRACE_S = 10.0
 
 
-def _wait_listening(host: str, port: int, timeout: float) -> None:
+def _wait_listening(host: str, port: int, timeout: float, stopped: Callable[[], bool] = lambda: False) -> bool:
     """Wait until something accepts connections at ``host:port`` (the router node may start
-    after this one), at most ``timeout`` seconds. Probed here, not by torch's store, which logs
-    every failed try with a C++ stack and takes two of its timeouts to give up."""
+    after this one), at most ``timeout`` seconds; False if ``stopped()`` first. Probed here, not
+    by torch's store, which logs every failed try with a C++ stack and takes two of its timeouts
+    to give up."""
     deadline = time.monotonic() + timeout
-    while True:
+    while not stopped():
         left = deadline - time.monotonic()
         try:
             with socket.create_connection((host, port), timeout=max(0.1, min(1.0, left))):
-                return
+                return True
         except OSError:
             if left <= 0:
                 raise TimeoutError(f"nothing accepts connections at {host}:{port}") from None
             time.sleep(min(0.2, max(0.0, left)))
+    return False
 
 
 class GroupNode:
@@ -128,7 +130,8 @@ class GroupNode:
         host, port = split_host_port(self.join, "--join")
         self._store_address = f"tcp://{f'[{host}]' if ':' in host else host}:{port}"
         try:
-            _wait_listening(host, port, self.join_timeout)
+            if not _wait_listening(host, port, self.join_timeout, lambda: self._stop_requested):
+                return  # stopped while it waited for the router node: nothing to undo
             self.store = connect_store(self._store_address, timeout_s=self.join_timeout)
             settings = json.loads(self.store.get("cluster/settings"))
             shape = json.loads(self.store.get("cluster/model"))

@@ -572,17 +572,30 @@ class Cluster:
                 f"the cluster shut down before this request finished (drain timeout {self.config.drain_timeout:.0f} s)",
             )
         self.router.shutdown_workers()
+        failures: list[str] = []
         try:
+            # Every group and front end is waited for, whatever one of them did: one that fails
+            # on its way out must not cut the others' teardown short.
             for group in self.groups.values():
                 if group.processes is not None:
-                    group.processes.wait(timeout=60)
+                    try:
+                        group.processes.wait(timeout=60)
+                    except (TimeoutError, RuntimeError) as e:
+                        failures.append(f"{group.role} group {group.index}: {e}")
             for front_end in self.front_ends:
                 if front_end.process is not None:
-                    front_end.process.wait(timeout=60)
+                    try:
+                        front_end.process.wait(timeout=60)
+                    except subprocess.TimeoutExpired:
+                        front_end.process.kill()
+                        front_end.process.wait()
+                        failures.append(f"{self._http_name(front_end)}: still running after 60 s")
         finally:
             self.router.poll(0)
             self.router.close()
             self._cleanup()
+        if failures:
+            raise ClusterError("did not stop cleanly: " + "; ".join(failures))
 
     def _live_front_ends(self) -> list[subprocess.Popen[bytes]]:
         return [f.process for f in self.front_ends if f.process is not None and f.process.poll() is None]

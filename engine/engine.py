@@ -322,6 +322,9 @@ class LLMEngine:
         if not sampled_seqs:
             return None
         tokens = self.sampler(logits, [s.params for s in sampled_seqs], [s.request_id for s in sampled_seqs])
+        for seq in sampled_seqs:
+            if seq.status is SequenceStatus.FINISHED:  # stopped by the read-back just before this launch:
+                self.sampler.release(seq.request_id)  # its row re-created the generator ``_finish`` dropped
         indexes = []
         for row, seq in enumerate(sampled_seqs):
             indexes.append(seq.num_tokens)

@@ -444,3 +444,23 @@ def test_outputs_read_back_ahead_of_an_eager_step_go_to_emit(tiny_model_dirs: di
     for out in emitted + returned:
         tokens[out.request_id] += out.new_token_ids
     assert [tokens["0"], tokens["1"]] == make_engine(model_dir, overlap=False).generate(prompts, params)
+
+
+def test_a_seeded_request_stopped_by_a_token_leaves_no_generator(tiny_model_dirs: dict[str, Path]) -> None:
+    """A seeded request that a stop token ends (overlap on: the step after it is launched once
+    the read-back finished it) must not leave its generator in the sampler: a later request
+    with the same id would continue that stream instead of its seed's."""
+    engine = make_engine(tiny_model_dirs["tiny-qwen2"])
+    prompt = make_prompts(engine.model_config.vocab_size, [7], seed=21)[0]
+    free = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    engine.add_request("a", prompt, free)
+    run = [t for step in engine.drain() for o in step for t in o.new_token_ids]
+    assert not engine.sampler.generators
+    stop = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True, stop_token_ids=(run[2],))
+    engine.add_request("b", prompt, stop)
+    list(engine.drain())
+    assert not engine.sampler.generators, list(engine.sampler.generators)
+    engine.add_request("b", prompt, free)  # the id again, the same seed: the same tokens
+    again = [t for step in engine.drain() for o in step for t in o.new_token_ids]
+    assert again == run
+

@@ -72,7 +72,10 @@ class Scheduler:
             counts = [1] * len(seqs)
             budget -= len(seqs)
         if not preempted and budget > 0:
-            for seq, n in self._schedule_prefills(budget, self.config.max_num_seqs - len(seqs)):
+            # Every running sequence holds a slot, decoded this step or not (an unchunked prefill
+            # step decodes none); a finishing one leaves at its read-back.
+            active = sum(1 for seq in self.running if not seq.finishing)
+            for seq, n in self._schedule_prefills(budget, self.config.max_num_seqs - active):
                 seqs.append(seq)
                 counts.append(n)
         if not seqs:

@@ -464,3 +464,21 @@ def test_a_seeded_request_stopped_by_a_token_leaves_no_generator(tiny_model_dirs
     again = [t for step in engine.drain() for o in step for t in o.new_token_ids]
     assert again == run
 
+
+def test_an_unchunked_prefill_step_counts_the_running_sequences(tiny_model_dirs: dict[str, Path]) -> None:
+    """Without chunked prefill a prefill step decodes nothing, and it admitted prompts as if no
+    sequence were running: past max_num_seqs, the bound the CUDA graphs are sized for."""
+    engine = make_engine(
+        tiny_model_dirs["tiny-qwen2"], enable_chunked_prefill=False, max_num_batched_tokens=256, max_num_seqs=2
+    )
+    prompts = make_prompts(engine.model_config.vocab_size, [5, 6, 7], seed=22)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", prompts[0], params)
+    engine.step()
+    engine.add_request("b", prompts[1], params)
+    engine.add_request("c", prompts[2], params)
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+    assert most == 2

@@ -162,7 +162,7 @@ class KVTransferAgent:
         backend = self.backends.get(peer_group)
         if backend is None or backend.pulls:  # pool to pool: nothing is staged
             return 0
-        return num_blocks * backend.block_bytes()
+        return num_blocks * backend.staged_block_bytes()
 
     def _prune(self) -> None:
         """Forget completed sends nobody waits for (peers), releasing their staging buffers."""

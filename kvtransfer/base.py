@@ -232,6 +232,11 @@ class TransferBackend(ABC):
         layers, _, _, block_size, heads, head_dim = self.kv_cache.shape
         return 2 * layers * block_size * heads * head_dim * self.kv_cache.element_size()
 
+    def staged_block_bytes(self) -> int:
+        """Bytes of buffers one block of a transfer takes on this rank while in flight (what
+        ``staging_bytes`` grows by): by default this rank's KV of the block."""
+        return self.block_bytes()
+
     def warm_up(self) -> None:
         """Open this rank's connections to its peers now, not on the first request (NCCL builds a
         communicator per rank pair lazily, which costs ~100 ms). Every rank of both groups calls it."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -239,6 +240,9 @@ class _Backend:
     def block_bytes(self) -> int:
         return self._block_bytes
 
+    def staged_block_bytes(self) -> int:
+        return self._block_bytes
+
     def connected(self) -> bool:
         return self._up
 
@@ -297,3 +301,39 @@ def _gpu_rank_main(rank: int, init: str, work_dir: str) -> None:
 def test_nccl_sync_and_async_deliver_bitwise_kv_from_gpu0_to_gpu1(reference_kv: Path) -> None:
     init = f"tcp://127.0.0.1:{free_port()}"
     RankProcesses(_gpu_rank_main, [(r, init, str(reference_kv)) for r in range(2)]).wait(300)
+
+
+class _HeldWork:
+    """A point-to-point send that completes when the test lets it."""
+
+    def __init__(self, gate: threading.Event) -> None:
+        self.gate = gate
+
+    def wait(self) -> bool:
+        self.gate.wait()
+        return True
+
+
+@pytest.mark.parametrize(("p", "d", "kv_heads"), [(1, 4, 2), (1, 2, 1), (2, 4, 2), (3, 4, 2), (3, 1, 2), (2, 2, 4)])
+def test_staging_room_asks_for_the_bytes_a_send_stages(p: int, d: int, kv_heads: int) -> None:
+    """A prefill rank packs one buffer per piece of the plan, so a KV head replicated over
+    several decode ranks is packed once for each: the room asked for must be those bytes, or
+    the bound on buffers in flight is overrun."""
+    num_heads, layers, block_size, head_dim = 8, 2, 4, 8
+    gate = threading.Event()
+    try:
+        for rank in range(p):
+            topology = TransferTopology(num_heads, kv_heads, tuple(range(p)), tuple(range(p, p + d)), rank)
+            cache = torch.zeros(layers, 2, 9, block_size, topology.src_shard(rank).num_kv_heads, head_dim)
+            backend = create_backend(TransferConfig("gloo-async"), topology, cache)
+            backend._isend = lambda tensor, peer: _HeldWork(gate)  # type: ignore[attr-defined]
+            agent = KVTransferAgent({0: backend}, max_staging_bytes=1 << 30)
+            agent.send("t", [1, 2, 3], 0)
+            staged = backend.staging_bytes  # what the send holds
+            agent.max_staging_bytes = 2 * staged  # another one like it fits, exactly
+            assert agent.has_staging_room(0, 3), (p, d, kv_heads, rank)
+            if staged:  # (a rank that sends nothing asks for no room)
+                agent.max_staging_bytes = 2 * staged - 1
+                assert not agent.has_staging_room(0, 3), (p, d, kv_heads, rank)
+    finally:
+        gate.set()

@@ -3,13 +3,20 @@ message it sends is checked."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
 
 import zmq
 
-from pdserve.cluster.protocol import Message, decode, encode
+from pdserve.cluster.config import Addresses, ClusterConfig
+from pdserve.cluster.protocol import Message, Ready, decode, encode
 from pdserve.router.router import Router
+
+R = TypeVar("R", bound="RouterRig")
 
 
 @dataclass
@@ -50,3 +57,29 @@ class RouterRig:
         for sock in (self.client, self.to_router, *self.inboxes.values()):
             sock.close(linger=0)
         self.router.close()
+
+
+@contextlib.contextmanager
+def router_rig(run_dir: Path, settings: dict[str, object], rig_type: type[R]) -> Iterator[R]:
+    """A router over ``settings`` (vocabulary 1000, 256 tokens a request) with an inbox for each
+    group of the config, every group ready; its clients connect to ``router.addresses.client``."""
+    config = ClusterConfig.from_settings(settings)
+    addresses = Addresses(str(run_dir), f"ipc://{run_dir}/client")
+    ctx = zmq.Context.instance()
+    inboxes = {}
+    for role, group, _ in config.groups():
+        inbox = ctx.socket(zmq.PULL)
+        inbox.bind(addresses.leader(role, group))
+        inboxes[(role, group)] = inbox
+    router = Router(config, addresses, None, vocab_size=1000, max_model_len=256)
+    client = ctx.socket(zmq.DEALER)
+    client.connect(addresses.client)
+    to_router = ctx.socket(zmq.PUSH)
+    to_router.connect(addresses.router)
+    rig = rig_type(router, client, to_router, inboxes)
+    for role, group, _ in config.groups():
+        rig.worker(Ready(role, group, 100))
+    try:
+        yield rig
+    finally:
+        rig.close()

@@ -7,9 +7,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-import zmq
 
-from pdserve.cluster.config import Addresses, ClusterConfig
 from pdserve.cluster.protocol import (
     Abort,
     Chunk,
@@ -29,8 +27,7 @@ from pdserve.cluster.protocol import (
     WorkRequest,
     encode,
 )
-from pdserve.router.router import Router
-from pdserve.tests.router.helpers import RouterRig
+from pdserve.tests.router.helpers import RouterRig, router_rig
 
 PROMPT = [5, 6, 7]
 
@@ -41,27 +38,8 @@ class Rig(RouterRig):
 
 
 def _rig(tmp_path_factory: pytest.TempPathFactory, **settings: object) -> Iterator[Rig]:
-    config = ClusterConfig.from_settings({"decode_groups": 2, "decode_tp": 2, **settings})
-    run_dir = str(tmp_path_factory.mktemp("run"))
-    addresses = Addresses(run_dir, f"ipc://{run_dir}/client")
-    ctx = zmq.Context.instance()
-    inboxes = {}
-    for role, group, _ in config.groups():
-        inbox = ctx.socket(zmq.PULL)
-        inbox.bind(addresses.leader(role, group))
-        inboxes[(role, group)] = inbox
-    router = Router(config, addresses, None, vocab_size=1000, max_model_len=256)
-    client = ctx.socket(zmq.DEALER)
-    client.connect(addresses.client)
-    to_router = ctx.socket(zmq.PUSH)
-    to_router.connect(addresses.router)
-    rig = Rig(router, client, to_router, inboxes)
-    for role, group, _ in config.groups():
-        rig.ready(role, group)
-    try:
+    with router_rig(tmp_path_factory.mktemp("run"), {"decode_groups": 2, "decode_tp": 2, **settings}, Rig) as rig:
         yield rig
-    finally:
-        rig.close()
 
 
 @pytest.fixture

@@ -214,6 +214,8 @@ class Client:
         connection breaks, ``ClusterUnavailable`` after ``timeout`` without a reply."""
         deadline = time.monotonic() + self.timeout
         while True:
+            if self._socket.poll(0):  # what arrived before a disconnect is still an answer
+                return decode(self._socket.recv())
             self._check_connection()
             left = deadline - time.monotonic()
             ready = dict(self._poller.poll(max(0.0, left) * 1000))
@@ -258,6 +260,8 @@ class Client:
         """Chunks of a streaming request in order, then its Final; raises ClusterError on an error."""
         while True:
             message = self._next_for(request_id)
+            if isinstance(message, Error) and message.code == "unknown_request":
+                continue  # an abort's reply (it crossed an earlier request's final), not this request's
             if isinstance(message, Error):
                 raise ClusterError(message)
             assert isinstance(message, (Chunk, Final))
@@ -465,6 +469,9 @@ class AsyncClient:
     ) -> AsyncIterator[Chunk | Final]:
         """Chunks in order, then the Final; raises ClusterError on an error reply."""
         request = _request(prompt, token_ids, True, chat, request_id, sampling, batch_chunks=self.batch_chunks)
+        if request.request_id in self._inboxes:  # its replies could not be told from the running one's
+            why = f"request_id {request.request_id!r} is already running"
+            raise ClusterError(Error(request.request_id, "duplicate_request_id", why))
         inbox = self._inboxes[request.request_id or ""] = _Inbox()
         try:
             await self._send(encode(request))
@@ -475,6 +482,8 @@ class AsyncClient:
                     raise ClusterUnavailable(self.endpoint, self.timeout, self._link.up) from None
                 if isinstance(message, BaseException):
                     raise message
+                if isinstance(message, Error) and message.code == "unknown_request":
+                    continue  # an abort's reply (it crossed an earlier request's final), not this request's
                 if isinstance(message, Error):
                     raise ClusterError(message)
                 assert isinstance(message, (Chunk, Final))

@@ -1,0 +1,107 @@
+"""The client library (``cluster.client``, blocking and asyncio) against a real router in this
+process, whose stand-in leaders are plain sockets: replies that cross, ids used again, a router
+that goes away after answering."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from pdserve.cluster.client import AsyncClient, Client, ClusterError
+from pdserve.cluster.protocol import Chunk, Final, TokenOutput, TokenOutputs, WorkRequest, decode, encode
+from pdserve.tests.router.helpers import RouterRig, router_rig
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[RouterRig]:
+    with router_rig(tmp_path, {"decode_groups": 1}, RouterRig) as rig:
+        yield rig
+
+
+def _work(rig: RouterRig) -> WorkRequest:
+    (work,) = [m for m in rig.received("prefill", 0) if isinstance(m, WorkRequest)]
+    return work
+
+
+def test_an_abort_that_crossed_its_final_does_not_end_the_ids_next_request(rig: RouterRig) -> None:
+    """An abort that crosses its request's final is answered ``unknown_request``: that reply is
+    the abort's, not a request's end, so the next request using the id again (allowed once the
+    first has ended) gets its own final."""
+    with Client(rig.router.addresses.client, timeout=2.0) as client:
+        client.submit(token_ids=[5, 6, 7], request_id="x", max_tokens=1)
+        rig.worker(TokenOutputs([TokenOutput(_work(rig).request_id, 0, [11], True, "length")]))
+        client.abort("x")  # crosses the final
+        rig.pump()
+        assert client.result("x").token_ids == [11]
+        client.submit(token_ids=[5, 6, 7], request_id="x", max_tokens=1)
+        rig.worker(TokenOutputs([TokenOutput(_work(rig).request_id, 0, [12], True, "length")]))
+        assert client.result("x").token_ids == [12]
+
+
+def test_a_second_stream_with_a_running_streams_id_leaves_the_first_one_alone(rig: RouterRig) -> None:
+    """The second stream is refused (``duplicate_request_id``); the first still gets its tokens
+    and final. Its replies could not be told apart, so the client refuses it itself: giving it
+    the id's inbox took the first stream's replies, then dropped them with it."""
+
+    async def main() -> tuple[list[Chunk | Final], ClusterError | None]:
+        client = AsyncClient(rig.router.addresses.client, timeout=2.0)
+        pumping = True
+
+        async def pump() -> None:
+            while pumping:
+                rig.router.poll(0)
+                await asyncio.sleep(0.002)
+
+        async def stream() -> list[Chunk | Final]:
+            return [m async for m in client.stream(token_ids=[5, 6, 7], request_id="x", max_tokens=3)]
+
+        pumper = asyncio.create_task(pump())
+        try:
+            first = asyncio.create_task(stream())
+            inbox = rig.inboxes[("prefill", 0)]
+            for _ in range(500):
+                if inbox.poll(0):
+                    break
+                await asyncio.sleep(0.005)
+            work = decode(inbox.recv())
+            assert isinstance(work, WorkRequest)
+            refused = None
+            try:
+                await stream()
+            except ClusterError as e:
+                refused = e
+            rig.to_router.send(encode(TokenOutputs([TokenOutput(work.request_id, 0, [11, 12, 13], True, "length")])))
+            return await first, refused
+        finally:
+            pumping = False
+            await pumper
+            client.close()
+
+    first, refused = asyncio.run(main())
+    assert refused is not None and refused.code == "duplicate_request_id"
+    assert isinstance(first[-1], Final) and first[-1].token_ids == [11, 12, 13]
+
+
+def test_a_final_that_arrived_before_the_router_went_away_is_read(tmp_path: Path) -> None:
+    """The router answers, then exits (a drained shutdown): the final already in the client's
+    socket is the answer, not ``ClusterGone``."""
+    endpoint = f"ipc://{tmp_path}/client"
+    server = zmq.Context.instance().socket(zmq.ROUTER)
+    server.bind(endpoint)
+    with Client(endpoint, timeout=5.0) as client:
+        assert client.connected(within=5.0)
+        request_id = client.submit(token_ids=[1, 2, 3], max_tokens=1)
+        assert server.poll(5000)
+        identity, data = server.recv_multipart()
+        assert decode(data).request_id == request_id
+        final = Final(request_id, "length", [4], "", {"prompt_tokens": 3, "completion_tokens": 1}, {"total": 0.1})
+        server.send_multipart([identity, encode(final)])
+        time.sleep(0.2)
+        server.close(linger=1000)
+        time.sleep(0.5)  # the client's monitor has seen the disconnect
+        assert client.result(request_id) == final

@@ -646,7 +646,9 @@ class Router:
             )
 
     def _on_generate(self, client: bytes, request: Generate) -> None:
-        client_id = request.request_id or f"req-{next(self._ids)}"
+        client_id = request.request_id
+        while not client_id or (client, client_id) in self.by_client:  # one made here: not the client's
+            client_id = f"req-{next(self._ids)}"
         if not self.accepting:
             self._reply(client, Error(client_id, "shutting_down", "the cluster is shutting down"))
             return

@@ -1,6 +1,6 @@
-"""The client library (``cluster.client``, blocking and asyncio) against a real router in this
-process, whose stand-in leaders are plain sockets: replies that cross, ids used again, a router
-that goes away after answering."""
+"""Request ids between clients and a real router in this process, whose stand-in leaders are
+plain sockets: the client library (``cluster.client``, blocking and asyncio) with replies that
+cross, ids used again, a router that goes away after answering; the ids the router makes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,17 @@ import pytest
 import zmq
 
 from pdserve.cluster.client import AsyncClient, Client, ClusterError
-from pdserve.cluster.protocol import Chunk, Final, TokenOutput, TokenOutputs, WorkRequest, decode, encode
+from pdserve.cluster.protocol import (
+    Chunk,
+    Final,
+    Generate,
+    Sampling,
+    TokenOutput,
+    TokenOutputs,
+    WorkRequest,
+    decode,
+    encode,
+)
 from pdserve.tests.router.helpers import RouterRig, router_rig
 
 
@@ -105,3 +115,14 @@ def test_a_final_that_arrived_before_the_router_went_away_is_read(tmp_path: Path
         server.close(linger=1000)
         time.sleep(0.5)  # the client's monitor has seen the disconnect
         assert client.result(request_id) == final
+
+
+def test_an_id_the_router_makes_is_not_one_the_client_is_using(rig: RouterRig) -> None:
+    """A generate without a request_id gets one from the router ("req-N"); a client that names
+    its own requests that way must not see its unnamed one refused as a duplicate."""
+    sampling = Sampling(max_tokens=4)
+    # The router's ids count from 0, and the first request's own internal id takes 0.
+    rig.client.send(encode(Generate(request_id="req-1", token_ids=[5, 6, 7], sampling=sampling)))
+    rig.client.send(encode(Generate(token_ids=[5, 6, 7], sampling=sampling)))
+    assert rig.replies() == []  # nothing refused
+    assert len([m for m in rig.received("prefill", 0) if isinstance(m, WorkRequest)]) == 2

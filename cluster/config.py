@@ -8,12 +8,14 @@ dashes, its ``launch.py`` flag (``--max-model-len``). See ``pdserve.engine.confi
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import torch
 import yaml
 
 from pdserve.cluster.group import free_port
@@ -42,6 +44,8 @@ _DISAGG_GPU = (
     "decode_sm_percent",
 )
 _COLOCATED_ONLY = ("colocated_tp", "colocated_groups")
+# ZMQ keeps a heartbeat's TTL in deciseconds in 16 bits: 6553.5 s at most.
+_MAX_CLIENT_HEARTBEAT_TIMEOUT = 6553.5
 # The environment variable the HTTP front end reads its api_key from (vLLM's is VLLM_API_KEY).
 API_KEY_ENV = "PDSERVE_API_KEY"
 
@@ -336,6 +340,19 @@ class ClusterConfig:
         for name in ("max_message_mib", "max_prompt_chars", "max_requests_per_client", "max_requests", "send_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        # NaN passes every comparison below unnoticed, and infinity fails later, in a conversion to
+        # an integer (ZMQ options, timedeltas) with a traceback or in a rank: only the watchdog may be inf.
+        for spec in cluster_settings():
+            value = getattr(self, spec.path[-1]) if len(spec.path) == 1 else None
+            if isinstance(value, float) and not math.isfinite(value) and spec.key != "watchdog_timeout":
+                raise ValueError(f"{spec.key} must be a finite number, got {value}")
+        if math.isnan(self.watchdog_timeout):
+            raise ValueError("watchdog_timeout must be a number (inf: never), got nan")
+        if self.client_heartbeat_timeout > _MAX_CLIENT_HEARTBEAT_TIMEOUT:
+            raise ValueError(
+                f"client_heartbeat_timeout must be at most {_MAX_CLIENT_HEARTBEAT_TIMEOUT:g} s (ZMQ's limit), "
+                f"got {self.client_heartbeat_timeout:g}"
+            )
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         for name in (
@@ -435,10 +452,13 @@ class ClusterConfig:
     def world_size(self) -> int:
         return sum(tp for _, _, tp in self.groups())
 
-    def check_model(self, model: ModelConfig) -> None:
+    def check_model(self, model: ModelConfig, on_gpu: bool = False) -> None:
         """Refuse, before any rank starts, what the model cannot run: a TP degree its heads do
-        not allow, a max_model_len beyond its positions, or a fixed KV pool too small for one
-        sequence of max_model_len tokens."""
+        not allow, a max_model_len beyond its positions, a fixed KV pool (or on CPU, the pool
+        cpu_kv_cache_bytes holds) too small for one sequence of max_model_len tokens, or Triton
+        kernels without a GPU."""
+        if not on_gpu and self.engine.kernels == "triton":
+            raise ValueError("--kernels triton needs GPUs: on CPU the kernels are torch's (--kernels auto or torch)")
         for role, tp in sorted({(role, tp) for role, _, tp in self.groups()}):
             try:
                 check_tp_size(model.num_heads, model.num_kv_heads, tp)
@@ -451,6 +471,17 @@ class ClusterConfig:
                 f"--num-blocks {cache.num_blocks} holds {cache.num_blocks * cache.block_size} tokens, fewer than "
                 f"max_model_len {max_model_len}: raise --num-blocks or lower --max-model-len"
             )
+        if cache.num_blocks is None and not on_gpu:
+            for role, _, tp in self.groups():
+                dtype = self.engine.resolved_dtype() if self.engine.dtype != "auto" else torch.float32
+                heads = -(-model.num_kv_heads // tp)  # the largest rank share (one head, replicated, beyond)
+                block_bytes = model.kv_bytes_per_token(dtype) // model.num_kv_heads * heads * cache.block_size
+                tokens = max(1, cache.cpu_kv_cache_bytes // block_bytes) * cache.block_size
+                if tokens < max_model_len:
+                    raise ValueError(
+                        f"--cpu-kv-cache-bytes {cache.cpu_kv_cache_bytes} holds {tokens} tokens on a {role} rank, "
+                        f"fewer than max_model_len {max_model_len}: raise --cpu-kv-cache-bytes or lower --max-model-len"
+                    )
 
     def engine_config(self, model_dir: str, model: ModelConfig) -> EngineConfig:
         """The engine config every rank starts from: the resolved model directory and length,

@@ -92,8 +92,8 @@ class TransferConfig:
             raise ValueError(
                 f"unknown KV transfer backend {self.backend!r}; available: auto, {', '.join(available_backends())}"
             )
-        if not self.staging_mib > 0:
-            raise ValueError(f"staging_mib must be positive, got {self.staging_mib}")
+        if not 0 < self.staging_mib < math.inf:
+            raise ValueError(f"staging_mib must be a positive finite number, got {self.staging_mib}")
         if self.layer_groups < 1:
             raise ValueError(f"layer_groups must be >= 1, got {self.layer_groups}")
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdserve.cluster.client import normalize_endpoint
 from pdserve.cluster.config import ClusterConfig, cluster_settings
@@ -270,3 +271,38 @@ def test_client_reads_the_prompt_from_stdin_for_a_dash() -> None:
     assert result.stdout == "Fait.\n"
     not_text = client("-", "--endpoint", "1", stdin=b"caf\xe9")
     assert_one_line_error(not_text, "stdin is not UTF-8 text")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--max-message-mib", "inf"), "max_message_mib"),
+        (("--client-heartbeat-timeout", "7000"), "client_heartbeat_timeout"),
+    ],
+)
+def test_numbers_beyond_what_the_router_can_use_are_usage_errors(args: tuple[str, ...], needle: str) -> None:
+    result = launch("--port", str(free_port()), *args)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and needle in result.stderr, result.stderr
+
+
+def test_a_cpu_pool_too_small_for_one_sequence(tiny_model_dirs: dict[str, Path]) -> None:
+    """As --num-blocks: the pool --cpu-kv-cache-bytes gives is checked before any rank starts."""
+    result = launch(
+        "--model",
+        str(tiny_model_dirs["tiny-llama"]),
+        "--port",
+        str(free_port()),
+        "--cpu-kv-cache-bytes",
+        "1",
+        "--max-model-len",
+        "64",
+    )
+    assert_one_line_error(result, "--cpu-kv-cache-bytes", "max_model_len 64")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton kernels run on GPUs")
+def test_triton_kernels_on_a_cpu_are_refused_before_any_rank_starts(tiny_model_dirs: dict[str, Path]) -> None:
+    """Accepted, the cluster served and every request crashed its prefill group."""
+    result = launch("--model", str(tiny_model_dirs["tiny-llama"]), "--port", str(free_port()), "--kernels", "triton")
+    assert_one_line_error(result, "--kernels triton")

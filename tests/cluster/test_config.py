@@ -287,3 +287,27 @@ def test_a_registered_backend_is_checked_by_the_traits_it_declares(monkeypatch: 
     config = ClusterConfig.from_settings({"watchdog_timeout": 10.0, "kv_lease_timeout": 30.0})
     with pytest.raises(ValueError, match="does not block: cuda-ipc or nccl-async"):
         config.check_watchdog(rdma)
+
+
+@pytest.mark.parametrize(
+    ("settings", "key"),
+    [
+        ({"max_message_mib": float("inf")}, "max_message_mib"),  # int(inf) in the router: a traceback
+        ({"max_message_mib": float("nan")}, "max_message_mib"),
+        ({"client_heartbeat_timeout": float("inf")}, "client_heartbeat_timeout"),
+        ({"client_heartbeat_timeout": 7000.0}, "client_heartbeat_timeout"),  # past ZMQ's TTL: "cannot listen"
+        ({"transfer_staging_mib": float("inf")}, "staging_mib"),  # ranks abort at start
+        ({"start_timeout": float("inf")}, "start_timeout"),  # KV pair groups' threads die after "ready"
+        ({"send_timeout": float("nan")}, "send_timeout"),
+        ({"drain_timeout": float("nan")}, "drain_timeout"),
+        ({"join": "127.0.0.1:29500", "role": "decode", "join_timeout": float("inf")}, "join_timeout"),
+    ],
+)
+def test_a_number_no_part_of_the_cluster_can_use_is_refused_up_front(settings: dict, key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        ClusterConfig.from_settings(settings)
+
+
+def test_a_watchdog_may_still_be_infinite() -> None:
+    """--watchdog-timeout documents inf as "never"."""
+    assert ClusterConfig.from_settings({"watchdog_timeout": float("inf")}).watchdog_timeout == float("inf")

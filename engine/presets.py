@@ -243,7 +243,13 @@ def list_command() -> None:
     "--out", "out_dir", required=True, type=click.Path(path_type=Path), help="new (or empty) directory to write"
 )
 @click.option("--seed", default=0, show_default=True, help="random seed of the weights")
-@click.option("--dtype", default="bfloat16", show_default=True, help="float32, float16 or bfloat16")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "float16", "bfloat16"]),
+    default="bfloat16",
+    show_default=True,
+    help="float32, float16 or bfloat16",
+)
 @click.option("--device", default="cpu", show_default=True, help="where to draw the weights (cpu, cuda)")
 def write_command(name: str, out_dir: Path, seed: int, dtype: str, device: str) -> None:
     """Write preset NAME with random weights into a new directory."""
@@ -251,7 +257,16 @@ def write_command(name: str, out_dir: Path, seed: int, dtype: str, device: str) 
         config = load_preset(name)
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="NAME") from None
-    click.echo(write_random_checkpoint(config, out_dir, seed=seed, dtype=dtype, device=device))
+    try:
+        where = torch.device(device)
+    except RuntimeError:
+        raise click.BadParameter(f"{device!r} is not a device (cpu, cuda)", param_hint="--device") from None
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise click.BadParameter(f"{device}: no GPU is visible", param_hint="--device")
+    try:
+        click.echo(write_random_checkpoint(config, out_dir, seed=seed, dtype=dtype, device=device))
+    except FileExistsError as error:
+        raise click.ClickException(str(error)) from None
 
 
 if __name__ == "__main__":

@@ -222,3 +222,26 @@ def test_cli(tmp_path: Path) -> None:
     assert (tmp_path / "w" / "model.safetensors").is_file()
     unknown = runner.invoke(presets.cli, ["write", "nope", "--out", str(tmp_path / "x")])
     assert unknown.exit_code != 0 and "tiny-qwen2" in unknown.output
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--dtype", "foo"], "foo"),
+        (["--device", "nonsense"], "nonsense"),
+    ],
+)
+def test_cli_mistakes_are_one_line_errors(args: list[str], needle: str, tmp_path: Path) -> None:
+    result = CliRunner().invoke(presets.cli, ["write", "tiny-llama", "--out", str(tmp_path / "w"), *args])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert needle in result.output
+
+
+def test_cli_writing_twice_is_a_one_line_error(tmp_path: Path) -> None:
+    """The README's `presets write ... --out DIR`, run a second time."""
+    runner = CliRunner()
+    assert runner.invoke(presets.cli, ["write", "tiny-llama", "--out", str(tmp_path / "w")]).exit_code == 0
+    again = runner.invoke(presets.cli, ["write", "tiny-llama", "--out", str(tmp_path / "w")])
+    assert again.exit_code == 1 and isinstance(again.exception, SystemExit), repr(again.exception)
+    assert "already exists" in again.output

@@ -299,7 +299,7 @@ class PushBackend:
     def staging_bytes(self) -> int:
         return sum(1024 for part in self.parts if part.held)
 
-    def block_bytes(self) -> int:
+    def staged_block_bytes(self) -> int:
         return 1
 
     def connected(self) -> bool:

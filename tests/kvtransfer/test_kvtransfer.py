@@ -237,9 +237,6 @@ class _Backend:
     def __init__(self, block_bytes: int, staging_bytes: int, up: bool = True, pulls: bool = False) -> None:
         self._block_bytes, self.staging_bytes, self._up, self.pulls = block_bytes, staging_bytes, up, pulls
 
-    def block_bytes(self) -> int:
-        return self._block_bytes
-
     def staged_block_bytes(self) -> int:
         return self._block_bytes
 

@@ -151,14 +151,14 @@ class Backend:
         self.up = connected
 
     def send(self, block_ids: list[int]) -> Send:
-        self.sends.append(Send(self, len(block_ids) * self.block_bytes()))
+        self.sends.append(Send(self, len(block_ids) * self.staged_block_bytes()))
         return self.sends[-1]
 
     @property
     def staging_bytes(self) -> int:
         return self.staging
 
-    def block_bytes(self) -> int:
+    def staged_block_bytes(self) -> int:
         return 100
 
     def connected(self) -> bool:

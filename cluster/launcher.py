@@ -166,7 +166,21 @@ class Cluster:
 
     def start(self) -> None:
         """Check everything a user can get wrong, then spawn the ranks and wait until every group
-        is ready. A mistake raises ``ValueError`` or ``ClusterError`` before any rank starts."""
+        is ready. A mistake raises ``ValueError`` or ``ClusterError`` before any rank starts; a
+        stop signal meanwhile ends what was started and raises ``ClusterError``."""
+        # Loading can take minutes: a stop then must end the ranks here, not leave the interpreter
+        # waiting for them at exit (multiprocessing joins its children), and SIGTERM as Ctrl-C does.
+        previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in STOP_SIGNALS}
+        try:
+            self._start()
+        except KeyboardInterrupt:
+            self._abandon()
+            raise ClusterError("stopped before the cluster was ready: every process it started has ended") from None
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _start(self) -> None:
         c = self.config
         warning = None if c.auth_keys is not None else exposure_warning(c.host)
         if warning is not None:

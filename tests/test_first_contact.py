@@ -4,6 +4,7 @@ before any rank starts."""
 from __future__ import annotations
 
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -306,3 +307,34 @@ def test_triton_kernels_on_a_cpu_are_refused_before_any_rank_starts(tiny_model_d
     """Accepted, the cluster served and every request crashed its prefill group."""
     result = launch("--model", str(tiny_model_dirs["tiny-llama"]), "--port", str(free_port()), "--kernels", "triton")
     assert_one_line_error(result, "--kernels triton")
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stop_while_the_ranks_load_ends_them_and_the_launcher(demo_model_dir: Path, stop: int) -> None:
+    """Ctrl-C (or a service manager's SIGTERM) while the model loads: the ranks end and so does
+    the launcher, in one line. Ctrl-C used to print "Aborted!" and then hang, the interpreter
+    waiting at exit for ranks that ignore stop signals; SIGTERM ended the launcher silently."""
+    process = subprocess.Popen(
+        [sys.executable, "launch.py", "--model", str(demo_model_dir), "--port", str(free_port())],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal
+    )
+    assert process.stderr is not None
+    lines, ranks = [], []
+    try:
+        for line in process.stderr:
+            lines.append(line)
+            if match := re.search(r"rank up: pid (\d+)", line):
+                ranks.append(int(match[1]))
+                if len(ranks) == 2:  # every rank is loading
+                    process.send_signal(stop)
+                    break
+        _, rest = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    result = subprocess.CompletedProcess(process.args, process.returncode, "", "".join(lines) + rest)
+    assert_one_line_error(result, "stopped before the cluster was ready")
+    for pid in ranks:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid

@@ -56,16 +56,17 @@ from pdserve.bench.serve import (
     TABLE_HEADERS,
     BenchConfig,
     RequestSpec,
-    build_requests,
     config_from_options,
     failure_summary,
     format_table,
     load_options,
     metrics_row,
+    point_requests,
     rate_label,
     results_table,
     run_benchmark,
     run_requests,
+    workload_requests,
     write_plots,
 )
 from pdserve.cluster.client import AsyncClient
@@ -168,9 +169,11 @@ def system_args(
     }
 
 
-def isolated_spec(config: BenchConfig) -> RequestSpec:
-    """The isolated-decode request: ``input_len`` random tokens, ``output_len`` tokens out."""
-    rng = random.Random(config.seed)
+def isolated_spec(config: BenchConfig, index: int = 0) -> RequestSpec:
+    """The ``index``-th isolated-decode request: ``input_len`` random tokens, ``output_len`` tokens
+    out; a prompt of its own (a seed the workload's requests never use), so that none finds
+    another's KV in the prefix cache, nor a workload request the isolated one's."""
+    rng = random.Random(f"isolated/{config.seed}/{index}")
     return RequestSpec(
         "isolated", config.output_len, token_ids=[rng.randrange(config.vocab_size) for _ in range(config.input_len)]
     )
@@ -180,11 +183,16 @@ def required_model_len(specs: list[RequestSpec], model_limit: int) -> int:
     """A max model length that fits every request, rounded up to 256, at most ``model_limit``.
 
     Text prompts are bounded by their characters (a token is at least one character of this
-    ASCII prompt file) plus the chat template."""
-    longest = max(
-        (len(s.token_ids) if s.token_ids is not None else len(s.prompt or "") + CHAT_TEMPLATE_TOKENS) + s.max_tokens
-        for s in specs
-    )
+    ASCII prompt file) plus the chat template. A multi-turn request is sent after its session's
+    history: the earlier turns' prompts and (``max_tokens`` long) answers."""
+    history: dict[int, int] = {}
+    longest = 0
+    for s in specs:
+        prompt = len(s.token_ids) if s.token_ids is not None else len(s.prompt or "") + CHAT_TEMPLATE_TOKENS
+        if s.session is not None:
+            prompt += history.get(s.session, 0)
+            history[s.session] = prompt + s.max_tokens
+        longest = max(longest, prompt + s.max_tokens)
     return min(-(-longest // 256) * 256, model_limit)
 
 
@@ -193,7 +201,12 @@ async def measure_isolated_tpot(endpoint: str, config: BenchConfig) -> list[floa
     client = AsyncClient(endpoint, timeout=config.timeout)
     try:
         records = await run_requests(
-            client, [isolated_spec(config)] * (1 + ISOLATED_RUNS), None, 1, config.seed, "isolated decode"
+            client,
+            [isolated_spec(config, i) for i in range(1 + ISOLATED_RUNS)],
+            None,
+            1,
+            config.seed,
+            "isolated decode",
         )
     finally:
         client.close()
@@ -251,7 +264,8 @@ def write_report(out_dir: Path, results: dict[str, dict[str, Any]], setup: dict[
     if setup.get("isolated_tpot_ms") is not None:
         samples = ", ".join(f"{t:.2f}" for t in setup["isolated_tpot_samples_ms"])
         lines.append(
-            f"- isolated batch-1 decode TPOT (on {next(iter(results))}): {setup['isolated_tpot_ms']:.2f} ms "
+            f"- isolated batch-1 decode TPOT (on {setup.get('isolated_system', next(iter(setup['systems'])))}): "
+            f"{setup['isolated_tpot_ms']:.2f} ms "
             f"(median of {samples}); the TPOT SLO is {TPOT_SLO_FACTOR:g}x that"
         )
     lines += ["", "Systems (`launch.py` arguments besides the model, devices, port and lengths):", ""]
@@ -326,10 +340,13 @@ def main(
     """Run one workload against a disaggregated and two colocated clusters; write a report."""
     if replot:
         paths = [out_dir / f"{name}.json" for name in system_args(devices=1)]
-        results = {path.stem: json.loads(path.read_text()) for path in paths if path.exists()}
-        if not results:
+        found = {path.stem: json.loads(path.read_text()) for path in paths if path.exists()}
+        if not found:
             raise click.ClickException(f"no results JSON in {out_dir}")
-        publish(out_dir, results, next(iter(results.values()))["setup"])
+        setup = next(iter(found.values()))["setup"]
+        order = [name for name in setup["systems"] if name in found]  # the order they ran in
+        results = {name: found[name] for name in order + [n for n in found if n not in order]}
+        publish(out_dir, results, setup)
         return
     device_ids = [d.strip() for d in devices.split(",") if d.strip()]
     if prefill_tp < 1 or decode_tp < 1:
@@ -347,8 +364,14 @@ def main(
     if isolated_decode and config.output_len < 2:
         raise click.UsageError("--isolated-decode needs --output-len >= 2 (TPOT is the time per token after the first)")
     if config.max_model_len is None:
-        specs = [*build_requests(config, config.warmup + config.num_requests), isolated_spec(config)]
-        needed = required_model_len(specs, hf_config["max_position_embeddings"])
+        # Every rate's requests (each draws its own), the warm-up's and the isolated one.
+        warmup, measured = workload_requests(config)
+        groups = [
+            warmup,
+            *(point_requests(config, measured, i) for i in range(len(config.rates))),
+            [isolated_spec(config)],
+        ]
+        needed = max(required_model_len(g, hf_config["max_position_embeddings"]) for g in groups if g)
         config = dataclasses.replace(config, max_model_len=needed)
     common = ["--model", str(model_dir), "--max-model-len", str(config.max_model_len)]
     if num_blocks is not None:
@@ -387,6 +410,7 @@ def main(
                 if isolated_decode and not results:
                     samples = asyncio.run(measure_isolated_tpot(cluster.endpoint, config))
                     isolated = statistics.median(samples)
+                    setup["isolated_system"] = name
                     setup["isolated_tpot_ms"] = isolated * 1e3
                     setup["isolated_tpot_samples_ms"] = [t * 1e3 for t in samples]
                     config = dataclasses.replace(config, slo_tpot_ms=TPOT_SLO_FACTOR * isolated * 1e3)

@@ -249,18 +249,15 @@ def build_requests(config: BenchConfig, count: int) -> list[RequestSpec]:
 
 
 def workload_requests(config: BenchConfig) -> tuple[list[RequestSpec], list[RequestSpec]]:
-    """The warm-up requests and the measured ones. A multi-turn warm-up gets sessions of its
-    own (another seed): a session split between the two would lose its history."""
-    if config.workload == "multi-turn":
-        warmup = (
-            build_requests(dataclasses.replace(config, seed=config.seed + 1), config.warmup) if config.warmup else []
-        )
-        return warmup, build_requests(config, config.num_requests)
-    specs = build_requests(config, config.warmup + config.num_requests)
-    return specs[: config.warmup], specs[config.warmup :]
+    """The warm-up requests and the first rate's. The warm-up draws from a seed of its own: cut
+    from one longer draw, the first rate would differ from every later one (mixed's share of long
+    prompts) and find what the warm-up left in the prefix cache (shared-prefix's system prompts;
+    a multi-turn session split between the two would lose its history)."""
+    warmup = build_requests(dataclasses.replace(config, seed=config.seed + 1), config.warmup) if config.warmup else []
+    return warmup, build_requests(config, config.num_requests)
 
 
-# Seed step between the requests of a sweep's rates (the warm-up's multi-turn sessions take +1).
+# Seed step between the requests of a sweep's rates (the warm-up's take +1).
 _POINT_SEED_STEP = 1000
 
 

@@ -531,3 +531,133 @@ def test_cluster_check_2p1d_on_cpu(tmp_path: Path, tiny_model_dirs: dict[str, Pa
     result = json.loads(out.read_text())["results"]["disagg-gloo"]
     assert result["exit_code"] == 0 and result["exact"] == 1.0
     assert result["divergences"] == [] and result["divergences_not_near_ties"] == []
+
+
+def test_compare_model_length_fits_a_multi_turn_sessions_last_turn() -> None:
+    """bench.compare sizes --max-model-len from the specs; a later turn's prompt is the session's
+    history (earlier prompts and answers) plus its new tokens, not just the new tokens."""
+    config = BenchConfig(workload="multi-turn", prefix_len=1024, input_len=128, output_len=128, num_turns=4)
+    specs = build_requests(config, 8)  # 2 sessions of 4 turns
+    last_turn = 1024 + 3 * (128 + 128) + 128  # first prompt, 3 x (answer + new tokens), its output
+    assert required_model_len(specs, 32768) >= last_turn
+
+
+def test_compare_model_length_fits_every_rate_of_the_sweep(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """Each rate draws requests of its own (point_requests); the cluster's max model length must
+    fit all of them, or a later rate's long prompts are silently cut to it."""
+    from click.testing import CliRunner
+
+    from pdserve.bench import compare
+
+    launched: list[list[str]] = []
+
+    class NoCluster:
+        def __init__(self, args: list[str], *rest: object) -> None:
+            launched.append(args)
+            raise compare.LaunchError("not started")
+
+    monkeypatch.setattr(compare, "LaunchedCluster", NoCluster)
+    monkeypatch.setattr(compare, "resolve_model", lambda model: demo_model_dir)
+    argv = ["--workload", "mixed", "--input-len", "16", "--output-len", "16", "--long-len", "100-1000"]
+    argv += ["--long-fraction", "0.5", "--num-requests", "6", "--warmup", "0", "--rates", "1,2,4,8", "--seed", "2"]
+    CliRunner().invoke(compare.main, [*argv, "--systems", "disagg", "--out-dir", str(tmp_path)])
+    max_model_len = int(launched[0][launched[0].index("--max-model-len") + 1])
+    vocab = json.loads((demo_model_dir / "config.json").read_text())["vocab_size"]
+    config = BenchConfig(
+        workload="mixed",
+        input_len=16,
+        output_len=16,
+        long_len=(100, 1000),
+        long_fraction=0.5,
+        num_requests=6,
+        warmup=0,
+        rates=(1, 2, 4, 8),
+        vocab_size=vocab,
+        seed=2,
+    )
+    _, measured = workload_requests(config)
+    longest = max(len(s.token_ids or []) + s.max_tokens for i in range(4) for s in point_requests(config, measured, i))
+    assert longest <= max_model_len
+
+
+def _isolated_specs(monkeypatch: pytest.MonkeyPatch, config: BenchConfig) -> list[RequestSpec]:
+    """The requests bench.compare's isolated-decode measurement sends (no cluster)."""
+    import types
+
+    from pdserve.bench import compare
+
+    sent: list[RequestSpec] = []
+
+    async def fake_run_requests(client: object, specs: list[RequestSpec], *args: object) -> list[RequestRecord]:
+        sent.extend(specs)
+        return [record(0.0, [(0.1, 1), (0.2, 1)], finished=0.2) for _ in specs]
+
+    monkeypatch.setattr(compare, "run_requests", fake_run_requests)
+    monkeypatch.setattr(compare, "AsyncClient", lambda *a, **k: types.SimpleNamespace(close=lambda: None))
+    asyncio.run(compare.measure_isolated_tpot("tcp://127.0.0.1:1", config))
+    return sent
+
+
+def test_isolated_decode_prompts_are_not_the_workloads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the first compared system serves the isolated requests: a measured request starting
+    with their prompt finds it in that system's prefix cache alone."""
+    for workload in ("random", "multi-turn"):
+        config = BenchConfig(workload=workload, input_len=128, prefix_len=1024, warmup=2, num_requests=8)
+        isolated = {tuple((s.token_ids or [])[:16]) for s in _isolated_specs(monkeypatch, config)}
+        _, measured = workload_requests(config)
+        assert not isolated & {tuple((s.token_ids or [])[:16]) for s in measured}, workload
+
+
+def test_isolated_decode_requests_are_each_a_fresh_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch-1 decode of an uncached request: the three measured isolated requests must not
+    find the warm-up's prompt cached (a prefix hit; disaggregated, no KV transfer at all)."""
+    sent = _isolated_specs(monkeypatch, BenchConfig(input_len=128))
+    firsts = [tuple((s.token_ids or [])[:16]) for s in sent]
+    assert len(set(firsts)) == len(firsts)
+
+
+def test_replot_names_the_system_the_isolated_tpot_was_measured_on(tmp_path: Path) -> None:
+    """--replot rebuilds report.md from the JSON files; the isolated TPOT was measured on the
+    first system run (here colocated-chunked, as in docs/results/pd_one_gpu.json)."""
+    from click.testing import CliRunner
+
+    from pdserve.bench import compare
+    from pdserve.bench.common import write_json
+
+    config = BenchConfig(rates=(1.0,), slo_ttft_ms=1000, slo_tpot_ms=3.0)
+    point = point_result(1.0, config, [record(0.0, [(0.1, 1), (0.2, 1)], finished=0.2)])
+    setup = {
+        "date": "today",
+        "host": "here",
+        "command": "bench",
+        "model": "demo",
+        "devices": "CPU",
+        "max_model_len": 1024,
+        "workload": "random",
+        "systems": {"colocated-chunked": [], "disagg": []},  # the order they ran in
+        "isolated_tpot_ms": 1.0,
+        "isolated_tpot_samples_ms": [1.0, 1.0, 1.0],
+    }
+    for name in setup["systems"]:
+        write_json({"config": dataclasses.asdict(config), "points": [point], "setup": setup}, tmp_path / f"{name}.json")
+    result = CliRunner().invoke(compare.main, ["--replot", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    report = (tmp_path / "report.md").read_text()
+    assert "isolated batch-1 decode TPOT (on colocated-chunked)" in report
+
+
+def test_the_first_rate_is_drawn_as_every_later_one() -> None:
+    """The first rate's requests must not differ from a later rate's by where the warm-up cut a
+    longer draw: mixed's share of long prompts (300 requests at 10%: 30 each), and nothing the
+    warm-up sent may be in the prefix cache for them (shared-prefix's system prompts)."""
+    mixed = BenchConfig(workload="mixed", num_requests=300, warmup=8, long_fraction=0.1, rates=(16, 32))
+    _, measured = workload_requests(mixed)
+    assert [[s.kind for s in point_requests(mixed, measured, i)].count("long") for i in range(2)] == [30, 30]
+
+    shared = BenchConfig(
+        workload="shared-prefix", num_requests=20, warmup=2, num_prefixes=4, prefix_len=32, input_len=8
+    )
+    warmup, measured = workload_requests(shared)
+    assert not {tuple((s.token_ids or [])[:32]) for s in warmup} & {tuple((s.token_ids or [])[:32]) for s in measured}

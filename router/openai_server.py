@@ -426,6 +426,7 @@ class _Run:
         matcher = StopStringMatcher(gen.stop) if gen.stop else None
         ended = False  # the cluster sent the request's terminal message
         last: float | None = None
+        generated = 0  # tokens in the chunks so far
         frontend.in_flight += 1
         try:
             stream = client.stream(token_ids=gen.token_ids, request_id=self.request_id, **gen.sampling)
@@ -439,6 +440,7 @@ class _Run:
                         self._finish(message.finish_reason, message, now)
                         return
                     assert isinstance(message, Chunk)
+                    generated += len(message.token_ids)
                     if last is None:
                         metrics.ttft.observe(now - self.arrival)
                     else:
@@ -457,7 +459,9 @@ class _Run:
                             final = message if isinstance(message, Final) else final
                         ended = True
                         assert final is not None
-                        self._finish("stop", final, now)
+                        # What the abort's final counts may include tokens generated after the stop
+                        # string, before the abort reached the cluster: the completion ends with it.
+                        self._finish("stop", final, now, generated)
                         return
         except ClusterError as e:
             ended = True
@@ -483,11 +487,14 @@ class _Run:
         else:
             metrics.observe_final("abort", final.usage, final.timings)
 
-    def _finish(self, reason: str, final: Final, now: float) -> None:
+    def _finish(self, reason: str, final: Final, now: float, completion_tokens: int | None = None) -> None:
+        usage = final.usage
+        if completion_tokens is not None:
+            usage = {**usage, "completion_tokens": completion_tokens}
         cached = final.timings.get("cached_tokens")
-        self.outcome = Outcome(reason, final.usage, None if cached is None else int(cached))
+        self.outcome = Outcome(reason, usage, None if cached is None else int(cached))
         self.frontend.metrics.e2e.observe(now - self.arrival)
-        self.frontend.metrics.observe_final(reason, final.usage, final.timings)
+        self.frontend.metrics.observe_final(reason, usage, final.timings)
 
 
 def _cluster_error(error: ClusterError) -> APIError:

@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.bench.compare import LaunchedCluster
 from pdserve.cluster.client import Client, Final
 from pdserve.cluster.group import free_port
+from pdserve.cluster.protocol import Chunk
 from pdserve.router.openai_api import APIError, ChatRequest, parse_request
 from pdserve.router.openai_server import Frontend, RepeatLimit
 from pdserve.router.stop_strings import StopStringMatcher
@@ -437,6 +438,64 @@ def test_stop_strings_never_send_a_character_of_a_stop_string() -> None:
     assert "".join(sent) == "x"  # "</en" could still become the stop string
     assert matcher.add("d> tail") == ("", True)
     assert matcher.flush() == ""
+
+
+class LaggingCluster:
+    """A cluster client whose request goes on two tokens past a stop string before the abort
+    reaches it (a front end behind the router): the abort's final counts those too."""
+
+    async def stream(self, request_id: str, **_: Any) -> Any:
+        for text in ("a", " STOP", "b", "c"):
+            yield Chunk(request_id, [7], text)
+        yield Final(request_id, "abort", [7, 7, 7, 7], "a STOPbc", {"prompt_tokens": 3, "completion_tokens": 4}, {})
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_completion_cut_at_a_stop_string_counts_its_tokens_up_to_it(demo_model_dir: Path, stream: bool) -> None:
+    """Usage is the completion's: the tokens up to the one that completed the stop string, as
+    vLLM counts, not what the cluster generated until the abort reached it."""
+    frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), served_model_name=MODEL)
+    frontend.max_model_len = MAX_MODEL_LEN
+    frontend.client = LaggingCluster()  # type: ignore[assignment]
+    request = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 8, "stop": ["STOP"], "stream": stream}
+    if stream:
+        request["stream_options"] = {"include_usage": True}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "headers": [(b"content-type", b"application/json")],
+        "query_string": b"",
+    }
+    sent: list[dict[str, Any]] = []
+
+    async def serve() -> None:
+        messages = [{"type": "http.request", "body": json.dumps(request).encode(), "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop()
+            await asyncio.Event().wait()  # the client stays
+            return {}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await asyncio.wait_for(frontend.app()(scope, receive, send), 10)
+
+    asyncio.run(serve())
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
+    if stream:
+        events = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+        text = "".join(choice["text"] for event in events for choice in event["choices"])
+        usage = events[-1]["usage"]
+    else:
+        text, usage = json.loads(body)["choices"][0]["text"], json.loads(body)["usage"]
+    assert text == "a "
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (3, 2, 5)
 
 
 # -- the HTTP app without a cluster ---------------------------------------------------------

@@ -12,7 +12,9 @@ class IncrementalDetokenizer:
     the spaces some tokenizers attach to the following token. Instead, decode a short window
     ending at the new tokens, and emit only once the text no longer ends in U+FFFD (an
     incomplete UTF-8 sequence). Concatenated deltas equal ``tokenizer.decode(all_ids)`` without
-    the clean-up of tokenization spaces.
+    the clean-up of tokenization spaces, for valid UTF-8 output. (Byte-fallback tokenizers, as
+    Llama 2's, decode an invalid byte run to U+FFFD per byte, ASCII ones included; here an ASCII
+    byte before it is kept.)
     """
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:

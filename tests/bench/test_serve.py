@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 import pytest
@@ -463,16 +464,7 @@ def test_load_generator_against_a_cpu_cluster(tmp_path: Path, demo_model_dir: Pa
         }
 
     # The comparison report over these results, as if from two systems.
-    setup = {
-        "date": "today",
-        "host": "here",
-        "command": "bench",
-        "model": "demo",
-        "devices": "CPU",
-        "max_model_len": 1024,
-        "workload": "random",
-        "systems": {"disagg": [], "colocated-chunked": []},
-    }
+    setup = compare_setup(["disagg", "colocated-chunked"])
     report = write_report(tmp_path, {"disagg": results, "colocated-chunked": results}, setup, plots=[])
     rows = [line for line in report.read_text().splitlines() if line.startswith("| 8 ") or line.startswith("| inf ")]
     assert [row.split(" | ")[1] for row in rows] == ["disagg", "colocated-chunked"] * 2
@@ -618,6 +610,20 @@ def test_isolated_decode_requests_are_each_a_fresh_prompt(monkeypatch: pytest.Mo
     assert len(set(firsts)) == len(firsts)
 
 
+def compare_setup(systems: list[str]) -> dict[str, Any]:
+    """A comparison run's ``setup`` as bench.compare records it, ``systems`` in the order they ran."""
+    return {
+        "date": "today",
+        "host": "here",
+        "command": "bench",
+        "model": "demo",
+        "devices": "CPU",
+        "max_model_len": 1024,
+        "workload": "random",
+        "systems": {name: [] for name in systems},
+    }
+
+
 def test_replot_names_the_system_the_isolated_tpot_was_measured_on(tmp_path: Path) -> None:
     """--replot rebuilds report.md from the JSON files; the isolated TPOT was measured on the
     first system run (here colocated-chunked, as in docs/results/pd_one_gpu.json)."""
@@ -628,18 +634,8 @@ def test_replot_names_the_system_the_isolated_tpot_was_measured_on(tmp_path: Pat
 
     config = BenchConfig(rates=(1.0,), slo_ttft_ms=1000, slo_tpot_ms=3.0)
     point = point_result(1.0, config, [record(0.0, [(0.1, 1), (0.2, 1)], finished=0.2)])
-    setup = {
-        "date": "today",
-        "host": "here",
-        "command": "bench",
-        "model": "demo",
-        "devices": "CPU",
-        "max_model_len": 1024,
-        "workload": "random",
-        "systems": {"colocated-chunked": [], "disagg": []},  # the order they ran in
-        "isolated_tpot_ms": 1.0,
-        "isolated_tpot_samples_ms": [1.0, 1.0, 1.0],
-    }
+    setup = compare_setup(["colocated-chunked", "disagg"])  # the order they ran in
+    setup |= {"isolated_tpot_ms": 1.0, "isolated_tpot_samples_ms": [1.0, 1.0, 1.0]}
     for name in setup["systems"]:
         write_json({"config": dataclasses.asdict(config), "points": [point], "setup": setup}, tmp_path / f"{name}.json")
     result = CliRunner().invoke(compare.main, ["--replot", "--out-dir", str(tmp_path)])

@@ -369,17 +369,11 @@ class StalledCluster:
         self.cancelled.append(request_id)
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_leaves_before_the_first_token_has_its_request_aborted(
-    demo_model_dir: Path, stream: bool
-) -> None:
-    """Waiting for the first token (a long queue, a long prompt), streamed or not, the front end
-    still watches the connection: a client that leaves then gets its request aborted in the
-    cluster, not prefilled for nobody; the answer is a 499, not an internal error."""
-    frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), served_model_name=MODEL)
-    frontend.max_model_len = MAX_MODEL_LEN
-    cluster = frontend.client = StalledCluster()  # type: ignore[assignment]
-    body = json.dumps({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4, "stream": stream}).encode()
+def completions_call(
+    frontend: Frontend, request: dict[str, Any], client_leaves_after: float | None
+) -> list[dict[str, Any]]:
+    """``POST /v1/completions`` straight to the front end's ASGI app: the messages it sends. The
+    client disconnects ``client_leaves_after`` seconds after its body was read (None: it stays)."""
     scope = {
         "type": "http",
         "method": "POST",
@@ -390,21 +384,38 @@ def test_a_client_that_leaves_before_the_first_token_has_its_request_aborted(
     sent: list[dict[str, Any]] = []
 
     async def serve() -> None:
-        messages = [{"type": "http.request", "body": body, "more_body": False}]
+        messages = [{"type": "http.request", "body": json.dumps(request).encode(), "more_body": False}]
 
         async def receive() -> dict[str, Any]:
             if messages:
                 return messages.pop()
-            await asyncio.sleep(0.2)  # the request is in the cluster by now
+            if client_leaves_after is None:
+                await asyncio.Event().wait()
+            await asyncio.sleep(client_leaves_after or 0.0)
             return {"type": "http.disconnect"}
 
         async def send(message: dict[str, Any]) -> None:
             sent.append(message)
 
         await asyncio.wait_for(frontend.app()(scope, receive, send), 10)
-        await asyncio.sleep(0.1)  # the abort runs on its own task
+        await asyncio.sleep(0.1)  # an abort runs on its own task
 
     asyncio.run(serve())
+    return sent
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_before_the_first_token_has_its_request_aborted(
+    demo_model_dir: Path, stream: bool
+) -> None:
+    """Waiting for the first token (a long queue, a long prompt), streamed or not, the front end
+    still watches the connection: a client that leaves then gets its request aborted in the
+    cluster, not prefilled for nobody; the answer is a 499, not an internal error."""
+    frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), served_model_name=MODEL)
+    frontend.max_model_len = MAX_MODEL_LEN
+    cluster = frontend.client = StalledCluster()  # type: ignore[assignment]
+    request = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4, "stream": stream}
+    sent = completions_call(frontend, request, client_leaves_after=0.2)  # the request is in the cluster by then
     assert sent[0]["status"] == 499
     assert cluster.cancelled == ["http-0"] and frontend.in_flight == 0
 
@@ -463,30 +474,7 @@ def test_a_completion_cut_at_a_stop_string_counts_its_tokens_up_to_it(demo_model
     request = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 8, "stop": ["STOP"], "stream": stream}
     if stream:
         request["stream_options"] = {"include_usage": True}
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": "/v1/completions",
-        "headers": [(b"content-type", b"application/json")],
-        "query_string": b"",
-    }
-    sent: list[dict[str, Any]] = []
-
-    async def serve() -> None:
-        messages = [{"type": "http.request", "body": json.dumps(request).encode(), "more_body": False}]
-
-        async def receive() -> dict[str, Any]:
-            if messages:
-                return messages.pop()
-            await asyncio.Event().wait()  # the client stays
-            return {}
-
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
-
-        await asyncio.wait_for(frontend.app()(scope, receive, send), 10)
-
-    asyncio.run(serve())
+    sent = completions_call(frontend, request, client_leaves_after=None)
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
     if stream:
         events = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]

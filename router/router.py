@@ -647,8 +647,10 @@ class Router:
 
     def _on_generate(self, client: bytes, request: Generate) -> None:
         client_id = request.request_id
-        while not client_id or (client, client_id) in self.by_client:  # one made here: not the client's
+        if not client_id:  # made here: never one this client is using
             client_id = f"req-{next(self._ids)}"
+            while (client, client_id) in self.by_client:
+                client_id = f"req-{next(self._ids)}"
         if not self.accepting:
             self._reply(client, Error(client_id, "shutting_down", "the cluster is shutting down"))
             return

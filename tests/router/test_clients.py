@@ -15,6 +15,7 @@ import zmq
 from pdserve.cluster.client import AsyncClient, Client, ClusterError
 from pdserve.cluster.protocol import (
     Chunk,
+    Error,
     Final,
     Generate,
     Sampling,
@@ -126,3 +127,14 @@ def test_an_id_the_router_makes_is_not_one_the_client_is_using(rig: RouterRig) -
     rig.client.send(encode(Generate(token_ids=[5, 6, 7], sampling=sampling)))
     assert rig.replies() == []  # nothing refused
     assert len([m for m in rig.received("prefill", 0) if isinstance(m, WorkRequest)]) == 2
+
+
+def test_a_named_request_id_already_running_is_still_refused(rig: RouterRig) -> None:
+    """The router renames only requests the client left unnamed: its own id, running already,
+    is a duplicate, not renamed and served."""
+    generate = Generate(request_id="x", token_ids=[5, 6, 7], sampling=Sampling(max_tokens=4))
+    rig.client.send(encode(generate))
+    rig.client.send(encode(generate))
+    (refused,) = rig.replies()
+    assert isinstance(refused, Error) and (refused.request_id, refused.code) == ("x", "duplicate_request_id")
+    assert len([m for m in rig.received("prefill", 0) if isinstance(m, WorkRequest)]) == 1

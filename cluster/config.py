@@ -28,7 +28,7 @@ from pdserve.engine.config import (
     settings_of,
     subtree,
 )
-from pdserve.engine.parallel import check_tp_size
+from pdserve.engine.parallel import check_tp_size, head_shard
 from pdserve.kvtransfer.base import TransferConfig, backend_traits, backends_for
 
 # The cluster presets shipped with the package (``--config NAME``).
@@ -472,11 +472,12 @@ class ClusterConfig:
                 f"max_model_len {max_model_len}: raise --num-blocks or lower --max-model-len"
             )
         if cache.num_blocks is None and not on_gpu:
-            for role, _, tp in self.groups():
-                dtype = self.engine.resolved_dtype() if self.engine.dtype != "auto" else torch.float32
-                heads = -(-model.num_kv_heads // tp)  # the largest rank share (one head, replicated, beyond)
-                block_bytes = model.kv_bytes_per_token(dtype) // model.num_kv_heads * heads * cache.block_size
-                tokens = max(1, cache.cpu_kv_cache_bytes // block_bytes) * cache.block_size
+            # As a rank sizes its pool (ModelRunner), for the rank holding the most KV heads.
+            dtype = self.engine.resolved_dtype() if self.engine.dtype != "auto" else torch.float32
+            head_block_bytes = model.kv_bytes_per_token(dtype) // model.num_kv_heads * cache.block_size
+            for role, tp in sorted({(role, tp) for role, _, tp in self.groups()}):
+                heads = head_shard(model.num_heads, model.num_kv_heads, tp, 0).num_kv_heads
+                tokens = max(1, cache.cpu_kv_cache_bytes // (head_block_bytes * heads)) * cache.block_size
                 if tokens < max_model_len:
                     raise ValueError(
                         f"--cpu-kv-cache-bytes {cache.cpu_kv_cache_bytes} holds {tokens} tokens on a {role} rank, "

@@ -222,9 +222,8 @@ class TorchDistributedBackend(TransferBackend):
 
     def staged_block_bytes(self) -> int:
         """One buffer per piece: a head sent to several decode ranks is packed once for each."""
-        layers, _, _, block_size, _, head_dim = self.kv_cache.shape
         heads = sum(num_heads for _, _, num_heads in self._pieces)
-        return 2 * layers * block_size * heads * head_dim * self.kv_cache.element_size()
+        return self.block_bytes() // self.kv_cache.shape[4] * heads
 
     def _release(self, num_bytes: int) -> None:
         self._staging -= num_bytes

@@ -316,6 +316,8 @@ class Frontend:
         max_model_len = await self._model_len()
         body = await self._body(request)
         gen = await self._parse(kind, body, max_model_len)
+        if self.draining:  # began while the body came in: not yet in flight, so the drain won't wait for it
+            raise APIError(503, "the server is shutting down", "shutting_down")
         run = _Run(self, gen, arrival)
         texts = run.texts()
         client = _Disconnect(request.receive)  # from here a client that leaves ends the run

@@ -486,6 +486,34 @@ def test_a_completion_cut_at_a_stop_string_counts_its_tokens_up_to_it(demo_model
     assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (3, 2, 5)
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_whose_body_ends_after_the_drain_began_is_refused(demo_model_dir: Path, stream: bool) -> None:
+    """A drain waits only for requests in flight: one still sending its body when SIGTERM came
+    was not, so it gets the 503 a new request gets, not a run the exit cuts off unanswered."""
+    frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), served_model_name=MODEL)
+    frontend.max_model_len = MAX_MODEL_LEN
+    frontend.client = LaggingCluster()  # type: ignore[assignment]
+    body = json.dumps({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 8, "stream": stream}).encode()
+    parts = [body[:10], body[10:]]
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if len(parts) == 1:  # SIGTERM between the body's two parts
+            frontend.start_draining()
+        if parts:
+            return {"type": "http.request", "body": parts.pop(0), "more_body": bool(parts)}
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(asyncio.wait_for(frontend.app()(scope, receive, send), 10))
+    assert sent[0]["status"] == 503 and json.loads(sent[1]["body"])["error"]["code"] == "shutting_down"
+    assert frontend.in_flight == 0 and frontend.drained()
+
+
 # -- the HTTP app without a cluster ---------------------------------------------------------
 
 

@@ -294,9 +294,11 @@ def parse_request(
     tokenizer: Any,
     max_model_len: int,
     max_prompt_chars: int,
+    parse_special_tokens: bool = False,
 ) -> GenerationRequest:
     """Check a request body (raw JSON) and tokenize its prompt; raises APIError (400). A text
-    prompt over ``max_prompt_chars`` (a chat's messages together) is refused before tokenizing."""
+    prompt over ``max_prompt_chars`` (a chat's messages together) is refused before tokenizing;
+    special-token text in it is plain text unless ``parse_special_tokens`` (the cluster's setting)."""
     try:
         request = (CompletionRequest if kind == "completion" else ChatRequest).model_validate_json(body)
     except ValidationError as e:
@@ -329,10 +331,13 @@ def parse_request(
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
 
     if isinstance(request, CompletionRequest):
-        token_ids, prompt_param = _completion_prompt(request, tokenizer, max_prompt_chars), "prompt"
+        token_ids, prompt_param = (
+            _completion_prompt(request, tokenizer, max_prompt_chars, parse_special_tokens),
+            "prompt",
+        )
         max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's default
     else:
-        token_ids, prompt_param = _chat_prompt(request, tokenizer, max_prompt_chars), "messages"
+        token_ids, prompt_param = _chat_prompt(request, tokenizer, max_prompt_chars, parse_special_tokens), "messages"
         max_tokens = request.max_completion_tokens or request.max_tokens or max_model_len - len(token_ids)
     total = len(token_ids) + max_tokens
     if max_tokens < 1:  # a chat without max_tokens whose messages fill the context alone
@@ -376,7 +381,9 @@ def _prompt_too_long(chars: int, max_prompt_chars: int, param: str) -> APIError:
     )
 
 
-def _completion_prompt(request: CompletionRequest, tokenizer: Any, max_prompt_chars: int) -> list[int]:
+def _completion_prompt(
+    request: CompletionRequest, tokenizer: Any, max_prompt_chars: int, parse_special_tokens: bool
+) -> list[int]:
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) > 1:
@@ -393,11 +400,11 @@ def _completion_prompt(request: CompletionRequest, tokenizer: Any, max_prompt_ch
             raise _prompt_too_long(len(prompt), max_prompt_chars, "prompt")
         if tokenizer is None:
             raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
-        return encode_prompt(tokenizer, prompt, chat=False)
+        return encode_prompt(tokenizer, prompt, chat=False, parse_special_tokens=parse_special_tokens)
     return list(prompt)
 
 
-def _chat_prompt(request: ChatRequest, tokenizer: Any, max_prompt_chars: int) -> list[int]:
+def _chat_prompt(request: ChatRequest, tokenizer: Any, max_prompt_chars: int, parse_special_tokens: bool) -> list[int]:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template: use /v1/completions", "messages")
     messages = []
@@ -414,7 +421,7 @@ def _chat_prompt(request: ChatRequest, tokenizer: Any, max_prompt_chars: int) ->
         raise _prompt_too_long(chars, max_prompt_chars, "messages")
     try:
         # As engine.tokenization.encode_prompt does for one user turn: the same ids as the ZMQ client's.
-        return encode_chat(tokenizer, messages)
+        return encode_chat(tokenizer, messages, parse_special_tokens)
     except RequestError as e:
         raise bad_request(str(e), "messages") from None
     except Exception as e:  # noqa: BLE001 (a template's own checks, e.g. alternating roles, raise anything)

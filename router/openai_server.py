@@ -65,7 +65,15 @@ DONE = b"data: [DONE]\n\n"
 SHARED = {
     s.key: s
     for s in cluster_settings()
-    if s.key in ("max_message_mib", "max_prompt_chars", "api_key", "allowed_origins", "send_timeout")
+    if s.key
+    in (
+        "max_message_mib",
+        "max_prompt_chars",
+        "api_key",
+        "allowed_origins",
+        "send_timeout",
+        "parse_special_tokens",
+    )
 }
 STATS_TIMEOUT = 2.0  # seconds a health check or scrape waits for the router's stats
 # Bodies up to this size are parsed on the event loop (docs/decisions.md: the worker thread's
@@ -96,8 +104,10 @@ class Frontend:
         api_key: str | None = None,
         allowed_origins: str | None = None,
         send_timeout: float = SHARED["send_timeout"].default,
+        parse_special_tokens: bool = SHARED["parse_special_tokens"].default,
     ) -> None:
         self.endpoint = endpoint
+        self.parse_special_tokens = parse_special_tokens
         self.api_key = api_key.encode() if api_key else None
         self.allowed_origins = origins(allowed_origins) if allowed_origins else []
         self.max_body_bytes = int(max_message_mib * 2**20)
@@ -342,7 +352,15 @@ class Frontend:
     async def _parse(self, kind: Literal["completion", "chat"], body: bytes, max_model_len: int) -> GenerationRequest:
         """``parse_request`` of a body: a small one here, as handing it to the parsing thread and
         back costs more than its parse; a larger one, or any while the thread tokenizes, there."""
-        args = (kind, body, self.model_name, self.tokenizer, max_model_len, self.max_prompt_chars)
+        args = (
+            kind,
+            body,
+            self.model_name,
+            self.tokenizer,
+            max_model_len,
+            self.max_prompt_chars,
+            self.parse_special_tokens,
+        )
         if len(body) <= INLINE_BODY_BYTES and self._tokenizing.acquire(blocking=False):
             try:
                 return parse_request(*args)
@@ -748,6 +766,7 @@ def serve_openai(
     sock: socket.socket | None = None,
     ready_fd: int | None = None,
     send_timeout: float = SHARED["send_timeout"].default,
+    parse_special_tokens: bool = SHARED["parse_special_tokens"].default,
 ) -> None:
     """Serve the OpenAI API for the cluster at ``endpoint`` until SIGTERM/SIGINT (blocking; run it
     in its own process: the router's loop and this one should not share an interpreter lock). On
@@ -765,6 +784,7 @@ def serve_openai(
         api_key=api_key,
         allowed_origins=allowed_origins,
         send_timeout=send_timeout,
+        parse_special_tokens=parse_special_tokens,
     )
     config = uvicorn.Config(
         frontend.app(), host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
@@ -838,6 +858,7 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     default=SHARED["send_timeout"].default,
     help=SHARED["send_timeout"].help,
 )
+@click.option("--parse-special-tokens", is_flag=True, help=SHARED["parse_special_tokens"].help)
 @click.option(
     "--reuse-port",
     is_flag=True,
@@ -866,6 +887,7 @@ def main(
     api_key: str | None,
     allowed_origins: str | None,
     send_timeout: float,
+    parse_special_tokens: bool,
     reuse_port: bool,
     ready_fd: int | None,
 ) -> None:
@@ -910,6 +932,7 @@ def main(
         sock,
         ready_fd,
         send_timeout,
+        parse_special_tokens,
     )
 
 

@@ -33,6 +33,7 @@ from pdserve.bench.compare import LaunchedCluster
 from pdserve.cluster.client import Client, Final
 from pdserve.cluster.group import free_port
 from pdserve.cluster.protocol import Chunk
+from pdserve.engine.tokenization import encode_chat, encode_prompt
 from pdserve.router.openai_api import APIError, ChatRequest, parse_request
 from pdserve.router.openai_server import Frontend, RepeatLimit
 from pdserve.router.stop_strings import StopStringMatcher
@@ -484,6 +485,44 @@ def test_a_completion_cut_at_a_stop_string_counts_its_tokens_up_to_it(demo_model
         text, usage = json.loads(body)["choices"][0]["text"], json.loads(body)["usage"]
     assert text == "a "
     assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (3, 2, 5)
+
+
+class RecordingCluster(LaggingCluster):
+    """A cluster client that keeps the token ids of each request it is sent."""
+
+    def __init__(self) -> None:
+        self.prompts: list[list[int]] = []
+
+    async def stream(self, request_id: str, **kwargs: Any) -> Any:
+        self.prompts.append(kwargs["token_ids"])
+        async for message in super().stream(request_id):
+            yield message
+
+
+@pytest.mark.parametrize("parse_special_tokens", [True, False])
+def test_special_token_text_is_read_as_the_clusters_setting_says(
+    demo_model_dir: Path, demo_tokenizer: Any, parse_special_tokens: bool
+) -> None:
+    """``--parse-special-tokens`` reaches the front end: its prompts get the ids the router gives
+    the same text (docs/protocol.md), control tokens with it, plain text without."""
+    frontend = Frontend(
+        f"tcp://127.0.0.1:{free_port()}",
+        str(demo_model_dir),
+        served_model_name=MODEL,
+        parse_special_tokens=parse_special_tokens,
+    )
+    frontend.max_model_len = MAX_MODEL_LEN
+    cluster = frontend.client = RecordingCluster()  # type: ignore[assignment]
+    prompt = "<|im_start|>user\nHi<|im_end|>\n"
+    completions_call(frontend, {"model": MODEL, "prompt": prompt, "max_tokens": 8}, client_leaves_after=None)
+    expected = encode_prompt(demo_tokenizer, prompt, chat=False, parse_special_tokens=parse_special_tokens)
+    assert cluster.prompts == [expected]
+    assert (expected != encode_prompt(demo_tokenizer, prompt, chat=False)) == parse_special_tokens
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": prompt}]}
+    args = (MODEL, demo_tokenizer, MAX_MODEL_LEN, 1000, parse_special_tokens)
+    assert parse_request("chat", json.dumps(chat).encode(), *args).token_ids == encode_chat(
+        demo_tokenizer, chat["messages"], parse_special_tokens
+    )
 
 
 @pytest.mark.parametrize("stream", [True, False])

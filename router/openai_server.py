@@ -10,8 +10,8 @@ route wants it as ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` st
 pages may call it from the origins ``--allowed-origins`` names (CORS; none by default). Requests go to
 the router through one ``AsyncClient`` (ZMQ); a client that goes away mid-request has its
 request aborted, which frees its KV on both sides. SIGTERM or SIGINT drains: new requests get
-503 while the running ones finish (up to ``drain_timeout``), then the process exits 0; a second
-signal stops at once.
+503 while the running ones finish (up to ``drain_timeout``: those still running then are aborted
+and end with ``finish_reason`` "abort"), then the process exits 0; a second signal stops at once.
 
 Several of them may serve one port (``--reuse-port``, what ``launch.py --api-servers N`` starts):
 each binds it with ``SO_REUSEPORT``, and Linux spreads new connections among them; each has its
@@ -76,6 +76,8 @@ SHARED = {
     )
 }
 STATS_TIMEOUT = 2.0  # seconds a health check or scrape waits for the router's stats
+# Seconds a drain that ran out waits for the finals of the requests it then aborted.
+DRAIN_ABORT_GRACE = 5.0
 # Bodies up to this size are parsed on the event loop (docs/decisions.md: the worker thread's
 # round trip costs more than tokenizing a prompt this short).
 INLINE_BODY_BYTES = 1024
@@ -122,8 +124,9 @@ class Frontend:
         self.rejections = RejectionLog(logger)
         self.client: AsyncClient | None = None
         self.max_model_len: int | None = None
-        self.in_flight = 0
+        self.running: set[str] = set()  # ids of the requests in flight
         self.draining_since: float | None = None
+        self._drain_aborted = False
         self.created = int(time.time())
         self._ids = itertools.count()
         self._background: set[asyncio.Task[Any]] = set()
@@ -151,6 +154,10 @@ class Frontend:
             self._parser.shutdown(wait=False, cancel_futures=True)
 
     @property
+    def in_flight(self) -> int:
+        return len(self.running)
+
+    @property
     def draining(self) -> bool:
         return self.draining_since is not None
 
@@ -160,10 +167,23 @@ class Frontend:
             self.draining_since = time.monotonic()
 
     def drained(self) -> bool:
-        """Draining, and nothing left to wait for (or waited long enough)."""
-        return self.draining_since is not None and (
-            self.in_flight == 0 or time.monotonic() - self.draining_since > self.drain_timeout
-        )
+        """Draining, and nothing left to wait for. Past ``drain_timeout`` the requests still
+        running are aborted in the cluster (once), so that each still ends with its final and
+        frees its KV, rather than being cut off by the exit; their finals get DRAIN_ABORT_GRACE."""
+        if self.draining_since is None:
+            return False
+        if not self.running:
+            return True
+        waited = time.monotonic() - self.draining_since
+        if waited <= self.drain_timeout:
+            return False
+        if not self._drain_aborted:
+            self._drain_aborted = True
+            logger.warning("drain timeout: aborting %d request(s) still running", len(self.running))
+            assert self.client is not None
+            for request_id in self.running:
+                self._spawn(self.client.abort(request_id))
+        return waited > self.drain_timeout + DRAIN_ABORT_GRACE
 
     def _spawn(self, work: Coroutine[Any, Any, Any]) -> None:
         """Run ``work`` on its own: from a cancelled request an await of it would be cancelled too."""
@@ -447,7 +467,7 @@ class _Run:
         ended = False  # the cluster sent the request's terminal message
         last: float | None = None
         generated = 0  # tokens in the chunks so far
-        frontend.in_flight += 1
+        frontend.running.add(self.request_id)
         try:
             stream = client.stream(token_ids=gen.token_ids, request_id=self.request_id, **gen.sampling)
             async with contextlib.aclosing(stream) as messages:
@@ -491,7 +511,7 @@ class _Run:
                 503, f"the cluster at {frontend.endpoint} stopped answering", "cluster_unavailable"
             ) from None
         finally:
-            frontend.in_flight -= 1
+            frontend.running.discard(self.request_id)
             if not ended:
                 frontend._spawn(self._abandoned(time.perf_counter()))
 
@@ -823,7 +843,12 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
 )
 @click.option("--host", default="127.0.0.1", help="Address the HTTP server binds.")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, help="TCP port of the HTTP server.")
-@click.option("--drain-timeout", type=float, default=30.0, help="Seconds to finish running requests on SIGTERM.")
+@click.option(
+    "--drain-timeout",
+    type=float,
+    default=30.0,
+    help="Seconds to finish running requests on SIGTERM; those still running then are aborted.",
+)
 @click.option("--timeout", type=float, default=600.0, help="Seconds to wait for any one message of a request.")
 @click.option(
     "--log-level",

@@ -553,6 +553,70 @@ def test_a_request_whose_body_ends_after_the_drain_began_is_refused(demo_model_d
     assert frontend.in_flight == 0 and frontend.drained()
 
 
+class EndlessCluster:
+    """A cluster client whose request generates one token, then runs until it is aborted."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+        self._abort: asyncio.Event | None = None
+
+    async def stream(self, request_id: str, **_: Any) -> Any:
+        self._abort = asyncio.Event()
+        yield Chunk(request_id, [7], "a")
+        await self._abort.wait()
+        yield Final(request_id, "abort", [7], "a", {"prompt_tokens": 3, "completion_tokens": 1}, {})
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        assert self._abort is not None
+        self._abort.set()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_the_drain_outlasts_is_aborted_and_still_answered(demo_model_dir: Path, stream: bool) -> None:
+    """Past --drain-timeout a running request is aborted in the cluster (its KV freed there) and
+    its client gets the request's end, finish_reason "abort", before the server may exit, not
+    a connection the exit cuts off."""
+    frontend = Frontend(
+        f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), served_model_name=MODEL, drain_timeout=0.2
+    )
+    frontend.max_model_len = MAX_MODEL_LEN
+    cluster = frontend.client = EndlessCluster()  # type: ignore[assignment]
+    body = json.dumps({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 8, "stream": stream}).encode()
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+    sent: list[dict[str, Any]] = []
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop()
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def serve_then_drain() -> bool:
+        served = asyncio.ensure_future(frontend.app()(scope, receive, send))
+        while not frontend.in_flight:
+            await asyncio.sleep(0.01)
+        frontend.start_draining()
+        while not frontend.drained():  # as the server's tick polls it
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)
+        return served.done()
+
+    assert asyncio.run(asyncio.wait_for(serve_then_drain(), 10)), "the server may exit with the request unanswered"
+    assert cluster.aborted == ["http-0"] and frontend.in_flight == 0
+    text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
+    assert sent[0]["status"] == 200
+    if stream:
+        events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "abort" and text.rstrip().endswith("data: [DONE]")
+    else:
+        assert json.loads(text)["choices"][0]["finish_reason"] == "abort"
+
+
 # -- the HTTP app without a cluster ---------------------------------------------------------
 
 

@@ -505,7 +505,7 @@ class _Run:
                         return
         except ClusterError as e:
             ended = True
-            raise _cluster_error(e) from None
+            raise _cluster_error(e, "messages" if gen.kind == "chat" else "prompt") from None
         except ClusterUnavailable:
             raise APIError(
                 503, f"the cluster at {frontend.endpoint} stopped answering", "cluster_unavailable"
@@ -537,11 +537,12 @@ class _Run:
         self.frontend.metrics.observe_final(reason, usage, final.timings)
 
 
-def _cluster_error(error: ClusterError) -> APIError:
-    """The cluster's error reply as an HTTP error (docs/protocol.md lists the codes)."""
+def _cluster_error(error: ClusterError, prompt_param: str = "prompt") -> APIError:
+    """The cluster's error reply as an HTTP error (docs/protocol.md lists the codes); a fault
+    the cluster finds in the prompt's ids is the request's ``prompt_param`` (a chat's messages)."""
     if error.code == "invalid_request":
         field = error.error.message.partition(":")[0]
-        return APIError(400, error.error.message, "invalid_request", "prompt" if field == "token_ids" else field)
+        return APIError(400, error.error.message, "invalid_request", prompt_param if field == "token_ids" else field)
     # The ones a later try may not meet (503, as OpenAI's "engine is currently overloaded").
     if error.code in ("shutting_down", "shutdown", "worker_failed", "no_group", "overloaded"):
         return APIError(503, error.error.message, error.code)

@@ -30,9 +30,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench.compare import LaunchedCluster
-from pdserve.cluster.client import Client, Final
+from pdserve.cluster.client import Client, ClusterError, Final
 from pdserve.cluster.group import free_port
-from pdserve.cluster.protocol import Chunk
+from pdserve.cluster.protocol import Chunk, Error
 from pdserve.engine.tokenization import encode_chat, encode_prompt
 from pdserve.router.openai_api import APIError, ChatRequest, parse_request
 from pdserve.router.openai_server import Frontend, RepeatLimit
@@ -653,8 +653,6 @@ def test_unknown_routes_and_methods_get_openais_error_body(demo_model_dir: Path)
 def test_cluster_errors_get_the_status_a_client_retries_on_or_not() -> None:
     """A refusal that a later try may not meet (the cluster busy, restarting or stopping) is a
     503, which OpenAI's clients retry; a request the cluster cannot serve is a 400."""
-    from pdserve.cluster.client import ClusterError
-    from pdserve.cluster.protocol import Error
     from pdserve.router.openai_server import _cluster_error
 
     def status(code: str, message: str = "m") -> int:
@@ -664,6 +662,29 @@ def test_cluster_errors_get_the_status_a_client_retries_on_or_not() -> None:
         assert status(code) == 503, code
     assert status("invalid_request", "max_tokens: too many") == 400
     assert status("internal_error") == 500
+
+
+class RefusingCluster(LaggingCluster):
+    """A cluster client whose router finds a fault in the prompt's token ids."""
+
+    async def stream(self, request_id: str, **_: Any) -> Any:
+        raise ClusterError(Error(request_id, "invalid_request", "token_ids: 9 tokens with max_tokens 8 exceed 16"))
+        yield  # an async generator, as the client's
+
+
+def test_a_prompt_the_cluster_refuses_names_the_chats_messages(demo_model_dir: Path) -> None:
+    """The router refuses a prompt by its ids; over HTTP the field is what the client sent: a
+    completion's ``prompt``, a chat's ``messages``."""
+    from fastapi.testclient import TestClient
+
+    frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), served_model_name=MODEL)
+    frontend.max_model_len = MAX_MODEL_LEN
+    http = TestClient(frontend.app())
+    frontend.client = RefusingCluster()  # type: ignore[assignment]  # after TestClient: no lifespan ran
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    openai_error(http.post("/v1/chat/completions", json=chat), 400, "invalid_request", "messages")
+    completion = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 8}
+    openai_error(http.post("/v1/completions", json=completion), 400, "invalid_request", "prompt")
 
 
 def test_a_model_is_retrieved_by_its_id(demo_model_dir: Path) -> None:

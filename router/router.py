@@ -198,6 +198,10 @@ class Router:
         self.last_beat: dict[tuple[str, int, int], float] = {}  # (role, group, tp rank) -> when
         # Requests waiting for a ready group of a role -> since when; in that order (dispatch_timeout).
         self.parked: dict[str, float] = {}
+        # Requests moved off a group, sent again at the next poll: the launcher's supervision pass
+        # runs between polls, so a group that died with (or just before) the one they leave is
+        # failed by then instead of taking them, which would cost each a second move.
+        self._moved: list[str] = []
         self.faults = {"group_failures": 0, "restarts": 0, "migrated": 0, "worker_failed": 0}
         self.worker_stats: dict[str, dict[str, int]] = {}
         self.stats_time: dict[str, float] = {}  # when each group's ``worker_stats`` came
@@ -432,7 +436,7 @@ class Router:
         new_id = f"{state.base_id}.{state.migrations}"
         self.requests[new_id] = state
         self.by_client[(state.client, state.client_request_id)] = new_id
-        self._dispatch(new_id)
+        self._moved.append(new_id)
 
     def _unassign(self, request_id: str, state: RequestState) -> None:
         """The request leaves its groups (it ended, or moves): their loads and the prompt it was
@@ -516,6 +520,10 @@ class Router:
 
     def poll(self, timeout_ms: int) -> None:
         """Handle whatever arrives within ``timeout_ms`` (then everything already queued)."""
+        moved, self._moved = self._moved, []
+        for request_id in moved:  # not ended meanwhile (an abort, its client gone, fail_all)
+            if request_id in self.requests:
+                self._dispatch(request_id)
         events = dict(self._poller.poll(timeout_ms))
         while self.inbox in events or self.frontend in events:
             if self.inbox in events:

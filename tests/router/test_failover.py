@@ -118,6 +118,26 @@ def test_past_the_migration_limit_a_request_ends_with_worker_failed(tmp_path_fac
         assert rig.router.faults["worker_failed"] == 1 and not rig.router.requests
 
 
+def test_a_request_whose_kv_its_prefill_groups_death_cut_off_moves_once(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The decode group reports the receive its prefill group's death cut off before the launcher
+    sees that death (its next supervision pass, between two polls of the router): the request
+    must not go to the dead group meanwhile, which would cost it a second move."""
+    for rig in _rig(tmp_path_factory, migration_limit=1):
+        work = _start(rig)
+        rig.worker(TokenOutputs([TokenOutput(work.request_id, 0, [11])]))
+        rig.to_router.send(encode(WorkerError(work.request_id, "kv_transfer_failed", "KV transfer cut off")))
+        rig.router.poll(1000)  # as the launcher's loop: one poll, then its supervision pass
+        rig.router.group_failed("prefill", 0, "rank 0 was killed by SIGKILL")
+        assert [type(m) for m in rig.replies()] == [Chunk]  # the first token, and no error
+        rig.router.group_restarting("prefill", 0, 1)
+        rig.ready("prefill", 0)
+        moved = [m for m in rig.received("prefill", 0) if isinstance(m, WorkRequest)]
+        assert [m.token_ids for m in moved] == [PROMPT + [11]]
+        assert rig.router.faults["migrated"] == 1 and rig.router.requests
+
+
 def test_a_silent_rank_of_a_ready_group_is_reported_within_the_timeout(rig: Rig) -> None:
     assert rig.router.check_heartbeats(0.3) == []
     deadline = time.monotonic() + 0.6

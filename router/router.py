@@ -841,6 +841,14 @@ class Router:
             # misses the time the request sat unread in a worker's inbox behind a long step.
             timings = dataclasses.replace(timings, queue=max(0.0, first_token - timings.prefill))
         timings = dataclasses.replace(timings, total=now - state.arrival, first_token=first_token)
+        # A moved request's attempt matched its prompt and the tokens it had so far: of those,
+        # only the prompt's count in its usage (cached tokens never exceed the prompt tokens).
+        prompt_tokens = len(state.prompt_ids)
+        timings = dataclasses.replace(
+            timings,
+            cached_tokens=_at_most(timings.cached_tokens, prompt_tokens),
+            decode_cached_tokens=_at_most(timings.decode_cached_tokens, prompt_tokens),
+        )
         if reason == "abort" and timings.decode is None and state.first_token is not None:
             # Its decoding ends here, by the router's clock: a group's own figure comes only with
             # a last token, which an aborted request never has.
@@ -868,6 +876,10 @@ class Router:
         for key in groups:
             if key is not None and key in self.leaders:
                 self.leaders[key].send(encode(Abort(request_id)))
+
+
+def _at_most(count: float | None, limit: int) -> float | None:
+    return None if count is None else min(count, float(limit))
 
 
 def _peer_address(frame: zmq.Frame) -> str:

@@ -3,6 +3,7 @@ every message the router sends them is checked (moves, aborts, peer notices, hea
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -27,6 +28,7 @@ from pdserve.cluster.protocol import (
     WorkRequest,
     encode,
 )
+from pdserve.engine.timings import RequestTimings
 from pdserve.tests.router.helpers import RouterRig, router_rig
 
 PROMPT = [5, 6, 7]
@@ -228,3 +230,22 @@ def test_a_request_moved_after_its_first_token_settles_at_its_new_first_token(
         rig.worker(TokenOutputs([TokenOutput(again.request_id, 0, [30])]))  # its new first token
         assert rig.router.requests  # still decoding
         assert index.matched_tokens(hashes) == {0: 0, 1: 0}, "the moved request still claims its prompt"
+
+
+def test_a_moved_requests_cached_tokens_never_exceed_its_prompt_tokens(rig: Rig) -> None:
+    """A request moved mid-decode is prefilled again over its prompt and the tokens it had, and a
+    group's cache may hold more of those than the prompt (an identical request's answer, cached
+    there): its usage counts only the prompt's tokens as cached, as OpenAI's does."""
+    work = _start(rig, max_tokens=30)
+    rig.worker(TokenOutputs([TokenOutput(work.request_id, 0, [11])]))
+    rig.worker(TokenOutputs([TokenOutput(work.request_id, 1, list(range(12, 29)))]))  # 18 tokens out
+    rig.router.group_failed("decode", work.decode_group, "killed")
+    (again,) = [m for m in rig.received("prefill", 0) if isinstance(m, WorkRequest)]
+    assert len(again.token_ids) == len(PROMPT) + 18
+    hit = RequestTimings(prefill=0.01, cached_tokens=16.0)  # 16 of its 21 tokens, in full blocks
+    rig.worker(TokenOutputs([TokenOutput(again.request_id, 0, [30], timings=hit)]))
+    done = dataclasses.replace(hit, decode=0.01, decode_cached_tokens=16.0)
+    rig.worker(TokenOutputs([TokenOutput(again.request_id, 1, [31] * 11, True, "length", timings=done)]))
+    final = rig.replies()[-1]
+    assert isinstance(final, Final) and final.usage["prompt_tokens"] == len(PROMPT)
+    assert final.timings["cached_tokens"] == final.timings["decode_cached_tokens"] == len(PROMPT)

@@ -44,6 +44,10 @@ from pdserve.engine.timings import RequestTimings
 logger = logging.getLogger(__name__)
 
 _STATS_INTERVAL_S = 0.2
+# Seconds a stopping leader waits for its KV hand-offs to settle. The router stops every group at
+# once, so a peer that has not answered by then has exited (a hand-off announced to a decode
+# leader that left first is never answered); the exit frees what the hand-off held.
+_STOP_TRANSFER_WAIT_S = 10.0
 _NO_TIMINGS = RequestTimings()
 
 
@@ -86,6 +90,7 @@ class GroupLeader:
         self._peer_addresses: dict[tuple[str, int], str] = {}
         self.next_index: dict[str, int] = {}  # request -> index of its next output token
         self.stopping = False
+        self._stopped_at = 0.0  # when the router's shutdown came
         self.kv_refused = 0
         # A role's KV transfers that failed or were given up (refusals are kv_refused, not these).
         self.kv_transfer_failures = 0
@@ -119,7 +124,7 @@ class GroupLeader:
         self.send_router(Ready(self.role, self.group, self.engine.stats().num_blocks, tp, address))
         next_stats = 0.0
         try:
-            while not self.stopping or self.transfers_pending():
+            while not self.stopping or (self.transfers_pending() and not self._stop_overdue()):
                 if watchdog is not None:
                     watchdog.tick()  # an idle leader comes round every 20 ms too
                 timeout = 0 if self.busy() else 20
@@ -154,6 +159,17 @@ class GroupLeader:
             kv_transfer_failures=self.kv_transfer_failures,
         )
 
+    def _stop_overdue(self) -> bool:
+        if time.monotonic() - self._stopped_at <= _STOP_TRANSFER_WAIT_S:
+            return False
+        logger.warning(
+            "%s%d: stopping with KV hand-offs unanswered after %g s (their peers exited)",
+            self.role,
+            self.group,
+            _STOP_TRANSFER_WAIT_S,
+        )
+        return True
+
     def busy(self) -> bool:
         return self.engine.has_unfinished() or self.transfers_pending()
 
@@ -177,7 +193,8 @@ class GroupLeader:
         if isinstance(message, Abort):
             self.abort(message.request_id)
         elif isinstance(message, Shutdown):
-            self.stopping = True
+            if not self.stopping:
+                self.stopping, self._stopped_at = True, time.monotonic()
         elif isinstance(message, PeerFailed):
             logger.warning(
                 "%s%d: %s group %d is gone (failed, or left the cluster)",

@@ -4,6 +4,7 @@ transfer agent, and the decode group's inbox read directly, no processes."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,8 +13,9 @@ from typing import Any
 import pytest
 import zmq
 
+from pdserve.cluster import leader as group_leader
 from pdserve.cluster.config import Addresses
-from pdserve.cluster.protocol import KVAnnounce, KVReply, Sampling, WorkRequest, decode
+from pdserve.cluster.protocol import KVAnnounce, KVReply, Sampling, Shutdown, WorkRequest, decode
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvtransfer.agent import KVTransferAgent
@@ -121,6 +123,27 @@ def test_a_refused_handoff_is_offered_again_before_any_later_one(
     clock.now += 1.0
     prefill.background()
     assert _announced(decode_inbox) == ["old", "new"]
+
+
+def test_a_shutdown_does_not_wait_forever_for_a_handoff_nobody_answers(
+    leader: tuple[PrefillLeader, zmq.Socket], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The router stops every group at once: a decode leader that exited before this group's
+    announce reached it never answers, and the prefill leader must still stop (not wait until
+    the launcher gives up on it and reports an unclean stop)."""
+    prefill, decode_inbox = leader
+    monkeypatch.setattr(group_leader, "_STOP_TRANSFER_WAIT_S", 0.3)
+    _prefill(prefill, "r")
+    prefill.background()
+    assert _announced(decode_inbox) == ["r"]  # and no reply ever comes
+    prefill.handle(Shutdown())
+    runs = threading.Thread(target=prefill.run, daemon=True)
+    runs.start()
+    runs.join(10)
+    stopped = not runs.is_alive()
+    prefill.announced.clear()  # lets a leader that did not stop end its loop
+    runs.join(10)
+    assert stopped
 
 
 class Send(Transfer):

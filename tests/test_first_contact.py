@@ -23,8 +23,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """launch.py with ``args``, on a free port unless they name one: a cluster left running on
+    the default port must not turn each mistake below into "address already in use"."""
+    port = [] if "--port" in args else ["--port", str(free_port())]
     return subprocess.run(
-        [sys.executable, "launch.py", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "launch.py", *args, *port], cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -43,12 +43,17 @@ DEMO_PROMPTS = (
 )
 
 
-def run_demo(endpoint: str, prompts: tuple[str, ...], max_tokens: int) -> None:
-    """Stream each prompt's answer through the client and print its latencies."""
+def run_demo(
+    endpoint: str, prompts: tuple[str, ...], max_tokens: int, stopped: Callable[[], bool] = lambda: False
+) -> None:
+    """Stream each prompt's answer through the client and print its latencies; once ``stopped()``
+    (Ctrl-C), send no further prompt."""
     from pdserve.cluster.client import Chunk, Client
 
     with Client(endpoint, timeout=600) as client:
         for prompt in prompts:
+            if stopped():
+                return
             click.echo(f"\n>>> {prompt}")
             started = time.monotonic()
             arrivals: list[float] = []
@@ -179,7 +184,7 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
     def serving() -> None:
         click.echo(f"ready in {time.monotonic() - started:.1f} s: {cluster.summary()}", err=True)
         if cluster.http_url is not None:
-            click.echo(f"http {cluster.http_url}/v1 (OpenAI-compatible)", err=True)
+            click.echo(f"http {cluster.http_url}/v1 (OpenAI-compatible, model {config.engine.model!r})", err=True)
         click.echo(f"run directory {cluster.addresses.run_dir}", err=True)
         click.echo(f"endpoint {cluster.endpoint}", err=True)
         if demo:
@@ -187,9 +192,10 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
 
     def demo_thread() -> None:
         try:
-            run_demo(cluster.endpoint, DEMO_PROMPTS, demo_max_tokens)
+            run_demo(cluster.endpoint, DEMO_PROMPTS, demo_max_tokens, lambda: cluster.stop_requested)
         except Exception as e:  # reported after the cluster has shut down, with exit status 1
-            demo_failure.append(e)
+            if not cluster.stop_requested:  # else the answer the user stopped, cut short: no failure
+                demo_failure.append(e)
         finally:
             finished.set()
 

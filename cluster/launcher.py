@@ -151,6 +151,11 @@ class Cluster:
     def endpoint(self) -> str:
         return self.addresses.client
 
+    @property
+    def stop_requested(self) -> bool:
+        """A stop signal came (the cluster drains, or will once ``serve`` sees it)."""
+        return self._stop_requested
+
     def summary(self) -> str:
         c = self.config
         if c.mode == "colocated":

@@ -341,3 +341,30 @@ def test_a_stop_while_the_ranks_load_ends_them_and_the_launcher(demo_model_dir: 
     assert_one_line_error(result, "stopped before the cluster was ready")
     for pid in ranks:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
+
+
+def test_ctrl_c_during_the_demo_stops_it_cleanly(demo_model_dir: Path) -> None:
+    """Ctrl-C mid-answer: that answer finishes (the drain), no further prompt is sent, and the
+    run ends as any stop does. It used to send the next prompt into the shutting-down cluster
+    and end with "Error: the demo failed: shutting_down", exit 1."""
+    process = subprocess.Popen(
+        [sys.executable, "launch.py", "--model", str(demo_model_dir), "--port", str(free_port())]
+        + ["--prefill-tp", "1", "--decode-tp", "1", "--demo", "--demo-max-tokens", "32"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal
+    )
+    assert process.stdout is not None
+    try:
+        for line in process.stdout:
+            if line.startswith(">>> "):  # the first prompt is out
+                process.send_signal(signal.SIGINT)
+                break
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 0, err[-3000:]
+    assert "stopped: every process exited cleanly" in err and "demo failed" not in err, err[-3000:]
+    assert out.count(">>> ") == 0, out  # the first prompt's line was read above; no other was sent

@@ -553,6 +553,12 @@ class AsyncClient:
         self._monitor.close()
         self._socket.close()
 
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        self.close()
+
 
 def _endpoint_option(ctx: click.Context, param: click.Parameter, value: str) -> str:
     try:

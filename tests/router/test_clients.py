@@ -138,3 +138,17 @@ def test_a_named_request_id_already_running_is_still_refused(rig: RouterRig) -> 
     (refused,) = rig.replies()
     assert isinstance(refused, Error) and (refused.request_id, refused.code) == ("x", "duplicate_request_id")
     assert len([m for m in rig.received("prefill", 0) if isinstance(m, WorkRequest)]) == 1
+
+
+def test_the_asyncio_client_is_an_async_context_manager(rig: RouterRig) -> None:
+    """``async with AsyncClient(...)``, as ``with Client(...)``: the client is closed on the way
+    out, an error or not."""
+
+    async def main() -> AsyncClient:
+        async with AsyncClient(rig.router.addresses.client, timeout=2.0) as client:
+            pass
+        return client
+
+    client = asyncio.run(main())
+    with pytest.raises(zmq.ZMQError):  # closed: nothing more goes out
+        client._socket.send(b"")

@@ -35,6 +35,8 @@ try:
     from pdserve.engine.config import SettingSpec
 except ModuleNotFoundError as missing:  # run from a checkout that was never installed
     sys.exit(f"error: {missing.name} is not installed; run `pip install -e .` in the repository root first")
+except KeyboardInterrupt:  # Ctrl-C while torch loads: the shell's exit status, not a traceback
+    sys.exit(130)
 
 DEMO_PROMPTS = (
     "What is the capital of France?",

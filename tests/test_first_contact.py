@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -368,3 +369,18 @@ def test_ctrl_c_during_the_demo_stops_it_cleanly(demo_model_dir: Path) -> None:
     assert process.returncode == 0, err[-3000:]
     assert "stopped: every process exited cleanly" in err and "demo failed" not in err, err[-3000:]
     assert out.count(">>> ") == 0, out  # the first prompt's line was read above; no other was sent
+
+
+def test_ctrl_c_while_the_launcher_imports_is_quiet() -> None:
+    """Ctrl-C in the first moments (torch still importing) printed a KeyboardInterrupt traceback."""
+    process = subprocess.Popen(
+        [sys.executable, "launch.py", "--port", str(free_port())],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal
+    )
+    time.sleep(0.3)  # inside the imports, which take seconds
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode != 0 and "Traceback" not in err, err

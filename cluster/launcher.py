@@ -179,8 +179,10 @@ class Cluster:
         try:
             self._start()
         except KeyboardInterrupt:
+            started = any(g.processes is not None for g in self.groups.values()) or bool(self._live_front_ends())
             self._abandon()
-            raise ClusterError("stopped before the cluster was ready: every process it started has ended") from None
+            ended = ": every process it started has ended" if started else " (no process had started)"
+            raise ClusterError(f"stopped before the cluster was ready{ended}") from None
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

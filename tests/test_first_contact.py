@@ -3,6 +3,7 @@ before any rank starts."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -384,3 +385,28 @@ def test_ctrl_c_while_the_launcher_imports_is_quiet() -> None:
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=60)
     assert process.returncode != 0 and "Traceback" not in err, err
+
+
+def test_ctrl_c_while_the_demo_model_converts_says_nothing_had_started(tmp_path: Path) -> None:
+    """Ctrl-C during the first use's conversion: one line, which does not claim processes ended."""
+    process = subprocess.Popen(
+        [sys.executable, "launch.py", "--model", "demo", "--port", str(free_port())],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PDSERVE_CACHE": str(tmp_path)},  # nothing converted yet
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal
+    )
+    assert process.stderr is not None
+    lines = []
+    try:
+        for line in process.stderr:
+            lines.append(line)
+            if "converting the demo model" in line:
+                process.send_signal(signal.SIGINT)
+                break
+        _, rest = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    result = subprocess.CompletedProcess(process.args, process.returncode, "", "".join(lines) + rest)
+    assert_one_line_error(result, "stopped before the cluster was ready (no process had started)")

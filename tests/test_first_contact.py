@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +31,33 @@ def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]
     return subprocess.run(
         [sys.executable, "launch.py", *args, *port], cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
+
+
+def launch_stopped(
+    *args: str, at: Callable[[str], bool], stop: int = signal.SIGINT, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """launch.py with ``args``, sent ``stop`` (Ctrl-C as from a terminal) at the first line of its
+    stderr that ``at`` accepts; its exit status and all of its stderr."""
+    process = subprocess.Popen(
+        [sys.executable, "launch.py", *args],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert process.stderr is not None
+    lines = []
+    try:
+        for line in process.stderr:
+            lines.append(line)
+            if at(line):
+                process.send_signal(stop)
+                break
+        _, rest = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    return subprocess.CompletedProcess(process.args, process.returncode, "", "".join(lines) + rest)
 
 
 def client(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[str]:
@@ -319,27 +346,16 @@ def test_a_stop_while_the_ranks_load_ends_them_and_the_launcher(demo_model_dir: 
     """Ctrl-C (or a service manager's SIGTERM) while the model loads: the ranks end and so does
     the launcher, in one line. Ctrl-C used to print "Aborted!" and then hang, the interpreter
     waiting at exit for ranks that ignore stop signals; SIGTERM ended the launcher silently."""
-    process = subprocess.Popen(
-        [sys.executable, "launch.py", "--model", str(demo_model_dir), "--port", str(free_port())],
-        cwd=REPO,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal
+    ranks: list[int] = []
+
+    def every_rank_loading(line: str) -> bool:
+        if match := re.search(r"rank up: pid (\d+)", line):
+            ranks.append(int(match[1]))
+        return len(ranks) == 2
+
+    result = launch_stopped(
+        "--model", str(demo_model_dir), "--port", str(free_port()), at=every_rank_loading, stop=stop
     )
-    assert process.stderr is not None
-    lines, ranks = [], []
-    try:
-        for line in process.stderr:
-            lines.append(line)
-            if match := re.search(r"rank up: pid (\d+)", line):
-                ranks.append(int(match[1]))
-                if len(ranks) == 2:  # every rank is loading
-                    process.send_signal(stop)
-                    break
-        _, rest = process.communicate(timeout=60)
-    finally:
-        process.kill()
-    result = subprocess.CompletedProcess(process.args, process.returncode, "", "".join(lines) + rest)
     assert_one_line_error(result, "stopped before the cluster was ready")
     for pid in ranks:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
@@ -389,24 +405,12 @@ def test_ctrl_c_while_the_launcher_imports_is_quiet() -> None:
 
 def test_ctrl_c_while_the_demo_model_converts_says_nothing_had_started(tmp_path: Path) -> None:
     """Ctrl-C during the first use's conversion: one line, which does not claim processes ended."""
-    process = subprocess.Popen(
-        [sys.executable, "launch.py", "--model", "demo", "--port", str(free_port())],
-        cwd=REPO,
-        stderr=subprocess.PIPE,
-        text=True,
+    result = launch_stopped(
+        "--model",
+        "demo",
+        "--port",
+        str(free_port()),
+        at=lambda line: "converting the demo model" in line,
         env={**os.environ, "PDSERVE_CACHE": str(tmp_path)},  # nothing converted yet
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal
     )
-    assert process.stderr is not None
-    lines = []
-    try:
-        for line in process.stderr:
-            lines.append(line)
-            if "converting the demo model" in line:
-                process.send_signal(signal.SIGINT)
-                break
-        _, rest = process.communicate(timeout=120)
-    finally:
-        process.kill()
-    result = subprocess.CompletedProcess(process.args, process.returncode, "", "".join(lines) + rest)
     assert_one_line_error(result, "stopped before the cluster was ready (no process had started)")

@@ -45,9 +45,7 @@ DEMO_PROMPTS = (
 )
 
 
-def run_demo(
-    endpoint: str, prompts: tuple[str, ...], max_tokens: int, stopped: Callable[[], bool] = lambda: False
-) -> None:
+def run_demo(endpoint: str, prompts: tuple[str, ...], max_tokens: int, stopped: Callable[[], bool]) -> None:
     """Stream each prompt's answer through the client and print its latencies; once ``stopped()``
     (Ctrl-C), send no further prompt."""
     from pdserve.cluster.client import Chunk, Client

@@ -89,8 +89,7 @@ class GroupLeader:
         # Leaders that joined at run time, or live on other machines: where the router said they listen.
         self._peer_addresses: dict[tuple[str, int], str] = {}
         self.next_index: dict[str, int] = {}  # request -> index of its next output token
-        self.stopping = False
-        self._stopped_at = 0.0  # when the router's shutdown came
+        self._stopped_at: float | None = None  # when the router's shutdown came
         self.kv_refused = 0
         # A role's KV transfers that failed or were given up (refusals are kv_refused, not these).
         self.kv_transfer_failures = 0
@@ -159,7 +158,12 @@ class GroupLeader:
             kv_transfer_failures=self.kv_transfer_failures,
         )
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopped_at is not None
+
     def _stop_overdue(self) -> bool:
+        assert self._stopped_at is not None
         if time.monotonic() - self._stopped_at <= _STOP_TRANSFER_WAIT_S:
             return False
         logger.warning(
@@ -193,8 +197,8 @@ class GroupLeader:
         if isinstance(message, Abort):
             self.abort(message.request_id)
         elif isinstance(message, Shutdown):
-            if not self.stopping:
-                self.stopping, self._stopped_at = True, time.monotonic()
+            if self._stopped_at is None:
+                self._stopped_at = time.monotonic()
         elif isinstance(message, PeerFailed):
             logger.warning(
                 "%s%d: %s group %d is gone (failed, or left the cluster)",

@@ -656,8 +656,7 @@ class Router:
     def _on_generate(self, client: bytes, request: Generate) -> None:
         client_id = request.request_id
         if not client_id:  # made here: never one this client is using
-            client_id = f"req-{next(self._ids)}"
-            while (client, client_id) in self.by_client:
+            while not client_id or (client, client_id) in self.by_client:
                 client_id = f"req-{next(self._ids)}"
         if not self.accepting:
             self._reply(client, Error(client_id, "shutting_down", "the cluster is shutting down"))

@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling import RequestError, SamplingParams
+from pdserve.engine.sampling import RequestError, SamplingParams, validate_request
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +24,9 @@ BAD_REQUESTS = [
     ([], {}, "prompt"),
     ([1, 2, 512], {}, "prompt_token_ids"),  # vocab is 512
     ([1, -1], {}, "prompt_token_ids"),
+    ([1, True], {}, "prompt_token_ids"),  # a bool is not a token id
+    ([1, 2.0], {}, "prompt_token_ids"),
+    ([1, "2"], {}, "prompt_token_ids"),
     ([1, 2], {"max_tokens": 0}, "max_tokens"),
     ([1, 2], {"temperature": -1.0}, "temperature"),
     ([1, 2], {"top_p": 0.0}, "top_p"),
@@ -55,3 +58,12 @@ def test_duplicate_request_id_is_refused(engine: LLMEngine) -> None:
     with pytest.raises(RequestError, match="request_id"):
         engine.add_request("dup", [1, 2], SamplingParams(max_tokens=2))
     list(engine.drain())
+
+
+@pytest.mark.parametrize(
+    ("prompt", "named"),
+    [([5, 600, -1], "600"), ([5, -1, 600], "-1"), ([5, 2.5, 600], "2.5"), ([5, False, -1], "False")],
+)
+def test_error_names_the_first_bad_token_id(prompt: list[object], named: str) -> None:
+    with pytest.raises(RequestError, match=f"token id {named} is outside"):
+        validate_request(prompt, SamplingParams(max_tokens=1), vocab_size=512, max_model_len=64)  # type: ignore[arg-type]

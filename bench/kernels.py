@@ -1,6 +1,6 @@
 """Kernel micro-benchmarks on one GPU: each Triton kernel against its torch reference.
 
-    python -m pdserve.bench.kernels --out out/kernels.json [--dtype bfloat16] [--sweep prefill|decode|linear ...]
+    python -m pdserve.bench.kernels --out out/kernels.json [--dtype bfloat16] [--sweep prefill|split|decode|linear ...]
 
 Shapes are Qwen2.5-1.5B's (12 query heads, 2 KV heads, head_dim 128, hidden 1536,
 intermediate 8960, block_size 16). Every Triton kernel is timed as CUDA-graph replays
@@ -11,8 +11,9 @@ with the host, so it is timed eagerly only. For one prompt without prefix, prefi
 with ``torch.nn.functional.scaled_dot_product_attention`` on contiguous, head-expanded K/V
 (SDPA's best case: no paging, no GQA), timed as graph replays too. The KV copy of the cuda-ipc
 backend is compared with ``Tensor.copy_`` of the same bytes. ``--sweep prefill|decode``
-also times alternative tile and partition settings; ``--sweep linear`` the tensor-core linear's.
-Prints a table and writes every row as JSON to ``--out``.
+also times alternative tile and partition settings; ``--sweep split`` prefill attention's
+split-KV settings (programs an SM, key tiles a partition); ``--sweep linear`` the tensor-core
+linear's. Prints a table and writes every row as JSON to ``--out``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
         --num-requests 160 --isolated-decode --slo-ttft-ms 500 --out-dir results/pd-vs-colocated
     python -m pdserve.bench.compare --model qwen2.5-1.5b --devices 0,1,2 --prefill-tp 2 --workload mixed ...  # 2p1d
     python -m pdserve.bench.compare --model demo --devices "" --workload text --num-requests 6 --rates 2   # CPU
-    python -m pdserve.bench.compare --model qwen2.5-1.5b --devices 0,0 --systems disagg,colocated-chunked \
+    python -m pdserve.bench.compare --model qwen2.5-1.5b --devices 0,0 --systems disagg,colocated-chunked \\
         --prefill-sm-percent 60 --decode-sm-percent 40 --workload mixed ...           # PD on one GPU, SM split
 
 Three clusters run one after another, each ``launch.py`` in a subprocess on a free port with its

@@ -465,6 +465,7 @@ class _Run:
         assert client is not None
         matcher = StopStringMatcher(gen.stop) if gen.stop else None
         ended = False  # the cluster sent the request's terminal message
+        failed = False  # answered with an error: counted as that alone
         last: float | None = None
         generated = 0  # tokens in the chunks so far
         frontend.running.add(self.request_id)
@@ -507,20 +508,24 @@ class _Run:
             ended = True
             raise _cluster_error(e, "messages" if gen.kind == "chat" else "prompt") from None
         except ClusterUnavailable:
+            failed = True
             raise APIError(
                 503, f"the cluster at {frontend.endpoint} stopped answering", "cluster_unavailable"
             ) from None
         finally:
             frontend.running.discard(self.request_id)
             if not ended:
-                frontend._spawn(self._abandoned(time.perf_counter()))
+                frontend._spawn(self._abandoned(time.perf_counter(), counted=failed))
 
-    async def _abandoned(self, left: float) -> None:
-        """Its client left (or the cluster stopped answering) before the end: abort the request
-        and count it in every metric with what it used, as a finished one is."""
+    async def _abandoned(self, left: float, counted: bool) -> None:
+        """Its client left (or the cluster stopped answering) before the end: abort the request,
+        freeing its KV in the cluster, and count it in every metric with what it used, as a
+        finished one is, unless it was ``counted`` already (as the error its client got)."""
         metrics = self.frontend.metrics
         assert self.frontend.client is not None
         final = await self.frontend.client.cancel(self.request_id)
+        if counted:
+            return
         metrics.e2e.observe(left - self.arrival)
         if final is None:
             metrics.success.labels("abort").inc()

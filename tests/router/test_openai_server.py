@@ -30,7 +30,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench.compare import LaunchedCluster
-from pdserve.cluster.client import Client, ClusterError, Final
+from pdserve.cluster.client import Client, ClusterError, ClusterUnavailable, Final
 from pdserve.cluster.group import free_port
 from pdserve.cluster.protocol import Chunk, Error
 from pdserve.engine.tokenization import encode_chat, encode_prompt
@@ -419,6 +419,48 @@ def test_a_client_that_leaves_before_the_first_token_has_its_request_aborted(
     sent = completions_call(frontend, request, client_leaves_after=0.2)  # the request is in the cluster by then
     assert sent[0]["status"] == 499
     assert cluster.cancelled == ["http-0"] and frontend.in_flight == 0
+
+
+class SilentCluster:
+    """A cluster client that sends one token, then stops answering within the client's timeout
+    (a live but overloaded cluster); the abort that follows is answered after all."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+
+    async def stream(self, request_id: str, **_: Any) -> Any:
+        yield Chunk(request_id, [7], "a")
+        raise ClusterUnavailable("tcp://127.0.0.1:1", 30.0, connected=True)
+
+    async def cancel(self, request_id: str) -> Final:
+        self.cancelled.append(request_id)
+        return Final(request_id, "abort", [7, 7], "aa", {"prompt_tokens": 3, "completion_tokens": 2}, {})
+
+
+def counter_samples(frontend: Frontend) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The front end's counters as exposed, by name and labels."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(frontend.metrics.exposition().decode())
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_the_cluster_stops_answering_counts_once_as_an_error(demo_model_dir: Path, stream: bool) -> None:
+    """The client gets cluster_unavailable and the request is aborted in the cluster (its KV
+    freed there); the metrics count it once, as that error, not also as a finished abort."""
+    frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), served_model_name=MODEL)
+    frontend.max_model_len = MAX_MODEL_LEN
+    cluster = frontend.client = SilentCluster()  # type: ignore[assignment]
+    request = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4, "stream": stream}
+    sent = completions_call(frontend, request, client_leaves_after=None)
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
+    assert "cluster_unavailable" in body
+    assert cluster.cancelled == ["http-0"] and frontend.in_flight == 0
+    counters = {key: value for key, value in counter_samples(frontend).items() if value}
+    assert counters == {("pdserve:request_error_total", (("reason", "cluster_unavailable"),)): 1.0}, counters
 
 
 def test_a_repeated_warning_is_logged_once_a_minute_with_a_count() -> None:

@@ -145,20 +145,25 @@ class KVTransferAgent:
         """Bytes of KV buffers held for this rank's transfers in flight, sends and receives."""
         return sum(b.staging_bytes for b in self.backends.values())
 
-    def has_staging_room(self, peer_group: int, num_blocks: int, keep: tuple[int, int] | None = None) -> bool:
+    def has_staging_room(
+        self, peer_group: int, num_blocks: int, keep: tuple[int, int] | None = None, promised: int = 0
+    ) -> bool:
         """Whether a transfer of ``num_blocks`` blocks with ``peer_group`` fits under
         ``max_staging_bytes`` of buffers in flight. With nothing in flight it always fits, so a
         request larger than the bound still moves (alone). ``keep``: the (peer group, blocks) of
-        a transfer waiting ahead of this one, whose room it must leave. False while the pair is
-        not connected."""
+        a transfer waiting ahead of this one, whose room it must leave. ``promised``: bytes of
+        transfers agreed on but not yet issued (announces awaiting their reply), in flight
+        already. False while the pair is not connected."""
         if not self.connected(peer_group):
             return False
-        needed = self._staging_need(peer_group, num_blocks)
-        kept = 0 if keep is None else self._staging_need(*keep)
-        in_flight = self.staging_bytes()
+        needed = self.staging_need(peer_group, num_blocks)
+        kept = 0 if keep is None else self.staging_need(*keep)
+        in_flight = self.staging_bytes() + promised
         return needed == 0 or (in_flight == 0 and kept == 0) or in_flight + needed + kept <= self.max_staging_bytes
 
-    def _staging_need(self, peer_group: int, num_blocks: int) -> int:
+    def staging_need(self, peer_group: int, num_blocks: int) -> int:
+        """Bytes of buffers a transfer of ``num_blocks`` blocks with ``peer_group`` holds on this
+        rank while in flight."""
         backend = self.backends.get(peer_group)
         if backend is None or backend.pulls:  # pool to pool: nothing is staged
             return 0

@@ -12,8 +12,8 @@ Lifecycle of a request here:
    ``KVReply`` refused (the decode group has no free blocks) -> the announcement is retried
    later with back-off; the KV stays here meanwhile (back-pressure, never a drop), and the later
    requests to that decode group wait behind it (first prefilled, first offered). One waiting
-   for staging room (the buffers of sends in flight, shared by every decode group) holds back
-   every later one.
+   for staging room (the buffers of sends in flight or announced, shared by every decode group)
+   holds back every later one.
 
 Invariant: once a decode group has accepted a transfer it has posted the receive, so the send
 always happens, even for a request aborted in between (its blocks are freed afterwards).
@@ -135,6 +135,9 @@ class PrefillLeader(GroupLeader):
         # bound, which goes only when none is, never goes.
         waiting: set[int] = set()
         room_short = False
+        # An announce promises a send: the handoffs awaiting their reply take staging room too,
+        # else with nothing in flight every waiting one is announced at once, past the bound.
+        promised = sum(self._staging_need(h) for h in self.announced.values()) if self.to_announce else 0
         for _ in range(len(self.to_announce)):
             handoff = self.to_announce.popleft()
             if now - handoff.since > self.kv_lease_timeout:
@@ -146,18 +149,22 @@ class PrefillLeader(GroupLeader):
                 # Its pair still forming (a group that just joined or restarted) holds back its own.
                 or not self.transfers.connected(handoff.decode_group)
             )
-            if not held and (room_short or not self._staging_room(handoff)):
+            if not held and (room_short or not self._staging_room(handoff, promised)):
                 held = room_short = True
             if held:
                 waiting.add(handoff.decode_group)
                 self.to_announce.append(handoff)
                 continue
             self.announced[handoff.announce.request_id] = handoff
+            promised += self._staging_need(handoff)
             self.send_leader("decode", handoff.decode_group, handoff.announce)
 
-    def _staging_room(self, handoff: _Handoff) -> bool:
-        """Bound the packed KV held for sends in flight (the first one always goes)."""
-        return self.transfers.has_staging_room(handoff.decode_group, len(handoff.block_ids))
+    def _staging_room(self, handoff: _Handoff, promised: int) -> bool:
+        """Bound the packed KV held for sends in flight or promised (the first one always goes)."""
+        return self.transfers.has_staging_room(handoff.decode_group, len(handoff.block_ids), promised=promised)
+
+    def _staging_need(self, handoff: _Handoff) -> int:
+        return self.transfers.staging_need(handoff.decode_group, len(handoff.block_ids))
 
     def on_reply(self, reply: KVReply) -> None:
         handoff = self.announced.pop(reply.request_id, None)

@@ -30,8 +30,11 @@ class StandInTransfers:
     def connected(self, peer_group: int) -> bool:
         return True
 
-    def has_staging_room(self, peer_group: int, num_blocks: int) -> bool:
+    def has_staging_room(self, peer_group: int, num_blocks: int, promised: int = 0) -> bool:
         return True
+
+    def staging_need(self, peer_group: int, num_blocks: int) -> int:
+        return 0
 
     def close(self) -> None:
         pass
@@ -267,3 +270,23 @@ def test_a_handed_off_request_leaves_no_state_behind(tmp_path: Path, tiny_model_
         prefill.background()
         assert prefill.engine.stats().free_blocks == 64
         assert not (prefill.next_index or prefill.work or prefill.announced or prefill.sending)
+
+
+def test_handoffs_announced_and_not_yet_sending_count_against_the_staging_bound(
+    tmp_path: Path, tiny_model_dirs: dict[str, Path]
+) -> None:
+    """An announce promises a send: with nothing in flight, two handoffs of 300 bytes each must
+    not both be announced in one go, or once both are accepted 600 bytes are packed against a
+    bound of 500. The second goes once the first one's send has drained."""
+    backends = {0: Backend(), 1: Backend()}
+    with two_decode_groups(tmp_path, tiny_model_dirs, backends) as (prefill, inboxes):
+        prefilled(prefill, "a", 40, 0)  # three blocks: 300 bytes
+        prefilled(prefill, "b", 40, 1)
+        prefill.background()
+        assert _announced(inboxes[0]) == ["a"] and _announced(inboxes[1]) == []
+        prefill.handle(KVReply("a", True))
+        prefill.background()
+        assert _announced(inboxes[1]) == []  # "a" is still being sent
+        backends[0].sends[0].landed = True
+        prefill.background()
+        assert _announced(inboxes[1]) == ["b"]

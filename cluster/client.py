@@ -174,6 +174,8 @@ class Client:
         self._poller.register(self._monitor, zmq.POLLIN)
         self._socket.connect(endpoint)
         self._buffered: dict[str, list[Message]] = {}
+        self._running: set[str] = set()  # ids submitted whose terminal reply was not read yet
+        self._left: set[str] = set()  # of those, the ids of streams left: their replies are dropped
         self._stats_tags = itertools.count()
 
     def close(self) -> None:
@@ -228,6 +230,8 @@ class Client:
         while self._monitor.poll(0):
             self._link.update(zmq.utils.monitor.recv_monitor_message(self._monitor))
         if self._link.broken:
+            self._running.clear()  # nothing more comes for what was sent over the broken connection
+            self._left.clear()
             raise ClusterGone(self.endpoint)
 
     def _next_for(self, request_id: str) -> Message:
@@ -236,10 +240,19 @@ class Client:
             return queue.pop(0)
         while True:
             message = self.receive()
-            rid = getattr(message, "request_id", None)
-            if rid == request_id:
+            if getattr(message, "request_id", None) == request_id:
                 return message
-            self._buffered.setdefault(rid or "", []).append(message)
+            self._keep(message)
+
+    def _keep(self, message: Message) -> None:
+        """Buffer a reply read while waiting for another, unless its stream was left: those are
+        dropped up to its terminal reply, which frees its id."""
+        rid = getattr(message, "request_id", None) or ""
+        if rid not in self._left:
+            self._buffered.setdefault(rid, []).append(message)
+        elif _terminal(message):
+            self._left.discard(rid)
+            self._running.discard(rid)
 
     def submit(
         self,
@@ -251,23 +264,44 @@ class Client:
         request_id: str | None = None,
         **sampling: Any,
     ) -> str:
-        """Send a request without waiting; returns its request_id (see ``result``/``chunks``)."""
+        """Send a request without waiting; returns its request_id (see ``result``/``chunks``).
+        An id whose request's terminal reply was not read yet is refused (``duplicate_request_id``):
+        its replies could not be told apart."""
         request = _request(prompt, token_ids, stream, chat, request_id, sampling)
+        rid = request.request_id or ""
+        while rid in self._running and self._socket.poll(0):  # the end of a stream left may be in
+            self._keep(decode(self._socket.recv()))
+        if rid in self._running:
+            raise ClusterError(Error(rid, "duplicate_request_id", f"request_id {rid!r} is already running"))
         self._send(encode(request))
-        return request.request_id or ""
+        self._running.add(rid)
+        return rid
 
     def chunks(self, request_id: str) -> Iterator[Chunk | Final]:
-        """Chunks of a streaming request in order, then its Final; raises ClusterError on an error."""
-        while True:
-            message = self._next_for(request_id)
-            if isinstance(message, Error) and message.code == "unknown_request":
-                continue  # an abort's reply (it crossed an earlier request's final), not this request's
-            if isinstance(message, Error):
-                raise ClusterError(message)
-            assert isinstance(message, (Chunk, Final))
-            yield message
-            if isinstance(message, Final):
-                return
+        """Chunks of a streaming request in order, then its Final; raises ClusterError on an error.
+        Left before its Final (``break``), the request's later replies are dropped as they come."""
+        self._left.discard(request_id)  # read again
+        try:
+            while True:
+                message = self._next_for(request_id)
+                if isinstance(message, Error) and message.code == "unknown_request":
+                    continue  # an abort's reply (it crossed an earlier request's final), not this request's
+                if _terminal(message):
+                    self._running.discard(request_id)
+                if isinstance(message, Error):
+                    raise ClusterError(message)
+                assert isinstance(message, (Chunk, Final))
+                yield message
+                if isinstance(message, Final):
+                    return
+        except GeneratorExit:
+            if request_id in self._running:
+                buffered = self._buffered.pop(request_id, [])
+                if any(_terminal(m) for m in buffered):
+                    self._running.discard(request_id)
+                else:
+                    self._left.add(request_id)
+            raise
 
     def result(self, request_id: str) -> Final:
         for message in self.chunks(request_id):
@@ -294,7 +328,12 @@ class Client:
                 if message.tag == tag:  # not the late reply to an ask that timed out
                     return message
                 continue
-            self._buffered.setdefault(getattr(message, "request_id", None) or "", []).append(message)
+            self._keep(message)
+
+
+def _terminal(message: Message) -> bool:
+    """Whether a reply is its request's last: its Final, or an error other than an abort's."""
+    return isinstance(message, Final) or (isinstance(message, Error) and message.code != "unknown_request")
 
 
 class _Inbox:

@@ -54,6 +54,38 @@ def test_an_abort_that_crossed_its_final_does_not_end_the_ids_next_request(rig: 
         assert client.result("x").token_ids == [12]
 
 
+def test_a_stream_left_early_takes_nothing_of_the_next_request_with_its_id(rig: RouterRig) -> None:
+    """A blocking stream left with ``break`` while its request runs: the request's later replies
+    are dropped, not buffered for ever, and once it ended its id serves a new request, whose
+    final is its own (the client returned the first request's, read from the socket)."""
+    with Client(rig.router.addresses.client, timeout=2.0) as client:
+        client.submit(token_ids=[5, 6, 7], request_id="q", stream=True, max_tokens=3)
+        first = _work(rig)
+        rig.worker(TokenOutputs([TokenOutput(first.request_id, 0, [11])]))
+        for _ in client.chunks("q"):
+            break
+        rig.worker(TokenOutputs([TokenOutput(first.request_id, 1, [12, 13], True, "length")]))
+        client.submit(token_ids=[5, 6, 7], request_id="q", max_tokens=1)
+        rig.worker(TokenOutputs([TokenOutput(_work(rig).request_id, 0, [99], True, "length")]))
+        assert client.result("q").token_ids == [99]
+        assert client._buffered == {}
+
+
+def test_the_blocking_client_refuses_an_id_still_running(rig: RouterRig) -> None:
+    """As AsyncClient: a submit with the id of a request whose end was not read yet is refused by
+    the client (the router refused it too, and that error was taken for the first request's)."""
+    with Client(rig.router.addresses.client, timeout=2.0) as client:
+        client.submit(token_ids=[5, 6, 7], request_id="a", max_tokens=1)
+        with pytest.raises(ClusterError) as refused:
+            client.submit(token_ids=[5, 6, 7], request_id="a", max_tokens=1)
+        assert refused.value.code == "duplicate_request_id"
+        rig.worker(TokenOutputs([TokenOutput(_work(rig).request_id, 0, [11], True, "length")]))
+        assert client.result("a").token_ids == [11]
+        client.submit(token_ids=[5, 6, 7], request_id="a", max_tokens=1)  # ended and read: free again
+        rig.worker(TokenOutputs([TokenOutput(_work(rig).request_id, 0, [12], True, "length")]))
+        assert client.result("a").token_ids == [12]
+
+
 def test_a_second_stream_with_a_running_streams_id_leaves_the_first_one_alone(rig: RouterRig) -> None:
     """The second stream is refused (``duplicate_request_id``); the first still gets its tokens
     and final. Its replies could not be told apart, so the client refuses it itself: giving it

@@ -401,6 +401,7 @@ class AsyncClient:
         self._monitor = _keep_alive(self._socket, heartbeat_timeout)
         self._socket.connect(endpoint)
         self._inboxes: dict[str, _Inbox] = {}
+        self._left: set[str] = set()  # ids of streams left while their request ran, until it ends
         self._stats_waiters: dict[int, asyncio.Future[Stats]] = {}  # by their request's tag
         self._stats_tags = itertools.count()
         self._send_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -439,9 +440,12 @@ class AsyncClient:
                 waiter.set_result(message)
             return
         for reply in message.chunks if isinstance(message, Chunks) else (message,):
-            inbox = self._inboxes.get(getattr(reply, "request_id", None) or "")
+            rid = getattr(reply, "request_id", None) or ""
+            inbox = self._inboxes.get(rid)
             if inbox is not None:
                 inbox.put(reply)
+            if rid in self._left and _terminal(reply):
+                self._left.discard(rid)
 
     async def _send(self, data: bytes, timeout: float | None = None) -> None:
         """Send without blocking the loop: past the socket's queue limit, wait until it takes more,
@@ -477,6 +481,7 @@ class AsyncClient:
                 self._fail_waiting(ClusterGone(self.endpoint))
 
     def _fail_waiting(self, error: BaseException) -> None:
+        self._left.clear()  # nothing more comes for what was sent over the broken connection
         for inbox in self._inboxes.values():
             inbox.put(error)
         waiting: list[asyncio.Future[Any]] = [*self._stats_waiters.values(), *self._send_waiters]
@@ -508,21 +513,25 @@ class AsyncClient:
     ) -> AsyncIterator[Chunk | Final]:
         """Chunks in order, then the Final; raises ClusterError on an error reply."""
         request = _request(prompt, token_ids, True, chat, request_id, sampling, batch_chunks=self.batch_chunks)
-        if request.request_id in self._inboxes:  # its replies could not be told from the running one's
-            why = f"request_id {request.request_id!r} is already running"
-            raise ClusterError(Error(request.request_id, "duplicate_request_id", why))
-        inbox = self._inboxes[request.request_id or ""] = _Inbox()
+        rid = request.request_id or ""
+        if rid in self._inboxes or rid in self._left:  # its replies could not be told from the running one's
+            raise ClusterError(Error(rid, "duplicate_request_id", f"request_id {rid!r} is already running"))
+        inbox = self._inboxes[rid] = _Inbox()
+        running = False  # sent, and not ended
         try:
             await self._send(encode(request))
+            running = True
             while True:
                 try:
                     message = await inbox.get(self.timeout)
                 except asyncio.TimeoutError:
                     raise ClusterUnavailable(self.endpoint, self.timeout, self._link.up) from None
                 if isinstance(message, BaseException):
+                    running = False  # the connection broke: nothing more comes for it
                     raise message
                 if isinstance(message, Error) and message.code == "unknown_request":
                     continue  # an abort's reply (it crossed an earlier request's final), not this request's
+                running = not _terminal(message)
                 if isinstance(message, Error):
                     raise ClusterError(message)
                 assert isinstance(message, (Chunk, Final))
@@ -530,7 +539,9 @@ class AsyncClient:
                 if isinstance(message, Final):
                     return
         finally:
-            self._inboxes.pop(request.request_id or "", None)
+            self._inboxes.pop(rid, None)
+            if running:  # left (break, a cancelled task) or timed out: its later replies are not a new one's
+                self._left.add(rid)
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Final:
         final = None

@@ -130,6 +130,69 @@ def test_a_second_stream_with_a_running_streams_id_leaves_the_first_one_alone(ri
     assert isinstance(first[-1], Final) and first[-1].token_ids == [11, 12, 13]
 
 
+def test_an_async_stream_left_early_takes_nothing_of_the_next_one_with_its_id(rig: RouterRig) -> None:
+    """An AsyncClient stream left (``break``) while its request runs: a stream started with its
+    id meanwhile got the first request's chunks (or final) in its inbox. It is refused until the
+    first request ended, then served with its own tokens."""
+
+    async def work() -> WorkRequest:
+        inbox = rig.inboxes[("prefill", 0)]
+        for _ in range(500):
+            rig.router.poll(0)
+            if inbox.poll(0):
+                message = decode(inbox.recv())
+                assert isinstance(message, WorkRequest)
+                return message
+            await asyncio.sleep(0.005)
+        raise AssertionError("no work")
+
+    async def reply(output: TokenOutput) -> None:
+        rig.to_router.send(encode(TokenOutputs([output])))
+        for _ in range(20):
+            rig.router.poll(0)
+            await asyncio.sleep(0.005)
+
+    async def main() -> tuple[list[Chunk | Final], ClusterError | None, list[Chunk | Final]]:
+        client = AsyncClient(rig.router.addresses.client, timeout=2.0)
+        try:
+            first = client.stream(token_ids=[5, 6, 7], request_id="q", max_tokens=4)
+            chunk = asyncio.create_task(anext(first))
+            running = await work()
+            await reply(TokenOutput(running.request_id, 0, [11]))
+            assert isinstance(await chunk, Chunk)
+            await first.aclose()  # left, as a ``break`` leaves it
+
+            seen: list[Chunk | Final] = []
+            refused = None
+
+            async def second() -> None:
+                async for message in client.stream(token_ids=[5, 6, 7], request_id="q", max_tokens=1):
+                    seen.append(message)
+
+            # The first request's next tokens reach the router, then the second's generate: the
+            # router reads its workers first, so the chunk is out before the duplicate is refused.
+            rig.to_router.send(encode(TokenOutputs([TokenOutput(running.request_id, 1, [12])])))
+            await asyncio.sleep(0.05)
+            task = asyncio.create_task(second())
+            await asyncio.sleep(0.05)
+            await reply(TokenOutput(running.request_id, 2, [13]))
+            try:
+                await task
+            except ClusterError as e:
+                refused = e
+            await reply(TokenOutput(running.request_id, 3, [14], True, "length"))  # the first one ends
+            third = asyncio.create_task(client.generate(token_ids=[5, 6, 7], request_id="q", max_tokens=1))
+            await reply(TokenOutput((await work()).request_id, 0, [99], True, "length"))
+            return seen, refused, [await third]
+        finally:
+            client.close()
+
+    seen, refused, (final,) = asyncio.run(main())
+    assert seen == []
+    assert refused is not None and refused.code == "duplicate_request_id"
+    assert isinstance(final, Final) and final.token_ids == [99]
+
+
 def test_a_final_that_arrived_before_the_router_went_away_is_read(tmp_path: Path) -> None:
     """The router answers, then exits (a drained shutdown): the final already in the client's
     socket is the answer, not ``ClusterGone``."""

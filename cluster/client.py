@@ -28,6 +28,7 @@ import zmq.utils.monitor
 
 from pdserve.cluster.auth import secure_client
 from pdserve.cluster.protocol import (
+    MAX_REQUEST_ID_CHARS,
     Abort,
     Chunk,
     Chunks,
@@ -137,6 +138,9 @@ def _request(
     batch_chunks: bool = False,
 ) -> Generate:
     request_id = request_id or f"{os.getpid()}-{next(_ids)}"
+    if len(request_id) > MAX_REQUEST_ID_CHARS:  # the router's refusal could not name it: no reply would
+        why = f"request_id: longer than {MAX_REQUEST_ID_CHARS} characters"
+        raise ClusterError(Error(None, "invalid_field", why))
     return Generate(
         request_id=request_id,
         prompt=prompt,

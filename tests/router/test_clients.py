@@ -14,6 +14,7 @@ import zmq
 
 from pdserve.cluster.client import AsyncClient, Client, ClusterError
 from pdserve.cluster.protocol import (
+    MAX_REQUEST_ID_CHARS,
     Chunk,
     Error,
     Final,
@@ -191,6 +192,25 @@ def test_an_async_stream_left_early_takes_nothing_of_the_next_one_with_its_id(ri
     assert seen == []
     assert refused is not None and refused.code == "duplicate_request_id"
     assert isinstance(final, Final) and final.token_ids == [99]
+
+
+def test_a_request_id_over_the_limit_is_refused_at_once(rig: RouterRig) -> None:
+    """The router refuses an id over 256 characters without echoing it: the client could not
+    match that reply and waited out its timeout, then said the cluster was busy."""
+    long_id = "x" * (MAX_REQUEST_ID_CHARS + 1)
+    started = time.monotonic()
+    with Client(rig.router.addresses.client, timeout=2.0) as client, pytest.raises(ClusterError) as refused:
+        client.generate(token_ids=[5, 6, 7], request_id=long_id, max_tokens=1)
+    assert refused.value.code == "invalid_field"
+
+    async def main() -> None:
+        async with AsyncClient(rig.router.addresses.client, timeout=2.0) as client:
+            await client.generate(token_ids=[5, 6, 7], request_id=long_id, max_tokens=1)
+
+    with pytest.raises(ClusterError) as refused:
+        asyncio.run(main())
+    assert refused.value.code == "invalid_field"
+    assert time.monotonic() - started < 1.0
 
 
 def test_a_final_that_arrived_before_the_router_went_away_is_read(tmp_path: Path) -> None:

@@ -471,6 +471,8 @@ class AsyncClient:
                 wait = self.timeout if timeout is None else timeout
                 try:
                     await asyncio.wait_for(waiter, wait)
+                except ClusterUnavailable:  # ClusterGone: a TimeoutError as well, but no timeout
+                    raise
                 except asyncio.TimeoutError:
                     raise ClusterUnavailable(self.endpoint, wait, self._link.up) from None
         # The send may have consumed the descriptor's signal of a message that came meanwhile.
@@ -592,6 +594,8 @@ class AsyncClient:
             await self._send(encode(StatsRequest(tag)), wait)
             try:
                 return await asyncio.wait_for(waiter, max(0.0, deadline - time.monotonic()))
+            except ClusterUnavailable:  # ClusterGone: a TimeoutError as well, but no timeout
+                raise
             except asyncio.TimeoutError:
                 raise ClusterUnavailable(self.endpoint, wait, self._link.up) from None
         finally:

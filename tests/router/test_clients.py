@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from pdserve.cluster.client import AsyncClient, Client, ClusterError
+from pdserve.cluster.client import AsyncClient, Client, ClusterError, ClusterGone
 from pdserve.cluster.protocol import (
     MAX_REQUEST_ID_CHARS,
     Chunk,
@@ -231,6 +231,28 @@ def test_a_final_that_arrived_before_the_router_went_away_is_read(tmp_path: Path
         server.close(linger=1000)
         time.sleep(0.5)  # the client's monitor has seen the disconnect
         assert client.result(request_id) == final
+
+
+def test_an_async_stats_ask_whose_router_dies_raises_cluster_gone(tmp_path: Path) -> None:
+    """The connection breaks while ``AsyncClient.stats`` waits: ClusterGone, as for a stream. It
+    is a TimeoutError too (``asyncio.TimeoutError`` since Python 3.11), which the wait took for
+    its own timeout: ClusterUnavailable, saying nothing came within the whole timeout."""
+    endpoint = f"ipc://{tmp_path}/client"
+    server = zmq.Context.instance().socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    server.bind(endpoint)
+
+    async def main() -> None:
+        async with AsyncClient(endpoint, timeout=30.0) as client:
+            ask = asyncio.create_task(client.stats())
+            assert await asyncio.to_thread(server.poll, 5000)
+            server.close()  # the router dies before it answers
+            await asyncio.wait_for(ask, 10)
+
+    started = time.monotonic()
+    with pytest.raises(ClusterGone):
+        asyncio.run(main())
+    assert time.monotonic() - started < 10
 
 
 def test_an_id_the_router_makes_is_not_one_the_client_is_using(rig: RouterRig) -> None:

@@ -86,6 +86,13 @@ class ClusterGone(ClusterUnavailable):
         )
 
 
+class ClientClosed(ClusterGone):
+    """The client was closed while a request still waited on it."""
+
+    def __init__(self, endpoint: str) -> None:
+        TimeoutError.__init__(self, f"the client of the cluster at {endpoint} was closed (its requests get no answer)")
+
+
 _ids = itertools.count()
 _CLI_CONNECT_S = 5.0  # pdserve-client: how long a connection may take before "is it running?"
 _WATCHED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
@@ -606,6 +613,8 @@ class AsyncClient:
             self._watcher.cancel()
         if self._socket.closed:
             return
+        if self._loop is not None and not self._loop.is_closed():  # not left to wait out their timeout
+            self._fail_waiting(ClientClosed(self.endpoint))
         self._stop_reading()
         self._socket.disable_monitor()
         self._monitor.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from pdserve.cluster.client import AsyncClient, Client, ClusterError, ClusterGone
+from pdserve.cluster.client import AsyncClient, Client, ClientClosed, ClusterError, ClusterGone
 from pdserve.cluster.protocol import (
     MAX_REQUEST_ID_CHARS,
     Chunk,
@@ -211,6 +211,23 @@ def test_a_request_id_over_the_limit_is_refused_at_once(rig: RouterRig) -> None:
         asyncio.run(main())
     assert refused.value.code == "invalid_field"
     assert time.monotonic() - started < 1.0
+
+
+def test_closing_an_async_client_ends_the_requests_waiting_on_it(rig: RouterRig) -> None:
+    """A stream and a stats ask still waiting when the client is closed raise at once; they
+    waited out the client's timeout, then said the cluster was up but busy."""
+
+    async def main() -> list[BaseException | None]:
+        client = AsyncClient(rig.router.addresses.client, timeout=3.0)
+        stream = asyncio.create_task(client.generate(token_ids=[5, 6, 7], max_tokens=1))
+        stats = asyncio.create_task(client.stats())
+        await asyncio.sleep(0.1)  # both sent; the router is not read, so nothing comes back
+        client.close()
+        done, _ = await asyncio.wait([stream, stats], timeout=1.0)
+        return [task.exception() if task in done else None for task in (stream, stats)]
+
+    errors = asyncio.run(main())
+    assert all(isinstance(e, ClientClosed) for e in errors), errors
 
 
 def test_a_final_that_arrived_before_the_router_went_away_is_read(tmp_path: Path) -> None:

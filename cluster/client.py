@@ -505,8 +505,13 @@ class AsyncClient:
                 waiter.set_exception(error)
 
     def _start_reader(self) -> None:
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # the first use, or a new loop (another ``asyncio.run``)
+            if self._loop is not None:
+                self._stop_reading()
+                if self._watcher is not None and not self._loop.is_closed():
+                    self._watcher.cancel()
+            self._loop = loop
             self._fd = self._socket.FD
             self._loop.add_reader(self._fd, self._on_events)
             self._watcher = self._loop.create_task(self._watch())

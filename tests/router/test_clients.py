@@ -230,6 +230,33 @@ def test_closing_an_async_client_ends_the_requests_waiting_on_it(rig: RouterRig)
     assert all(isinstance(e, ClientClosed) for e in errors), errors
 
 
+def test_an_async_client_serves_one_event_loop_after_another(rig: RouterRig) -> None:
+    """One AsyncClient used from two ``asyncio.run``s in turn: its reader was left on the first
+    loop, closed by then, and the second run's first request raised RuntimeError."""
+    client = AsyncClient(rig.router.addresses.client, timeout=2.0)
+
+    async def ask() -> int:
+        pumping = True
+
+        async def pump() -> None:
+            while pumping:
+                rig.router.poll(0)
+                await asyncio.sleep(0.002)
+
+        pumper = asyncio.create_task(pump())
+        try:
+            return (await client.stats()).requests_in_flight
+        finally:
+            pumping = False
+            await pumper
+
+    try:
+        assert asyncio.run(ask()) == 0
+        assert asyncio.run(ask()) == 0
+    finally:
+        client.close()
+
+
 def test_a_final_that_arrived_before_the_router_went_away_is_read(tmp_path: Path) -> None:
     """The router answers, then exits (a drained shutdown): the final already in the client's
     socket is the answer, not ``ClusterGone``."""

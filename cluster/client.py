@@ -186,7 +186,6 @@ class Client:
         self._socket.connect(endpoint)
         self._buffered: dict[str, list[Message]] = {}
         self._running: set[str] = set()  # ids submitted whose terminal reply was not read yet
-        self._left: set[str] = set()  # of those, the ids of streams left: their replies are dropped
         self._stats_tags = itertools.count()
 
     def close(self) -> None:
@@ -242,7 +241,6 @@ class Client:
             self._link.update(zmq.utils.monitor.recv_monitor_message(self._monitor))
         if self._link.broken:
             self._running.clear()  # nothing more comes for what was sent over the broken connection
-            self._left.clear()
             raise ClusterGone(self.endpoint)
 
     def _next_for(self, request_id: str) -> Message:
@@ -256,14 +254,8 @@ class Client:
             self._keep(message)
 
     def _keep(self, message: Message) -> None:
-        """Buffer a reply read while waiting for another, unless its stream was left: those are
-        dropped up to its terminal reply, which frees its id."""
-        rid = getattr(message, "request_id", None) or ""
-        if rid not in self._left:
-            self._buffered.setdefault(rid, []).append(message)
-        elif _terminal(message):
-            self._left.discard(rid)
-            self._running.discard(rid)
+        """Buffer a reply read while waiting for another: its request's ``chunks`` read it later."""
+        self._buffered.setdefault(getattr(message, "request_id", None) or "", []).append(message)
 
     def submit(
         self,
@@ -277,42 +269,31 @@ class Client:
     ) -> str:
         """Send a request without waiting; returns its request_id (see ``result``/``chunks``).
         An id whose request's terminal reply was not read yet is refused (``duplicate_request_id``):
-        its replies could not be told apart."""
+        the replies of the two could not be told apart."""
         request = _request(prompt, token_ids, stream, chat, request_id, sampling)
         rid = request.request_id or ""
-        while rid in self._running and self._socket.poll(0):  # the end of a stream left may be in
-            self._keep(decode(self._socket.recv()))
         if rid in self._running:
-            raise ClusterError(Error(rid, "duplicate_request_id", f"request_id {rid!r} is already running"))
+            why = f"request_id {rid!r} is already running, or its end was not read (chunks, result)"
+            raise ClusterError(Error(rid, "duplicate_request_id", why))
         self._send(encode(request))
         self._running.add(rid)
         return rid
 
     def chunks(self, request_id: str) -> Iterator[Chunk | Final]:
         """Chunks of a streaming request in order, then its Final; raises ClusterError on an error.
-        Left before its Final (``break``), the request's later replies are dropped as they come."""
-        self._left.discard(request_id)  # read again
-        try:
-            while True:
-                message = self._next_for(request_id)
-                if isinstance(message, Error) and message.code == "unknown_request":
-                    continue  # an abort's reply (it crossed an earlier request's final), not this request's
-                if _terminal(message):
-                    self._running.discard(request_id)
-                if isinstance(message, Error):
-                    raise ClusterError(message)
-                assert isinstance(message, (Chunk, Final))
-                yield message
-                if isinstance(message, Final):
-                    return
-        except GeneratorExit:
-            if request_id in self._running:
-                buffered = self._buffered.pop(request_id, [])
-                if any(_terminal(m) for m in buffered):
-                    self._running.discard(request_id)
-                else:
-                    self._left.add(request_id)
-            raise
+        Left before its Final (``break``), a later call reads on where it stopped."""
+        while True:
+            message = self._next_for(request_id)
+            if isinstance(message, Error) and message.code == "unknown_request":
+                continue  # an abort's reply (it crossed an earlier request's final), not this request's
+            if _terminal(message):
+                self._running.discard(request_id)
+            if isinstance(message, Error):
+                raise ClusterError(message)
+            assert isinstance(message, (Chunk, Final))
+            yield message
+            if isinstance(message, Final):
+                return
 
     def result(self, request_id: str) -> Final:
         for message in self.chunks(request_id):

@@ -55,10 +55,10 @@ def test_an_abort_that_crossed_its_final_does_not_end_the_ids_next_request(rig: 
         assert client.result("x").token_ids == [12]
 
 
-def test_a_stream_left_early_takes_nothing_of_the_next_request_with_its_id(rig: RouterRig) -> None:
-    """A blocking stream left with ``break`` while its request runs: the request's later replies
-    are dropped, not buffered for ever, and once it ended its id serves a new request, whose
-    final is its own (the client returned the first request's, read from the socket)."""
+def test_a_stream_left_early_is_read_on_later_and_holds_its_id_until_then(rig: RouterRig) -> None:
+    """A blocking stream left with ``break`` while its request runs: a later ``chunks`` reads on
+    where it stopped, and until its end is read its id is refused (the client used to answer a
+    new request of that id with the first one's final, read from the socket before its own)."""
     with Client(rig.router.addresses.client, timeout=2.0) as client:
         client.submit(token_ids=[5, 6, 7], request_id="q", stream=True, max_tokens=3)
         first = _work(rig)
@@ -66,7 +66,12 @@ def test_a_stream_left_early_takes_nothing_of_the_next_request_with_its_id(rig: 
         for _ in client.chunks("q"):
             break
         rig.worker(TokenOutputs([TokenOutput(first.request_id, 1, [12, 13], True, "length")]))
-        client.submit(token_ids=[5, 6, 7], request_id="q", max_tokens=1)
+        with pytest.raises(ClusterError) as refused:
+            client.submit(token_ids=[5, 6, 7], request_id="q", max_tokens=1)
+        assert refused.value.code == "duplicate_request_id"
+        rest = list(client.chunks("q"))
+        assert isinstance(rest[-1], Final) and rest[-1].token_ids == [11, 12, 13]
+        client.submit(token_ids=[5, 6, 7], request_id="q", max_tokens=1)  # its end read: free again
         rig.worker(TokenOutputs([TokenOutput(_work(rig).request_id, 0, [99], True, "length")]))
         assert client.result("q").token_ids == [99]
         assert client._buffered == {}

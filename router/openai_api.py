@@ -196,6 +196,10 @@ def _neutral(value: Any, neutrals: tuple[Any, ...]) -> bool:
     return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutrals)
 
 
+# The body field that holds the prompt, by route: where an error in the prompt is reported.
+PROMPT_PARAMS: dict[str, str] = {"completion": "prompt", "chat": "messages"}
+
+
 @dataclass
 class GenerationRequest:
     """A checked request: the prompt as token ids, the cluster's sampling fields, and what the
@@ -213,6 +217,10 @@ class GenerationRequest:
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'cmpl' if self.kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+
+    @property
+    def prompt_param(self) -> str:
+        return PROMPT_PARAMS[self.kind]
 
     @property
     def chunk_object(self) -> str:
@@ -330,14 +338,12 @@ def parse_request(
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
 
+    prompt_param = PROMPT_PARAMS[kind]
     if isinstance(request, CompletionRequest):
-        token_ids, prompt_param = (
-            _completion_prompt(request, tokenizer, max_prompt_chars, parse_special_tokens),
-            "prompt",
-        )
+        token_ids = _completion_prompt(request, tokenizer, max_prompt_chars, parse_special_tokens)
         max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's default
     else:
-        token_ids, prompt_param = _chat_prompt(request, tokenizer, max_prompt_chars, parse_special_tokens), "messages"
+        token_ids = _chat_prompt(request, tokenizer, max_prompt_chars, parse_special_tokens)
         max_tokens = request.max_completion_tokens or request.max_tokens or max_model_len - len(token_ids)
     total = len(token_ids) + max_tokens
     if max_tokens < 1:  # a chat without max_tokens whose messages fill the context alone

@@ -506,7 +506,7 @@ class _Run:
                         return
         except ClusterError as e:
             ended = True
-            raise _cluster_error(e, "messages" if gen.kind == "chat" else "prompt") from None
+            raise _cluster_error(e, gen.prompt_param) from None
         except ClusterUnavailable:
             failed = True
             raise APIError(

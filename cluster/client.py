@@ -87,7 +87,7 @@ class ClusterGone(ClusterUnavailable):
 
 
 class ClientClosed(ClusterGone):
-    """The client was closed while a request still waited on it."""
+    """The client was closed while a request still waited on it, or is used after closing."""
 
     def __init__(self, endpoint: str) -> None:
         TimeoutError.__init__(self, f"the client of the cluster at {endpoint} was closed (its requests get no answer)")
@@ -144,6 +144,8 @@ def _request(
     sampling: dict[str, Any],
     batch_chunks: bool = False,
 ) -> Generate:
+    if request_id is not None and not isinstance(request_id, str):
+        raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
     request_id = request_id or f"{os.getpid()}-{next(_ids)}"
     if len(request_id) > MAX_REQUEST_ID_CHARS:  # the router's refusal could not name it: no reply would
         why = f"request_id: longer than {MAX_REQUEST_ID_CHARS} characters"
@@ -160,7 +162,8 @@ def _request(
 
 
 class Client:
-    """Blocking client. ``timeout`` bounds the wait for each reply message."""
+    """Blocking client. ``timeout`` bounds the wait for each reply message. Like the ZMQ socket
+    it owns, it is not thread-safe: give each thread its own (or use one ``AsyncClient``)."""
 
     def __init__(
         self,
@@ -216,6 +219,8 @@ class Client:
         self._send(data)
 
     def _send(self, data: bytes) -> None:
+        if self._socket.closed:
+            raise ClientClosed(self.endpoint)
         try:
             self._socket.send(data)
         except zmq.Again:
@@ -224,6 +229,8 @@ class Client:
     def receive(self) -> Message:
         """The next reply, whatever request it belongs to. ``ClusterGone`` as soon as the
         connection breaks, ``ClusterUnavailable`` after ``timeout`` without a reply."""
+        if self._socket.closed:
+            raise ClientClosed(self.endpoint)
         deadline = time.monotonic() + self.timeout
         while True:
             if self._socket.poll(0):  # what arrived before a disconnect is still an answer
@@ -444,6 +451,8 @@ class AsyncClient:
         at most ``timeout`` (default: the client's; then ClusterUnavailable) or until the
         connection breaks. A connection already known to be broken raises ClusterGone at once:
         ZMQ would queue the message for a reconnect that may never come."""
+        if self._socket.closed:
+            raise ClientClosed(self.endpoint)
         self._start_reader()
         assert self._loop is not None
         if self._link.broken:

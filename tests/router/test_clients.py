@@ -218,6 +218,38 @@ def test_a_request_id_over_the_limit_is_refused_at_once(rig: RouterRig) -> None:
     assert time.monotonic() - started < 1.0
 
 
+def test_a_request_id_that_is_not_a_string_is_refused_before_sending(rig: RouterRig) -> None:
+    with Client(rig.router.addresses.client, timeout=2.0) as client, pytest.raises(TypeError, match="string"):
+        client.submit(token_ids=[5, 6, 7], request_id=7, max_tokens=1)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        async with AsyncClient(rig.router.addresses.client, timeout=2.0) as client:
+            await client.generate(token_ids=[5, 6, 7], request_id=b"x", max_tokens=1)
+
+    with pytest.raises(TypeError, match="string"):
+        asyncio.run(main())
+    rig.pump()
+    assert rig.received("prefill", 0) == []
+
+
+def test_a_closed_client_says_so_when_used_again(rig: RouterRig) -> None:
+    """Each call on a closed client raises ``ClientClosed``, not ZMQ's "not a socket"."""
+    client = Client(rig.router.addresses.client, timeout=2.0)
+    client.close()
+    for use in (lambda: client.submit(token_ids=[5, 6, 7]), client.stats, client.receive, lambda: client.abort("a")):
+        with pytest.raises(ClientClosed):
+            use()
+
+    async def main() -> list[BaseException]:
+        async_client = AsyncClient(rig.router.addresses.client, timeout=2.0)
+        async_client.close()
+        uses = (async_client.generate(token_ids=[5, 6, 7]), async_client.stats(), async_client.abort("a"))
+        return await asyncio.gather(*uses, return_exceptions=True)
+
+    errors = asyncio.run(main())
+    assert all(isinstance(e, ClientClosed) for e in errors), errors
+
+
 def test_closing_an_async_client_ends_the_requests_waiting_on_it(rig: RouterRig) -> None:
     """A stream and a stats ask still waiting when the client is closed raise at once; they
     waited out the client's timeout, then said the cluster was up but busy."""

@@ -198,12 +198,13 @@ class PrefixCache:
         if len(block_ids) < num_full:
             raise ValueError(f"{len(token_ids)} tokens fill {num_full} blocks but only {len(block_ids)} were given")
         full_blocks = [int(b) for b in block_ids[:num_full]]  # plain ints, whatever the caller's array
-        self._check_insertable(token_ids, full_blocks)
+        keys = list(self._keys(token_ids))  # built once: the check walks them too
+        self._check_insertable(keys, full_blocks)
         tick = next(self._clock)
         node = self.root
         cached: list[int] = []
         duplicates: list[int] = []
-        for key, block_id in zip(self._keys(token_ids), full_blocks):
+        for key, block_id in zip(keys, full_blocks):
             child = node.children.get(key)
             if child is None:
                 child = self._add_child(node, key, block_id)
@@ -251,16 +252,16 @@ class PrefixCache:
     # -- internals -----------------------------------------------------------------------------
 
     def _keys(self, token_ids: Sequence[int]) -> Iterator[tuple[int, ...]]:
-        size = self.block_size
-        for start in range(0, len(token_ids) - size + 1, size):
-            yield tuple(token_ids[start : start + size])
+        """The tuples of ``token_ids``' full blocks, in order (a partial last block has none).
+        ``zip`` over one shared iterator builds each tuple in C, without a slice per block."""
+        return zip(*[iter(token_ids)] * self.block_size)
 
-    def _check_insertable(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> None:
+    def _check_insertable(self, keys: list[tuple[int, ...]], block_ids: Sequence[int]) -> None:
         """Raise before changing anything if a block would get a second owner."""
         if len(set(block_ids)) != len(block_ids):
             raise ValueError(f"a block id appears twice in {list(block_ids)}")
         node: CacheNode | None = self.root
-        for key, block_id in zip(self._keys(token_ids), block_ids):
+        for key, block_id in zip(keys, block_ids):
             node = node.children.get(key) if node is not None else None
             owner = self._owner.get(block_id)
             if owner is not None and owner is not node:

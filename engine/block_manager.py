@@ -87,15 +87,17 @@ class BlockManager:
         if cache is None or seq.cache_node is None:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        if num_full <= seq.num_shared_blocks:
+        shared = seq.num_shared_blocks
+        if num_full <= shared:
             return
-        tokens = seq.token_ids[: num_full * self.block_size]
+        # Only the blocks after the shared ones, below their node: the cache holds those already.
+        assert seq.cache_node.depth == shared, f"{seq.request_id}: its node is not its last shared block"
+        tokens = seq.token_ids[shared * self.block_size : num_full * self.block_size]
         assert tokens[-1] >= 0, f"{seq.request_id}: a computed token is still a placeholder"
-        result = cache.insert(tokens, seq.block_table[:num_full])
-        cache.lock(result.handle)
-        cache.unlock(seq.cache_node)
+        result = cache.insert(tokens, seq.block_table[shared:num_full], parent=seq.cache_node)
+        cache.move_lock(seq.cache_node, result.handle)
         self._free.extend(result.duplicates)
-        seq.block_table[:num_full] = result.block_ids
+        seq.block_table[shared:num_full] = result.block_ids
         seq.cache_node = result.handle
         seq.num_shared_blocks = num_full
 

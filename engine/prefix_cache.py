@@ -186,22 +186,32 @@ class PrefixCache:
 
     # -- updates -------------------------------------------------------------------------------
 
-    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> InsertResult:
+    def insert(
+        self, token_ids: Sequence[int], block_ids: Sequence[int], parent: CacheNode | None = None
+    ) -> InsertResult:
         """Cache the full blocks of ``token_ids``, whose K/V lie in ``block_ids`` in order.
 
         Only the first ``len(token_ids) // block_size`` blocks are considered; the caller keeps
         any block after them (a partial last block). Each block whose tokens were not cached
         yet becomes the cache's; one whose tokens were cached in another block is a duplicate,
         returned for the caller to free. Locks nothing.
+
+        ``parent`` (the root by default): a live node whose path holds the tokens before
+        ``token_ids``, as if they had been inserted with it; the result names only the blocks
+        given. A request that already holds a cached prefix inserts only its new blocks.
         """
+        parent = self.root if parent is None else parent
+        self._check_attached(parent)
         num_full = len(token_ids) // self.block_size
         if len(block_ids) < num_full:
             raise ValueError(f"{len(token_ids)} tokens fill {num_full} blocks but only {len(block_ids)} were given")
         full_blocks = [int(b) for b in block_ids[:num_full]]  # plain ints, whatever the caller's array
         keys = list(self._keys(token_ids))  # built once: the check walks them too
-        self._check_insertable(keys, full_blocks)
+        self._check_insertable(parent, keys, full_blocks)
         tick = next(self._clock)
-        node = self.root
+        for ancestor in parent.path_to_root():  # recently used, as a whole-prompt insert marks them
+            ancestor.last_access = tick
+        node = parent
         cached: list[int] = []
         duplicates: list[int] = []
         for key, block_id in zip(keys, full_blocks):
@@ -219,11 +229,7 @@ class PrefixCache:
     def lock(self, handle: CacheNode) -> None:
         """Pin ``handle`` and its ancestors: none of them can be evicted until :meth:`unlock`."""
         self._check_attached(handle)
-        for node in handle.path_to_root():
-            if node.lock_count == 0:
-                self._num_pinned += 1
-                self._evictable_leaves.discard(node)
-            node.lock_count += 1
+        self._lock_path(handle, self.root)
 
     def unlock(self, handle: CacheNode) -> None:
         """Undo one :meth:`lock` of ``handle``."""
@@ -237,6 +243,28 @@ class PrefixCache:
                 if node.is_leaf:
                     self._evictable_leaves.add(node)
                     self._queue_if_evictable(node)
+
+    def move_lock(self, handle: CacheNode, descendant: CacheNode) -> None:
+        """``lock(descendant)`` then ``unlock(handle)``, where ``descendant`` is ``handle`` or a
+        node below it: only the nodes between them change, not the whole shared path."""
+        self._check_attached(descendant)
+        if not handle.is_root and handle.lock_count == 0:
+            raise RuntimeError(f"unlocking node {handle.node_id}, which is not locked")
+        node = descendant
+        while node.depth > handle.depth and node.parent is not None:
+            node = node.parent
+        if node is not handle:
+            raise ValueError(f"node {descendant.node_id} is not below node {handle.node_id}")
+        self._lock_path(descendant, handle)
+
+    def _lock_path(self, node: CacheNode | None, stop: CacheNode) -> None:
+        """Lock ``node`` and its ancestors up to ``stop`` (excluded), one of them or the root."""
+        while node is not None and node is not stop:
+            if node.lock_count == 0:
+                self._num_pinned += 1
+                self._evictable_leaves.discard(node)
+            node.lock_count += 1
+            node = node.parent
 
     def evict(self, num_blocks: int) -> list[int]:
         """Free up to ``num_blocks`` blocks, evicting unlocked leaves least recently used first
@@ -256,11 +284,11 @@ class PrefixCache:
         ``zip`` over one shared iterator builds each tuple in C, without a slice per block."""
         return zip(*[iter(token_ids)] * self.block_size)
 
-    def _check_insertable(self, keys: list[tuple[int, ...]], block_ids: Sequence[int]) -> None:
+    def _check_insertable(self, parent: CacheNode, keys: list[tuple[int, ...]], block_ids: Sequence[int]) -> None:
         """Raise before changing anything if a block would get a second owner."""
         if len(set(block_ids)) != len(block_ids):
             raise ValueError(f"a block id appears twice in {list(block_ids)}")
-        node: CacheNode | None = self.root
+        node: CacheNode | None = parent
         for key, block_id in zip(keys, block_ids):
             node = node.children.get(key) if node is not None else None
             owner = self._owner.get(block_id)

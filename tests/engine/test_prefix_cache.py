@@ -114,6 +114,31 @@ def test_lock_and_unlock_errors() -> None:
         PrefixCache(0)
 
 
+def test_insert_below_a_node_and_move_its_lock() -> None:
+    cache = PrefixCache(BS)
+    first = cache.insert(tokens(8), [0, 1]).handle
+    cache.lock(first)
+    below = cache.insert(tokens(8, start=8), [2, 3], parent=first)
+    assert below.block_ids == [2, 3] and below.duplicates == []
+    assert cache.match(tokens(16)).block_ids == [0, 1, 2, 3]  # as if inserted whole
+    again = cache.insert(tokens(4, start=8), [5], parent=first)
+    assert again.block_ids == [2] and again.duplicates == [5]
+    with pytest.raises(ValueError, match="already cached"):
+        cache.insert(tokens(4, start=30), [0], parent=first)  # block 0 already holds tokens 0..3
+    cache.move_lock(first, below.handle)
+    assert cache.num_pinned_blocks == 4 and first.lock_count == below.handle.lock_count == 1
+    with pytest.raises(ValueError, match="not below"):
+        cache.move_lock(below.handle, first)
+    cache.move_lock(below.handle, below.handle)  # the same node: nothing changes
+    cache.unlock(below.handle)
+    assert cache.num_pinned_blocks == 0
+    with pytest.raises(RuntimeError, match="not locked"):
+        cache.move_lock(first, below.handle)
+    assert sorted(cache.evict(4)) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="evicted"):
+        cache.insert(tokens(4, start=40), [6], parent=first)
+
+
 def test_events_let_a_listener_mirror_the_tree() -> None:
     events: list[CacheEvent] = []
     cache = PrefixCache(BS, listener=events.append)
@@ -317,22 +342,36 @@ class PrefixCacheTraffic(RuleBasedStateMachine):
             req.block_table += new
 
     @precondition(lambda self: self.requests)
-    @rule(index=st.integers(0, 1000))
-    def cache_while_running(self, index: int) -> None:
+    @rule(index=st.integers(0, 1000), below=st.booleans())
+    def cache_while_running(self, index: int, below: bool) -> None:
         """After a prefill: cache the request's full blocks and move its lock to the new path,
-        using the cached copy of any block another request cached meanwhile."""
+        using the cached copy of any block another request cached meanwhile. ``below``: as the
+        block manager does, insert only the blocks after the shared ones, below the request's
+        node, and move its lock there; the model does the whole-prompt insert either way."""
         type(self).steps_run += 1
         req = self.requests[index % len(self.requests)]
-        result = self.cache.insert(req.token_ids, req.block_table)
-        assert result.duplicates == self.model.insert(req.token_ids, req.block_table)
-        full = len(result.block_ids)
+        expected_duplicates = self.model.insert(req.token_ids, req.block_table)
+        if below:
+            start = req.num_shared
+            result = self.cache.insert(req.token_ids[start * BS :], req.block_table[start:], parent=req.handle)
+            block_ids = req.block_table[:start] + result.block_ids
+        else:
+            result = self.cache.insert(req.token_ids, req.block_table)
+            block_ids = result.block_ids
+        assert result.duplicates == expected_duplicates
+        full = len(block_ids)
         new_key = tuple(req.token_ids[: full * BS])
         assert full == len(req.token_ids) // BS and self._tokens_of(result.handle) == new_key
-        self.cache.lock(result.handle)
-        self.model.lock(new_key, +1)
-        self._unlock(req)
+        if below:
+            self.cache.move_lock(req.handle, result.handle)
+            self.model.lock(new_key, +1)
+            self.model.lock(req.key, -1)
+        else:
+            self.cache.lock(result.handle)
+            self.model.lock(new_key, +1)
+            self._unlock(req)
         self.free.extend(result.duplicates)
-        req.block_table[:full] = result.block_ids
+        req.block_table[:full] = block_ids
         req.num_shared, req.handle, req.key = full, result.handle, new_key
 
     @precondition(lambda self: self.requests)

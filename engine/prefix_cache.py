@@ -209,8 +209,10 @@ class PrefixCache:
         keys = list(self._keys(token_ids))  # built once: the check walks them too
         self._check_insertable(parent, keys, full_blocks)
         tick = next(self._clock)
-        for ancestor in parent.path_to_root():  # recently used, as a whole-prompt insert marks them
+        ancestor: CacheNode | None = parent
+        while ancestor is not None and ancestor is not self.root:  # recently used, as a whole insert marks them
             ancestor.last_access = tick
+            ancestor = ancestor.parent
         node = parent
         cached: list[int] = []
         duplicates: list[int] = []
@@ -236,13 +238,16 @@ class PrefixCache:
         self._check_attached(handle)
         if not handle.is_root and handle.lock_count == 0:
             raise RuntimeError(f"unlocking node {handle.node_id}, which is not locked")
-        for node in handle.path_to_root():
+        root = self.root
+        node: CacheNode | None = handle
+        while node is not None and node is not root:  # path_to_root, without a generator's calls
             node.lock_count -= 1
             if node.lock_count == 0:
                 self._num_pinned -= 1
-                if node.is_leaf:
+                if not node.children:
                     self._evictable_leaves.add(node)
                     self._queue_if_evictable(node)
+            node = node.parent
 
     def move_lock(self, handle: CacheNode, descendant: CacheNode) -> None:
         """``lock(descendant)`` then ``unlock(handle)``, where ``descendant`` is ``handle`` or a

@@ -307,7 +307,7 @@ class PrefixCache:
         self._evictable_leaves.discard(parent)
         self._evictable_leaves.add(child)
         self._inserted += 1
-        self._emit(CacheEvent("insert", child.node_id, parent.node_id, key))
+        self._emit("insert", child, parent)
         return child
 
     def _remove_leaf(self, node: CacheNode) -> None:
@@ -321,7 +321,7 @@ class PrefixCache:
             self._evictable_leaves.add(parent)
             self._queue_if_evictable(parent)
         self._evicted += 1
-        self._emit(CacheEvent("evict", node.node_id, parent.node_id, node.key))
+        self._emit("evict", node, parent)
 
     def _queue_if_evictable(self, node: CacheNode) -> None:
         """Queue ``node`` for eviction at its current last access, if it is an evictable leaf."""
@@ -336,6 +336,7 @@ class PrefixCache:
         if handle.parent is None and not handle.is_root:
             raise ValueError(f"node {handle.node_id} was evicted; match again for a live handle")
 
-    def _emit(self, event: CacheEvent) -> None:
+    def _emit(self, kind: Literal["insert", "evict"], node: CacheNode, parent: CacheNode) -> None:
+        """Report ``node`` to the listener; the event is built only when there is one."""
         if self.listener is not None:
-            self.listener(event)
+            self.listener(CacheEvent(kind, node.node_id, parent.node_id, node.key))

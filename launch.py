@@ -11,8 +11,9 @@ group nodes join it and leave it while it serves, and ``--status`` lists the gro
     python launch.py --join 10.0.0.1:29500 --role decode --tp 2        # a group node
     python launch.py --status tcp://10.0.0.1:5555                      # the groups, their load and KV
 
-Ctrl-C, SIGTERM or a closed terminal (SIGHUP) drains in-flight requests and exits 0; on a group
-node it drains that group and removes it from the cluster.
+Ctrl-C, SIGTERM or a closed terminal (SIGHUP) drains in-flight requests and exits 0 (a second
+one ends them at once, each with a ``shutdown`` error); on a group node it drains that group and
+removes it from the cluster.
 """
 
 from __future__ import annotations

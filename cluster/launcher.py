@@ -146,6 +146,7 @@ class Cluster:
         self.front_ends: list[_FrontEnd] = []
         self.mps: MpsDaemon | None = None
         self._stopping = False
+        self._cut_drain = False  # a second stop signal: what is still in flight ends now
 
     @property
     def endpoint(self) -> str:
@@ -453,15 +454,19 @@ class Cluster:
         )
 
     def request_stop(self, *_: object) -> None:
-        if self._stopping:
-            logger.warning("already draining: in-flight requests end within the drain timeout")
+        if self._stop_requested and not self._cut_drain:
+            # As uvicorn does: whoever signals twice will not wait for the drain. The requests
+            # still end, each with its one terminal message, and every process still stops.
+            logger.warning("stop signal again: requests still in flight end now (error 'shutdown')")
+            self._cut_drain = True
         self._stop_requested = True
 
     def serve(self, until: Callable[[], bool] | None = None, serving: Callable[[], None] | None = None) -> None:
         """Route requests until a stop is requested (signal, or ``until()`` returning True), then
         drain. ``serving()`` runs once the signal handlers are in place, so whoever it tells the
         endpoint to may stop the cluster at once. The handlers stay installed through the drain: a
-        repeated signal must not kill the process while requests are still finishing."""
+        second signal ends the drain (``request_stop``), it must not kill the process while its
+        requests and workers still have to be told."""
         assert self.router is not None
         previous = {sig: signal.signal(sig, self.request_stop) for sig in STOP_SIGNALS}
         try:
@@ -580,19 +585,18 @@ class Cluster:
         self.router.stop_accepting()
         if self.router.requests:  # Ctrl-C may take a while to act: say why
             logger.info(
-                "stopping: %d request(s) in flight finish first, for up to %g s (--drain-timeout)",
+                "stopping: %d request(s) in flight finish first, for up to %g s (--drain-timeout; "
+                "stop again to end them now)",
                 len(self.router.requests),
                 self.config.drain_timeout,
             )
         deadline = time.monotonic() + self.config.drain_timeout
-        while self.router.requests and time.monotonic() < deadline:
+        while self.router.requests and time.monotonic() < deadline and not self._cut_drain:
             self.router.poll(50)
             self._check_workers()
         if self.router.requests:
-            self.router.fail_all(
-                "shutdown",
-                f"the cluster shut down before this request finished (drain timeout {self.config.drain_timeout:.0f} s)",
-            )
+            why = "stopped again" if self._cut_drain else f"drain timeout {self.config.drain_timeout:.0f} s"
+            self.router.fail_all("shutdown", f"the cluster shut down before this request finished ({why})")
         self.router.shutdown_workers()
         failures: list[str] = []
         try:

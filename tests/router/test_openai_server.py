@@ -1682,7 +1682,7 @@ def test_ctrl_c_drains_the_http_front_end_too(tmp_path: Path, demo_model_dir: Pa
         assert proc.wait(timeout=120) == 0, log_path.read_text()[-4000:]
         log = log_path.read_text()
         assert "Traceback" not in log, log[-4000:]
-        assert "stopping: 1 request(s) in flight finish first, for up to 30 s (--drain-timeout)" in log, log[-4000:]
+        assert "stopping: 1 request(s) in flight finish first, for up to 30 s (--drain-timeout;" in log, log[-4000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -454,7 +454,8 @@ class Cluster:
         )
 
     def request_stop(self, *_: object) -> None:
-        if self._stop_requested and not self._cut_drain:
+        # A drain that until() began (the demo's end) says "stop again" too: a signal then cuts it.
+        if (self._stop_requested or self._stopping) and not self._cut_drain:
             # As uvicorn does: whoever signals twice will not wait for the drain. The requests
             # still end, each with its one terminal message, and every process still stops.
             logger.warning("stop signal again: requests still in flight end now (error 'shutdown')")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 
@@ -47,3 +49,37 @@ def test_one_group_failing_to_exit_cleanly_does_not_cut_short_the_others_shutdow
         assert not proc.is_alive() and proc.exitcode == 0
     finally:
         slow.processes.kill()
+
+
+class _BusyRouter(_Router):
+    """A request that never ends; the drain's first poll sends this process a stop signal."""
+
+    def __init__(self) -> None:
+        self.requests = {"r": object()}
+        self.failed: list[tuple[str, str]] = []
+        self.signalled = False
+
+    def poll(self, timeout_ms: int) -> None:
+        if not self.signalled:
+            self.signalled = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(timeout_ms / 1000)
+
+    def check_heartbeats(self, timeout: float) -> list[tuple[str, int, str]]:
+        return []
+
+    def fail_all(self, code: str, message: str) -> None:
+        self.failed.append((code, message))
+        self.requests = {}
+
+
+def test_a_stop_signal_during_a_drain_that_until_began_ends_it() -> None:
+    """``until()`` (the demo's end) began the drain, which logs "stop again to end them now": the
+    user's stop signal then ends it at once (it was swallowed, and the drain ran its full time)."""
+    cluster = Cluster(ClusterConfig.from_settings({"drain_timeout": 20.0}))
+    router = _BusyRouter()
+    cluster.router = router  # type: ignore[assignment]
+    started = time.monotonic()
+    cluster.serve(until=lambda: True)
+    assert router.signalled and time.monotonic() - started < 10
+    assert [code for code, _ in router.failed] == ["shutdown"] and "stopped again" in router.failed[0][1]

@@ -76,6 +76,7 @@ class ClusterError(RuntimeError):
 
 _MAX_BACKOFF_S = 30.0
 _STABLE_S = 60.0  # a process that served this long before it fails starts its count afresh
+_SAME_STOP_S = 0.5  # a stop signal this soon after the first is the same stop (request_stop)
 
 
 @dataclass
@@ -147,6 +148,7 @@ class Cluster:
         self.mps: MpsDaemon | None = None
         self._stopping = False
         self._cut_drain = False  # a second stop signal: what is still in flight ends now
+        self._first_stop_signal: float | None = None  # time.monotonic() of the first
 
     @property
     def endpoint(self) -> str:
@@ -454,8 +456,14 @@ class Cluster:
         )
 
     def request_stop(self, *_: object) -> None:
+        now, first = time.monotonic(), self._first_stop_signal
+        if first is None:
+            self._first_stop_signal = now
         # A drain that until() began (the demo's end) says "stop again" too: a signal then cuts it.
-        if (self._stop_requested or self._stopping) and not self._cut_drain:
+        # A repeat within _SAME_STOP_S is the same stop: timeout(1) signals the launcher, then its
+        # whole process group.
+        again = self._stopping if first is None else now - first >= _SAME_STOP_S
+        if again and not self._cut_drain:
             # As uvicorn does: whoever signals twice will not wait for the drain. The requests
             # still end, each with its one terminal message, and every process still stops.
             logger.warning("stop signal again: requests still in flight end now (error 'shutdown')")

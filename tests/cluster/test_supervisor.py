@@ -83,3 +83,35 @@ def test_a_stop_signal_during_a_drain_that_until_began_ends_it() -> None:
     cluster.serve(until=lambda: True)
     assert router.signalled and time.monotonic() - started < 10
     assert [code for code, _ in router.failed] == ["shutdown"] and "stopped again" in router.failed[0][1]
+
+
+class _CallingRouter(_BusyRouter):
+    """A request that never ends; the drain's first poll asks the launcher to stop twice,
+    ``gap_s`` apart (as two signals would)."""
+
+    def __init__(self, cluster: Cluster, gap_s: float) -> None:
+        super().__init__()
+        self.cluster, self.gap_s = cluster, gap_s
+
+    def poll(self, timeout_ms: int) -> None:
+        if not self.signalled:
+            self.signalled = True
+            self.cluster.request_stop()
+            time.sleep(self.gap_s)
+            self.cluster.request_stop()
+        time.sleep(timeout_ms / 1000)
+
+
+@pytest.mark.parametrize(("gap_s", "cut"), [(0.0, False), (0.7, True)])
+def test_a_stop_signal_repeated_at_once_is_the_same_stop(gap_s: float, cut: bool) -> None:
+    """timeout(1) sends SIGTERM to the launcher and then to its process group: two signals, one
+    stop, which must drain. A second signal a moment later is the user's, and cuts the drain."""
+    cluster = Cluster(ClusterConfig.from_settings({"drain_timeout": 3.0}))
+    router = _CallingRouter(cluster, gap_s)
+    cluster.router = router  # type: ignore[assignment]
+    started = time.monotonic()
+    cluster.serve()
+    took = time.monotonic() - started
+    (failed,) = router.failed
+    assert ("stopped again" in failed[1]) is cut, failed
+    assert (took < 2.5) is cut, took

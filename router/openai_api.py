@@ -313,7 +313,7 @@ def parse_request(
         raise _validation_error(e) from None
     if request.model != served_model:
         raise APIError(
-            400,
+            404,  # as OpenAI and vLLM answer: the official client raises NotFoundError
             f"The model {request.model!r} does not exist: this server serves {served_model!r}",
             "model_not_found",
             "model",

@@ -1066,6 +1066,9 @@ def test_what_sdks_and_uis_send_unused_changes_nothing_for_the_official_client(s
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("gpt-4")
     assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert missing.value.code == "model_not_found" and missing.value.param == "model"
 
 
 @pytest.mark.slow
@@ -1223,7 +1226,7 @@ BAD_REQUESTS = {
     # name: (path, body (dict, or raw bytes), status, code, param)
     "malformed json": ("/v1/completions", b'{"model": "x", "prompt": ', 400, "malformed_json", None),
     "not an object": ("/v1/chat/completions", b"[1, 2]", 400, "malformed_json", None),
-    "unknown model": ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 400, "model_not_found", "model"),
+    "unknown model": ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model_not_found", "model"),
     "negative temperature": (
         "/v1/completions",
         {"prompt": "hi", "temperature": -0.5},

@@ -133,10 +133,10 @@ def test_the_http_front_end_logs_refused_requests_rate_limited(
         for _ in range(3 * LINES_PER_INTERVAL):
             response = http.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
             assert response.status_code == 400 and response.json()["error"]["code"] == "malformed_json"
-        assert http.post("/v1/completions", json={"model": "other", "prompt": "hi"}).status_code == 400
+        assert http.post("/v1/completions", json={"model": "other", "prompt": "hi"}).status_code == 404
         assert http.get("/v2/nothing").status_code == 404
     lines = caplog.messages
     assert len([m for m in lines if ": 400 malformed_json: " in m]) == LINES_PER_INTERVAL, lines
-    assert len([m for m in lines if ": 400 model_not_found: " in m]) == 1, lines
+    assert len([m for m in lines if ": 404 model_not_found: " in m]) == 1, lines
     assert len([m for m in lines if "refused GET /v2/nothing" in m and ": 404 not_found: " in m]) == 1, lines
     assert all("of client testclient:" in m for m in lines), lines

@@ -262,6 +262,8 @@ class Client:
 
     def _keep(self, message: Message) -> None:
         """Buffer a reply read while waiting for another: its request's ``chunks`` read it later."""
+        if isinstance(message, Stats):  # the late reply to a stats ask that timed out: nobody's
+            return
         self._buffered.setdefault(getattr(message, "request_id", None) or "", []).append(message)
 
     def submit(

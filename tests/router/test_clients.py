@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 import zmq
 
-from pdserve.cluster.client import AsyncClient, Client, ClientClosed, ClusterError, ClusterGone
+from pdserve.cluster.client import (
+    AsyncClient,
+    Client,
+    ClientClosed,
+    ClusterError,
+    ClusterGone,
+    ClusterUnavailable,
+)
 from pdserve.cluster.protocol import (
     MAX_REQUEST_ID_CHARS,
     Chunk,
@@ -216,6 +223,19 @@ def test_a_request_id_over_the_limit_is_refused_at_once(rig: RouterRig) -> None:
         asyncio.run(main())
     assert refused.value.code == "invalid_field"
     assert time.monotonic() - started < 1.0
+
+
+def test_a_late_stats_reply_is_not_kept(rig: RouterRig) -> None:
+    """A stats ask that timed out is answered later, while the client waits for a request: that
+    reply is nobody's and must not pile up in the client's buffers."""
+    with Client(rig.router.addresses.client, timeout=0.3) as client:
+        with pytest.raises(ClusterUnavailable):
+            client.stats()  # the router is not polled meanwhile
+        rig.pump()  # now it answers
+        client.submit(token_ids=[5, 6, 7], request_id="s", max_tokens=1)
+        rig.worker(TokenOutputs([TokenOutput(_work(rig).request_id, 0, [11], True, "length")]))
+        assert client.result("s").token_ids == [11]
+        assert client._buffered == {}
 
 
 def test_a_request_id_that_is_not_a_string_is_refused_before_sending(rig: RouterRig) -> None:

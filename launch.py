@@ -19,14 +19,26 @@ removes it from the cluster.
 from __future__ import annotations
 
 import logging
+import signal
 import statistics
 import sys
 import threading
 import time
 import typing
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
+_interrupted = False  # whether Ctrl-C came while the imports ran, even if one swallowed it
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+signal.signal(signal.SIGINT, _interrupt)
 try:
     import click
 
@@ -34,10 +46,16 @@ try:
     from pdserve.cluster.group import name_process
     from pdserve.cluster.launcher import Cluster, ClusterError
     from pdserve.engine.config import SettingSpec
-except ModuleNotFoundError as missing:  # run from a checkout that was never installed
-    sys.exit(f"error: {missing.name} is not installed; run `pip install -e .` in the repository root first")
-except KeyboardInterrupt:  # Ctrl-C while torch loads: the shell's exit status, not a traceback
+except (ModuleNotFoundError, KeyboardInterrupt) as e:
+    if _interrupted:  # Ctrl-C while torch loads: the shell's exit status, not a traceback
+        sys.exit(130)
+    assert isinstance(e, ModuleNotFoundError)  # run from a checkout that was never installed
+    sys.exit(f"error: {e.name} is not installed; run `pip install -e .` in the repository root first")
+# torch's C extension imports numpy and drops whatever that import raised, a KeyboardInterrupt
+# too, leaving numpy half imported: stop here rather than fail later inside a library.
+if _interrupted:
     sys.exit(130)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 DEMO_PROMPTS = (
     "What is the capital of France?",

@@ -178,10 +178,21 @@ class Cluster:
         stop signal meanwhile ends what was started and raises ``ClusterError``."""
         # Loading can take minutes: a stop then must end the ranks here, not leave the interpreter
         # waiting for them at exit (multiprocessing joins its children), and SIGTERM as Ctrl-C does.
-        previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in STOP_SIGNALS}
+        interrupted = False
+
+        def interrupt(signum: int, frame: object) -> None:
+            nonlocal interrupted
+            interrupted = True
+            raise KeyboardInterrupt
+
+        previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
         try:
             self._start()
-        except KeyboardInterrupt:
+        except BaseException:
+            # A library may turn the KeyboardInterrupt into an error of its own (transformers'
+            # lazy imports report an import cut short as ModuleNotFoundError): the stop is the cause.
+            if not interrupted:
+                raise
             started = any(g.processes is not None for g in self.groups.values()) or bool(self._live_front_ends())
             self._abandon()
             ended = ": every process it started has ended" if started else " (no process had started)"

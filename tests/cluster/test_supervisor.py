@@ -115,3 +115,28 @@ def test_a_stop_signal_repeated_at_once_is_the_same_stop(gap_s: float, cut: bool
     (failed,) = router.failed
     assert ("stopped again" in failed[1]) is cut, failed
     assert (took < 2.5) is cut, took
+
+
+def test_a_stop_signal_that_a_library_turns_into_its_own_error_still_stops_quietly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C while transformers imports lazily (loading the tokenizer) came out as its
+    ModuleNotFoundError and a traceback, not the one-line "stopped before the cluster was ready"."""
+
+    def start_interrupted() -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler runs before this ends
+        except KeyboardInterrupt as e:
+            raise ModuleNotFoundError("Could not import module 'LlamaConfig'") from e
+
+    def start_failing() -> None:
+        raise ModuleNotFoundError("no module named 'x'")
+
+    cluster = Cluster(ClusterConfig.from_settings({}))
+    monkeypatch.setattr(cluster, "_start", start_interrupted)
+    with pytest.raises(ClusterError, match="stopped before the cluster was ready"):
+        cluster.start()
+    monkeypatch.setattr(cluster, "_start", start_failing)
+    with pytest.raises(ModuleNotFoundError):  # with no signal, the error is the error
+        cluster.start()

@@ -138,7 +138,6 @@ class Cluster:
     def __init__(self, config: ClusterConfig, require_tokenizer: bool = False) -> None:
         self.config = config
         self.require_tokenizer = require_tokenizer
-        self._stop_requested = False
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-")
         self._reaper: subprocess.Popen[bytes] | None = None
         self.addresses = Addresses(self._tmp.name, f"tcp://{config.host}:{config.port}")
@@ -148,7 +147,7 @@ class Cluster:
         self.mps: MpsDaemon | None = None
         self._stopping = False
         self._cut_drain = False  # a second stop signal: what is still in flight ends now
-        self._first_stop_signal: float | None = None  # time.monotonic() of the first
+        self._first_stop_signal: float | None = None  # time.monotonic() of the first; None: none yet
 
     @property
     def endpoint(self) -> str:
@@ -157,7 +156,7 @@ class Cluster:
     @property
     def stop_requested(self) -> bool:
         """A stop signal came (the cluster drains, or will once ``serve`` sees it)."""
-        return self._stop_requested
+        return self._first_stop_signal is not None
 
     def summary(self) -> str:
         c = self.config
@@ -479,7 +478,6 @@ class Cluster:
             # still end, each with its one terminal message, and every process still stops.
             logger.warning("stop signal again: requests still in flight end now (error 'shutdown')")
             self._cut_drain = True
-        self._stop_requested = True
 
     def serve(self, until: Callable[[], bool] | None = None, serving: Callable[[], None] | None = None) -> None:
         """Route requests until a stop is requested (signal, or ``until()`` returning True), then
@@ -492,7 +490,7 @@ class Cluster:
         try:
             if serving is not None:
                 serving()
-            while not self._stop_requested and not (until is not None and until()):
+            while not self.stop_requested and not (until is not None and until()):
                 self.router.poll(50)
                 self._check_workers()
             self.shutdown()
@@ -525,7 +523,7 @@ class Cluster:
                 self._store.set(group_state_key(role, index), "removed")  # if its node still runs, it stops it
             elif group.processes is not None:
                 self._group_failed(group, cause)
-        if self._stopping or self._stop_requested:
+        if self._stopping or self.stop_requested:
             return
         for front_end in self.front_ends:
             if front_end.process is not None and front_end.process.poll() is not None:

@@ -1,9 +1,12 @@
 """The wire protocol: typed, versioned messages and their one msgpack codec.
 
 Every message is a msgpack map with ``type`` and ``version``; the other keys are the fields of
-the dataclass registered for that type. ``decode`` never raises anything but ``ProtocolError``
-(garbage bytes, wrong shape, unknown type or field, wrong version, bad field types), so a
-process that reads a socket can answer bad input with an error instead of dying. No pickles.
+the ``msgspec.Struct`` registered for that type. msgspec decodes and type-checks a message in
+one pass in C, which matters on the hot links (a step's tokens, a KV announce); this module
+reads ``type`` and ``version`` first and tells msgspec's errors in this protocol's codes.
+``decode`` never raises anything but ``ProtocolError`` (garbage bytes, wrong shape, unknown
+type or field, wrong version, bad field types), so a process that reads a socket can answer bad
+input with an error instead of dying. No pickles.
 
 Client-facing messages are documented in ``docs/protocol.md``; the internal ones travel
 between the router and the worker leaders, and between prefill and decode leaders.
@@ -11,14 +14,12 @@ between the router and the worker leaders, and between prefill and decode leader
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import types
-import typing
-from dataclasses import dataclass, field
+import re
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import msgpack
+import msgspec
 
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.timings import RequestTimings
@@ -40,8 +41,10 @@ class ProtocolError(ValueError):
 _TYPES: dict[str, type[Message]] = {}
 
 
-@dataclass
-class Message:
+class Message(msgspec.Struct, forbid_unknown_fields=True):
+    """A message's fields. On the wire a top-level message is the map of its fields plus ``type``
+    and ``version``; one nested in another (a ``chunk`` in ``chunks``) is its fields alone."""
+
     type: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -50,187 +53,56 @@ class Message:
             _TYPES[cls.type] = cls
 
 
-Checker = typing.Callable[[Any, str], Any]
+class _Envelope(msgspec.Struct):
+    """What is read of every message before its fields: the rest is skipped, not checked."""
 
-
-@dataclass(frozen=True)
-class _Spec:
-    """What the codec needs of a message class, resolved once per class (hot path)."""
-
-    fields: tuple[tuple[str, Checker, bool], ...]  # (name, checker, required) in field order
-    names: tuple[str, ...]
-    name_set: frozenset[str]
-    nested: tuple[str, ...]  # fields whose type may hold messages (alone or in a list) or timings
+    type: object = None
+    version: object = None
+    request_id: object = None
 
 
 @functools.cache
-def _spec(cls: type[Message]) -> _Spec:
-    hints = typing.get_type_hints(cls)
-    fields = tuple(
-        (f.name, _checker(hints[f.name]), f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-        for f in dataclasses.fields(cls)
-    )
-    names = tuple(name for name, _, _ in fields)
-    return _Spec(fields, names, frozenset(names), tuple(n for n in names if _nested(hints[n])))
+def _wire(cls: type[Message]) -> type[msgspec.Struct]:
+    """``cls`` as it travels: ``type``, ``version``, then its fields (same types and defaults),
+    unknown keys refused; msgspec checks every value's type while it decodes, in C."""
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [("type", str), ("version", int)]
+    for f in msgspec.structs.fields(cls):
+        if f.default is not msgspec.NODEFAULT:
+            fields.append((f.name, f.type, f.default))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            fields.append((f.name, f.type, msgspec.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, f.type))
+    return msgspec.defstruct(cls.__name__, fields, forbid_unknown_fields=True)
 
 
-def _nested(hint: Any) -> bool:
-    """Whether a field of this type may hold a value the codec turns into a map."""
-    if isinstance(hint, type):
-        return issubclass(hint, (Message, RequestTimings))
-    return any(_nested(arg) for arg in typing.get_args(hint))
+@functools.cache
+def _decoder(cls: type[Message]) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(_wire(cls))
 
 
-def _plain(message: Message) -> dict[str, Any]:
-    """Fields as a shallow dict; nested messages (alone or in a list) become dicts too, and
-    timings the map of the values that apply."""
-    spec = _spec(type(message))
-    out = {name: getattr(message, name) for name in spec.names}
-    for name in spec.nested:
-        value = out[name]
-        if isinstance(value, Message):
-            out[name] = _plain(value)
-        elif isinstance(value, RequestTimings):
-            out[name] = value.as_dict()
-        elif isinstance(value, list):
-            out[name] = [_plain(v) if isinstance(v, Message) else v for v in value]
-    return out
+_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
+_ENCODER = msgspec.msgpack.Encoder()
 
 
 def encode(message: Message) -> bytes:
-    body = {"type": message.type, "version": PROTOCOL_VERSION}
-    body.update(_plain(message))
-    return msgpack.packb(body, use_bin_type=True)
-
-
-def _invalid(message: str) -> ProtocolError:
-    return ProtocolError("invalid_field", message)
-
-
-@functools.cache
-def _checker(hint: Any) -> Checker:
-    """A function ``(value, field name) -> value`` that validates (and lightly normalises) a
-    decoded value against the type hint ``hint``, raising ProtocolError; built once per hint."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        nullable = type(None) in options
-        checks = [_checker(o) for o in options if o is not type(None)]
-        if nullable and len(checks) == 1:  # ``X | None``, the common case
-            (check_value,) = checks
-            return lambda value, name: None if value is None else check_value(value, name)
-
-        def check_union(value: Any, name: str) -> Any:
-            if value is None and nullable:
-                return None
-            errors = []
-            for check in checks:
-                try:
-                    return check(value, name)
-                except ProtocolError as e:
-                    errors.append(e.message)
-            raise _invalid(errors[0] if errors else f"field {name!r} may not be null")
-
-        return check_union
-    if hint is Any:
-        return lambda value, name: value
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        check_item = _checker(item)
-
-        def check_list(value: Any, name: str) -> Any:
-            if not isinstance(value, (list, tuple)):
-                raise _invalid(f"field {name!r} must be a list")
-            # Token ids, the common and long case: one type scan in C (bools are not ints here).
-            if item is int and set(map(type, value)) <= {int}:
-                return value if isinstance(value, list) else list(value)
-            return [check_item(v, name) for v in value]
-
-        return check_list
-    if origin is dict:
-
-        def check_map(value: Any, name: str) -> Any:
-            if not isinstance(value, dict):
-                raise _invalid(f"field {name!r} must be a map")
-            return value
-
-        return check_map
-    if hint is float:
-
-        def check_number(value: Any, name: str) -> Any:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise _invalid(f"field {name!r} must be a number")
-            return float(value)
-
-        return check_number
-    if hint is int:
-
-        def check_int(value: Any, name: str) -> Any:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise _invalid(f"field {name!r} must be an integer")
-            return value
-
-        return check_int
-    if hint in (str, bool, bytes):
-
-        def check_plain(value: Any, name: str) -> Any:
-            if not isinstance(value, hint):
-                raise _invalid(f"field {name!r} must be {hint.__name__}")
-            return value
-
-        return check_plain
-    if isinstance(hint, type) and issubclass(hint, Message):
-        return lambda value, name: _from_fields(hint, value, name)
-    if hint is RequestTimings:
-        return _check_timings
-    return lambda value, name: value
-
-
-_TIMING_NAMES = frozenset(f.name for f in dataclasses.fields(RequestTimings))
-
-
-def _check_timings(value: Any, name: str) -> RequestTimings:
-    """Timings travel as the map of the values that apply (``RequestTimings.as_dict``)."""
-    if not isinstance(value, dict):
-        raise _invalid(f"field {name!r} must be a map")
-    if not value.keys() <= _TIMING_NAMES:
-        unknown = sorted(str(key) for key in value.keys() - _TIMING_NAMES)
-        raise _invalid(f"unknown key {unknown[0]!r} in field {name!r}")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
-        raise _invalid(f"field {name!r} must map to numbers")
-    return RequestTimings(**{key: float(v) for key, v in value.items()})
-
-
-def _from_fields(cls: type[Message], body: Any, where: str) -> Message:
-    if not isinstance(body, dict):
-        raise ProtocolError("invalid_field", f"{where!r} must be a map")
-    spec = _spec(cls)
-    if not body.keys() <= spec.name_set:  # field names are strings: so, then, are the keys
-        if not all(isinstance(key, str) for key in body):
-            raise ProtocolError("malformed", f"map keys in {where!r} must be strings")
-        unknown = sorted(set(body) - spec.name_set)
-        raise ProtocolError("unknown_field", f"unknown field {unknown[0]!r} in {cls.type or where}")
-    kwargs = {}
-    for name, check, required in spec.fields:
-        if name in body:
-            kwargs[name] = check(body[name], name)
-        elif required:
-            raise ProtocolError("missing_field", f"missing field {name!r} in {cls.type or where}")
-    return cls(**kwargs)
+    cls = type(message)
+    return _ENCODER.encode(_wire(cls)(cls.type, PROTOCOL_VERSION, *msgspec.structs.astuple(message)))
 
 
 def decode(data: bytes) -> Message:
     try:
-        body = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError("malformed", f"not a msgpack message: {type(e).__name__}") from None
-    if not isinstance(body, dict):
-        raise ProtocolError("malformed", "a message must be a msgpack map")
-    request_id = body.get("request_id") if isinstance(body.get("request_id"), str) else None
-    if request_id is not None and len(request_id) > MAX_REQUEST_ID_CHARS:
+        envelope = _ENVELOPE.decode(data)
+    except msgspec.ValidationError as e:  # the one shape an envelope has: a map with string keys
+        why = "map keys must be strings" if " - at `key`" in str(e) else "a message must be a msgpack map"
+        raise ProtocolError("malformed", why) from None
+    except Exception as e:  # garbage, truncated, trailing bytes, nested too deep
+        raise ProtocolError("malformed", f"not a msgpack message: {e}") from None
+    kind, version, request_id = envelope.type, envelope.version, envelope.request_id
+    if not isinstance(request_id, str):
+        request_id = None
+    elif len(request_id) > MAX_REQUEST_ID_CHARS:
         raise ProtocolError("invalid_field", f"request_id: longer than {MAX_REQUEST_ID_CHARS} characters")
-    kind = body.pop("type", None)
-    version = body.pop("version", None)
     if not isinstance(kind, str) or kind not in _TYPES:
         raise ProtocolError("unknown_type", f"unknown message type {kind!r}", request_id)
     if type(version) is not int or version != PROTOCOL_VERSION:
@@ -239,17 +111,43 @@ def decode(data: bytes) -> Message:
             f"protocol version {version!r} is not supported (this is {PROTOCOL_VERSION})",
             request_id,
         )
+    cls = _TYPES[kind]
     try:
-        return _from_fields(_TYPES[kind], body, kind)
-    except ProtocolError as e:
-        e.request_id = request_id
-        raise
+        wire = _decoder(cls).decode(data)
+    except msgspec.ValidationError as e:
+        raise _field_error(str(e), kind, request_id) from None
+    except Exception as e:  # bad bytes in a value the envelope skipped (a string that is not UTF-8)
+        raise ProtocolError("malformed", f"not a msgpack message: {e}", request_id) from None
+    return cls(*msgspec.structs.astuple(wire)[2:])
+
+
+_NAMED = re.compile(r"Object (missing required|contains unknown) field `(.*)`")
+_INDEX = re.compile(r"(\[[^]]*\])+$")  # a list's "[0]", a map's "[*]"
+
+
+def _field_error(error: str, kind: str, request_id: str | None) -> ProtocolError:
+    """msgspec's ``reason - at `$.path``` told in this protocol's codes, naming the field."""
+    reason, _, at = error.partition(" - at `")
+    if at.startswith("key`"):  # "Expected `str`, got `int` - at `key` in `$.sampling`"
+        return ProtocolError("malformed", f"map keys must be strings ({reason})", request_id)
+    # "sampling.max_tokens", "outputs[0].timings", "usage[...]" (a map's value)
+    path = at.rstrip("`").removeprefix("$").lstrip(".").replace("[...]", "[*]")
+    parent, _, leaf = path.rpartition(".")
+    named = _NAMED.fullmatch(reason)
+    if named is None:  # a value of the wrong type
+        inside = f" in {parent}" if parent else ""
+        return ProtocolError("invalid_field", f"field {_INDEX.sub('', leaf)!r}{inside}: {reason}", request_id)
+    name, where = named.group(2), path or kind
+    if named.group(1) == "missing required":
+        return ProtocolError("missing_field", f"missing field {name!r} in {where}", request_id)
+    if _INDEX.sub("", leaf) == "timings":  # a field's value, not a message: a bad value
+        return ProtocolError("invalid_field", f"unknown key {name!r} in field {where!r}", request_id)
+    return ProtocolError("unknown_field", f"unknown field {name!r} in {where}", request_id)
 
 
 # -- client <-> router -----------------------------------------------------------------------
 
 
-@dataclass
 class Sampling(Message):
     """Sampling parameters (``to_params`` checks their ranges)."""
 
@@ -258,7 +156,7 @@ class Sampling(Message):
     top_p: float = 1.0
     top_k: int = -1
     seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
 
     def to_params(self) -> SamplingParams:
@@ -274,7 +172,6 @@ class Sampling(Message):
         )
 
 
-@dataclass
 class Generate(Message):
     """Client -> router. Exactly one of ``prompt`` (text) and ``token_ids``."""
 
@@ -282,13 +179,12 @@ class Generate(Message):
     request_id: str | None = None  # the client's id, echoed back; the router makes one if absent
     prompt: str | None = None
     token_ids: list[int] | None = None
-    sampling: Sampling = field(default_factory=Sampling)
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
     stream: bool = True
     chat: bool = True  # apply the model's chat template to a text prompt
     batch_chunks: bool = False  # this request's chunks may come inside ``chunks`` messages
 
 
-@dataclass
 class Abort(Message):
     """Client -> router (and router -> workers): stop a request."""
 
@@ -296,7 +192,6 @@ class Abort(Message):
     request_id: str
 
 
-@dataclass
 class Chunk(Message):
     """Router -> client: new tokens of a streaming request, in order."""
 
@@ -306,7 +201,6 @@ class Chunk(Message):
     text: str
 
 
-@dataclass
 class Chunks(Message):
     """Router -> client: the chunks of one worker step for this client's ``batch_chunks``
     requests, one message instead of one each."""
@@ -315,7 +209,6 @@ class Chunks(Message):
     chunks: list[Chunk]
 
 
-@dataclass
 class Final(Message):
     """Router -> client: the terminal message of a request that ran (finished or aborted)."""
 
@@ -328,7 +221,6 @@ class Final(Message):
     timings: dict[str, float]  # RequestTimings.as_dict(): queue, prefill, transfer, ..., total
 
 
-@dataclass
 class StatsRequest(Message):
     """Client -> router: ask for the cluster's state."""
 
@@ -336,7 +228,6 @@ class StatsRequest(Message):
     tag: int | None = None  # echoed on the reply: a client with several asks out tells them apart
 
 
-@dataclass
 class Stats(Message):
     """Router -> client: requests in flight, and each group's latest report (``worker_stats``)."""
 
@@ -349,12 +240,11 @@ class Stats(Message):
     max_model_len: int = 0  # prompt + output tokens a request may hold
     # Since start: group_failures, restarts, migrated (request moves), worker_failed (requests
     # ended past the migration limit).
-    faults: dict[str, int] = field(default_factory=dict)
-    members: list[GroupInfo] = field(default_factory=list)  # every group the router knows of
+    faults: dict[str, int] = msgspec.field(default_factory=dict)
+    members: list[GroupInfo] = msgspec.field(default_factory=list)  # every group the router knows of
     tag: int | None = None  # the request's
 
 
-@dataclass
 class GroupInfo(Message):
     """One worker group as the router sees it (in ``stats``): where it runs and what it holds."""
 
@@ -374,7 +264,6 @@ class GroupInfo(Message):
     stats_age: float | None = None
 
 
-@dataclass
 class Error(Message):
     """Router -> client: the terminal message of a request that failed, or a reply to bad input."""
 
@@ -387,7 +276,6 @@ class Error(Message):
 # -- router <-> workers, prefill <-> decode ----------------------------------------------------
 
 
-@dataclass
 class WorkRequest(Message):
     """Router -> prefill (or colocated) leader."""
 
@@ -398,7 +286,6 @@ class WorkRequest(Message):
     decode_group: int  # where the prefill group sends the KV (unused when colocated)
 
 
-@dataclass
 class TokenOutput(Message):
     """Worker leader -> router: tokens of a request, ``index`` = position of the first one."""
 
@@ -408,10 +295,9 @@ class TokenOutput(Message):
     token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
-    timings: RequestTimings = field(default_factory=RequestTimings)  # on the wire: the values that apply
+    timings: RequestTimings = msgspec.field(default_factory=RequestTimings)  # on the wire: the values that apply
 
 
-@dataclass
 class TokenOutputs(Message):
     """Worker leader -> router: every request's new tokens of one engine step, in one message."""
 
@@ -419,7 +305,6 @@ class TokenOutputs(Message):
     outputs: list[TokenOutput]
 
 
-@dataclass
 class WorkerError(Message):
     """Worker leader -> router: a request the worker could not serve."""
 
@@ -429,7 +314,6 @@ class WorkerError(Message):
     message: str
 
 
-@dataclass
 class KVAnnounce(Message):
     """Prefill leader -> decode leader: a prefilled request whose KV is ready to move."""
 
@@ -439,12 +323,11 @@ class KVAnnounce(Message):
     token_ids: list[int]  # the prompt
     first_token: int
     sampling: Sampling
-    timings: RequestTimings = field(default_factory=RequestTimings)  # measured by the prefill group's engine
-    block_ids: list[int] = field(default_factory=list)  # the prompt's KV blocks in the prefill pool
+    timings: RequestTimings = msgspec.field(default_factory=RequestTimings)  # measured by the prefill group's engine
+    block_ids: list[int] = msgspec.field(default_factory=list)  # the prompt's KV blocks in the prefill pool
     generation: int = 0  # the prefill group's: a dead generation's announce, read late, is dropped
 
 
-@dataclass
 class KVReply(Message):
     """Decode leader -> prefill leader: ``accepted`` or refused (no blocks). Accepted means the
     receive is posted (push backends) or, where the decode side pulls the KV, that the pull is
@@ -457,7 +340,6 @@ class KVReply(Message):
     cached_blocks: int = 0
 
 
-@dataclass
 class WorkerStats(Message):
     """Worker leader -> router, periodically: the group's KV pool and queues."""
 
@@ -478,7 +360,6 @@ class WorkerStats(Message):
     kv_transfer_failures: int = 0  # KV transfers that did not deliver a usable KV, cumulative
 
 
-@dataclass
 class CacheEvents(Message):
     """Worker leader -> router: blocks the group's prefix cache took in or evicted since the
     last such message, in order, each named by its block hash (``block_hash``): ``h`` inserted,
@@ -490,7 +371,6 @@ class CacheEvents(Message):
     hashes: list[int]
 
 
-@dataclass
 class Ready(Message):
     """Worker leader -> router: the group is up."""
 
@@ -502,14 +382,12 @@ class Ready(Message):
     address: str = ""  # where its leader listens ("": where the router's node told it to)
 
 
-@dataclass
 class Shutdown(Message):
     """Router -> worker leaders: no more requests; drain and exit."""
 
     type: ClassVar[str] = "shutdown"
 
 
-@dataclass
 class Heartbeat(Message):
     """Every worker rank -> router, every ``heartbeat_interval`` from a thread of its own: the
     rank's process is alive and running (neither dead nor stopped)."""
@@ -521,7 +399,6 @@ class Heartbeat(Message):
     device: str = ""  # where the rank runs: "cpu", "cuda:0"
 
 
-@dataclass
 class Drain(Message):
     """Group node -> router: the node is stopping (SIGTERM). Send the group no more requests,
     let it finish those it holds, then shut it down and forget it."""
@@ -531,7 +408,6 @@ class Drain(Message):
     group: int
 
 
-@dataclass
 class PeerFailed(Message):
     """Router -> leaders of the other role: group ``group`` of ``role`` failed (or left the
     cluster); give up every KV hand-off with it."""
@@ -541,7 +417,6 @@ class PeerFailed(Message):
     group: int
 
 
-@dataclass
 class PeerRestarted(Message):
     """Router -> leaders of the other role: group ``group`` of ``role`` was restarted as
     ``generation``, or joined the cluster; form a new KV pair group with it."""
@@ -559,7 +434,7 @@ _HASH_MASK = (1 << 63) - 1
 ROOT_HASH = 0  # the empty prefix; never the hash of a block
 
 
-def block_hash(parent: int, block: typing.Sequence[int]) -> int:
+def block_hash(parent: int, block: Sequence[int]) -> int:
     """The name of the prefix that ends with ``block`` (a full KV block's token ids) after the
     prefix named ``parent``: one number for the whole prefix, positive and below 2**63 so that
     its negation can mean an eviction.
@@ -572,7 +447,7 @@ def block_hash(parent: int, block: typing.Sequence[int]) -> int:
     return (hash((parent, tuple(block))) & _HASH_MASK) or 1
 
 
-def prefix_hashes(token_ids: typing.Sequence[int], block_size: int) -> list[int]:
+def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """The hashes of every full block of ``token_ids``, in order."""
     hashes: list[int] = []
     parent = ROOT_HASH

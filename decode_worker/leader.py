@@ -41,6 +41,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import msgspec
+
 from pdserve.cluster.config import Addresses
 from pdserve.cluster.leader import GroupLeader
 from pdserve.cluster.protocol import KVAnnounce, KVReply, Message, WorkerError
@@ -255,11 +257,13 @@ class DecodeLeader(GroupLeader):
         if out.finished:
             # Queue and prefill times come from the prefill group; this group adds the rest.
             prefill_timings, stats = self.handoffs.pop(out.request_id, (RequestTimings(), None))
-            timings = dataclasses.replace(
+            timings = msgspec.structs.replace(
                 prefill_timings, decode=out.timings.decode, decode_cached_tokens=out.timings.cached_tokens
             )
             if stats is not None:
-                timings = dataclasses.replace(timings, transfer=stats.seconds, transfer_bytes=float(stats.num_bytes))
+                timings = msgspec.structs.replace(
+                    timings, transfer=stats.seconds, transfer_bytes=float(stats.num_bytes)
+                )
             out = dataclasses.replace(out, timings=timings)
         self.emit(out)
 

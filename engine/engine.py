@@ -5,7 +5,6 @@ This is the API the workers build on and the oracle every cluster topology is co
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as SequenceType
@@ -13,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+import msgspec
 import torch
 
 from pdserve.engine.block_manager import BlockManager
@@ -399,7 +399,7 @@ class LLMEngine:
         timings = seq.milestones.durations()
         if self.block_manager.prefix_cache is None:
             return timings
-        return dataclasses.replace(timings, cached_tokens=float(seq.num_cached_tokens))
+        return msgspec.structs.replace(timings, cached_tokens=float(seq.num_cached_tokens))
 
     def drain(self) -> Iterator[list[RequestOutput]]:
         """Step until every request has finished, yielding each step's outputs."""

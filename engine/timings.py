@@ -1,6 +1,7 @@
 """A request's clock in one engine, and the durations a request reports when it ends.
 
-Plain Python, no torch: the durations travel between processes (``cluster.protocol``).
+No torch: the durations travel between processes (``cluster.protocol``), as a msgspec Struct
+that the wire codec checks and writes without Python code.
 """
 
 from __future__ import annotations
@@ -8,9 +9,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 
-@dataclass(frozen=True)
-class RequestTimings:
+
+class RequestTimings(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """Seconds a request spent in each phase, the KV bytes it moved and the prompt tokens the
     prefix caches served; None where a value does not apply. An engine measures ``queue``,
     ``prefill``, ``decode`` and ``cached_tokens``; a decode group's leader adds ``transfer``,
@@ -30,7 +32,7 @@ class RequestTimings:
 
     def as_dict(self) -> dict[str, float]:
         """The values that apply, by name: the wire form (``timings`` in docs/protocol.md)."""
-        return {name: value for name, value in vars(self).items() if value is not None}
+        return {name: value for name in self.__struct_fields__ if (value := getattr(self, name)) is not None}
 
 
 @dataclass

@@ -32,7 +32,6 @@ nothing the dead group still sends is applied, up to ``migration_limit`` moves, 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -41,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 
 from pdserve.cluster.auth import secure_server
@@ -485,7 +485,7 @@ class Router:
         if decode_group is not None:
             self.decode_load[decode_group] += state.outstanding_tokens
             self.dispatched[("decode", decode_group)] += 1
-        sampling = dataclasses.replace(state.sampling, max_tokens=state.sampling.max_tokens - len(state.token_ids))
+        sampling = msgspec.structs.replace(state.sampling, max_tokens=state.sampling.max_tokens - len(state.token_ids))
         work = WorkRequest(
             request_id,
             prompt,
@@ -747,7 +747,7 @@ class Router:
             # A leader reports after its ``ready``: a report from a group that is not ready is a
             # dead generation's, still queued.
             if (message.role, message.group) in self.ready:
-                stats = dataclasses.asdict(message)
+                stats = msgspec.structs.asdict(message)
                 name = f"{stats.pop('role')}{stats.pop('group')}"
                 self.worker_stats[name] = stats
                 self.stats_time[name] = time.monotonic()
@@ -838,12 +838,12 @@ class Router:
         if first_token is not None and timings.prefill is not None:
             # The whole wait before prefill began, as the router saw it: the engine's own queue
             # misses the time the request sat unread in a worker's inbox behind a long step.
-            timings = dataclasses.replace(timings, queue=max(0.0, first_token - timings.prefill))
-        timings = dataclasses.replace(timings, total=now - state.arrival, first_token=first_token)
+            timings = msgspec.structs.replace(timings, queue=max(0.0, first_token - timings.prefill))
+        timings = msgspec.structs.replace(timings, total=now - state.arrival, first_token=first_token)
         # A moved request's attempt matched its prompt and the tokens it had so far: of those,
         # only the prompt's count in its usage (cached tokens never exceed the prompt tokens).
         prompt_tokens = len(state.prompt_ids)
-        timings = dataclasses.replace(
+        timings = msgspec.structs.replace(
             timings,
             cached_tokens=_at_most(timings.cached_tokens, prompt_tokens),
             decode_cached_tokens=_at_most(timings.decode_cached_tokens, prompt_tokens),
@@ -851,7 +851,7 @@ class Router:
         if reason == "abort" and timings.decode is None and state.first_token is not None:
             # Its decoding ends here, by the router's clock: a group's own figure comes only with
             # a last token, which an aborted request never has.
-            timings = dataclasses.replace(timings, decode=now - state.first_token)
+            timings = msgspec.structs.replace(timings, decode=now - state.first_token)
         self._reply(
             state.client,
             Final(

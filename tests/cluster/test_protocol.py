@@ -193,6 +193,40 @@ def test_wire_form_is_a_plain_map_with_type_and_version() -> None:
     assert PROTOCOL_VERSION == 1
 
 
+def test_a_nested_message_travels_as_its_fields_alone() -> None:
+    """docs/protocol.md: a ``chunk`` inside ``chunks`` (and a ``group_info`` inside ``stats``,
+    a ``tokens`` inside ``token_outputs``) has no ``type`` or ``version``."""
+    body = msgpack.unpackb(encode(Chunks([Chunk("r1", [5], "a")])), raw=False)
+    assert body == {"type": "chunks", "version": 1, "chunks": [{"request_id": "r1", "token_ids": [5], "text": "a"}]}
+    body = msgpack.unpackb(encode(TokenOutputs([TokenOutput("7", 0, [9])])), raw=False)
+    assert body["outputs"] == [
+        {"request_id": "7", "index": 0, "token_ids": [9], "finished": False, "finish_reason": None, "timings": {}}
+    ]
+    chunk = {"type": "chunk", "version": 1, "request_id": "r1", "token_ids": [5], "text": "a"}
+    error = decode_error(pack({"type": "chunks", "version": 1, "chunks": [chunk]}))
+    assert error.code == "unknown_field" and "'type'" in error.message and "chunks[0]" in error.message
+
+
+@pytest.mark.parametrize(
+    ("body", "name"),
+    [
+        (
+            {"type": "chunks", "version": 1, "chunks": [{"request_id": "r1", "token_ids": ["5"], "text": ""}]},
+            "token_ids",
+        ),
+        ({"type": "stats", "version": 1, "requests_in_flight": 0, "groups": {"prefill0": {"running": "1"}}}, "groups"),
+        (
+            {"type": "final", "version": 1, "request_id": "r1", "finish_reason": "stop", "token_ids": [], "text": ""}
+            | {"usage": {"prompt_tokens": 1.5}, "timings": {}},
+            "usage",
+        ),
+    ],
+)
+def test_a_bad_value_deep_in_a_message_names_its_field(body: dict, name: str) -> None:
+    error = decode_error(pack(body))
+    assert error.code == "invalid_field" and repr(name) in error.message
+
+
 def test_timings_travel_as_the_map_of_the_values_that_apply() -> None:
     output = TokenOutput("7", 1, [10], finished=True, timings=RequestTimings(queue=0.5, transfer_bytes=4096.0))
     body = msgpack.unpackb(encode(output), raw=False)

@@ -3,7 +3,6 @@ every message the router sends them is checked (moves, aborts, peer notices, hea
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -244,7 +243,7 @@ def test_a_moved_requests_cached_tokens_never_exceed_its_prompt_tokens(rig: Rig)
     assert len(again.token_ids) == len(PROMPT) + 18
     hit = RequestTimings(prefill=0.01, cached_tokens=16.0)  # 16 of its 21 tokens, in full blocks
     rig.worker(TokenOutputs([TokenOutput(again.request_id, 0, [30], timings=hit)]))
-    done = dataclasses.replace(hit, decode=0.01, decode_cached_tokens=16.0)
+    done = RequestTimings(prefill=0.01, cached_tokens=16.0, decode=0.01, decode_cached_tokens=16.0)
     rig.worker(TokenOutputs([TokenOutput(again.request_id, 1, [31] * 11, True, "length", timings=done)]))
     final = rig.replies()[-1]
     assert isinstance(final, Final) and final.usage["prompt_tokens"] == len(PROMPT)

@@ -4,7 +4,8 @@ Pools are ``[layers, 2, blocks, block_size, kv_heads, head_dim]`` (the engine's 
 may have different block counts and head counts (a resharding piece takes heads ``src_heads`` of
 the source and writes them at ``dst_heads`` of the destination). The source may live in another
 process (a pool opened through CUDA IPC) or on a peer GPU. One launch moves every layer, K and
-V, of every listed block: no staging buffer between the pools.
+V, of every listed block: no staging buffer between the pools. A negative destination id is
+padding and copies nothing, so that a CUDA graph captured for B blocks can move fewer.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ def paged_kv_copy_ref(
     src_heads: slice,
     dst_heads: slice,
 ) -> None:
-    """``dst[:, :, dst_blocks, :, dst_heads] = src[:, :, src_blocks, :, src_heads]`` in place."""
+    """``dst[:, :, dst_blocks, :, dst_heads] = src[:, :, src_blocks, :, src_heads]`` in place,
+    for the entries whose destination id is not negative (padding)."""
     _check_pools(src, dst, src_heads, dst_heads)
     _check_blocks(src_blocks, dst_blocks)
+    real = dst_blocks >= 0
+    src_blocks, dst_blocks = src_blocks[real], dst_blocks[real]
     gathered = src[:, :, :, :, src_heads].index_select(2, src_blocks.to(src.device))
     dst[:, :, :, :, dst_heads].index_copy_(2, dst_blocks.to(dst.device), gathered.to(dst.device))
 
@@ -55,8 +59,10 @@ def _paged_kv_copy_kernel(
 ):
     block = tl.program_id(0)
     plane = tl.program_id(1).to(tl.int64)
-    src_block = tl.load(src_blocks_ptr + block).to(tl.int64)
     dst_block = tl.load(dst_blocks_ptr + block).to(tl.int64)
+    if dst_block < 0:  # padding
+        return
+    src_block = tl.load(src_blocks_ptr + block).to(tl.int64)
     tokens = tl.arange(0, BLOCK_SIZE)[:, None]
     cols = tl.arange(0, ROW)[None, :]
     mask = cols < row_elems
@@ -104,7 +110,8 @@ class PagedKVCopy:
         self._device = torch.device("cuda", torch.cuda.current_device()) if dst.is_cuda else dst.device
 
     def __call__(self, src_blocks: torch.Tensor, dst_blocks: torch.Tensor) -> None:
-        """``dst[:, :, dst_blocks, :, dst_heads] = src[:, :, src_blocks, :, src_heads]``."""
+        """``dst[:, :, dst_blocks, :, dst_heads] = src[:, :, src_blocks, :, src_heads]``, skipping
+        negative destination ids (padding)."""
         _check_blocks(src_blocks, dst_blocks)
         if src_blocks.device != self._device or dst_blocks.device != self._device:
             raise ValueError(f"block ids must be on the launching device {self._device}")

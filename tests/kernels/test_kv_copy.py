@@ -20,9 +20,11 @@ def check_paged_kv_copy(
     num_blocks: int,
     dtype: torch.dtype,
     device: torch.device,
+    padding: int = 0,
 ) -> None:
     """The kernel writes exactly the reference's result: the listed blocks' heads bit for bit,
-    and every other element of the destination untouched (it starts as NaN)."""
+    and every other element of the destination untouched (it starts as NaN). ``padding``
+    entries (destination -1) are appended to the lists and must copy nothing."""
     gen = torch.Generator().manual_seed(3)
     (src_count, src_slice), (dst_count, dst_slice) = src_heads, dst_heads
     src = torch.randn(layers, 2, num_blocks + 5, block_size, src_count, head_dim, generator=gen).to(device, dtype)
@@ -33,7 +35,14 @@ def check_paged_kv_copy(
     expected = dst.clone()
     kv_copy.paged_kv_copy_ref(src, expected, src_blocks, dst_blocks, src_slice, dst_slice)
     src_before = src.clone()
-    kv_copy.paged_kv_copy(src, dst, src_blocks, dst_blocks, src_slice, dst_slice)
+    pad_src = torch.randint(num_blocks + 5, (padding,), generator=gen).to(device)
+    pad_dst = torch.full((padding,), -1, dtype=dst_blocks.dtype, device=device)
+    src_padded, dst_padded = torch.cat([src_blocks, pad_src]), torch.cat([dst_blocks, pad_dst])
+    if padding:
+        padded_ref = dst.clone()
+        kv_copy.paged_kv_copy_ref(src, padded_ref, src_padded, dst_padded, src_slice, dst_slice)
+        assert torch.equal(_bits(padded_ref), _bits(expected))
+    kv_copy.paged_kv_copy(src, dst, src_padded, dst_padded, src_slice, dst_slice)
     assert torch.equal(_bits(dst), _bits(expected))
     assert torch.equal(src, src_before)
     copied = expected[:, :, dst_blocks][:, :, :, :, dst_slice]
@@ -63,6 +72,11 @@ def test_paged_kv_copy_interpreted(
     check_paged_kv_copy(3, 4, 8, src_heads, dst_heads, 3, dtype, CPU)
 
 
+@pytest.mark.parametrize("num_blocks", [0, 3])
+def test_paged_kv_copy_skips_padding_interpreted(interpreter: None, num_blocks: int) -> None:
+    check_paged_kv_copy(3, 4, 8, PIECES[1][0], PIECES[1][1], num_blocks, torch.float32, CPU, padding=5)
+
+
 def test_paged_kv_copy_checks() -> None:
     """Mismatched pools, head slices and block lists are refused before any launch."""
     pool = torch.zeros(2, 2, 4, 4, 2, 8)
@@ -87,3 +101,9 @@ def test_paged_kv_copy_gpu(
     cuda: torch.device, num_blocks: int, src_heads: tuple[int, slice], dst_heads: tuple[int, slice], dtype: torch.dtype
 ) -> None:
     check_paged_kv_copy(28, BLOCK, HEAD_DIM, src_heads, dst_heads, num_blocks, dtype, cuda)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_blocks", [0, 1, 61])
+def test_paged_kv_copy_skips_padding_gpu(cuda: torch.device, num_blocks: int) -> None:
+    check_paged_kv_copy(28, BLOCK, HEAD_DIM, PIECES[2][0], PIECES[2][1], num_blocks, torch.bfloat16, cuda, padding=3)

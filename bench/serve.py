@@ -799,7 +799,7 @@ def _plot_goodput(plt: Any, series: dict[str, Sequence[dict[str, Any]]], path: P
         ax.plot(*_by_rate(points, lambda m: m["goodput"]), "o-", color=f"C{i}", label=name)
     metrics = next(iter(series.values()))[0]["metrics"]
     slo = ", ".join(
-        f"{k} <= {metrics[f'slo_{k.lower()}_ms']:g} ms"
+        f"{k} <= {metrics[f'slo_{k.lower()}_ms']:.4g} ms"
         for k in ("TTFT", "TPOT")
         if metrics[f"slo_{k.lower()}_ms"] is not None
     )

@@ -47,15 +47,19 @@ def _draw(rng: random.Random, count: int, taken: set[int]) -> list[int]:
     return ids
 
 
-@pytest.mark.gpu
-def test_graph_pulls_copy_exactly_the_listed_blocks_for_every_bucket() -> None:
+def _graphs(num_slots: int) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], CopyGraphs]:
+    """The source pool, the destination pools, their contents before any pull, and the graphs."""
     device = torch.device("cuda")
     src, dsts = _pools(device)
     copiers = [PagedKVCopy(src, d, s, t) for (s, t), d in zip(PIECES, dsts, strict=True)]
-    graphs = CopyGraphs(copiers, device, max_blocks=64, num_slots=2)
+    return src, dsts, [d.clone() for d in dsts], CopyGraphs(copiers, device, max_blocks=64, num_slots=num_slots)
+
+
+@pytest.mark.gpu
+def test_graph_pulls_copy_exactly_the_listed_blocks_for_every_bucket() -> None:
+    src, dsts, before, graphs = _graphs(num_slots=2)
     rng = random.Random(1)
     stream = torch.cuda.Stream()
-    before = [d.clone() for d in dsts]
     pulls, taken = [], set()
     with torch.cuda.stream(stream):
         for count in (1, 3, 4, 5, 33, 64, 2, 33):  # new buckets, reused buckets, partial buckets
@@ -73,13 +77,9 @@ def test_graph_pulls_copy_exactly_the_listed_blocks_for_every_bucket() -> None:
 def test_a_queued_graph_pull_keeps_its_ids_while_later_pulls_are_issued() -> None:
     """With the stream held busy, each pull takes a slot of its own; with every slot queued, the
     next is refused (the caller issues it eagerly) instead of rewriting a queued slot's ids."""
-    device = torch.device("cuda")
-    src, dsts = _pools(device)
-    copiers = [PagedKVCopy(src, d, s, t) for (s, t), d in zip(PIECES, dsts, strict=True)]
-    graphs = CopyGraphs(copiers, device, max_blocks=64, num_slots=3)
+    src, dsts, before, graphs = _graphs(num_slots=3)
     rng = random.Random(2)
     stream = torch.cuda.Stream()
-    before = [d.clone() for d in dsts]
     taken: set[int] = set()
     with torch.cuda.stream(stream):
         pulls = [(rng.sample(range(NUM_BLOCKS), 2), _draw(rng, 2, taken))]

@@ -3,7 +3,8 @@
 Every message is a msgpack map with ``type`` and ``version``; the other keys are the fields of
 the ``msgspec.Struct`` registered for that type. msgspec decodes and type-checks a message in
 one pass in C, which matters on the hot links (a step's tokens, a KV announce); this module
-reads ``type`` and ``version`` first and tells msgspec's errors in this protocol's codes.
+reads ``type`` and ``version`` first; a frame msgspec refuses is read again in Python
+(``_explain``) to name its first error in this protocol's codes and order.
 ``decode`` never raises anything but ``ProtocolError`` (garbage bytes, wrong shape, unknown
 type or field, wrong version, bad field types), so a process that reads a socket can answer bad
 input with an error instead of dying. No pickles.
@@ -15,10 +16,12 @@ between the router and the worker leaders, and between prefill and decode leader
 from __future__ import annotations
 
 import functools
-import re
+import types
+import typing
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import msgpack
 import msgspec
 
 from pdserve.engine.sampling import SamplingParams
@@ -93,56 +96,135 @@ def encode(message: Message) -> bytes:
 def decode(data: bytes) -> Message:
     try:
         envelope = _ENVELOPE.decode(data)
-    except msgspec.ValidationError as e:  # the one shape an envelope has: a map with string keys
-        why = "map keys must be strings" if " - at `key`" in str(e) else "a message must be a msgpack map"
-        raise ProtocolError("malformed", why) from None
-    except Exception as e:  # garbage, truncated, trailing bytes, nested too deep
-        raise ProtocolError("malformed", f"not a msgpack message: {e}") from None
-    kind, version, request_id = envelope.type, envelope.version, envelope.request_id
-    if not isinstance(request_id, str):
-        request_id = None
-    elif len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise ProtocolError("invalid_field", f"request_id: longer than {MAX_REQUEST_ID_CHARS} characters")
-    if not isinstance(kind, str) or kind not in _TYPES:
-        raise ProtocolError("unknown_type", f"unknown message type {kind!r}", request_id)
-    if type(version) is not int or version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            "unsupported_version",
-            f"protocol version {version!r} is not supported (this is {PROTOCOL_VERSION})",
-            request_id,
-        )
-    cls = _TYPES[kind]
+        kind, version, request_id = envelope.type, envelope.version, envelope.request_id
+        cls = _TYPES.get(kind) if isinstance(kind, str) else None
+        if (
+            cls is not None
+            and type(version) is int
+            and version == PROTOCOL_VERSION
+            and not (isinstance(request_id, str) and len(request_id) > MAX_REQUEST_ID_CHARS)
+        ):
+            wire = _decoder(cls).decode(data)
+            return cls(*msgspec.structs.astuple(wire)[2:])
+        refusal: Exception | None = None
+    except Exception as e:  # msgspec refused it: garbage, or a bad field
+        refusal = e
+    raise _explain(data, refusal) from None
+
+
+def _explain(data: bytes, refusal: Exception | None) -> ProtocolError:
+    """Why ``data`` does not decode: the first error in the order the protocol reports them. The
+    frame first (not msgpack, not a map, invalid UTF-8 or a map key that is not a string
+    anywhere), then ``request_id``'s length, ``type``, ``version``, and in each map its unknown
+    keys before its fields, those in their declared order. msgspec stops at the first error in
+    byte order instead, and its messages hold the client's own key names, so a refused frame is
+    read again here, in Python: a cold path that well-formed messages never take."""
     try:
-        wire = _decoder(cls).decode(data)
-    except msgspec.ValidationError as e:
-        raise _field_error(str(e), kind, request_id) from None
-    except Exception as e:  # bad bytes in a value the envelope skipped (a string that is not UTF-8)
-        raise ProtocolError("malformed", f"not a msgpack message: {e}", request_id) from None
-    return cls(*msgspec.structs.astuple(wire)[2:])
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        return ProtocolError("malformed", f"not a msgpack message: {type(e).__name__}")
+    if not isinstance(body, dict):
+        return ProtocolError("malformed", "a message must be a msgpack map")
+    request_id = body.get("request_id") if isinstance(body.get("request_id"), str) else None
+    if request_id is not None and len(request_id) > MAX_REQUEST_ID_CHARS:
+        return ProtocolError("invalid_field", f"request_id: longer than {MAX_REQUEST_ID_CHARS} characters")
+    kind = body.pop("type", None)
+    version = body.pop("version", None)
+    if not isinstance(kind, str) or kind not in _TYPES:
+        return ProtocolError("unknown_type", f"unknown message type {kind!r}", request_id)
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        why = f"protocol version {version!r} is not supported (this is {PROTOCOL_VERSION})"
+        return ProtocolError("unsupported_version", why, request_id)
+    try:
+        _check_fields(_TYPES[kind], body, "", kind)
+    except ProtocolError as e:
+        e.request_id = request_id
+        return e
+    # Nothing found: msgspec refused what a plain read lets by (a key given twice, the first
+    # value bad; nesting deeper than msgspec reads).
+    if isinstance(refusal, msgspec.ValidationError):
+        return ProtocolError("invalid_field", f"{kind}: {refusal}", request_id)
+    return ProtocolError("malformed", f"not a msgpack message: {refusal}", request_id)
 
 
-_NAMED = re.compile(r"Object (missing required|contains unknown) field `(.*)`")
-_INDEX = re.compile(r"(\[[^]]*\])+$")  # a list's "[0]", a map's "[*]"
+def _invalid(message: str) -> ProtocolError:
+    return ProtocolError("invalid_field", message)
 
 
-def _field_error(error: str, kind: str, request_id: str | None) -> ProtocolError:
-    """msgspec's ``reason - at `$.path``` told in this protocol's codes, naming the field."""
-    reason, _, at = error.partition(" - at `")
-    if at.startswith("key`"):  # "Expected `str`, got `int` - at `key` in `$.sampling`"
-        return ProtocolError("malformed", f"map keys must be strings ({reason})", request_id)
-    # "sampling.max_tokens", "outputs[0].timings", "usage[...]" (a map's value)
-    path = at.rstrip("`").removeprefix("$").lstrip(".").replace("[...]", "[*]")
-    parent, _, leaf = path.rpartition(".")
-    named = _NAMED.fullmatch(reason)
-    if named is None:  # a value of the wrong type
-        inside = f" in {parent}" if parent else ""
-        return ProtocolError("invalid_field", f"field {_INDEX.sub('', leaf)!r}{inside}: {reason}", request_id)
-    name, where = named.group(2), path or kind
-    if named.group(1) == "missing required":
-        return ProtocolError("missing_field", f"missing field {name!r} in {where}", request_id)
-    if _INDEX.sub("", leaf) == "timings":  # a field's value, not a message: a bad value
-        return ProtocolError("invalid_field", f"unknown key {name!r} in field {where!r}", request_id)
-    return ProtocolError("unknown_field", f"unknown field {name!r} in {where}", request_id)
+def _check_fields(cls: type[Message], body: Any, path: str, where: str) -> None:
+    """``body`` against ``cls``'s fields; ``path`` names it in its message ("", "sampling",
+    "chunks[0]"), ``where`` in an error (the type's name at the top)."""
+    if not isinstance(body, dict):
+        raise _invalid(f"{where!r} must be a map")
+    fields = msgspec.structs.fields(cls)
+    names = {f.name for f in fields}
+    if not body.keys() <= names:
+        if not all(isinstance(key, str) for key in body):
+            raise ProtocolError("malformed", f"map keys in {where!r} must be strings")
+        unknown = sorted(set(body) - names)
+        raise ProtocolError("unknown_field", f"unknown field {unknown[0]!r} in {where}")
+    for f in fields:
+        if f.name in body:
+            _check_value(f.type, body[f.name], f.name, f"{path}.{f.name}" if path else f.name)
+        elif f.required:
+            raise ProtocolError("missing_field", f"missing field {f.name!r} in {where}")
+
+
+_TIMING_NAMES = frozenset(RequestTimings.__struct_fields__)
+
+
+def _check_value(hint: Any, value: Any, name: str, path: str) -> None:
+    """``value`` of field ``name`` (at ``path``) against its type, as msgspec checks it."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        options = [option for option in typing.get_args(hint) if option is not type(None)]
+        if value is None and len(options) < len(typing.get_args(hint)):
+            return
+        errors = []
+        for option in options:
+            try:
+                return _check_value(option, value, name, path)
+            except ProtocolError as e:
+                errors.append(e)
+        raise errors[0] if errors else _invalid(f"field {name!r} may not be null")
+    if typing.get_origin(hint) is list:
+        if not isinstance(value, list):
+            raise _invalid(f"field {name!r} must be a list")
+        (item,) = typing.get_args(hint)
+        if item is int:  # token ids, the long lists: one scan (bools are not ints here)
+            if any(type(v) is not int for v in value):
+                raise _invalid(f"field {name!r} must be an integer")
+            return
+        for i, v in enumerate(value):
+            _check_value(item, v, name, f"{path}[{i}]")
+    elif typing.get_origin(hint) is dict:
+        if not isinstance(value, dict):
+            raise _invalid(f"field {name!r} must be a map")
+        if not all(isinstance(key, str) for key in value):
+            raise ProtocolError("malformed", f"map keys in field {name!r} must be strings")
+        _, item = typing.get_args(hint)
+        for v in value.values():
+            _check_value(item, v, name, f"{path}[*]")
+    elif hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _invalid(f"field {name!r} must be a number")
+    elif hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _invalid(f"field {name!r} must be an integer")
+    elif hint in (str, bool):
+        if not isinstance(value, hint):
+            raise _invalid(f"field {name!r} must be {hint.__name__}")
+    elif hint is RequestTimings:  # the map of the values that apply (``RequestTimings.as_dict``)
+        if not isinstance(value, dict):
+            raise _invalid(f"field {name!r} must be a map")
+        if not all(isinstance(key, str) for key in value):
+            raise ProtocolError("malformed", f"map keys in field {name!r} must be strings")
+        if not value.keys() <= _TIMING_NAMES:
+            unknown = sorted(value.keys() - _TIMING_NAMES)
+            raise _invalid(f"unknown key {unknown[0]!r} in field {name!r}")
+        if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in value.values()):
+            raise _invalid(f"field {name!r} must map to numbers")
+    elif isinstance(hint, type) and issubclass(hint, Message):
+        _check_fields(hint, value, path, path)
 
 
 # -- client <-> router -----------------------------------------------------------------------

@@ -227,6 +227,37 @@ def test_a_bad_value_deep_in_a_message_names_its_field(body: dict, name: str) ->
     assert error.code == "invalid_field" and repr(name) in error.message
 
 
+def _bad_utf8(body: dict) -> bytes:
+    """``body`` packed, its string value "@@" replaced by two bytes that are not UTF-8."""
+    return pack(body).replace(b"\xa2@@", b"\xa2\xff\xfe")
+
+
+FIRST_ERRORS = [
+    # Each map's unknown keys before its fields, its fields in declared order, wherever they
+    # come in the bytes.
+    (pack({"type": "abort", "version": 1, "request_id": 5, "typo": 1}), "unknown_field", None),
+    (pack({"type": "peer_failed", "version": 1, "group": "0"}), "missing_field", None),
+    (pack({"type": "chunk", "version": 1, "text": 5, "request_id": "r1"}), "missing_field", "r1"),
+    (generate(stream="no", sampling={"typo": 1}), "unknown_field", "r1"),
+    (generate(sampling={"typo": 1}, token_ids="x", bogus=1), "unknown_field", "r1"),
+    # Invalid UTF-8 or a key that is not a string makes the whole frame malformed, first.
+    (_bad_utf8({"type": "nope", "version": 1, "x": "@@"}), "malformed", None),
+    (_bad_utf8({"type": "shutdown", "version": 1, "tag": "@@"}), "malformed", None),
+    (pack({"type": "nope", "version": 1, "request_id": "r1", b"k": 1}), "unknown_type", "r1"),
+    (pack({"type": "abort", "version": 1, "request_id": "r1", b"k": 1}), "malformed", "r1"),
+    # A client's own key names are never taken for the codec's words.
+    (pack({"type": "shutdown", "version": 1, "a\nb": 1}), "unknown_field", None),
+    (pack({"type": "abort", "version": 1, "request_id": "r1", "x` - at `key": 1}), "unknown_field", "r1"),
+    (pack({"type": "tokens", "version": 1, "x` - at `$.timings": 1}), "unknown_field", None),
+]
+
+
+@pytest.mark.parametrize(("data", "code", "request_id"), FIRST_ERRORS, ids=range(len(FIRST_ERRORS)))
+def test_the_first_error_is_reported_whatever_the_byte_order(data: bytes, code: str, request_id: str | None) -> None:
+    error = decode_error(data)
+    assert (error.code, error.request_id) == (code, request_id), error.message
+
+
 def test_timings_travel_as_the_map_of_the_values_that_apply() -> None:
     output = TokenOutput("7", 1, [10], finished=True, timings=RequestTimings(queue=0.5, transfer_bytes=4096.0))
     body = msgpack.unpackb(encode(output), raw=False)

@@ -84,8 +84,17 @@ def _decoder(cls: type[Message]) -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(_wire(cls))
 
 
+def _plain(value: Any) -> Any:
+    """A subclass of a builtin scalar (``numpy.float64``, a ``str`` subclass) as that builtin,
+    as msgpack wrote them; msgspec calls this only for types it does not write itself."""
+    for kind in (float, int, str):  # bool and enums never get here
+        if isinstance(value, kind):
+            return kind(value)
+    raise TypeError(f"Encoding objects of type {type(value).__name__} is unsupported")
+
+
 _ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
-_ENCODER = msgspec.msgpack.Encoder()
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_plain)
 
 
 def encode(message: Message) -> bytes:

@@ -7,6 +7,7 @@ import random
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 
 from pdserve.cluster import protocol
@@ -191,6 +192,18 @@ def test_wire_form_is_a_plain_map_with_type_and_version() -> None:
         "batch_chunks": False,
     }
     assert PROTOCOL_VERSION == 1
+
+
+def test_subclasses_of_builtin_scalars_encode_as_the_builtins() -> None:
+    """A client's numpy float (a ``float`` subclass) or ``str`` subclass encodes as before."""
+
+    class Name(str):
+        pass
+
+    message = Generate(Name("r1"), "hi", sampling=Sampling(temperature=np.float64(0.5), top_p=np.float64(0.9)))
+    assert decode(encode(message)) == Generate("r1", "hi", sampling=Sampling(temperature=0.5, top_p=0.9))
+    with pytest.raises(TypeError):
+        encode(Generate("r1", "hi", sampling=Sampling(max_tokens=object())))  # type: ignore[arg-type]
 
 
 def test_a_nested_message_travels_as_its_fields_alone() -> None:

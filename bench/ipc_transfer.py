@@ -193,13 +193,13 @@ def _decode(
             out.send(msgpack.packb("ready"))
             announce = decode(inbox.recv())
             held = time.perf_counter()
-            t0 = msgpack.unpackb(inbox.recv())
             assert isinstance(announce, KVAnnounce)
             agent.recv(announce.request_id, h_dst, announce.prefill_group, announce.block_ids)
             issued = time.perf_counter()
             while not agent.done(announce.request_id):
                 pass
             t1 = time.perf_counter()
+            t0 = msgpack.unpackb(inbox.recv())  # read last: waiting for it must not delay the pull
             agent.wait(announce.request_id)
             out.send(msgpack.packb("freed"))
             if i >= options["warmup"]:

@@ -257,8 +257,9 @@ class Divergence:
 
     @property
     def near_tie(self) -> bool:
-        """A rounding difference can only flip a near-tie, which leaves the other token second."""
-        return self.got in self.top_ids[:2]
+        """A rounding difference can only flip a near-tie, which leaves the other token second,
+        or level with the second (the reference's order among equal logits is arbitrary)."""
+        return self.got in self.top_ids[:2] or self.got_logit >= self.top_logits[1]
 
     @property
     def gap(self) -> float:

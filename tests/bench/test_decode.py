@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 
 from pdserve.bench import batch_divergence, decode, tp_decode
 from pdserve.bench.common import (
+    Divergence,
     block_tables,
     compare_greedy,
     decode_plan,
@@ -228,6 +230,21 @@ def test_compare_greedy_flags_divergence_away_from_a_near_tie(tiny_runner: Model
     }
     # Outputs that stop early are flagged without a logit comparison.
     assert compare_greedy(tiny_runner, [prompt], [[]], want)[1] == ["request 0: 0 tokens against 1"]
+
+
+def test_a_token_level_with_the_second_is_a_near_tie() -> None:
+    """Three tokens within a rounding step: the reference lists one of two equal logits second."""
+    level = Divergence(
+        57,
+        16,
+        got=41344,
+        want=133360,
+        top_ids=[133360, 69240, 41344],
+        top_logits=[3.328, 3.3125, 3.3125],
+        got_logit=3.3125,
+    )
+    below = dataclasses.replace(level, got_logit=3.296875, top_logits=[3.328, 3.3125, 3.296875])
+    assert level.near_tie and not below.near_tie
 
 
 def test_batch_divergence_cpu_smoke(preset_cache: Path) -> None:

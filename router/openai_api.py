@@ -84,12 +84,47 @@ class _Sampling(_Strict):
     presence_penalty: Any = None
     frequency_penalty: Any = None
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, stop: Any) -> Any:
+        """As ``CompletionRequest.prompt``: not "stop.str: Input should be a valid string"."""
+        if stop is None or isinstance(stop, str):
+            return stop
+        if not isinstance(stop, list):
+            raise ValueError(f"expected a string or a list of strings, got {_json_type(stop)}")
+        for i, item in enumerate(stop):
+            if not isinstance(item, str):
+                raise ValueError(f"item {i} must be a string, got {_json_type(item)}")
+        return stop
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, prompt: Any) -> Any:
+        """Checked here, as a chat's content is, so that an error says what is wrong instead of
+        naming the union's first branch ("prompt.str: Input should be a valid string")."""
+        if isinstance(prompt, str):
+            return prompt
+        if not isinstance(prompt, list):
+            raise ValueError(f"expected a string or a list of token ids, got {_json_type(prompt)}")
+        for i, item in enumerate(prompt):
+            if isinstance(prompt[0], str):
+                if not isinstance(item, str):
+                    raise ValueError(f"item {i} must be a string, as item 0 is, got {_json_type(item)}")
+            elif isinstance(prompt[0], list):
+                if not isinstance(item, list):
+                    raise ValueError(f"item {i} must be a list of token ids, as item 0 is, got {_json_type(item)}")
+                for j, token in enumerate(item):
+                    _check_token_id(token, f"item {i}.{j}")
+            else:
+                _check_token_id(item, f"item {i}")
+        return prompt
 
 
 class TextPart(_Strict):
@@ -138,6 +173,13 @@ class ChatMessage(_Strict):
             if extra:
                 raise ValueError(f"part {i} has the unrecognized key {extra[0]!r} (a text part has type and text)")
         return content
+
+
+def _check_token_id(token: Any, where: str) -> None:
+    if isinstance(token, bool) or not isinstance(token, int):
+        raise ValueError(f"{where} must be a token id (an integer), got {_json_type(token)}")
+    if not 0 <= token <= MAX_INT32:
+        raise ValueError(f"{where} must be a token id in [0, {MAX_INT32}], got {token}")
 
 
 def _json_type(value: Any) -> str:

@@ -139,6 +139,38 @@ def test_bad_content_is_explained_not_named_by_the_unions_branches(content: Any,
     assert refused.message == f"Invalid value for messages.0.content: {why}"
 
 
+@pytest.mark.parametrize(
+    ("extra", "param", "why"),
+    [
+        ({"prompt": [-1]}, "prompt", "item 0 must be a token id in [0, 2147483647], got -1"),
+        ({"prompt": [[1], [2, 1.5]]}, "prompt", "item 1.1 must be a token id (an integer), got a number"),
+        ({"prompt": [1, True]}, "prompt", "item 1 must be a token id (an integer), got a boolean"),
+        ({"prompt": ["a", 1]}, "prompt", "item 1 must be a string, as item 0 is, got a number"),
+        ({"prompt": [[1], 2]}, "prompt", "item 1 must be a list of token ids, as item 0 is, got a number"),
+        ({"prompt": 5}, "prompt", "expected a string or a list of token ids, got a number"),
+        ({"prompt": None}, "prompt", "expected a string or a list of token ids, got null"),
+        ({"prompt": "hi", "stop": [1]}, "stop", "item 0 must be a string, got a number"),
+        ({"prompt": "hi", "stop": {"a": 1}}, "stop", "expected a string or a list of strings, got an object"),
+    ],
+)
+def test_a_bad_prompt_or_stop_is_explained_not_named_by_the_unions_branches(
+    extra: dict[str, Any], param: str, why: str
+) -> None:
+    """Not "Invalid value for prompt.str: Input should be a valid string" for a token id of -1."""
+    with pytest.raises(APIError) as refused:
+        parsed("completion", extra, None)
+    assert (refused.value.status, refused.value.code, refused.value.param) == (400, "invalid_value", param)
+    assert refused.value.message == f"Invalid value for {param}: {why}"
+
+
+def test_every_prompt_and_stop_shape_is_still_accepted() -> None:
+    for prompt in ([5, 7], [[5, 7]]):
+        assert parsed("completion", {"prompt": prompt}, None).token_ids == [5, 7]
+    assert parsed("completion", {"prompt": [0, 2**31 - 1]}, None).token_ids == [0, 2**31 - 1]
+    assert parsed("completion", {"prompt": [1], "stop": "a"}, None).stop == ["a"]
+    assert parsed("completion", {"prompt": [1], "stop": ["a", "b"]}, None).stop == ["a", "b"]
+
+
 # What SDKs, frameworks and chat UIs send besides the prompt, each with a value that changes
 # nothing of the output: accepted, and the request checked is the one without them.
 NEUTRAL_FIELDS: dict[str, dict[str, Any]] = {

@@ -165,7 +165,9 @@ def setting_options(function: Callable[..., Any]) -> Callable[..., Any]:
     "(1p1d, 2p1d, colocated); flags given here override it.",
 )
 @click.option("--demo", is_flag=True, help="Answer a few prompts through the client, then shut down.")
-@click.option("--demo-max-tokens", type=int, default=48, show_default=True, help="Tokens per demo answer.")
+@click.option(
+    "--demo-max-tokens", type=click.IntRange(min=1), default=48, show_default=True, help="Tokens per demo answer."
+)
 @click.option(
     "--status",
     "status_endpoint",

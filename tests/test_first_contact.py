@@ -163,6 +163,7 @@ def test_text_serving_needs_a_tokenizer(flag: tuple[str, ...], tiny_model_dirs: 
         (("--transfer", "carrier-pigeon"), "carrier-pigeon"),
         (("--devices", "zero"), "comma-separated GPU ids"),
         (("--max-model-lenn", "5"), "--max-model-len"),
+        (("--demo", "--demo-max-tokens", "0"), "--demo-max-tokens"),  # not after the cluster started
     ],
 )
 def test_bad_flags_are_usage_errors(args: tuple[str, ...], needle: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import math
 import os
 import sys
 import time
@@ -177,8 +178,8 @@ class Client:
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         # A send waits while no connection is up (none yet, or refused, e.g. without the right
-        # keys): bounded like the wait for a reply.
-        self._socket.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
+        # keys): bounded like the wait for a reply (-1: no bound, for a timeout of inf).
+        self._socket.setsockopt(zmq.SNDTIMEO, -1 if timeout == math.inf else int(timeout * 1000))
         if auth_keys is not None:
             secure_client(self._socket, auth_keys)
         self._monitor = _keep_alive(self._socket, heartbeat_timeout)
@@ -237,7 +238,7 @@ class Client:
                 return decode(self._socket.recv())
             self._check_connection()
             left = deadline - time.monotonic()
-            ready = dict(self._poller.poll(max(0.0, left) * 1000))
+            ready = dict(self._poller.poll(None if left == math.inf else max(0.0, left) * 1000))
             if self._socket in ready:
                 return decode(self._socket.recv())
             if self._monitor not in ready and time.monotonic() >= deadline:
@@ -631,6 +632,12 @@ def _endpoint_option(ctx: click.Context, param: click.Parameter, value: str) -> 
         raise click.BadParameter(str(e).split(": ", 1)[1]) from None
 
 
+def _positive_seconds(_ctx: click.Context, _param: click.Parameter, value: float) -> float:
+    if not value > 0:  # NaN too: no comparison holds for it
+        raise click.BadParameter(f"must be a positive number of seconds (inf: no limit), got {value}")
+    return value
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("prompt")
 @click.option(
@@ -647,7 +654,14 @@ def _endpoint_option(ctx: click.Context, param: click.Parameter, value: str) -> 
 @click.option("--seed", default=None, type=int, help="Seed of this request's sampling.")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print tokens as they arrive.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
-@click.option("--timeout", default=60.0, show_default=True, type=float, help="Seconds to wait for each reply.")
+@click.option(
+    "--timeout",
+    default=60.0,
+    show_default=True,
+    type=float,
+    callback=_positive_seconds,
+    help="Seconds to wait for each reply (inf: no limit).",
+)
 @click.option("--auth-keys", type=click.Path(file_okay=False), help="The cluster's key directory (--auth-keys there).")
 def main(
     prompt: str,

@@ -268,6 +268,10 @@ def test_client_cli_errors_are_readable(busy_port: int) -> None:
     # Something listens there but is no cluster: the wait times out with one line saying what to do.
     silent = client("hi", "--endpoint", f"localhost:{busy_port}", "--timeout", "1")
     assert_one_line_error(silent, "no answer from a cluster", "launch.py")
+    for timeout in ("-5", "0", "nan"):
+        refused = client("hi", "--endpoint", f"localhost:{busy_port}", "--timeout", timeout)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+        assert "must be a positive number of seconds (inf: no limit)" in refused.stderr, refused.stderr
 
 
 def test_client_reads_the_prompt_from_stdin_for_a_dash() -> None:

@@ -62,6 +62,15 @@ def test_an_abort_that_crossed_its_final_does_not_end_the_ids_next_request(rig: 
         assert client.result("x").token_ids == [12]
 
 
+def test_a_client_without_a_reply_timeout_waits_as_long_as_it_takes(rig: RouterRig) -> None:
+    """``timeout=inf`` (the CLI's ``--timeout inf``): no bound, not an OverflowError from turning
+    it into ZMQ's milliseconds."""
+    with Client(rig.router.addresses.client, timeout=float("inf")) as client:
+        client.submit(token_ids=[5, 6, 7], request_id="x", max_tokens=1)
+        rig.worker(TokenOutputs([TokenOutput(_work(rig).request_id, 0, [11], True, "length")]))
+        assert client.result("x").token_ids == [11]
+
+
 def test_a_stream_left_early_is_read_on_later_and_holds_its_id_until_then(rig: RouterRig) -> None:
     """A blocking stream left with ``break`` while its request runs: a later ``chunks`` reads on
     where it stopped, and until its end is read its id is refused (the client used to answer a

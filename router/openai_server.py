@@ -851,11 +851,16 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, help="TCP port of the HTTP server.")
 @click.option(
     "--drain-timeout",
-    type=float,
+    type=click.FloatRange(min=0),
     default=30.0,
     help="Seconds to finish running requests on SIGTERM; those still running then are aborted.",
 )
-@click.option("--timeout", type=float, default=600.0, help="Seconds to wait for any one message of a request.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600.0,
+    help="Seconds to wait for any one message of a request.",
+)
 @click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),

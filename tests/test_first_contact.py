@@ -198,6 +198,19 @@ def test_the_http_front_ends_help_explains_every_option() -> None:
         assert option.opts[0] in result.stdout
 
 
+@pytest.mark.parametrize(("option", "value"), [("--timeout", "-1"), ("--timeout", "0"), ("--drain-timeout", "-1")])
+def test_the_http_front_end_refuses_a_negative_wait(option: str, value: str) -> None:
+    """Not a server whose every request fails with "the cluster ... stopped answering"."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.router.openai_server", "--port", str(free_port()), option, value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"Invalid value for '{option}'" in result.stderr, result.stderr
+
+
 def test_status_prints_a_table_and_the_faults_in_words() -> None:
     """Each group's row: the router's own count of its requests (current), then its last report,
     said to be old when a long step (a long prefill) has kept its leader from reporting."""

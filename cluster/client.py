@@ -62,11 +62,17 @@ class ClusterUnavailable(TimeoutError):
     """No reply within the timeout. ``connected``: the router is there and still holds the
     request (busy, e.g. prefilling a long prompt), which asks for patience, not for a cluster."""
 
-    def __init__(self, endpoint: str, timeout: float, connected: bool = False) -> None:
+    def __init__(self, endpoint: str, timeout: float, connected: bool = False, refused: bool = False) -> None:
         if connected:
             message = (
                 f"the cluster at {endpoint} is up but sent nothing within {timeout:.0f} s "
                 "(still busy, e.g. with a long prompt: allow it a longer timeout)"
+            )
+        elif refused:  # something listens, but its ZMQ handshake failed: CURVE keys, or no cluster
+            message = (
+                f"no answer from a cluster at {endpoint} within {timeout:.0f} s: it refused this client's "
+                "handshake (a cluster started with --auth-keys DIR wants that directory's keys here too: "
+                "--auth-keys DIR; or this is not a cluster's client endpoint)"
             )
         else:
             message = (
@@ -96,7 +102,10 @@ class ClientClosed(ClusterGone):
 
 _ids = itertools.count()
 _CLI_CONNECT_S = 5.0  # pdserve-client: how long a connection may take before "is it running?"
-_WATCHED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_WATCHED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
 
 
 def _keep_alive(sock: zmq.Socket, heartbeat_timeout: float) -> zmq.Socket:
@@ -116,9 +125,12 @@ class _Link:
     def __init__(self) -> None:
         self.up = False
         self.broken = False
+        self.refused = False  # a handshake failed (wrong or no CURVE keys, or no ZMQ peer there)
 
     def update(self, event: dict[str, Any]) -> None:
-        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+        if event["event"] & _HANDSHAKE_FAILED:
+            self.refused = True
+        elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.up, self.broken = True, False
         elif event["event"] == zmq.EVENT_DISCONNECTED and self.up:
             self.up, self.broken = False, True
@@ -205,6 +217,11 @@ class Client:
     def __exit__(self, *_: object) -> None:
         self.close()
 
+    @property
+    def refused(self) -> bool:
+        """Whether a handshake with the endpoint failed (see ``ClusterUnavailable``)."""
+        return self._link.refused
+
     def connected(self, within: float) -> bool:
         """Whether a connection to the router is up, waiting at most ``within`` seconds for one."""
         deadline = time.monotonic() + within
@@ -242,7 +259,7 @@ class Client:
             if self._socket in ready:
                 return decode(self._socket.recv())
             if self._monitor not in ready and time.monotonic() >= deadline:
-                raise ClusterUnavailable(self.endpoint, self.timeout, self._link.up)
+                raise ClusterUnavailable(self.endpoint, self.timeout, self._link.up, self._link.refused)
 
     def _check_connection(self) -> None:
         while self._monitor.poll(0):
@@ -474,7 +491,7 @@ class AsyncClient:
                 except ClusterUnavailable:  # ClusterGone: a TimeoutError as well, but no timeout
                     raise
                 except asyncio.TimeoutError:
-                    raise ClusterUnavailable(self.endpoint, wait, self._link.up) from None
+                    raise ClusterUnavailable(self.endpoint, wait, self._link.up, self._link.refused) from None
         # The send may have consumed the descriptor's signal of a message that came meanwhile.
         self._loop.call_soon(self._on_events)
 
@@ -536,7 +553,7 @@ class AsyncClient:
                 try:
                     message = await inbox.get(self.timeout)
                 except asyncio.TimeoutError:
-                    raise ClusterUnavailable(self.endpoint, self.timeout, self._link.up) from None
+                    raise ClusterUnavailable(self.endpoint, self.timeout, self._link.up, self._link.refused) from None
                 if isinstance(message, BaseException):
                     running = False  # the connection broke: nothing more comes for it
                     raise message
@@ -602,7 +619,7 @@ class AsyncClient:
             except ClusterUnavailable:  # ClusterGone: a TimeoutError as well, but no timeout
                 raise
             except asyncio.TimeoutError:
-                raise ClusterUnavailable(self.endpoint, wait, self._link.up) from None
+                raise ClusterUnavailable(self.endpoint, wait, self._link.up, self._link.refused) from None
         finally:
             self._stats_waiters.pop(tag, None)  # its reply, should it come later, is dropped
 
@@ -696,7 +713,7 @@ def main(
             # Nothing listening is said at once, not after the reply timeout.
             connect_s = min(timeout, _CLI_CONNECT_S)
             if not client.connected(within=connect_s):
-                raise ClusterUnavailable(endpoint, connect_s)
+                raise ClusterUnavailable(endpoint, connect_s, refused=client.refused)
             request_id = client.submit(prompt, stream=stream, chat=not raw, **sampling)
             for message in client.chunks(request_id):
                 text = message.text if isinstance(message, Chunk) or not stream else ""

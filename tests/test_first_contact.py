@@ -287,6 +287,26 @@ def test_client_cli_errors_are_readable(busy_port: int) -> None:
         assert "must be a positive number of seconds (inf: no limit)" in refused.stderr, refused.stderr
 
 
+def test_a_client_without_the_clusters_keys_is_told_of_them(tmp_path: Path) -> None:
+    """A router with --auth-keys drops a keyless client at its handshake: not "is it running?"
+    about a cluster that runs, but the keys it wants."""
+    import zmq
+
+    from pdserve.cluster.auth import generate_keys, secure_server
+
+    generate_keys(tmp_path)
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    authenticator = secure_server(router, tmp_path)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        keyless = client("hi", "--endpoint", str(port), "--timeout", "2")
+    finally:
+        router.close(linger=0)
+        authenticator.stop()
+    error = assert_one_line_error(keyless, "no answer from a cluster", "refused this client's handshake")
+    assert "--auth-keys DIR" in error and "is it running?" not in error, error
+
+
 def test_client_reads_the_prompt_from_stdin_for_a_dash() -> None:
     """``cat long.txt | pdserve-client -``: a prompt beyond what one command-line argument may
     hold (128 KiB on Linux) arrives whole, non-ASCII text included."""

@@ -539,7 +539,8 @@ class AsyncClient:
         request_id: str | None = None,
         **sampling: Any,
     ) -> AsyncIterator[Chunk | Final]:
-        """Chunks in order, then the Final; raises ClusterError on an error reply."""
+        """Chunks in order, then the Final; raises ClusterError on an error reply. Leaving it early
+        does not stop the request: ``cancel`` does."""
         request = _request(prompt, token_ids, True, chat, request_id, sampling, batch_chunks=self.batch_chunks)
         rid = request.request_id or ""
         if rid in self._inboxes or rid in self._left:  # its replies could not be told from the running one's

@@ -29,7 +29,8 @@ What is timed (median of ``--iters`` calls after ``--warmup``; CUDA events on GP
 * HF, generate (``--hf-generate``, batch-1 cases): ``model.generate(cache_implementation="static",
   do_sample=False)`` as a user calls it, the decode loop included; per-token time is
   (time for 1 + N tokens - time for 1 token) / N with a prompt of C-1 tokens, so its steps run at
-  contexts C..C+N-1 (``--hf-generate-tokens``, median of 3 after a compiling warm-up).
+  contexts C..C+N-1 (``--hf-generate-tokens``; the median over 5 such pairs, each long call
+  followed by its short one, after a compiling warm-up).
 * HF, prefill: one uncompiled forward of the same prompt(s) with ``use_cache=False`` and
   ``logits_to_keep=1`` (``generate`` runs its prefill uncompiled too).
 
@@ -84,6 +85,8 @@ from pdserve.bench.common import (
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_dtype
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.step_plan import StepPlan
+
+_GENERATE_PAIRS = 5  # generate() timings: each a call of 1 + N tokens minus one of 1 token
 
 # transformers' CompileConfig per --hf mode. "compiled-static" is exactly what generate() uses
 # with a static cache, which compiles anew for every (batch, context). "compiled" marks shapes
@@ -256,10 +259,11 @@ def time_hf_generate(model: Any, prompt: torch.Tensor, new_tokens: int, device: 
     seconds(1 + new_tokens)  # compiles the decode step and records its graph
     seconds(1)
     warmup_s = time.perf_counter() - start
-    long = statistics.median(seconds(1 + new_tokens) for _ in range(3))
-    short = statistics.median(seconds(1) for _ in range(3))
+    # Each long call paired with the short one right after it: a difference of two separate
+    # medians goes negative when the host's load changes between the two series.
+    extra = statistics.median(seconds(1 + new_tokens) - seconds(1) for _ in range(_GENERATE_PAIRS))
     return {
-        "hf_generate": {"median_ms": (long - short) / new_tokens * 1e3},
+        "hf_generate": {"median_ms": extra / new_tokens * 1e3},
         "hf_generate_warmup_s": warmup_s,
         "hf_generate_tokens": new_tokens,
     }

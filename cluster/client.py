@@ -390,6 +390,7 @@ def _expire(waiter: asyncio.Future[None]) -> None:
 
 
 _POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
+_LEFT_FINALS_KEPT = 1024
 
 
 class AsyncClient:
@@ -420,7 +421,10 @@ class AsyncClient:
         self._monitor = _keep_alive(self._socket, heartbeat_timeout)
         self._socket.connect(endpoint)
         self._inboxes: dict[str, _Inbox] = {}
-        self._left: set[str] = set()  # ids of streams left while their request ran, until it ends
+        # Streams left while their request ran, until it ends: whether their abort went out.
+        self._left: dict[str, bool] = {}
+        # The Finals that ended left streams' requests, for ``cancel`` (the latest: nobody may ask).
+        self._left_finals: collections.OrderedDict[str, Final] = collections.OrderedDict()
         self._stats_waiters: dict[int, asyncio.Future[Stats]] = {}  # by their request's tag
         self._stats_tags = itertools.count()
         self._send_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -464,7 +468,11 @@ class AsyncClient:
             if inbox is not None:
                 inbox.put(reply)
             if rid in self._left and _terminal(reply):
-                self._left.discard(rid)
+                del self._left[rid]
+                if inbox is None and isinstance(reply, Final):  # no ``cancel`` waits for it yet
+                    self._left_finals[rid] = reply
+                    while len(self._left_finals) > _LEFT_FINALS_KEPT:
+                        self._left_finals.popitem(last=False)
 
     async def _send(self, data: bytes, timeout: float | None = None) -> None:
         """Send without blocking the loop: past the socket's queue limit, wait until it takes more,
@@ -539,12 +547,14 @@ class AsyncClient:
         request_id: str | None = None,
         **sampling: Any,
     ) -> AsyncIterator[Chunk | Final]:
-        """Chunks in order, then the Final; raises ClusterError on an error reply. Leaving it early
-        does not stop the request: ``cancel`` does."""
+        """Chunks in order, then the Final; raises ClusterError on an error reply. Leaving it before
+        its end (``break``, a cancelled task, a timeout) aborts the request; ``cancel`` then
+        returns what it used."""
         request = _request(prompt, token_ids, True, chat, request_id, sampling, batch_chunks=self.batch_chunks)
         rid = request.request_id or ""
         if rid in self._inboxes or rid in self._left:  # its replies could not be told from the running one's
             raise ClusterError(Error(rid, "duplicate_request_id", f"request_id {rid!r} is already running"))
+        self._left_finals.pop(rid, None)  # an earlier request's with this id
         inbox = self._inboxes[rid] = _Inbox()
         running = False  # sent, and not ended
         try:
@@ -570,7 +580,26 @@ class AsyncClient:
         finally:
             self._inboxes.pop(rid, None)
             if running:  # left (break, a cancelled task) or timed out: its later replies are not a new one's
-                self._left.add(rid)
+                self._leave(rid, inbox)
+
+    def _leave(self, rid: str, inbox: _Inbox) -> None:
+        """Abort the request of a stream left before its end: nobody can read its tokens. Sent
+        without waiting (this runs in the stream's ``finally``); ``cancel`` returns its Final."""
+        if any(isinstance(m, BaseException) for m in inbox.messages):  # the connection broke
+            return
+        ended = next((m for m in inbox.messages if _terminal(m)), None)  # came, but was not read
+        if ended is not None:
+            if isinstance(ended, Final):
+                self._left_finals[rid] = ended
+            return
+        sent = False
+        if not self._link.broken:
+            try:
+                self._socket.send(encode(Abort(rid)), zmq.NOBLOCK)
+                sent = True
+            except zmq.ZMQError:  # its queue is full, or the client closed: it runs on
+                pass
+        self._left[rid] = sent
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Final:
         final = None
@@ -586,15 +615,21 @@ class AsyncClient:
             await self._send(encode(Abort(request_id)))
 
     async def cancel(self, request_id: str, timeout: float | None = None) -> Final | None:
-        """Abort a request whose stream was left, and return its abort ``Final`` (what it used);
-        None when it had ended already, the connection is gone, or no answer came within
-        ``timeout`` (default: the client's)."""
+        """Abort a request whose stream was left (leaving aborts it already) and return the
+        ``Final`` that ended it, with what it used: the abort's, or its own end that crossed the
+        abort. None where that is not to be had: it was read already, the connection is gone, or
+        nothing came within ``timeout`` (default: the client's)."""
         if request_id in self._inboxes:  # its stream still reads it
             return None
+        final = self._left_finals.pop(request_id, None)
+        if final is not None:
+            return final
+        aborted = self._left.get(request_id, False)
         inbox = self._inboxes[request_id] = _Inbox()
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         try:
-            await self._send(encode(Abort(request_id)))
+            if not aborted:
+                await self._send(encode(Abort(request_id)))
             while True:
                 message = await inbox.get(max(0.0, deadline - time.monotonic()))
                 if isinstance(message, Final):

@@ -22,6 +22,7 @@ from pdserve.cluster.client import (
 )
 from pdserve.cluster.protocol import (
     MAX_REQUEST_ID_CHARS,
+    Abort,
     Chunk,
     Error,
     Final,
@@ -152,10 +153,13 @@ def test_a_second_stream_with_a_running_streams_id_leaves_the_first_one_alone(ri
     assert isinstance(first[-1], Final) and first[-1].token_ids == [11, 12, 13]
 
 
-def test_an_async_stream_left_early_takes_nothing_of_the_next_one_with_its_id(rig: RouterRig) -> None:
-    """An AsyncClient stream left (``break``) while its request runs: a stream started with its
-    id meanwhile got the first request's chunks (or final) in its inbox. It is refused until the
-    first request ended, then served with its own tokens."""
+def test_an_async_stream_left_early_aborts_and_takes_nothing_of_the_next_one_with_its_id(rig: RouterRig) -> None:
+    """An AsyncClient stream left (``break``) while its request runs: nobody can read its tokens,
+    so the client aborts it (the router tells the prefill leader) and ``cancel`` returns the
+    abort's Final. A stream started with its id before that Final came is refused (their replies
+    could not be told apart); one started after is served with its own tokens, none of the
+    first one's that were still on their way."""
+    aborts: list[str] = []
 
     async def work() -> WorkRequest:
         inbox = rig.inboxes[("prefill", 0)]
@@ -163,6 +167,9 @@ def test_an_async_stream_left_early_takes_nothing_of_the_next_one_with_its_id(ri
             rig.router.poll(0)
             if inbox.poll(0):
                 message = decode(inbox.recv())
+                if isinstance(message, Abort):
+                    aborts.append(message.request_id)
+                    continue
                 assert isinstance(message, WorkRequest)
                 return message
             await asyncio.sleep(0.005)
@@ -174,7 +181,7 @@ def test_an_async_stream_left_early_takes_nothing_of_the_next_one_with_its_id(ri
             rig.router.poll(0)
             await asyncio.sleep(0.005)
 
-    async def main() -> tuple[list[Chunk | Final], ClusterError | None, list[Chunk | Final]]:
+    async def main() -> tuple[list[Chunk | Final], ClusterError | None, Final | None, list[Chunk | Final]]:
         client = AsyncClient(rig.router.addresses.client, timeout=2.0)
         try:
             first = client.stream(token_ids=[5, 6, 7], request_id="q", max_tokens=4)
@@ -191,27 +198,26 @@ def test_an_async_stream_left_early_takes_nothing_of_the_next_one_with_its_id(ri
                 async for message in client.stream(token_ids=[5, 6, 7], request_id="q", max_tokens=1):
                     seen.append(message)
 
-            # The first request's next tokens reach the router, then the second's generate: the
-            # router reads its workers first, so the chunk is out before the duplicate is refused.
+            # The first request's next token is on its way; the router has not read the abort yet.
             rig.to_router.send(encode(TokenOutputs([TokenOutput(running.request_id, 1, [12])])))
-            await asyncio.sleep(0.05)
-            task = asyncio.create_task(second())
-            await asyncio.sleep(0.05)
-            await reply(TokenOutput(running.request_id, 2, [13]))
             try:
-                await task
+                await second()
             except ClusterError as e:
                 refused = e
-            await reply(TokenOutput(running.request_id, 3, [14], True, "length"))  # the first one ends
+            await reply(TokenOutput(running.request_id, 2, [13]))  # read after the abort: the request is gone
+            cancelled = await client.cancel("q")
             third = asyncio.create_task(client.generate(token_ids=[5, 6, 7], request_id="q", max_tokens=1))
             await reply(TokenOutput((await work()).request_id, 0, [99], True, "length"))
-            return seen, refused, [await third]
+            assert aborts == [running.request_id]
+            return seen, refused, cancelled, [await third]
         finally:
             client.close()
 
-    seen, refused, (final,) = asyncio.run(main())
+    seen, refused, cancelled, (final,) = asyncio.run(main())
     assert seen == []
     assert refused is not None and refused.code == "duplicate_request_id"
+    # What it used: the tokens the router had when it read the abort (13 came after).
+    assert cancelled is not None and cancelled.finish_reason == "abort" and cancelled.token_ids == [11, 12]
     assert isinstance(final, Final) and final.token_ids == [99]
 
 

@@ -470,9 +470,7 @@ class AsyncClient:
             if rid in self._left and _terminal(reply):
                 del self._left[rid]
                 if inbox is None and isinstance(reply, Final):  # no ``cancel`` waits for it yet
-                    self._left_finals[rid] = reply
-                    while len(self._left_finals) > _LEFT_FINALS_KEPT:
-                        self._left_finals.popitem(last=False)
+                    self._keep_left_final(rid, reply)
 
     async def _send(self, data: bytes, timeout: float | None = None) -> None:
         """Send without blocking the loop: past the socket's queue limit, wait until it takes more,
@@ -590,7 +588,7 @@ class AsyncClient:
         ended = next((m for m in inbox.messages if _terminal(m)), None)  # came, but was not read
         if ended is not None:
             if isinstance(ended, Final):
-                self._left_finals[rid] = ended
+                self._keep_left_final(rid, ended)
             return
         sent = False
         if not self._link.broken:
@@ -600,6 +598,11 @@ class AsyncClient:
             except zmq.ZMQError:  # its queue is full, or the client closed: it runs on
                 pass
         self._left[rid] = sent
+
+    def _keep_left_final(self, rid: str, final: Final) -> None:
+        self._left_finals[rid] = final
+        while len(self._left_finals) > _LEFT_FINALS_KEPT:
+            self._left_finals.popitem(last=False)
 
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> Final:
         final = None

@@ -160,16 +160,21 @@ def _invalid(message: str) -> ProtocolError:
     return ProtocolError("invalid_field", message)
 
 
+def _check_map(value: Any, what: str) -> None:
+    """``value`` is a map whose keys are strings; ``what`` names it in an error."""
+    if not isinstance(value, dict):
+        raise _invalid(f"{what} must be a map")
+    if not all(isinstance(key, str) for key in value):
+        raise ProtocolError("malformed", f"map keys in {what} must be strings")
+
+
 def _check_fields(cls: type[Message], body: Any, path: str, where: str) -> None:
     """``body`` against ``cls``'s fields; ``path`` names it in its message ("", "sampling",
     "chunks[0]"), ``where`` in an error (the type's name at the top)."""
-    if not isinstance(body, dict):
-        raise _invalid(f"{where!r} must be a map")
+    _check_map(body, repr(where))
     fields = msgspec.structs.fields(cls)
     names = {f.name for f in fields}
     if not body.keys() <= names:
-        if not all(isinstance(key, str) for key in body):
-            raise ProtocolError("malformed", f"map keys in {where!r} must be strings")
         unknown = sorted(set(body) - names)
         raise ProtocolError("unknown_field", f"unknown field {unknown[0]!r} in {where}")
     for f in fields:
@@ -206,10 +211,7 @@ def _check_value(hint: Any, value: Any, name: str, path: str) -> None:
         for i, v in enumerate(value):
             _check_value(item, v, name, f"{path}[{i}]")
     elif typing.get_origin(hint) is dict:
-        if not isinstance(value, dict):
-            raise _invalid(f"field {name!r} must be a map")
-        if not all(isinstance(key, str) for key in value):
-            raise ProtocolError("malformed", f"map keys in field {name!r} must be strings")
+        _check_map(value, f"field {name!r}")
         _, item = typing.get_args(hint)
         for v in value.values():
             _check_value(item, v, name, f"{path}[*]")
@@ -223,10 +225,7 @@ def _check_value(hint: Any, value: Any, name: str, path: str) -> None:
         if not isinstance(value, hint):
             raise _invalid(f"field {name!r} must be {hint.__name__}")
     elif hint is RequestTimings:  # the map of the values that apply (``RequestTimings.as_dict``)
-        if not isinstance(value, dict):
-            raise _invalid(f"field {name!r} must be a map")
-        if not all(isinstance(key, str) for key in value):
-            raise ProtocolError("malformed", f"map keys in field {name!r} must be strings")
+        _check_map(value, f"field {name!r}")
         if not value.keys() <= _TIMING_NAMES:
             unknown = sorted(value.keys() - _TIMING_NAMES)
             raise _invalid(f"unknown key {unknown[0]!r} in field {name!r}")

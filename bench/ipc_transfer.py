@@ -23,8 +23,9 @@ Cases, each a median over ``--iters`` rounds after ``--warmup`` untimed ones:
   ``pct_of_copy`` is copy time / pull time. The first round is verified: the pulled blocks
   equal the prefill pool's, bit for bit.
 * ``handoff N`` (``--handoff-tokens``): "prefill done -> decode may start". The prefill rank
-  stamps t0 and pushes a ``KVAnnounce`` (``cluster.protocol``, with the N prompt ids and block
-  ids) over ZMQ (ipc); the decode leader decodes it, issues ``agent.recv`` and polls
+  stamps t0 and sends a ``KVAnnounce`` (``cluster.protocol``, with the N prompt ids and block
+  ids) as group leaders of one node do (``cluster.datagrams``: a Unix datagram; t0 follows
+  over ZMQ); the decode leader waits for it in a poll, as its loop does, decodes it, issues ``agent.recv`` and polls
   ``agent.done`` until true, and stamps t1: the KV is in its pool and its reply (which frees the
   prefill blocks) goes out. Its phases: the announce held (``announce_ms``), the copies
   issued (``issue_ms``), the copies done (``copy_ms``). Both stamps are ``time.perf_counter``
@@ -55,6 +56,7 @@ import torch.distributed as dist
 import zmq
 
 from pdserve.bench.common import bit_pattern, write_json
+from pdserve.cluster.datagrams import DatagramInbox, DatagramOutbox
 from pdserve.cluster.group import RankProcesses, free_port
 from pdserve.cluster.protocol import KVAnnounce, Sampling, decode, encode
 from pdserve.engine.config import ModelConfig
@@ -122,17 +124,20 @@ def _rank(rank: int, port: int, options: dict[str, Any], run_dir: str, result_pa
     out.connect(f"ipc://{run_dir}/rank{1 - rank}")
     result: dict[str, Any] = {}
     if rank == 0:
-        _prefill(options, inbox, out, num_blocks)
+        _prefill(options, inbox, out, f"ipc://{run_dir}/rank1", num_blocks)
     else:
-        result = _decode(options, rendezvous, agent, pool, inbox, out, num_blocks, torch.device(device))
+        announces = DatagramInbox(f"{run_dir}/rank1.dgram")
+        result = _decode(options, rendezvous, agent, pool, inbox, out, announces, num_blocks, torch.device(device))
+        announces.close()
     store.set(f"done/{rank}", "1")
     store.wait([f"done/{1 - rank}"])  # the prefill pool outlives every pull
     agent.close()
     torch.save(result, result_path)
 
 
-def _prefill(options: dict[str, Any], inbox: zmq.Socket, out: zmq.Socket, num_blocks: int) -> None:
+def _prefill(options: dict[str, Any], inbox: zmq.Socket, out: zmq.Socket, decode_at: str, num_blocks: int) -> None:
     """Announce one request per handoff round; move rounds need nothing but the pool."""
+    announcer = DatagramOutbox()
     rounds = options["warmup"] + options["iters"]
     blocks = -(-options["handoff_tokens"] // BLOCK_SIZE)
     src = _blocks(blocks, num_blocks, seed=1)
@@ -142,7 +147,8 @@ def _prefill(options: dict[str, Any], inbox: zmq.Socket, out: zmq.Socket, num_bl
             msgpack.unpackb(inbox.recv())  # the decode leader is ready
             time.sleep(settle_ms / 1e3)
             t0 = time.perf_counter()
-            out.send(encode(KVAnnounce(f"r{i}", 0, prompt, 1, Sampling(), block_ids=src)))
+            if not announcer.send(decode_at, encode(KVAnnounce(f"r{i}", 0, prompt, 1, Sampling(), block_ids=src))):
+                raise RuntimeError("the announce did not go as a datagram")
             out.send(msgpack.packb(t0))
             msgpack.unpackb(inbox.recv())  # its reply: the blocks are free again
 
@@ -154,6 +160,7 @@ def _decode(
     pool: torch.Tensor,
     inbox: zmq.Socket,
     out: zmq.Socket,
+    announces: DatagramInbox,
     num_blocks: int,
     device: torch.device,
 ) -> dict[str, Any]:
@@ -189,9 +196,13 @@ def _decode(
     for name in (f"handoff {h_tokens}", f"handoff {h_tokens} hot"):
         handoffs: list[float] = []
         phases: list[tuple[float, float, float]] = []  # announce held, copies issued, copies done
+        waiting = zmq.Poller()
+        waiting.register(announces.fileno(), zmq.POLLIN)
         for i in range(rounds):
             out.send(msgpack.packb("ready"))
-            announce = decode(inbox.recv())
+            waiting.poll()
+            (data,) = announces.drain()
+            announce = decode(data)
             held = time.perf_counter()
             assert isinstance(announce, KVAnnounce)
             agent.recv(announce.request_id, h_dst, announce.prefill_group, announce.block_ids)

@@ -2,7 +2,9 @@
 
 The leader (TP rank 0 of a group) owns the engine and the group's control sockets: a PULL
 inbox bound at its address (the router and the other role's leaders push to it) and PUSH
-sockets to the router and to other leaders. Its TP peers follow its steps
+sockets to the router and to other leaders. Leaders of one node send each other datagrams
+instead where they can (``cluster.datagrams``): a KV hand-off then waits for one process to
+wake up, not three. Its TP peers follow its steps
 (``ModelRunner.run_peer``). A role (``cluster.colocated``, ``prefill_worker.leader``,
 ``decode_worker.leader``) subclasses ``GroupLeader`` with the messages it handles and what it
 does with its engine's outputs.
@@ -17,6 +19,7 @@ from typing import ClassVar
 import zmq
 
 from pdserve.cluster.config import Addresses
+from pdserve.cluster.datagrams import DatagramInbox, DatagramOutbox
 from pdserve.cluster.protocol import (
     ROOT_HASH,
     Abort,
@@ -84,8 +87,14 @@ class GroupLeader:
         self.ctx = zmq.Context.instance()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(addresses.leader(self.role, group))
+        self.datagrams = DatagramInbox.beside(addresses.leader(self.role, group))
+        self._poller = zmq.Poller()
+        self._poller.register(self.inbox, zmq.POLLIN)
+        if self.datagrams is not None:
+            self._poller.register(self.datagrams.fileno(), zmq.POLLIN)
         self.to_router = self._push(addresses.router)
         self._leaders: dict[tuple[str, int], zmq.Socket] = {}
+        self._to_leaders = DatagramOutbox()
         # Leaders that joined at run time, or live on other machines: where the router said they listen.
         self._peer_addresses: dict[tuple[str, int], str] = {}
         self.next_index: dict[str, int] = {}  # request -> index of its next output token
@@ -110,9 +119,13 @@ class GroupLeader:
 
     def send_leader(self, role: str, group: int, message: Message) -> None:
         key = (role, group)
+        address = self._peer_addresses.get(key) or self.addresses.leader(role, group)
+        data = encode(message)
+        if self._to_leaders.send(address, data):
+            return
         if key not in self._leaders:
-            self._leaders[key] = self._push(self._peer_addresses.get(key) or self.addresses.leader(role, group))
-        self._leaders[key].send(encode(message))
+            self._leaders[key] = self._push(address)
+        self._leaders[key].send(data)
 
     # -- loop ----------------------------------------------------------------------------
 
@@ -127,8 +140,12 @@ class GroupLeader:
                 if watchdog is not None:
                     watchdog.tick()  # an idle leader comes round every 20 ms too
                 timeout = 0 if self.busy() else 20
-                while self.inbox.poll(timeout):
-                    self._dispatch(self.inbox.recv())
+                while events := dict(self._poller.poll(timeout)):
+                    if self.inbox in events:
+                        self._dispatch(self.inbox.recv())
+                    if self.datagrams is not None and self.datagrams.fileno() in events:
+                        for data in self.datagrams.drain():
+                            self._dispatch(data)
                     timeout = 0
                 self.background()
                 if self.engine.has_unfinished() and not self.stopping:
@@ -296,3 +313,6 @@ class GroupLeader:
         self.engine.close()  # releases the TP peers and the CUDA graphs before the group goes
         for sock in (self.inbox, self.to_router, *self._leaders.values()):
             sock.close()
+        self._to_leaders.close()
+        if self.datagrams is not None:
+            self.datagrams.close()

@@ -15,6 +15,7 @@ import pytest
 import zmq
 
 from pdserve.cluster.config import Addresses
+from pdserve.cluster.datagrams import DatagramInbox
 from pdserve.cluster.protocol import Abort, KVAnnounce, KVReply, Message, Sampling, decode
 from pdserve.decode_worker import leader as leader_module
 from pdserve.decode_worker.leader import DecodeLeader
@@ -450,3 +451,19 @@ def test_a_later_request_leaves_the_waiting_one_room_for_its_own_headroom_too(se
     assert setup.replies(0) == [KVReply("mid", accepted=False)]
     setup.announce("long", LONG, prefill_group=1)
     assert setup.replies(1) == [KVReply("long", accepted=True)]
+
+
+def test_a_prefill_leader_on_the_node_gets_its_replies_as_datagrams(setup: Setup, tmp_path: Path) -> None:
+    """A prefill leader binds a datagram inbox beside its ZMQ one (``cluster.datagrams``): the
+    replies go there, and nothing over ZMQ. Without one (the other tests' prefill groups), they
+    go over ZMQ."""
+    datagrams = DatagramInbox.beside(f"ipc://{tmp_path}/prefill0")
+    assert datagrams is not None
+    try:
+        setup.announce("r")
+        assert [decode(data) for data in datagrams.drain()] == [KVReply("r", accepted=True)]
+        assert setup.replies(0) == []
+        setup.announce("s", prefill_group=1)
+        assert setup.replies(1) == [KVReply("s", accepted=True)]
+    finally:
+        datagrams.close()

@@ -46,6 +46,9 @@ _DISAGG_GPU = (
 _COLOCATED_ONLY = ("colocated_tp", "colocated_groups")
 # ZMQ keeps a heartbeat's TTL in deciseconds in 16 bits: 6553.5 s at most.
 _MAX_CLIENT_HEARTBEAT_TIMEOUT = 6553.5
+# Long enough to bridge the gaps between requests under load, short enough that an idle cluster
+# soon frees its cores.
+_GPU_LEADER_SPIN_MS = 100.0
 # The environment variable the HTTP front end reads its api_key from (vLLM's is VLLM_API_KEY).
 API_KEY_ENV = "PDSERVE_API_KEY"
 
@@ -192,6 +195,14 @@ class ClusterConfig:
         section="Serving",
     )
     drain_timeout: float = setting(30.0, help="Seconds to finish in-flight requests on shutdown.", section="Serving")
+    leader_spin_ms: float | None = setting(
+        None,
+        help="Milliseconds a group leader busy-polls its inbox after its last work before it sleeps: a request "
+        "that comes sooner (a KV hand-off, a new prompt) does not wait for the process to wake up, at the price "
+        "of a busy core meanwhile. 0: sleep at once.",
+        section="Serving",
+        default_text=f"{_GPU_LEADER_SPIN_MS:g} for a group on GPUs, 0 on CPUs (whose cores the ranks need)",
+    )
     start_timeout: float = setting(600.0, help="Seconds the groups may take to become ready.", section="Serving")
     heartbeat_interval: float = setting(
         0.5, help="Seconds between the heartbeats each TP peer sends the router.", section="Fault tolerance"
@@ -355,6 +366,8 @@ class ClusterConfig:
             )
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.leader_spin_ms is not None and self.leader_spin_ms < 0:
+            raise ValueError(f"leader_spin_ms must be >= 0, got {self.leader_spin_ms}")
         for name in (
             "start_timeout",
             "heartbeat_interval",
@@ -572,6 +585,12 @@ class ClusterConfig:
         ``groups_on_gpu`` groups have a rank."""
         own = {"prefill": self.prefill_gpu_memory_utilization, "decode": self.decode_gpu_memory_utilization}.get(role)
         return own if own is not None else self.engine.cache.gpu_memory_utilization / groups_on_gpu
+
+    def leader_spin_s(self, on_gpu: bool) -> float:
+        """Seconds the leader of a group on GPUs (or CPUs) busy-polls after its last work."""
+        if self.leader_spin_ms is not None:
+            return self.leader_spin_ms / 1e3
+        return _GPU_LEADER_SPIN_MS / 1e3 if on_gpu else 0.0
 
     def sm_percent(self, role: str) -> int | None:
         """The percent of a GPU's SMs a rank of ``role`` may use (None: no limit)."""

@@ -190,6 +190,7 @@ class GroupNode:
                 rendezvous_timeout=config.start_timeout,
                 kv_lease_timeout=config.kv_lease_timeout,
                 watchdog_timeout=config.watchdog_timeout,
+                leader_spin_s=config.leader_spin_s(on_gpu),
                 generations={role: [] for role in ROLES},
             )
             for rank_spec in group_specs(

@@ -351,6 +351,7 @@ class Cluster:
                 rendezvous_timeout=c.start_timeout,
                 kv_lease_timeout=c.kv_lease_timeout,
                 watchdog_timeout=c.watchdog_timeout,
+                leader_spin_s=c.leader_spin_s(bool(group.devices)),
             )
             for rank_spec in group_specs(
                 c.rank_engine(self._engine, group.role, sharing) if group.devices else self._engine,

@@ -1,13 +1,12 @@
 """The loop and sockets every group leader shares, whatever its role.
 
-The leader (TP rank 0 of a group) owns the engine and the group's control sockets: a PULL
-inbox bound at its address (the router and the other role's leaders push to it) and PUSH
-sockets to the router and to other leaders. Leaders of one node send each other datagrams
-instead where they can (``cluster.datagrams``): a KV hand-off then waits for one process to
-wake up, not three. Its TP peers follow its steps
-(``ModelRunner.run_peer``). A role (``cluster.colocated``, ``prefill_worker.leader``,
-``decode_worker.leader``) subclasses ``GroupLeader`` with the messages it handles and what it
-does with its engine's outputs.
+The leader (TP rank 0 of a group) owns the engine and the group's control sockets: an inbox
+bound at its address (``cluster.inbox``: the router and the other role's leaders send to it)
+and PUSH sockets to the router and to other leaders. Leaders of one node send each other
+datagrams instead where they can (``cluster.datagrams``): a KV hand-off then waits for one
+process to wake up, not three. Its TP peers follow its steps (``ModelRunner.run_peer``). A role
+(``cluster.colocated``, ``prefill_worker.leader``, ``decode_worker.leader``) subclasses
+``GroupLeader`` with the messages it handles and what it does with its engine's outputs.
 """
 
 from __future__ import annotations
@@ -19,7 +18,8 @@ from typing import ClassVar
 import zmq
 
 from pdserve.cluster.config import Addresses
-from pdserve.cluster.datagrams import DatagramInbox, DatagramOutbox
+from pdserve.cluster.datagrams import DatagramOutbox
+from pdserve.cluster.inbox import LeaderInbox
 from pdserve.cluster.protocol import (
     ROOT_HASH,
     Abort,
@@ -85,13 +85,7 @@ class GroupLeader:
         self.addresses = addresses
         self.engine = engine
         self.ctx = zmq.Context.instance()
-        self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.bind(addresses.leader(self.role, group))
-        self.datagrams = DatagramInbox.beside(addresses.leader(self.role, group))
-        self._poller = zmq.Poller()
-        self._poller.register(self.inbox, zmq.POLLIN)
-        if self.datagrams is not None:
-            self._poller.register(self.datagrams.fileno(), zmq.POLLIN)
+        self.inbox = LeaderInbox(self.ctx, addresses.leader(self.role, group))
         self.to_router = self._push(addresses.router)
         self._leaders: dict[tuple[str, int], zmq.Socket] = {}
         self._to_leaders = DatagramOutbox()
@@ -129,24 +123,24 @@ class GroupLeader:
 
     # -- loop ----------------------------------------------------------------------------
 
-    def run(self, watchdog: Watchdog | None = None) -> None:
-        """Serve until the router shuts the group down, ticking ``watchdog`` every time round."""
+    def run(self, watchdog: Watchdog | None = None, idle_spin_s: float = 0.0) -> None:
+        """Serve until the router shuts the group down, ticking ``watchdog`` every time round.
+        For ``idle_spin_s`` after its last work the leader busy-polls its inbox instead of
+        sleeping (``cluster.inbox``)."""
         tp = self.engine.config.parallel.tp_size
         address = self.addresses.leader(self.role, self.group)
         self.send_router(Ready(self.role, self.group, self.engine.stats().num_blocks, tp, address))
-        next_stats = 0.0
+        next_stats = spin_until = 0.0
         try:
             while not self.stopping or (self.transfers_pending() and not self._stop_overdue()):
                 if watchdog is not None:
                     watchdog.tick()  # an idle leader comes round every 20 ms too
-                timeout = 0 if self.busy() else 20
-                while events := dict(self._poller.poll(timeout)):
-                    if self.inbox in events:
-                        self._dispatch(self.inbox.recv())
-                    if self.datagrams is not None and self.datagrams.fileno() in events:
-                        for data in self.datagrams.drain():
-                            self._dispatch(data)
-                    timeout = 0
+                if self.busy():
+                    timeout, spin_until = 0, time.monotonic() + idle_spin_s
+                else:
+                    timeout = 20
+                for data in self.inbox.receive(timeout, spin_until):
+                    self._dispatch(data)
                 self.background()
                 if self.engine.has_unfinished() and not self.stopping:
                     self.send_outputs(self.engine.step(emit=self.send_outputs))
@@ -311,8 +305,7 @@ class GroupLeader:
     def close(self) -> None:
         self.engine.abort_all()
         self.engine.close()  # releases the TP peers and the CUDA graphs before the group goes
-        for sock in (self.inbox, self.to_router, *self._leaders.values()):
+        for sock in (self.to_router, *self._leaders.values()):
             sock.close()
+        self.inbox.close()
         self._to_leaders.close()
-        if self.datagrams is not None:
-            self.datagrams.close()

@@ -33,6 +33,7 @@ from pdserve.cluster.group import (
     leave_process,
     name_process,
 )
+from pdserve.cluster.leader import GroupLeader
 from pdserve.cluster.protocol import Heartbeat, encode
 from pdserve.cluster.watchdog import Watchdog
 from pdserve.decode_worker.leader import DecodeLeader
@@ -60,6 +61,7 @@ class WorkerSpec:
     rendezvous_timeout: float = 600.0  # a pair group waits this long for a group that loads its model
     kv_lease_timeout: float = 30.0
     watchdog_timeout: float = 300.0  # a serve loop stuck this long ends its rank (cluster.watchdog)
+    leader_spin_s: float = 0.0  # the leader busy-polls this long after its last work (cluster.inbox)
     env: dict[str, str] = field(default_factory=dict)  # set before CUDA starts (MPS: its daemon, the SM cap)
 
 
@@ -128,16 +130,18 @@ def _heartbeats(spec: WorkerSpec) -> None:
 
 def _lead(spec: WorkerSpec, engine: LLMEngine, watchdog: Watchdog) -> None:
     """Serve as the group's leader until the router shuts the cluster down."""
+    leader: GroupLeader
     if spec.role == "colocated":
-        ColocatedLeader(spec.group, spec.addresses, engine).run(watchdog)
-        return
-    transfers = _transfers(spec, engine.kv_cache, engine.model_config, engine.step_channel)
-    lease = spec.kv_lease_timeout
-    if spec.role == "prefill":
-        PrefillLeader(spec.group, spec.addresses, engine, transfers, lease, spec.generation).run(watchdog)
+        leader = ColocatedLeader(spec.group, spec.addresses, engine)
     else:
-        prefill_generations = spec.generations.get("prefill", [])
-        DecodeLeader(spec.group, spec.addresses, engine, transfers, lease, prefill_generations).run(watchdog)
+        transfers = _transfers(spec, engine.kv_cache, engine.model_config, engine.step_channel)
+        lease = spec.kv_lease_timeout
+        if spec.role == "prefill":
+            leader = PrefillLeader(spec.group, spec.addresses, engine, transfers, lease, spec.generation)
+        else:
+            prefill_generations = spec.generations.get("prefill", [])
+            leader = DecodeLeader(spec.group, spec.addresses, engine, transfers, lease, prefill_generations)
+    leader.run(watchdog, spec.leader_spin_s)
 
 
 def worker_main(spec: WorkerSpec) -> None:

@@ -8,8 +8,9 @@
 Two processes, as in a cluster with ``--devices 0,0``: a prefill rank and a decode leader, each
 with a paged KV pool of the preset's shape (bf16 on GPU, fp32 on CPU; blocks of 16 tokens) and
 a ``KVTransferAgent`` over ``kvtransfer.base.create_backend`` (the code the workers run), on one
-GPU or two. The prefill pool holds random values; a request's blocks are a shuffled,
-non-contiguous sample of each pool, drawn independently on each side.
+GPU or two (on one, under CUDA MPS as a cluster's ranks are; ``--no-mps``: time-sliced). The
+prefill pool holds random values; a request's blocks are a shuffled, non-contiguous sample of
+each pool, drawn independently on each side.
 
 Cases, each a median over ``--iters`` rounds after ``--warmup`` untimed ones:
 
@@ -25,14 +26,19 @@ Cases, each a median over ``--iters`` rounds after ``--warmup`` untimed ones:
 * ``handoff N`` (``--handoff-tokens``): "prefill done -> decode may start". The prefill rank
   stamps t0 and sends a ``KVAnnounce`` (``cluster.protocol``, with the N prompt ids and block
   ids) as group leaders of one node do (``cluster.datagrams``: a Unix datagram; t0 follows
-  over ZMQ); the decode leader waits for it in a poll, as its loop does, decodes it, issues ``agent.recv`` and polls
-  ``agent.done`` until true, and stamps t1: the KV is in its pool and its reply (which frees the
-  prefill blocks) goes out. Its phases: the announce held (``announce_ms``), the copies
-  issued (``issue_ms``), the copies done (``copy_ms``). Both stamps are ``time.perf_counter``
-  (CLOCK_MONOTONIC, one clock for every process of the host). The prefill rank announces
-  ``--settle-ms`` after the decode leader said it is ready, so that the decode process is idle
-  in its receive, as between requests (an idle process and GPU wake up slowly); ``handoff N
-  hot`` repeats it without the pause, as for a decode group that is busy anyway.
+  over ZMQ); the decode leader waits for it as its loop does (``cluster.inbox``, busy-polling
+  for ``--leader-spin-ms`` after its last work, then asleep), decodes it, issues
+  ``agent.recv`` and polls ``agent.done`` until true, and stamps t1: the KV is in its pool and
+  its reply (which frees the prefill blocks) goes out. Its phases: the announce held
+  (``announce_ms``), the copies issued (``issue_ms``), the copies done (``copy_ms``). Both
+  stamps are ``time.perf_counter`` (CLOCK_MONOTONIC, one clock for every process of the host).
+  Before each announce the prefill rank does what a prefill leader does: it runs the prompt
+  (a stand-in: a GPU kernel that spins ``--prompt-ms``, or the CPU busy that long) and waits
+  for its end, as the leader waits for the first token; the decode leader idles meanwhile, as
+  between requests, and the GPU (one GPU) or the process wakes up from it. ``handoff N hot``
+  announces back to back, as for a decode group that is busy anyway, and ``handoff N asleep``
+  runs the prompt only ``--asleep-ms`` after the decode leader's last work, past its spin, so
+  that it sleeps in ``poll()``.
 
 Prints a table and writes it as JSON to ``--out``, with the issue's targets evaluated: move 16384
 at >= 75% of the device copy, handoff 1024 <= 0.3 ms.
@@ -46,6 +52,7 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +63,11 @@ import torch.distributed as dist
 import zmq
 
 from pdserve.bench.common import bit_pattern, write_json
-from pdserve.cluster.datagrams import DatagramInbox, DatagramOutbox
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.datagrams import DatagramOutbox
 from pdserve.cluster.group import RankProcesses, free_port
+from pdserve.cluster.inbox import LeaderInbox
+from pdserve.cluster.mps import MpsDaemon, MpsError
 from pdserve.cluster.protocol import KVAnnounce, Sampling, decode, encode
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.parallel import head_shard
@@ -99,6 +109,7 @@ def _event_ms(fn: Any, device: torch.device) -> float:
 
 
 def _rank(rank: int, port: int, options: dict[str, Any], run_dir: str, result_path: str) -> None:
+    os.environ.update(options["rank_env"])  # before CUDA starts: the MPS daemon, as a cluster's rank
     devices = options["devices"]
     device = f"cuda:{devices[rank]}" if devices else "cpu"
     if devices:
@@ -123,10 +134,11 @@ def _rank(rank: int, port: int, options: dict[str, Any], run_dir: str, result_pa
     out = ctx.socket(zmq.PUSH)
     out.connect(f"ipc://{run_dir}/rank{1 - rank}")
     result: dict[str, Any] = {}
+    leader_at = f"ipc://{run_dir}/leader1"  # where the decode leader takes announces, as in a cluster
     if rank == 0:
-        _prefill(options, inbox, out, f"ipc://{run_dir}/rank1", num_blocks)
+        _prefill(options, inbox, out, leader_at, num_blocks, torch.device(device))
     else:
-        announces = DatagramInbox(f"{run_dir}/rank1.dgram")
+        announces = LeaderInbox(ctx, leader_at)
         result = _decode(options, rendezvous, agent, pool, inbox, out, announces, num_blocks, torch.device(device))
         announces.close()
     store.set(f"done/{rank}", "1")
@@ -135,22 +147,61 @@ def _rank(rank: int, port: int, options: dict[str, Any], run_dir: str, result_pa
     torch.save(result, result_path)
 
 
-def _prefill(options: dict[str, Any], inbox: zmq.Socket, out: zmq.Socket, decode_at: str, num_blocks: int) -> None:
+def _prefill(
+    options: dict[str, Any], inbox: zmq.Socket, out: zmq.Socket, decode_at: str, num_blocks: int, device: torch.device
+) -> None:
     """Announce one request per handoff round; move rounds need nothing but the pool."""
     announcer = DatagramOutbox()
     rounds = options["warmup"] + options["iters"]
     blocks = -(-options["handoff_tokens"] // BLOCK_SIZE)
     src = _blocks(blocks, num_blocks, seed=1)
     prompt = list(range(options["handoff_tokens"]))
-    for settle_ms in (options["settle_ms"], 0.0):
+    run_prompt = _prompt_stand_in(device)
+    for _, idle_ms, prompt_ms in _handoff_cases(options):
         for i in range(rounds):
             msgpack.unpackb(inbox.recv())  # the decode leader is ready
-            time.sleep(settle_ms / 1e3)
+            time.sleep(idle_ms / 1e3)
+            run_prompt(prompt_ms)
             t0 = time.perf_counter()
             if not announcer.send(decode_at, encode(KVAnnounce(f"r{i}", 0, prompt, 1, Sampling(), block_ids=src))):
                 raise RuntimeError("the announce did not go as a datagram")
             out.send(msgpack.packb(t0))
             msgpack.unpackb(inbox.recv())  # its reply: the blocks are free again
+
+
+def _prompt_stand_in(device: torch.device) -> Callable[[float], None]:
+    """What a prefill leader does before it announces: run the prompt's forward and wait for its
+    first token. Here a kernel that spins on the GPU for the given milliseconds, then a
+    synchronize, as the leader's read of the token; on CPU, the process computing that long."""
+    if device.type != "cuda":
+
+        def compute(ms: float) -> None:
+            end = time.perf_counter() + ms / 1e3
+            while time.perf_counter() < end:
+                pass
+
+        return compute
+    cycles = 10_000_000
+    torch.cuda._sleep(cycles)  # the first launch loads the kernel
+    cycles_per_ms = cycles / _event_ms(lambda: torch.cuda._sleep(cycles), device)
+
+    def run(ms: float) -> None:
+        if ms > 0:
+            torch.cuda._sleep(int(ms * cycles_per_ms))
+            torch.cuda.synchronize()
+
+    return run
+
+
+def _handoff_cases(options: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """Each handoff case: its name, how long nothing happens before a round's prompt, and how long
+    the prompt's stand-in runs (milliseconds)."""
+    tokens, prompt_ms = options["handoff_tokens"], options["prompt_ms"]
+    return [
+        (f"handoff {tokens}", 0.0, prompt_ms),
+        (f"handoff {tokens} hot", 0.0, 0.0),
+        (f"handoff {tokens} asleep", options["asleep_ms"], prompt_ms),
+    ]
 
 
 def _decode(
@@ -160,7 +211,7 @@ def _decode(
     pool: torch.Tensor,
     inbox: zmq.Socket,
     out: zmq.Socket,
-    announces: DatagramInbox,
+    announces: LeaderInbox,
     num_blocks: int,
     device: torch.device,
 ) -> dict[str, Any]:
@@ -193,15 +244,15 @@ def _decode(
     h_count = -(-h_tokens // BLOCK_SIZE)
     h_dst = _blocks(h_count, num_blocks, seed=3)
     handoff_cases = {}
-    for name in (f"handoff {h_tokens}", f"handoff {h_tokens} hot"):
+    for name, _, _ in _handoff_cases(options):
         handoffs: list[float] = []
         phases: list[tuple[float, float, float]] = []  # announce held, copies issued, copies done
-        waiting = zmq.Poller()
-        waiting.register(announces.fileno(), zmq.POLLIN)
         for i in range(rounds):
             out.send(msgpack.packb("ready"))
-            waiting.poll()
-            (data,) = announces.drain()
+            spin_until = time.monotonic() + options["leader_spin_ms"] / 1e3  # as a leader after its last work
+            while not (messages := announces.receive(20, spin_until)):
+                pass
+            (data,) = messages
             announce = decode(data)
             held = time.perf_counter()
             assert isinstance(announce, KVAnnounce)
@@ -258,7 +309,23 @@ def evaluate(cases: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 @click.option("--handoff-tokens", default=1024, help="Tokens of the handed-off request.")
 @click.option("--iters", default=20)
 @click.option("--warmup", default=3)
-@click.option("--settle-ms", default=5.0, help="Idle time before each announce.")
+@click.option("--prompt-ms", default=5.0, help="How long the prefill rank's stand-in for a prompt runs.")
+@click.option(
+    "--asleep-ms", default=200.0, help="The asleep case: idle time before each prompt, past the leader's spin."
+)
+@click.option(
+    "--leader-spin-ms",
+    type=float,
+    default=None,
+    help="The decode leader's busy-poll after its last work (the cluster's --leader-spin-ms).",
+    show_default="the cluster's default",
+)
+@click.option(
+    "--mps/--no-mps",
+    default=True,
+    help="Run both ranks under CUDA MPS when they share one GPU, as a cluster's ranks do (a running control "
+    "daemon, or one of the bench's own).",
+)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(
     model: str,
@@ -267,13 +334,22 @@ def main(
     handoff_tokens: int,
     iters: int,
     warmup: int,
-    settle_ms: float,
+    prompt_ms: float,
+    asleep_ms: float,
+    leader_spin_ms: float | None,
+    mps: bool,
     out: Path | None,
 ) -> None:
     """Pull KV pool to pool between two processes; print a table, write JSON."""
     device_ids = [int(d) for d in devices.split(",") if d.strip()]
     if device_ids and len(device_ids) != 2:
         raise click.UsageError("--devices: the prefill rank's GPU and the decode rank's (e.g. 0,0), or empty")
+    try:
+        spin_ms = 1e3 * ClusterConfig(leader_spin_ms=leader_spin_ms).leader_spin_s(bool(device_ids))
+    except ValueError as e:
+        raise click.UsageError(f"--leader-spin-ms: {e}") from None
+    if asleep_ms <= spin_ms:
+        raise click.UsageError(f"--asleep-ms {asleep_ms:g} must exceed the leader's spin, {spin_ms:g} ms")
     options = {
         "model_dir": str(resolve_model(model)),
         "devices": device_ids,
@@ -281,12 +357,26 @@ def main(
         "handoff_tokens": handoff_tokens,
         "iters": iters,
         "warmup": warmup,
-        "settle_ms": settle_ms,
+        "prompt_ms": prompt_ms,
+        "asleep_ms": asleep_ms,
+        "leader_spin_ms": spin_ms,
     }
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="pdserve-ipc-") as run_dir:
+        daemon = None
+        if mps and len(set(device_ids)) == 1:
+            try:
+                daemon = MpsDaemon.ensure(run_dir)
+            except MpsError as e:
+                raise click.ClickException(f"{e} (or run with --no-mps)") from None
+        options["rank_env"] = daemon.rank_env(None) if daemon is not None else {}
+        options["mps"] = daemon is not None
         paths = [os.path.join(run_dir, f"result{r}.pt") for r in range(2)]
-        RankProcesses(_rank, [(r, port, options, run_dir, paths[r]) for r in range(2)]).wait(600)
+        try:
+            RankProcesses(_rank, [(r, port, options, run_dir, paths[r]) for r in range(2)]).wait(600)
+        finally:
+            if daemon is not None:
+                daemon.stop()
         cases = torch.load(paths[1])
     checks = evaluate(cases)
     print(f"{model} on {'GPUs ' + devices if device_ids else 'CPU'}, backend {'cuda-ipc' if device_ids else 'shm'}")

@@ -688,10 +688,24 @@ def _endpoint_option(ctx: click.Context, param: click.Parameter, value: str) -> 
         raise click.BadParameter(str(e).split(": ", 1)[1]) from None
 
 
-def _positive_seconds(_ctx: click.Context, _param: click.Parameter, value: float) -> float:
-    if not value > 0:  # NaN too: no comparison holds for it
-        raise click.BadParameter(f"must be a positive number of seconds (inf: no limit), got {value}")
-    return value
+class Seconds(click.ParamType):
+    """A wait on the command line, in seconds: positive (``zero``: or 0), inf for no limit. NaN
+    is refused too, which ``click.FloatRange`` lets through (no comparison holds for it)."""
+
+    name = "seconds"
+
+    def __init__(self, zero: bool = False) -> None:
+        self.zero = zero
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not (seconds >= 0 if self.zero else seconds > 0):
+            kind = "non-negative" if self.zero else "positive"
+            self.fail(f"must be a {kind} number of seconds (inf: no limit), got {seconds}", param, ctx)
+        return seconds
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -714,8 +728,7 @@ def _positive_seconds(_ctx: click.Context, _param: click.Parameter, value: float
     "--timeout",
     default=60.0,
     show_default=True,
-    type=float,
-    callback=_positive_seconds,
+    type=Seconds(),
     help="Seconds to wait for each reply (inf: no limit).",
 )
 @click.option("--auth-keys", type=click.Path(file_okay=False), help="The cluster's key directory (--auth-keys there).")

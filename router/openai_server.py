@@ -49,7 +49,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable
+from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable, Seconds
 from pdserve.cluster.config import API_KEY_ENV, cluster_settings, origins
 from pdserve.cluster.protocol import Chunk, Final, Stats
 from pdserve.engine.tokenization import load_tokenizer
@@ -851,13 +851,13 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, help="TCP port of the HTTP server.")
 @click.option(
     "--drain-timeout",
-    type=click.FloatRange(min=0),
+    type=Seconds(zero=True),
     default=30.0,
     help="Seconds to finish running requests on SIGTERM; those still running then are aborted.",
 )
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=Seconds(),
     default=600.0,
     help="Seconds to wait for any one message of a request.",
 )

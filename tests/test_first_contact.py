@@ -198,7 +198,16 @@ def test_the_http_front_ends_help_explains_every_option() -> None:
         assert option.opts[0] in result.stdout
 
 
-@pytest.mark.parametrize(("option", "value"), [("--timeout", "-1"), ("--timeout", "0"), ("--drain-timeout", "-1")])
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--timeout", "-1"),
+        ("--timeout", "0"),
+        ("--timeout", "nan"),
+        ("--drain-timeout", "-1"),
+        ("--drain-timeout", "nan"),
+    ],
+)
 def test_the_http_front_end_refuses_a_negative_wait(option: str, value: str) -> None:
     """Not a server whose every request fails with "the cluster ... stopped answering"."""
     result = subprocess.run(

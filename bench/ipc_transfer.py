@@ -380,16 +380,16 @@ def main(
         cases = torch.load(paths[1])
     checks = evaluate(cases)
     print(f"{model} on {'GPUs ' + devices if device_ids else 'CPU'}, backend {'cuda-ipc' if device_ids else 'shm'}")
-    print(f"{'case':16} {'MB':>8} {'median ms':>10} {'GB/s':>8} {'copy ms':>8} {'copy GB/s':>10} {'% of copy':>9}")
+    print(f"{'case':20} {'MB':>8} {'median ms':>10} {'GB/s':>8} {'copy ms':>8} {'copy GB/s':>10} {'% of copy':>9}")
     for name, c in cases.items():
         if name.startswith("move"):
             print(
-                f"{name:16} {c['bytes'] / 1e6:8.1f} {c['median_ms']:10.3f} {c['gbps']:8.0f} "
+                f"{name:20} {c['bytes'] / 1e6:8.1f} {c['median_ms']:10.3f} {c['gbps']:8.0f} "
                 f"{c['copy_median_ms']:8.3f} {c['copy_gbps']:10.0f} {c['pct_of_copy']:9.1f}"
             )
         else:
             print(
-                f"{name:16} {c['bytes'] / 1e6:8.1f} {c['median_ms']:10.3f}   (p90 {c['p90_ms']:.3f} ms; announce "
+                f"{name:20} {c['bytes'] / 1e6:8.1f} {c['median_ms']:10.3f}   (p90 {c['p90_ms']:.3f} ms; announce "
                 f"{c['announce_ms']:.3f}, issue {c['issue_ms']:.3f}, copy {c['copy_ms']:.3f})"
             )
     for check in checks:

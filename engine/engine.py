@@ -278,9 +278,10 @@ class LLMEngine:
         step, whose token is dropped; length limits and prefill-only requests are known ahead
         (``Sequence.finishing``) and cost nothing. Otherwise each call returns its own tokens.
 
-        Before a step that runs eagerly (no graph holds it: the host launches its kernels for
-        12-19 ms), the previous step is read back first; ``emit``, when given, gets those outputs
-        at once, so that a server sends them before that launch instead of after it.
+        Before a step that runs eagerly (no graph holds it: launching its kernels one by one takes
+        the host longer than the GPU's work), the previous step is read back first; ``emit``, when
+        given, gets those outputs at once, so that a server sends them before that launch instead
+        of after it.
         """
         batch = self.scheduler.schedule()
         previous, self._in_flight = self._in_flight, None
@@ -321,10 +322,7 @@ class LLMEngine:
                     self.block_manager.cache_blocks(seq)
         if not sampled_seqs:
             return None
-        tokens = self.sampler(logits, [s.params for s in sampled_seqs], [s.request_id for s in sampled_seqs])
-        for seq in sampled_seqs:
-            if seq.status is SequenceStatus.FINISHED:  # stopped by the read-back just before this launch:
-                self.sampler.release(seq.request_id)  # its row re-created the generator ``_finish`` dropped
+        tokens = self.sampler(logits, [s.params for s in sampled_seqs], [s.num_tokens for s in sampled_seqs])
         indexes = []
         for row, seq in enumerate(sampled_seqs):
             indexes.append(seq.num_tokens)
@@ -384,7 +382,6 @@ class LLMEngine:
     def _finish(self, seq: Sequence, new_tokens: list[int] | None = None) -> RequestOutput:
         seq.drop_pending()  # a token stopped it (or an abort) while its next step was in flight
         del self.requests[seq.request_id]
-        self.sampler.release(seq.request_id)
         return RequestOutput(
             seq.request_id,
             new_tokens or [],

@@ -31,26 +31,41 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     return torch.empty_like(logits).scatter_(-1, order, masked)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's token at ``position`` (the number of tokens
+    before it). A token's noise depends on the request's seed and its position only, so a request
+    draws the same tokens whichever engine samples each of them: prefill's first token and
+    decode's next ones, a request moved to another group, a preempted one recomputed."""
+    return _splitmix64(_splitmix64(seed) ^ position)
+
+
 @dataclass
 class Sampler:
-    """Samples one token per row. Rows with a seed draw from their own generator."""
+    """Samples one token per row. A seeded row draws its noise from a generator seeded by its
+    seed and position (``position_seed``); the others from the device's default generator."""
 
-    generators: dict[str, torch.Generator] = field(default_factory=dict)
+    _generator: torch.Generator | None = field(default=None, repr=False)
 
-    def generator_for(self, request_id: str, seed: int, device: torch.device) -> torch.Generator:
-        gen = self.generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(seed)
-            self.generators[request_id] = gen
-        return gen
+    def _seeded(self, seed: int, position: int, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+        self._generator.manual_seed(position_seed(seed, position))
+        return self._generator
 
-    def release(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
-
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]) -> torch.Tensor:
-        """logits ``[B, V]`` fp32 -> one token id per row, ``[B]`` int64 on the logits' device.
-        No host sync: the engine reads the tokens back when it needs them."""
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
+        """logits ``[B, V]`` fp32 -> one token id per row, ``[B]`` int64 on the logits' device;
+        ``positions[i]``: how many tokens row i's sequence holds before the one sampled. No host
+        sync: the engine reads the tokens back when it needs them."""
         vocab = logits.shape[-1]
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -73,12 +88,12 @@ class Sampler:
             top_p = device_tensor([params[i].top_p for i in sampled_rows], torch.float32, device)
             probs = top_k_top_p_mask(sub / temps[:, None], top_k, top_p).softmax(dim=-1)
             # Exponential race (Gumbel-max in disguise): argmax(p / E) with E ~ Exp(1) samples
-            # from p; each seeded row draws its noise from its own generator.
+            # from p; each seeded row draws its noise from its seed and position.
             noise = torch.empty_like(probs).exponential_()
             for j, i in enumerate(sampled_rows):
                 seed = params[i].seed
                 if seed is not None:
-                    gen = self.generator_for(request_ids[i], seed, logits.device)
-                    noise[j] = torch.empty(vocab, device=logits.device).exponential_(generator=gen)
+                    gen = self._seeded(seed, positions[i], device)
+                    noise[j] = torch.empty(vocab, device=device).exponential_(generator=gen)
             tokens[rows] = (probs / noise).argmax(dim=-1)
         return tokens

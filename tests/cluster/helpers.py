@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pdserve.bench.soak import descendants
 from pdserve.cluster.client import Chunk, Client, Final
@@ -56,12 +58,15 @@ def oracle(model_dir: Path, prompts: list[list[int]], params: list[SamplingParam
     return engine.generate(prompts, params)
 
 
+def wire_sampling(params: SamplingParams) -> dict[str, Any]:
+    """``params`` as the client's sampling keywords."""
+    fields = dataclasses.asdict(params)
+    return {**fields, "stop_token_ids": list(fields["stop_token_ids"])}
+
+
 def run_concurrently(client: Client, prompts: list[list[int]], params: list[SamplingParams]) -> list[Final]:
     """Submit every request at once (streaming), then check each stream and return its Final."""
-    ids = [
-        client.submit(token_ids=p, stream=True, max_tokens=sp.max_tokens, temperature=0.0, ignore_eos=sp.ignore_eos)
-        for p, sp in zip(prompts, params)
-    ]
+    ids = [client.submit(token_ids=p, stream=True, **wire_sampling(sp)) for p, sp in zip(prompts, params)]
     finals = []
     for request_id in ids:
         chunks: list[Chunk] = []

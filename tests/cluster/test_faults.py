@@ -1,7 +1,7 @@
 """Process failures in a real cluster (``launch.py`` on CPU, the demo model): ranks killed with
 SIGKILL or stopped with SIGSTOP under load, KV leases, a client that goes silent, and the
-router's own death. Every request must end exactly once, greedy output must match an
-uninterrupted run token for token, and every KV block must come back."""
+router's own death. Every request must end exactly once, its output (greedy, or sampled with a
+seed) must match an uninterrupted run token for token, and every KV block must come back."""
 
 from __future__ import annotations
 
@@ -28,6 +28,14 @@ CLIENT_HEARTBEAT_TIMEOUT = 2.0
 SERVING_AGAIN_S = 90.0  # back-off + a group's start on a busy 2-core machine, with room
 PROMPTS = [[17 + i] * (12 + 3 * i) + [42, 7, 99] for i in range(10)]
 MAX_TOKENS = 48
+# Half greedy, half sampled with a seed: a moved request's draws depend on its seed and each
+# token's position, so it goes on as it would have on its first group.
+SAMPLING = [
+    {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0.0}
+    if i % 2 == 0
+    else {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0.9, "top_k": 60, "seed": 1000 + i}
+    for i in range(len(PROMPTS))
+]
 
 
 def rank_pids(cluster: LaunchedCluster) -> dict[str, int]:
@@ -50,12 +58,9 @@ def serving(cluster: LaunchedCluster, client: Client, restarts: int) -> dict[str
 
 
 def run_with_fault(client: Client, act: callable, after_chunks: int = 12) -> dict[int, Final | Error]:
-    """Stream every prompt (greedy), call ``act`` once ``after_chunks`` chunks have arrived, and
-    collect each request's one terminal message, checking that its chunks add up to its final."""
-    ids = {
-        client.submit(token_ids=p, stream=True, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True): i
-        for i, p in enumerate(PROMPTS)
-    }
+    """Stream every prompt (``SAMPLING``), call ``act`` once ``after_chunks`` chunks have arrived,
+    and collect each request's one terminal message, checking that its chunks add up to its final."""
+    ids = {client.submit(token_ids=p, stream=True, **SAMPLING[i]): i for i, p in enumerate(PROMPTS)}
     streamed: dict[int, list[int]] = {i: [] for i in ids.values()}
     terminal: dict[int, Final | Error] = {}
     chunks = 0
@@ -105,9 +110,9 @@ def cluster(cluster_factory) -> LaunchedCluster:
 
 @pytest.fixture(scope="module")
 def reference(cluster: LaunchedCluster) -> list[list[int]]:
-    """Greedy outputs of the prompts on the cluster before any failure."""
+    """The prompts' outputs (``SAMPLING``) on the cluster before any failure."""
     with Client(cluster.endpoint, timeout=120) as client:
-        ids = [client.submit(token_ids=p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True) for p in PROMPTS]
+        ids = [client.submit(token_ids=p, **SAMPLING[i]) for i, p in enumerate(PROMPTS)]
         return [client.result(i).token_ids for i in ids]
 
 
@@ -134,7 +139,7 @@ def test_a_failed_group_restarts_and_its_requests_finish_as_if_nothing_happened(
 ) -> None:
     """Mid-stream, one rank is killed (or stopped: only its heartbeats tell). Its whole group is
     restarted; requests it held move to the restarted group, prefilled again with their tokens so
-    far: each ends once, with the greedy tokens of an uninterrupted run and no token repeated or
+    far: each ends once, with the tokens of an uninterrupted run and no token repeated or
     skipped in its stream; the cluster serves again and every block is free afterwards."""
     before = client.stats().faults
     pid = rank_pids(cluster)[victim]
@@ -154,10 +159,7 @@ def test_a_failed_group_restarts_and_its_requests_finish_as_if_nothing_happened(
             rf"{group[:-1]} group {group[-1]} \(generation \d+\) failed: rank \d sent no heartbeat", cluster.output()
         )
     # Served again, by the new generation.
-    assert (
-        client.generate(token_ids=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True).token_ids
-        == (reference[0])
-    )
+    assert client.generate(token_ids=PROMPTS[1], **SAMPLING[1]).token_ids == reference[1]
 
 
 @pytest.mark.slow
@@ -292,7 +294,7 @@ def test_a_rank_whose_loop_hangs_is_ended_by_its_watchdog_and_its_group_restarts
     """A decode peer stopped mid-stream leaves its leader waiting in a collective, its process
     running and sending heartbeats (their timeout is set past the test's length, so only the
     watchdog can tell): the leader's watchdog ends it with every thread's stack in the log, the
-    group restarts, and every request ends once with the greedy tokens of an uninterrupted run."""
+    group restarts, and every request ends once with the tokens of an uninterrupted run."""
     cluster = cluster_factory(
         "--model",
         "demo",
@@ -310,7 +312,7 @@ def test_a_rank_whose_loop_hangs_is_ended_by_its_watchdog_and_its_group_restarts
         "0.5",
     )
     with Client(cluster.endpoint, timeout=120) as client:
-        ids = [client.submit(token_ids=p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True) for p in PROMPTS]
+        ids = [client.submit(token_ids=p, **SAMPLING[i]) for i, p in enumerate(PROMPTS)]
         reference = [client.result(i).token_ids for i in ids]
         before = client.stats().faults
         stopped = rank_pids(cluster)["decode0.1"]

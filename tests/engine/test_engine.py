@@ -446,23 +446,34 @@ def test_outputs_read_back_ahead_of_an_eager_step_go_to_emit(tiny_model_dirs: di
     assert [tokens["0"], tokens["1"]] == make_engine(model_dir, overlap=False).generate(prompts, params)
 
 
-def test_a_seeded_request_stopped_by_a_token_leaves_no_generator(tiny_model_dirs: dict[str, Path]) -> None:
+def test_a_seeded_request_stopped_by_a_token_leaves_nothing_behind(tiny_model_dirs: dict[str, Path]) -> None:
     """A seeded request that a stop token ends (overlap on: the step after it is launched once
-    the read-back finished it) must not leave its generator in the sampler: a later request
-    with the same id would continue that stream instead of its seed's."""
+    the read-back finished it) leaves no random state behind: a later request with the same id
+    and seed draws its seed's tokens, not a continuation."""
     engine = make_engine(tiny_model_dirs["tiny-qwen2"])
     prompt = make_prompts(engine.model_config.vocab_size, [7], seed=21)[0]
     free = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
     engine.add_request("a", prompt, free)
     run = [t for step in engine.drain() for o in step for t in o.new_token_ids]
-    assert not engine.sampler.generators
     stop = SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True, stop_token_ids=(run[2],))
     engine.add_request("b", prompt, stop)
-    list(engine.drain())
-    assert not engine.sampler.generators, list(engine.sampler.generators)
+    assert [t for step in engine.drain() for o in step for t in o.new_token_ids] == run[:3]
     engine.add_request("b", prompt, free)  # the id again, the same seed: the same tokens
     again = [t for step in engine.drain() for o in step for t in o.new_token_ids]
     assert again == run
+
+
+def test_a_seeded_request_continued_from_its_tokens_draws_as_if_uninterrupted(
+    tiny_model_dirs: dict[str, Path],
+) -> None:
+    """What a moved request is: its prompt and tokens so far, prefilled again elsewhere (here
+    another engine), with the same seed. It goes on with the tokens the first run drew."""
+    model_dir = tiny_model_dirs["tiny-llama"]
+    prompt = make_prompts(500, [9], seed=22)[0]
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_k=40, seed=77, ignore_eos=True)
+    whole = make_engine(model_dir).generate([prompt], params)[0]
+    rest = make_engine(model_dir).generate([prompt + whole[:5]], dataclasses.replace(params, max_tokens=7))[0]
+    assert rest == whole[5:]
 
 
 def test_an_unchunked_prefill_step_counts_the_running_sequences(tiny_model_dirs: dict[str, Path]) -> None:

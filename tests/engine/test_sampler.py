@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pdserve.engine.sampler import Sampler, top_k_top_p_mask
+from pdserve.engine.sampler import Sampler, position_seed, top_k_top_p_mask
 from pdserve.engine.sampling import RequestError, SamplingParams
 
 
@@ -46,7 +46,7 @@ def test_sampled_frequencies_follow_the_masked_distribution() -> None:
     logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]]).repeat(4000, 1)
     params = [SamplingParams(temperature=1.0, top_k=3)] * 4000
     torch.manual_seed(0)
-    tokens = sampler(logits, params, [str(i) for i in range(4000)])
+    tokens = sampler(logits, params, [0] * 4000)
     freq = torch.bincount(tokens, minlength=4).float() / 4000
     expected = torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95
     torch.testing.assert_close(freq, expected, atol=0.03, rtol=0)
@@ -57,7 +57,7 @@ def test_a_temperature_past_float32_samples_uniformly_without_overflow() -> None
     """Any finite temperature is valid; one past float32's range asks for the uniform distribution."""
     logits = torch.tensor([[8.0, 0.0, 0.0, 0.0]]).repeat(4000, 1)
     torch.manual_seed(0)
-    tokens = Sampler()(logits, [SamplingParams(temperature=1e300)] * 4000, [str(i) for i in range(4000)])
+    tokens = Sampler()(logits, [SamplingParams(temperature=1e300)] * 4000, [0] * 4000)
     freq = torch.bincount(tokens, minlength=4).float() / 4000
     torch.testing.assert_close(freq, torch.full((4,), 0.25), atol=0.03, rtol=0)
 
@@ -65,7 +65,7 @@ def test_a_temperature_past_float32_samples_uniformly_without_overflow() -> None
 def test_greedy_rows_take_the_argmax_beside_sampled_rows() -> None:
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.0)]
-    tokens = Sampler()(logits, params, ["a", "b", "c"]).tolist()
+    tokens = Sampler()(logits, params, [5, 5, 5]).tolist()
     assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
 
 
@@ -75,10 +75,32 @@ def test_seed_repeats_and_differs() -> None:
     def draw(seed: int) -> list[int]:
         sampler = Sampler()
         p = [SamplingParams(temperature=1.0, seed=seed)]
-        return [int(sampler(logits, p, ["r"])[0]) for _ in range(10)]
+        return [int(sampler(logits, p, [position])[0]) for position in range(10)]
 
     assert draw(7) == draw(7)
     assert draw(7) != draw(8)
+    assert len(set(draw(7))) > 1  # each position its own noise
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_seeded_token_depends_on_its_seed_and_position_only(device: str) -> None:
+    """Whichever sampler draws it, in whatever order and beside whatever rows: a request sampled
+    by two engines (prefill, then decode; or moved to another group) draws as one would."""
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(2)).to(device)
+    seeded = SamplingParams(temperature=1.0, seed=11)
+    alone = [int(Sampler()(logits[:1], [seeded], [p])[0]) for p in (3, 4, 5)]
+    sampler = Sampler()
+    sampler(logits[:1], [seeded], [4])  # a draw before, at another position
+    others = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=12), SamplingParams()]
+    batched = [int(sampler(logits, [seeded, *others], [p, 7, 8, 9])[0]) for p in (5, 3, 4)]
+    assert batched == [alone[2], alone[0], alone[1]]
+
+
+def test_position_seeds_differ_across_seeds_and_positions() -> None:
+    seeds = {position_seed(seed, position) for seed in range(64) for position in range(512)}
+    assert len(seeds) == 64 * 512
+    assert all(0 <= s < 2**64 for s in seeds)
+    assert position_seed(2**63 - 1, 10**6) < 2**64
 
 
 @pytest.mark.parametrize(
@@ -105,5 +127,5 @@ def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> Non
 def test_top_k_beyond_the_vocabulary_keeps_every_token() -> None:
     """A huge top_k (msgpack allows up to 2^64 - 1) must not overflow the sampler."""
     logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(1))
-    tokens = Sampler()(logits, [SamplingParams(temperature=1.0, top_k=2**64 - 1, seed=3)] * 2, ["a", "b"])
+    tokens = Sampler()(logits, [SamplingParams(temperature=1.0, top_k=2**64 - 1, seed=3)] * 2, [4, 9])
     assert all(0 <= t < 10 for t in tokens.tolist())

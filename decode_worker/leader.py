@@ -135,8 +135,12 @@ class DecodeLeader(GroupLeader):
         ahead = self._first_room_wait(request_id)
         keep = None if ahead is None else (ahead.prefill_group, ahead.num_blocks)
         if not self.transfers.has_staging_room(announce.prefill_group, num_blocks, keep):
-            self._wait_for_room(announce, num_blocks)
-            return
+            # Only the blocks this group's prefix cache lacks move: count them only now, since
+            # matching a long prompt costs the loop more than this check.
+            num_blocks -= self.engine.cached_blocks(announce.token_ids)
+            if not self.transfers.has_staging_room(announce.prefill_group, num_blocks, keep):
+                self._wait_for_room(announce, num_blocks)
+                return
         try:
             reservation = self.engine.reserve(
                 request_id,

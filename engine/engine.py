@@ -172,6 +172,15 @@ class LLMEngine:
         """KV blocks that ``num_tokens`` tokens take."""
         return self.block_manager.blocks_for(num_tokens)
 
+    def cached_blocks(self, prompt_token_ids: SequenceType[int]) -> int:
+        """Decode role: how many leading full blocks of a prompt's KV this engine's prefix cache
+        holds now (nothing is locked: ``reserve`` may find fewer once others are evicted)."""
+        cache = self.block_manager.prefix_cache
+        if cache is None:
+            return 0
+        block_ids, _ = cache.match(prompt_token_ids[: len(prompt_token_ids) - 1], count=False)
+        return len(block_ids)
+
     def reserve(
         self,
         request_id: str,

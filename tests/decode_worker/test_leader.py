@@ -34,6 +34,8 @@ class StandInTransfers:
 
     def __init__(self, pulling: bool = False) -> None:
         self.pulling = pulling
+        self.staging_room: int | None = None  # blocks a staging backend has room for; None: any
+        self.room_asked: list[int] = []  # the block counts ``has_staging_room`` was asked about
         self.posted: dict[str, list[int]] = {}
         self.sources: dict[str, list[int]] = {}  # the prefill blocks named in each receive
         self.landed: set[str] = set()
@@ -42,7 +44,8 @@ class StandInTransfers:
         return True
 
     def has_staging_room(self, peer_group: int, num_blocks: int, keep: tuple[int, int] | None = None) -> bool:
-        return True
+        self.room_asked.append(num_blocks)
+        return self.staging_room is None or num_blocks <= self.staging_room
 
     def pulls(self, peer_group: int) -> bool:
         return self.pulling
@@ -240,6 +243,23 @@ def test_a_later_turn_receives_only_the_blocks_the_cache_lacks(setup: Setup) -> 
     setup.decode_all()
     stats = setup.leader.stats()
     assert stats.prefix_hit_tokens == 2 * 16 and stats.free_blocks == NUM_BLOCKS
+
+
+def test_staging_room_is_asked_for_the_blocks_the_cache_lacks(setup: Setup) -> None:
+    """A staging backend's room bounds the blocks that move: a later turn whose first two of
+    four blocks this group caches fits in room for two; a cold prompt of four blocks does not."""
+    setup.announce("t0")
+    setup.transfers.land("t0")
+    setup.leader.background()
+    answer = [7, *setup.decode_all()]
+    setup.replies()
+    setup.transfers.staging_room = 2
+    setup.announce("cold", list(range(300, 358)))  # 58 tokens: 4 blocks, none cached
+    assert setup.replies() == [KVReply("cold", accepted=False)]
+    setup.announce("t1", PROMPT + answer + list(range(200, 210)))  # 4 blocks, 2 cached
+    assert setup.replies() == [KVReply("t1", accepted=True, cached_blocks=2)]
+    assert len(setup.transfers.posted["t1"]) == 2
+    assert setup.transfers.room_asked[-2:] == [4, 2]  # the cache is matched only when room is short
 
 
 def test_an_abort_during_a_partial_receive_caches_nothing_that_was_arriving(setup: Setup) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -56,6 +57,19 @@ def oracle(model_dir: Path, prompts: list[list[int]], params: list[SamplingParam
         EngineConfig(model=str(model_dir), device="cpu", max_model_len=MAX_MODEL_LEN, cache=CacheConfig(num_blocks=256))
     )
     return engine.generate(prompts, params)
+
+
+def mixed_requests(vocab: int, n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """``n`` prompts of 1-90 tokens and their sampling, most greedy, for a cluster to serve and
+    the single engine to check."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.choice([1, 5, 16, 17, 40, 90]))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randrange(1, 30), temperature=0.0, ignore_eos=True) for _ in range(n)]
+    # Every fourth samples with a seed: its noise depends on its seed and each token's position
+    # only, so prefill's first token and decode's next ones draw as the single engine does.
+    for i in range(0, n, 4):
+        params[i] = dataclasses.replace(params[i], temperature=0.8, top_k=50, seed=rng.randrange(2**63))
+    return prompts, params
 
 
 def wire_sampling(params: SamplingParams) -> dict[str, Any]:

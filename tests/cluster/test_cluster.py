@@ -7,7 +7,6 @@ through the client library only, and stops it with SIGTERM, checking that it exi
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import random
 import signal
@@ -26,21 +25,11 @@ from pdserve.tests.cluster.helpers import (
     MAX_MODEL_LEN,
     abort_mid_stream,
     cmdline,
+    mixed_requests,
     oracle,
     run_concurrently,
     wait_until_idle,
 )
-
-
-def mixed_requests(vocab: int, n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(vocab) for _ in range(rng.choice([1, 5, 16, 17, 40, 90]))] for _ in range(n)]
-    params = [SamplingParams(max_tokens=rng.randrange(1, 30), temperature=0.0, ignore_eos=True) for _ in range(n)]
-    # Every fourth samples with a seed: its noise depends on its seed and each token's position
-    # only, so prefill's first token and decode's next ones draw as the single engine does.
-    for i in range(0, n, 4):
-        params[i] = dataclasses.replace(params[i], temperature=0.8, top_k=50, seed=rng.randrange(2**63))
-    return prompts, params
 
 
 @pytest.mark.slow

@@ -30,8 +30,7 @@ from pdserve.cluster.client import Chunk, Client, Error, Final
 from pdserve.cluster.group import free_port
 from pdserve.cluster.protocol import GroupInfo
 from pdserve.engine.sampling import SamplingParams
-from pdserve.tests.cluster.helpers import MAX_MODEL_LEN, wait_until_idle
-from pdserve.tests.cluster.test_cluster import mixed_requests, oracle, run_concurrently
+from pdserve.tests.cluster.helpers import MAX_MODEL_LEN, mixed_requests, oracle, run_concurrently, wait_until_idle
 
 HEARTBEAT_TIMEOUT = 3.0
 # A process that reads the rendezvous like a group node, then claims a group index it never got.

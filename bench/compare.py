@@ -21,10 +21,10 @@ log in OUT_DIR/<system>.log, stopped with SIGTERM and required to exit 0:
 * ``colocated-no-chunk``: the same with ``--no-enable-chunked-prefill`` (a prompt is prefilled whole,
   in a step of its own, while the group's decodes wait).
 
-``--systems`` runs a subset. Each gets the same requests at the same arrival times
-(``bench.serve``'s options). Written to
-OUT_DIR: ``<system>.json`` (bench.serve's results), ``report.md`` (the three side by side,
-plots embedded) and the PNG plots. ``--devices ""`` runs on CPU (hidden GPUs). With
+``--systems`` runs a subset; ``--launch-args`` adds launch.py arguments to every one. Each gets
+the same requests at the same arrival times (``bench.serve``'s options). Written to OUT_DIR:
+``<system>.json`` (bench.serve's results), ``report.md`` (the three side by side, plots
+embedded) and the PNG plots. ``--devices ""`` runs on CPU (hidden GPUs). With
 ``--isolated-decode`` the first cluster first serves single requests of ``--input-len`` prompt
 tokens alone (one warm-up, then three), and the TPOT SLO of goodput becomes 3x their median
 TPOT: the isolated batch-1 decode step. ``--replot`` rebuilds the report and plots from the JSON
@@ -306,6 +306,11 @@ def write_report(out_dir: Path, results: dict[str, dict[str, Any]], setup: dict[
 @click.option(
     "--systems", default=None, help="Comma-separated subset of disagg, colocated-chunked, colocated-no-chunk."
 )
+@click.option(
+    "--launch-args",
+    default="",
+    help="More launch.py arguments for every system, one string split as a shell would (e.g. '--leader-spin-ms 0').",
+)
 @load_options
 @click.option("--num-blocks", type=int, default=None, help="Fixed KV blocks per rank [default: sized from memory].")
 @click.option(
@@ -330,6 +335,7 @@ def main(
     prefill_sm_percent: int | None,
     decode_sm_percent: int | None,
     systems: str | None,
+    launch_args: str,
     num_blocks: int | None,
     isolated_decode: bool,
     out_dir: Path,
@@ -376,6 +382,7 @@ def main(
     common = ["--model", str(model_dir), "--max-model-len", str(config.max_model_len)]
     if num_blocks is not None:
         common += ["--num-blocks", str(num_blocks)]
+    common += shlex.split(launch_args)
     env = dict(os.environ)
     if device_ids:
         common += ["--devices", ",".join(device_ids)]

@@ -574,6 +574,32 @@ def test_compare_model_length_fits_every_rate_of_the_sweep(
     assert longest <= max_model_len
 
 
+def test_compare_passes_launch_args_to_every_system(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, demo_model_dir: Path
+) -> None:
+    from click.testing import CliRunner
+
+    from pdserve.bench import compare
+
+    launched: list[list[str]] = []
+
+    class NoCluster:
+        def __init__(self, args: list[str], *rest: object) -> None:
+            launched.append(args)
+            raise compare.LaunchError("not started")
+
+    monkeypatch.setattr(compare, "LaunchedCluster", NoCluster)
+    monkeypatch.setattr(compare, "resolve_model", lambda model: demo_model_dir)
+    argv = ["--num-requests", "2", "--warmup", "0", "--rate", "1", "--out-dir", str(tmp_path)]
+    argv += ["--launch-args", "--leader-spin-ms 0  --migration-limit '2'"]
+    for system in ("disagg", "colocated-chunked"):
+        CliRunner().invoke(compare.main, [*argv, "--systems", system])
+    assert len(launched) == 2 and "colocated" in launched[1]
+    for args in launched:
+        at = args.index("--leader-spin-ms")
+        assert args[at : at + 4] == ["--leader-spin-ms", "0", "--migration-limit", "2"]
+
+
 def _isolated_specs(monkeypatch: pytest.MonkeyPatch, config: BenchConfig) -> list[RequestSpec]:
     """The requests bench.compare's isolated-decode measurement sends (no cluster)."""
     import types

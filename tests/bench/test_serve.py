@@ -534,11 +534,9 @@ def test_compare_model_length_fits_a_multi_turn_sessions_last_turn() -> None:
     assert required_model_len(specs, 32768) >= last_turn
 
 
-def test_compare_model_length_fits_every_rate_of_the_sweep(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, demo_model_dir: Path
-) -> None:
-    """Each rate draws requests of its own (point_requests); the cluster's max model length must
-    fit all of them, or a later rate's long prompts are silently cut to it."""
+def compare_launches(monkeypatch: pytest.MonkeyPatch, demo_model_dir: Path, argv: list[str]) -> list[list[str]]:
+    """Run bench.compare's command line on the demo model with no cluster started: the launch.py
+    arguments of the first system it tried to start."""
     from click.testing import CliRunner
 
     from pdserve.bench import compare
@@ -552,9 +550,18 @@ def test_compare_model_length_fits_every_rate_of_the_sweep(
 
     monkeypatch.setattr(compare, "LaunchedCluster", NoCluster)
     monkeypatch.setattr(compare, "resolve_model", lambda model: demo_model_dir)
+    CliRunner().invoke(compare.main, argv)
+    return launched
+
+
+def test_compare_model_length_fits_every_rate_of_the_sweep(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """Each rate draws requests of its own (point_requests); the cluster's max model length must
+    fit all of them, or a later rate's long prompts are silently cut to it."""
     argv = ["--workload", "mixed", "--input-len", "16", "--output-len", "16", "--long-len", "100-1000"]
     argv += ["--long-fraction", "0.5", "--num-requests", "6", "--warmup", "0", "--rates", "1,2,4,8", "--seed", "2"]
-    CliRunner().invoke(compare.main, [*argv, "--systems", "disagg", "--out-dir", str(tmp_path)])
+    launched = compare_launches(monkeypatch, demo_model_dir, [*argv, "--systems", "disagg", "--out-dir", str(tmp_path)])
     max_model_len = int(launched[0][launched[0].index("--max-model-len") + 1])
     vocab = json.loads((demo_model_dir / "config.json").read_text())["vocab_size"]
     config = BenchConfig(
@@ -574,30 +581,16 @@ def test_compare_model_length_fits_every_rate_of_the_sweep(
     assert longest <= max_model_len
 
 
+@pytest.mark.parametrize("system", ["disagg", "colocated-chunked"])
 def test_compare_passes_launch_args_to_every_system(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, demo_model_dir: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, demo_model_dir: Path, system: str
 ) -> None:
-    from click.testing import CliRunner
-
-    from pdserve.bench import compare
-
-    launched: list[list[str]] = []
-
-    class NoCluster:
-        def __init__(self, args: list[str], *rest: object) -> None:
-            launched.append(args)
-            raise compare.LaunchError("not started")
-
-    monkeypatch.setattr(compare, "LaunchedCluster", NoCluster)
-    monkeypatch.setattr(compare, "resolve_model", lambda model: demo_model_dir)
-    argv = ["--num-requests", "2", "--warmup", "0", "--rate", "1", "--out-dir", str(tmp_path)]
+    argv = ["--num-requests", "2", "--warmup", "0", "--rate", "1", "--out-dir", str(tmp_path), "--systems", system]
     argv += ["--launch-args", "--leader-spin-ms 0  --migration-limit '2'"]
-    for system in ("disagg", "colocated-chunked"):
-        CliRunner().invoke(compare.main, [*argv, "--systems", system])
-    assert len(launched) == 2 and "colocated" in launched[1]
-    for args in launched:
-        at = args.index("--leader-spin-ms")
-        assert args[at : at + 4] == ["--leader-spin-ms", "0", "--migration-limit", "2"]
+    (args,) = compare_launches(monkeypatch, demo_model_dir, argv)
+    assert ("colocated" in args) == (system == "colocated-chunked")
+    at = args.index("--leader-spin-ms")
+    assert args[at : at + 4] == ["--leader-spin-ms", "0", "--migration-limit", "2"]
 
 
 def _isolated_specs(monkeypatch: pytest.MonkeyPatch, config: BenchConfig) -> list[RequestSpec]:

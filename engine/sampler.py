@@ -94,6 +94,6 @@ class Sampler:
                 seed = params[i].seed
                 if seed is not None:
                     gen = self._seeded(seed, positions[i], device)
-                    noise[j] = torch.empty(vocab, device=device).exponential_(generator=gen)
+                    noise[j].exponential_(generator=gen)
             tokens[rows] = (probs / noise).argmax(dim=-1)
         return tokens

@@ -21,8 +21,9 @@ log in OUT_DIR/<system>.log, stopped with SIGTERM and required to exit 0:
 * ``colocated-no-chunk``: the same with ``--no-enable-chunked-prefill`` (a prompt is prefilled whole,
   in a step of its own, while the group's decodes wait).
 
-``--systems`` runs a subset; ``--launch-args`` adds launch.py arguments to every one. Each gets
-the same requests at the same arrival times (``bench.serve``'s options). Written to OUT_DIR:
+``--systems`` runs a subset; ``--launch-args`` adds launch.py arguments to every one (e.g.
+``--launch-args '--leader-spin-ms 0'``; not those compare sets itself). Each gets the same
+requests at the same arrival times (``bench.serve``'s options). Written to OUT_DIR:
 ``<system>.json`` (bench.serve's results), ``report.md`` (the three side by side, plots
 embedded) and the PNG plots. ``--devices ""`` runs on CPU (hidden GPUs). With
 ``--isolated-decode`` the first cluster first serves single requests of ``--input-len`` prompt
@@ -136,6 +137,48 @@ class LaunchedCluster(LoggedProcess):
                 self.kill()
                 raise LaunchError(f"cluster did not start ({' '.join(self.command)}):\n{self.output()[-4000:]}")
             time.sleep(0.2)
+
+
+# launch.py options that bench.compare sets itself, and what sets each instead.
+_COMPARE_SETS = {
+    "--model": "its --model",
+    "--max-model-len": "its --max-model-len",
+    "--num-blocks": "its --num-blocks",
+    "--devices": "its --devices",
+    "--port": "a free port it picks",
+    "--prefill-tp": "its --prefill-tp",
+    "--decode-tp": "its --decode-tp",
+    "--transfer": "its --transfer",
+    "--prefill-sm-percent": "its --prefill-sm-percent",
+    "--decode-sm-percent": "its --decode-sm-percent",
+    **dict.fromkeys(
+        (
+            "--config",
+            "--mode",
+            "--colocated-groups",
+            "--colocated-tp",
+            "--enable-chunked-prefill",
+            "--no-enable-chunked-prefill",
+        ),
+        "the system (--systems)",
+    ),
+}
+
+
+def extra_launch_args(launch_args: str) -> list[str]:
+    """``--launch-args`` split as a shell would; refused if it sets what bench.compare sets itself,
+    which would change a system without its name saying so."""
+    try:
+        args = shlex.split(launch_args)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--launch-args") from None
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag in _COMPARE_SETS:
+            raise click.BadParameter(
+                f"{flag} is bench.compare's to set: {_COMPARE_SETS[flag]} does", param_hint="--launch-args"
+            )
+    return args
 
 
 def system_args(
@@ -306,11 +349,7 @@ def write_report(out_dir: Path, results: dict[str, dict[str, Any]], setup: dict[
 @click.option(
     "--systems", default=None, help="Comma-separated subset of disagg, colocated-chunked, colocated-no-chunk."
 )
-@click.option(
-    "--launch-args",
-    default="",
-    help="More launch.py arguments for every system, one string split as a shell would (e.g. '--leader-spin-ms 0').",
-)
+@click.option("--launch-args", default="", help="More launch.py arguments for every system, as one quoted string.")
 @load_options
 @click.option("--num-blocks", type=int, default=None, help="Fixed KV blocks per rank [default: sized from memory].")
 @click.option(
@@ -382,7 +421,7 @@ def main(
     common = ["--model", str(model_dir), "--max-model-len", str(config.max_model_len)]
     if num_blocks is not None:
         common += ["--num-blocks", str(num_blocks)]
-    common += shlex.split(launch_args)
+    extra = extra_launch_args(launch_args)
     env = dict(os.environ)
     if device_ids:
         common += ["--devices", ",".join(device_ids)]
@@ -397,7 +436,7 @@ def main(
     unknown = sorted(set(chosen) - set(every))
     if unknown:
         raise click.UsageError(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(every)}")
-    systems_run = {name: every[name] for name in chosen}
+    systems_run = {name: [*every[name], *extra] for name in chosen}
     setup: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "host": os.uname().nodename,

@@ -593,6 +593,31 @@ def test_compare_passes_launch_args_to_every_system(
     assert args[at : at + 4] == ["--leader-spin-ms", "0", "--migration-limit", "2"]
 
 
+@pytest.mark.parametrize(
+    ("launch_args", "message"),
+    [
+        ("--mode colocated", "--mode is bench.compare's to set: the system (--systems) does"),
+        ("--leader-spin-ms 0 --prefill-tp=2", "--prefill-tp is bench.compare's to set: its --prefill-tp does"),
+        ("--port 5000", "a free port it picks"),
+        ("--leader-spin-ms '0", "No closing quotation"),
+    ],
+)
+def test_compare_refuses_launch_args_it_sets_itself(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, demo_model_dir: Path, launch_args: str, message: str
+) -> None:
+    """A system would run otherwise than its name says (a "disagg" run colocated), or compare's own
+    setting would silently win."""
+    from click.testing import CliRunner
+
+    from pdserve.bench import compare
+
+    monkeypatch.setattr(compare, "resolve_model", lambda model: demo_model_dir)
+    argv = ["--num-requests", "2", "--rate", "1", "--out-dir", str(tmp_path), "--launch-args", launch_args]
+    result = CliRunner().invoke(compare.main, argv)
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert not list(tmp_path.iterdir())
+
+
 def _isolated_specs(monkeypatch: pytest.MonkeyPatch, config: BenchConfig) -> list[RequestSpec]:
     """The requests bench.compare's isolated-decode measurement sends (no cluster)."""
     import types

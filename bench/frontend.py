@@ -56,6 +56,7 @@ def router_main(setup: Setup, stop: Any) -> None:
     die_with_parent()
     from transformers import AutoTokenizer
 
+    from pdserve.router.openai_server import model_vocab_size
     from pdserve.router.router import Router
 
     tokenizer = AutoTokenizer.from_pretrained(setup.tokenizer) if setup.tokenizer else None
@@ -63,7 +64,8 @@ def router_main(setup: Setup, stop: Any) -> None:
         ClusterConfig(mode="colocated"),
         Addresses(setup.run_dir, setup.endpoint),
         tokenizer,
-        vocab_size=32000,
+        # The tokenizer's model's, which the front end checks its own against.
+        vocab_size=(model_vocab_size(setup.tokenizer) if setup.tokenizer else None) or 32000,
         max_model_len=setup.output_len + 16,
     )
     try:

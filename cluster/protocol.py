@@ -333,6 +333,7 @@ class Stats(Message):
     faults: dict[str, int] = msgspec.field(default_factory=dict)
     members: list[GroupInfo] = msgspec.field(default_factory=list)  # every group the router knows of
     tag: int | None = None  # the request's
+    vocab_size: int = 0  # token ids are [0, vocab_size): a front end checks its model against it
 
 
 class GroupInfo(Message):

@@ -90,6 +90,15 @@ class Outcome:
     cached_tokens: int | None = None  # prompt tokens the prefix cache served; None with it off
 
 
+def model_vocab_size(model_dir: str) -> int | None:
+    """The vocabulary size in a Hugging Face model directory's config.json (None if it says none)."""
+    try:
+        value = json.loads((Path(model_dir) / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 class Frontend:
     """The HTTP front end's state: the cluster client, the tokenizer, metrics, and draining."""
 
@@ -120,6 +129,8 @@ class Frontend:
         self.timeout = timeout
         self.drain_timeout = drain_timeout
         self.tokenizer = load_tokenizer(self.model_dir)
+        self.vocab_size = model_vocab_size(self.model_dir)
+        self._mismatch_logged = False
         self.metrics = FrontendMetrics()
         self.rejections = RejectionLog(logger)
         self.client: AsyncClient | None = None
@@ -326,6 +337,17 @@ class Frontend:
             self.metrics.cluster.stats = None
             raise APIError(503, f"the cluster at {self.endpoint} does not answer", "cluster_unavailable") from None
         self.metrics.cluster.stats = stats
+        if stats.vocab_size and self.vocab_size and stats.vocab_size != self.vocab_size:
+            # Another model's tokenizer would turn every prompt into ids the cluster refuses, or,
+            # within its vocabulary, into garbage: serve nothing, and say why.
+            why = (
+                f"the cluster at {self.endpoint} serves a model of {stats.vocab_size} token ids, this "
+                f"server's --model {self.model_dir} one of {self.vocab_size}: start it with the cluster's model"
+            )
+            if not self._mismatch_logged:
+                logger.error(why)
+                self._mismatch_logged = True
+            raise APIError(503, why, "model_mismatch")
         if stats.max_model_len > 0:
             self.max_model_len = stats.max_model_len
         return stats

@@ -641,6 +641,7 @@ class Router:
                     dict(self.faults),
                     self.members(),
                     message.tag,
+                    self.vocab_size,
                 ),
             )
         else:

@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.bench.compare import LaunchedCluster
 from pdserve.cluster.client import Client, ClusterError, ClusterUnavailable, Final
 from pdserve.cluster.group import free_port
-from pdserve.cluster.protocol import Chunk, Error
+from pdserve.cluster.protocol import Chunk, Error, Stats
 from pdserve.engine.tokenization import encode_chat, encode_prompt
 from pdserve.router.openai_api import APIError, ChatRequest, parse_request
 from pdserve.router.openai_server import Frontend, RepeatLimit
@@ -493,6 +493,40 @@ def test_a_request_the_cluster_stops_answering_counts_once_as_an_error(demo_mode
     assert cluster.cancelled == ["http-0"] and frontend.in_flight == 0
     counters = {key: value for key, value in counter_samples(frontend).items() if value}
     assert counters == {("pdserve:request_error_total", (("reason", "cluster_unavailable"),)): 1.0}, counters
+
+
+class StatsOnlyCluster:
+    """A cluster client that answers only ``stats``: ready, of ``vocab_size`` token ids."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    async def stats(self, timeout: float | None = None) -> Stats:
+        return Stats(0, {}, ready=True, max_model_len=MAX_MODEL_LEN, vocab_size=self.vocab_size)
+
+
+def test_a_cluster_of_another_model_is_refused_with_the_reason(
+    demo_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server started with another --model than the cluster's would tokenize every prompt into
+    ids the cluster refuses (blamed on the client's prompt) or, within its vocabulary, into
+    garbage: it answers 503 model_mismatch instead, and logs why once."""
+    vocab = json.loads((demo_model_dir / "config.json").read_text())["vocab_size"]
+    frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), served_model_name=MODEL)
+    frontend.client = StatsOnlyCluster(512)  # type: ignore[assignment]
+    request = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    with caplog.at_level(logging.ERROR):
+        for _ in range(2):
+            sent = completions_call(frontend, request, client_leaves_after=None)
+            body = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+            assert sent[0]["status"] == 503 and body["error"]["code"] == "model_mismatch", body
+            assert f"{vocab} token ids" not in body["error"]["message"]
+            assert "512 token ids" in body["error"]["message"] and f"one of {vocab}" in body["error"]["message"]
+    assert sum("model_mismatch" in r.message or "512 token ids" in r.message for r in caplog.records) == 1
+    assert frontend.max_model_len is None
+    frontend.client = StatsOnlyCluster(vocab)  # type: ignore[assignment]
+    asyncio.run(frontend._stats())
+    assert frontend.max_model_len == MAX_MODEL_LEN
 
 
 def test_a_repeated_warning_is_logged_once_a_minute_with_a_count() -> None:

@@ -99,8 +99,29 @@ _STALE_REPORT_S = 5.0
 _SECTIONS = ("Launcher", "Model", "Topology", "Multi-node", "Serving", "Engine", "KV transfer", "GPU")
 
 
+# What a vLLM user types by habit, and what this command line says instead (added to the error).
+_VLLM_HABITS = {
+    "serve": "There is no 'serve' subcommand: pdserve --model MODEL, or python launch.py --model MODEL.",
+    "--tensor-parallel-size": "Each group has its own degree: --prefill-tp, --decode-tp, --colocated-tp.",
+    "-tp": "Each group has its own degree: --prefill-tp, --decode-tp, --colocated-tp.",
+    "--enable-prefix-caching": "The prefix cache is on by default; --no-prefix-cache turns it off.",
+}
+
+
 class SectionedCommand(click.Command):
-    """``--help`` lists the options under their sections, GPU-only ones last."""
+    """``--help`` lists the options under their sections, GPU-only ones last; a usage error caused
+    by a vLLM habit says what to type instead."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        given = list(args)  # the parser consumes ``args``
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:
+            words = {arg.split("=", 1)[0] for arg in given if arg.startswith("-")} | set(given[:1])
+            hints = [hint for word, hint in _VLLM_HABITS.items() if word in words]
+            if hints:
+                e.message = f"{e.message.rstrip('.')}. {hints[0]}"
+            raise
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         sections: dict[str, list[tuple[str, str]]] = {name: [] for name in _SECTIONS}

@@ -164,6 +164,10 @@ def test_text_serving_needs_a_tokenizer(flag: tuple[str, ...], tiny_model_dirs: 
         (("--devices", "zero"), "comma-separated GPU ids"),
         (("--max-model-lenn", "5"), "--max-model-len"),
         (("--demo", "--demo-max-tokens", "0"), "--demo-max-tokens"),  # not after the cluster started
+        # vLLM habits: the error says what to type instead.
+        (("serve", "demo"), "There is no 'serve' subcommand: pdserve --model MODEL"),
+        (("--model", "demo", "--tensor-parallel-size", "2"), "--prefill-tp, --decode-tp, --colocated-tp"),
+        (("--enable-prefix-caching",), "The prefix cache is on by default"),
     ],
 )
 def test_bad_flags_are_usage_errors(args: tuple[str, ...], needle: str) -> None:

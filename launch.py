@@ -100,10 +100,11 @@ _SECTIONS = ("Launcher", "Model", "Topology", "Multi-node", "Serving", "Engine",
 
 
 # What a vLLM user types by habit, and what this command line says instead (added to the error).
+_TP_HINT = "Each group has its own degree: --prefill-tp, --decode-tp, --colocated-tp."
 _VLLM_HABITS = {
     "serve": "There is no 'serve' subcommand: pdserve --model MODEL, or python launch.py --model MODEL.",
-    "--tensor-parallel-size": "Each group has its own degree: --prefill-tp, --decode-tp, --colocated-tp.",
-    "-tp": "Each group has its own degree: --prefill-tp, --decode-tp, --colocated-tp.",
+    "--tensor-parallel-size": _TP_HINT,
+    "-tp": _TP_HINT,
     "--enable-prefix-caching": "The prefix cache is on by default; --no-prefix-cache turns it off.",
 }
 

@@ -139,18 +139,24 @@ class LaunchedCluster(LoggedProcess):
             time.sleep(0.2)
 
 
-# launch.py options that bench.compare sets itself, and what sets each instead.
+# launch.py options that bench.compare sets itself, and what sets each instead: mostly its own
+# option of the same name.
 _COMPARE_SETS = {
-    "--model": "its --model",
-    "--max-model-len": "its --max-model-len",
-    "--num-blocks": "its --num-blocks",
-    "--devices": "its --devices",
+    **{
+        flag: f"its {flag}"
+        for flag in (
+            "--model",
+            "--max-model-len",
+            "--num-blocks",
+            "--devices",
+            "--prefill-tp",
+            "--decode-tp",
+            "--transfer",
+            "--prefill-sm-percent",
+            "--decode-sm-percent",
+        )
+    },
     "--port": "a free port it picks",
-    "--prefill-tp": "its --prefill-tp",
-    "--decode-tp": "its --decode-tp",
-    "--transfer": "its --transfer",
-    "--prefill-sm-percent": "its --prefill-sm-percent",
-    "--decode-sm-percent": "its --decode-sm-percent",
     **dict.fromkeys(
         (
             "--config",

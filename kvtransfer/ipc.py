@@ -6,7 +6,8 @@ Every rank publishes its KV pool, as a handle in its pair's rendezvous store
 GPUs; on CPUs the pool moves into shared memory and the handle names its file descriptor. The
 decode group's leader opens the pools of the prefill ranks it receives from and of its own
 group's ranks, in the background (a restarted peer group may still be loading its model:
-``connected`` says when the pools are open). For each request it
+``connected`` says when the pools are open), and compiles the copy kernel there too
+(``compile_copies``). For each request it
 then copies every piece of the resharding plan straight from the prefill blocks into the decode
 blocks (``kernels.kv_copy``: one launch per piece, no staging buffer), on a stream of its own
 that first waits for the work already queued on the compute stream. On GPUs a request of up to
@@ -191,6 +192,9 @@ class IpcBackend(TransferBackend):
             self._bytes_per_block += 2 * layers * block_size * piece.num_heads * head_dim * src.element_size()
         if self.kv_cache.is_cuda:
             self._stream = torch.cuda.Stream(self.kv_cache.device)
+            with torch.cuda.stream(self._stream):
+                compile_copies(self._copiers, self.kv_cache.device)
+            self._stream.synchronize()
 
     @property
     def staging_bytes(self) -> int:
@@ -208,7 +212,7 @@ class IpcBackend(TransferBackend):
         num_bytes = self._bytes_per_block * len(block_ids)
         if self._stream is None:
             started = time.perf_counter()
-            ids = torch.tensor([src_block_ids, block_ids], dtype=torch.int64)
+            ids = upload_block_ids(src_block_ids, block_ids, self.kv_cache.device)
             for copy in self._copiers:
                 copy(ids[0], ids[1])
             return _Landed(TransferStats(num_bytes, time.perf_counter() - started))
@@ -220,12 +224,7 @@ class IpcBackend(TransferBackend):
         keep: list[torch.Tensor] = []
         with torch.cuda.stream(self._stream):
             if not self._graphs.replay(src_block_ids, block_ids):
-                # Both id lists in one pinned buffer, one asynchronous copy to the device; the
-                # caching host allocator keeps the buffer until that copy has run.
-                host = torch.empty((2, len(block_ids)), dtype=torch.int64, pin_memory=True)
-                view = host.numpy()
-                view[0], view[1] = src_block_ids, block_ids
-                ids = host.to(self.kv_cache.device, non_blocking=True)
+                ids = upload_block_ids(src_block_ids, block_ids, self.kv_cache.device)
                 for copy in self._copiers:
                     copy(ids[0], ids[1])
                 keep.append(ids)
@@ -235,6 +234,30 @@ class IpcBackend(TransferBackend):
     def close(self) -> None:
         if self._stream is not None:
             self._stream.synchronize()
+
+
+def upload_block_ids(src_block_ids: list[int], dst_block_ids: list[int], device: torch.device) -> torch.Tensor:
+    """Both id lists as rows of one ``(2, count)`` int64 tensor on ``device``: on a GPU from one
+    pinned buffer, in one asynchronous copy (the caching host allocator keeps the buffer until
+    that copy has run)."""
+    if device.type != "cuda":
+        return torch.tensor([src_block_ids, dst_block_ids], dtype=torch.int64)
+    host = torch.empty((2, len(dst_block_ids)), dtype=torch.int64, pin_memory=True)
+    view = host.numpy()
+    view[0], view[1] = src_block_ids, dst_block_ids
+    return host.to(device, non_blocking=True)
+
+
+def compile_copies(copiers: list[Callable[[torch.Tensor, torch.Tensor], None]], device: torch.device) -> None:
+    """Run every copier on padding ids (nothing is written) in each layout a pull hands it, on the
+    current stream, so that Triton compiles and loads the copy kernel now: not at the first pull,
+    which every running request would wait for on a machine whose Triton cache is empty, and
+    never inside a graph capture. Triton specializes on whether a pointer is 16-byte aligned:
+    the destination row of ``upload_block_ids`` is for an even count, not for an odd one."""
+    for count in (2, 1):
+        ids = upload_block_ids([0] * count, [-1] * count, device)
+        for copy in copiers:
+            copy(ids[0], ids[1])
 
 
 class _GraphSlot:
@@ -258,6 +281,8 @@ class CopyGraphs:
     any count up to B: the ids past the count are padding (destination -1), which the copy
     kernel skips. Each slot owns its id buffers and graphs, and its pinned buffer is written again
     only once its last replay has run, so a queued upload never reads the ids of a later pull.
+    The copiers must have run once already (``compile_copies``), so that no capture compiles or
+    loads a kernel.
     """
 
     def __init__(
@@ -270,7 +295,6 @@ class CopyGraphs:
         self._copiers = copiers
         self.max_blocks = max_blocks
         self._slots = [_GraphSlot(max_blocks, device) for _ in range(num_slots)]
-        self._compiled = False
 
     def replay(self, src_block_ids: list[int], dst_block_ids: list[int]) -> bool:
         """Issue the copies on the current stream; False (nothing issued) when the request has
@@ -294,11 +318,6 @@ class CopyGraphs:
 
     def _capture(self, slot: _GraphSlot, bucket: int) -> torch.cuda.CUDAGraph:
         src, dst = slot.ids[0, :bucket], slot.ids[1, :bucket]
-        if not self._compiled:  # compile and load the kernel outside any capture: all padding
-            dst.fill_(-1)
-            for copy in self._copiers:
-                copy(src, dst)
-            self._compiled = True
         graph = torch.cuda.CUDAGraph()
         # On the copy stream, without the device-wide sync of ``torch.cuda.graph``; thread-local,
         # so that the thread opening a restarted peer's pools may go on meanwhile.

@@ -10,6 +10,7 @@ bitwise, against the parent's KV for their heads.
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
 from pathlib import Path
@@ -118,9 +119,13 @@ def _pull(
     dist.barrier()
     if rank in decode:
         assert agent is not None
+        compiled = _triton_cache_files() if device != "cpu" else []
         for request_id in meta["requests"]:
             agent.execute(KVCommand("recv", request_id, blocks[request_id], src_block_ids=meta["src"][request_id]))
         moved = sum(agent.wait(request_id).num_bytes for request_id in meta["requests"])
+        if device != "cpu":  # the copy kernel compiled while the pools opened: no pull compiles one
+            assert compiled, "no file in Triton's cache: the test's TRITON_CACHE_DIR is not in use"
+            assert _triton_cache_files() == compiled, f"p={p} d={d}: a pull compiled a kernel"
         assert agent.staging_bytes() == 0
         # The leader copies for its whole group: every decode rank's heads, once; peers nothing.
         group_heads = sum(topology.dst_shard(r).num_kv_heads for r in range(d))
@@ -137,6 +142,10 @@ def _pull(
     dist.barrier()  # the prefill pools stay alive until every check is done
     if agent is not None:
         agent.close()
+
+
+def _triton_cache_files() -> list[Path]:
+    return sorted(Path(os.environ["TRITON_CACHE_DIR"]).rglob("*"))
 
 
 def _rank_main(rank: int, port: int, work_dir: str, pulling: str | None = None, device: str = "cpu") -> None:
@@ -223,9 +232,13 @@ def test_pulled_kv_is_bitwise_the_prefill_kv(reference_kv: Path) -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_ipc_kv_is_bitwise_the_prefill_kv_between_processes_on_one_gpu(reference_kv: Path) -> None:
+def test_cuda_ipc_kv_is_bitwise_the_prefill_kv_between_processes_on_one_gpu(
+    reference_kv: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """cuda-ipc with every rank's pool in its own process on GPU 0 (a TP group could not share
-    a GPU under NCCL, but the copy needs none): every pair, bitwise."""
+    a GPU under NCCL, but the copy needs none): every pair, bitwise. Triton's cache starts empty,
+    as on a new machine, and no pull compiles a kernel: opening the pools did."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))  # the spawned ranks inherit it
     port = free_port()
     args = [(r, port, str(reference_kv), "cuda-ipc", "cuda:0") for r in range(MAX_P + MAX_D)]
     RankProcesses(_rank_main, args).wait(600)

@@ -167,6 +167,7 @@ class GroupLeader:
             prefix_hit_tokens=0 if cache is None else cache.hit_tokens,
             prefix_evicted_blocks=0 if cache is None else cache.evicted_blocks,
             kv_transfer_failures=self.kv_transfer_failures,
+            pairs_forming=self.pairs_forming(),
         )
 
     @property
@@ -191,6 +192,10 @@ class GroupLeader:
     def transfers_pending(self) -> bool:
         """KV handed to or from another group and not yet settled (must finish before exit)."""
         return False
+
+    def pairs_forming(self) -> int:
+        """Groups of the other role whose KV pair with this group is still forming."""
+        return 0
 
     def background(self) -> None:
         """Work between steps that is not a message (transfers to poll, retries)."""

@@ -106,6 +106,9 @@ class DecodeLeader(GroupLeader):
     def transfers_pending(self) -> bool:
         return bool(self.receiving)
 
+    def pairs_forming(self) -> int:
+        return len(self.transfers.forming())
+
     def handle(self, message: Message) -> None:
         if isinstance(message, KVAnnounce):
             self.on_announce(message)

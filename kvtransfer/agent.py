@@ -93,6 +93,10 @@ class KVTransferAgent:
         backend = self.backends.get(peer_group)
         return backend is not None and backend.connected()
 
+    def forming(self) -> list[int]:
+        """The peer groups whose pair cannot move KV yet (it forms in the background)."""
+        return [group for group, backend in sorted(self.backends.items()) if not backend.connected()]
+
     def _issue(self, command: KVCommand) -> Transfer | None:
         if self._channel is not None:
             self._channel.send(command)

@@ -81,6 +81,9 @@ class PrefillLeader(GroupLeader):
         # Announced requests await a reply: an accepted one has a receive posted on the other side.
         return bool(self.announced) or bool(self.sending)
 
+    def pairs_forming(self) -> int:
+        return len(self.transfers.forming())
+
     def handle(self, message: Message) -> None:
         if isinstance(message, WorkRequest):
             if self.add(message, prefill_only=True):

@@ -222,6 +222,12 @@ class Router:
     def is_ready(self, key: tuple[str, int]) -> bool:
         return key in self.ready
 
+    def pairs_forming(self) -> list[str]:
+        """Ready groups that have not yet reported, since they got ready, that they can move KV
+        with every group of the other role they know: their first requests' KV would wait."""
+        names = [f"{role}{group}" for role, group in sorted(self.ready)]
+        return [name for name in names if self.worker_stats.get(name, {}).get("pairs_forming", 1) > 0]
+
     def _connect_leader(self, key: tuple[str, int], address: str | None = None) -> None:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 1000)

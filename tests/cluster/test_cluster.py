@@ -50,6 +50,10 @@ def test_2p1d_matches_single_process_then_survives_bad_input_and_aborts(
         "--num-blocks",
         "200",
     )
+    with Client(cluster.endpoint, timeout=120) as client:  # at once: the endpoint means every pair formed
+        groups = client.stats().groups
+    assert sorted(groups) == ["decode0", "prefill0"], groups
+    assert all(group["pairs_forming"] == 0 for group in groups.values()), groups
     prompts, params = mixed_requests(500, 16, seed=1)
     expected = oracle(model_dir, prompts, params)
     with Client(cluster.endpoint, timeout=120) as client:

@@ -39,9 +39,13 @@ class StandInTransfers:
         self.posted: dict[str, list[int]] = {}
         self.sources: dict[str, list[int]] = {}  # the prefill blocks named in each receive
         self.landed: set[str] = set()
+        self.unformed: list[int] = []  # prefill groups whose pair is still forming
 
     def connected(self, peer_group: int) -> bool:
         return True
+
+    def forming(self) -> list[int]:
+        return self.unformed
 
     def has_staging_room(self, peer_group: int, num_blocks: int, keep: tuple[int, int] | None = None) -> bool:
         self.room_asked.append(num_blocks)
@@ -195,6 +199,13 @@ def test_stats_report_the_groups_transfer_failures(setup: Setup) -> None:
     assert setup.leader.stats().kv_transfer_failures == 0
     setup.leader.kv_transfer_failures = 2  # what a leader counts as it gives a transfer up
     assert setup.leader.stats().kv_transfer_failures == 2
+
+
+def test_stats_report_the_pairs_still_forming(setup: Setup) -> None:
+    """What the launcher waits for before it prints its endpoint (``Router.pairs_forming``)."""
+    assert setup.leader.stats().pairs_forming == 0
+    setup.transfers.unformed = [0, 2]
+    assert setup.leader.stats().pairs_forming == 2
 
 
 @pytest.mark.parametrize("setup", [True], indirect=True)

@@ -30,6 +30,9 @@ class StandInTransfers:
     def connected(self, peer_group: int) -> bool:
         return True
 
+    def forming(self) -> list[int]:
+        return []
+
     def has_staging_room(self, peer_group: int, num_blocks: int, promised: int = 0) -> bool:
         return True
 

@@ -142,6 +142,24 @@ def test_stats_count_the_routers_requests_and_age_each_groups_report(rig: Rig) -
     assert [(m.state, m.stats_age is None) for m in members()] == [("down", True), ("ready", False)]
 
 
+def test_pairs_count_as_formed_once_each_ready_group_reports_none_forming(rig: Rig) -> None:
+    """What the launcher waits for before it prints its endpoint: a report from every ready group,
+    since it got ready, with no KV pair still forming; a failed group's old report does not count."""
+    assert rig.router.pairs_forming() == ["prefill0"]  # ready, no report yet
+    rig.join("decode", 5)
+    assert rig.router.pairs_forming() == ["decode5", "prefill0"]
+    rig.worker(WorkerStats("prefill", 0, 100, 100, 0, 0, 0, 0))
+    rig.worker(WorkerStats("decode", 5, 100, 100, 0, 0, 0, 0, pairs_forming=1))
+    assert rig.router.pairs_forming() == ["decode5"]
+    rig.worker(WorkerStats("decode", 5, 100, 100, 0, 0, 0, 0))
+    assert rig.router.pairs_forming() == []
+    rig.router.group_failed("prefill", 0, "killed")
+    assert rig.router.pairs_forming() == []  # not ready: nothing to wait for
+    rig.router.group_restarting("prefill", 0, 1)
+    rig.worker(Ready("prefill", 0, 100))
+    assert rig.router.pairs_forming() == ["prefill0"]
+
+
 def test_a_stranger_is_refused_with_one_line(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
     rig.refusal = "this cluster's rendezvous never handed out decode group index 9"
     with caplog.at_level(logging.WARNING):

@@ -172,6 +172,14 @@ def _setting_option(spec: SettingSpec) -> Callable[[Callable[..., Any]], Callabl
     return click.option(*decls, **kwargs)
 
 
+def _as_typed(message: str, given: dict[str, Any]) -> str:
+    """A setting's check names it by its key, as a preset spells it: name the flag instead where
+    the value came from one."""
+    key = message.split(" ", 1)[0]
+    flag = next((spec.flag for spec in cluster_settings() if spec.key == key), None)
+    return flag + message[len(key) :] if flag is not None and key in given else message
+
+
 def setting_options(function: Callable[..., Any]) -> Callable[..., Any]:
     for spec in reversed(cluster_settings()):
         function = _setting_option(spec)(function)
@@ -207,7 +215,7 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
     try:
         config = ClusterConfig.from_preset(config_path, **given) if config_path else ClusterConfig.from_settings(given)
     except (TypeError, ValueError) as e:
-        raise click.UsageError(str(e)) from None
+        raise click.UsageError(_as_typed(str(e), given)) from None
     if config.join is not None:
         if config_path:
             raise click.UsageError("--config applies to the router node: a group node (--join) takes the cluster's")

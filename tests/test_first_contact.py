@@ -159,7 +159,9 @@ def test_text_serving_needs_a_tokenizer(flag: tuple[str, ...], tiny_model_dirs: 
         (("--colocated-tp", "2"), "--colocated-tp applies to --mode colocated"),
         (("--port", "70000"), "port"),
         (("--port", "6000", "--http-port", "6000"), "--http-port and --port must differ"),
-        (("--max-model-len", "-3"), "max_model_len"),
+        # A check names the flag the user typed, not the setting's key.
+        (("--max-model-len", "-3"), "--max-model-len must be >= 2, got -3"),
+        (("--prefill-tp", "0"), "--prefill-tp must be >= 1, got 0"),
         (("--transfer", "carrier-pigeon"), "carrier-pigeon"),
         (("--devices", "zero"), "comma-separated GPU ids"),
         (("--max-model-lenn", "5"), "--max-model-len"),
@@ -174,6 +176,15 @@ def test_bad_flags_are_usage_errors(args: tuple[str, ...], needle: str) -> None:
     result = launch(*args)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and needle in result.stderr, result.stderr
+
+
+def test_a_presets_bad_value_is_named_by_its_key(tmp_path: Path) -> None:
+    """A value from a YAML preset is named as the file spells it, not as a flag nobody typed."""
+    preset = tmp_path / "bad.yaml"
+    preset.write_text("prefill_tp: 0\n")
+    result = launch("--config", str(preset))
+    assert result.returncode == 2, result.stderr
+    assert "prefill_tp must be >= 1, got 0" in result.stderr and "--prefill-tp" not in result.stderr, result.stderr
 
 
 def test_help_explains_every_flag() -> None:
@@ -360,8 +371,8 @@ def test_client_reads_the_prompt_from_stdin_for_a_dash() -> None:
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (("--max-message-mib", "inf"), "max_message_mib"),
-        (("--client-heartbeat-timeout", "7000"), "client_heartbeat_timeout"),
+        (("--max-message-mib", "inf"), "--max-message-mib must be a finite number"),
+        (("--client-heartbeat-timeout", "7000"), "--client-heartbeat-timeout must be at most 6553.5 s"),
     ],
 )
 def test_numbers_beyond_what_the_router_can_use_are_usage_errors(args: tuple[str, ...], needle: str) -> None:

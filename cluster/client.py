@@ -102,6 +102,7 @@ class ClientClosed(ClusterGone):
 
 _ids = itertools.count()
 _CLI_CONNECT_S = 5.0  # pdserve-client: how long a connection may take before "is it running?"
+_ABORT_LINGER_MS = 500  # a closing client's wait for its aborts to leave (the router is up: short)
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
@@ -205,8 +206,20 @@ class Client:
         self._stats_tags = itertools.count()
 
     def close(self) -> None:
+        """Abort the requests whose end was not read (given up after a timeout, say): the router
+        would otherwise notice only once this client's heartbeats stop, and the cluster would go
+        on computing them meanwhile."""
         if self._socket.closed:  # closing twice is harmless
             return
+        self._read_link_events()
+        if self._running and self._link.up:
+            self._socket.setsockopt(zmq.LINGER, _ABORT_LINGER_MS)  # time for the aborts to leave
+            for request_id in self._running:
+                try:
+                    self._socket.send(encode(Abort(request_id)), zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+            self._running.clear()
         self._socket.disable_monitor()
         self._monitor.close()
         self._socket.close()
@@ -261,9 +274,12 @@ class Client:
             if self._monitor not in ready and time.monotonic() >= deadline:
                 raise ClusterUnavailable(self.endpoint, self.timeout, self._link.up, self._link.refused)
 
-    def _check_connection(self) -> None:
+    def _read_link_events(self) -> None:
         while self._monitor.poll(0):
             self._link.update(zmq.utils.monitor.recv_monitor_message(self._monitor))
+
+    def _check_connection(self) -> None:
+        self._read_link_events()
         if self._link.broken:
             self._running.clear()  # nothing more comes for what was sent over the broken connection
             raise ClusterGone(self.endpoint)

@@ -347,6 +347,28 @@ def test_client_tells_a_silent_cluster_from_a_missing_one() -> None:
         router.close()
 
 
+def test_a_client_that_gives_up_aborts_its_request_as_it_closes() -> None:
+    """pdserve-client timing out on a long prompt: the router hears the abort at once, not once
+    the client's heartbeats stop, while the cluster would go on computing the prompt."""
+    import zmq
+
+    from pdserve.cluster.client import ClusterUnavailable
+    from pdserve.cluster.protocol import Abort, Generate, decode
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with Client(f"tcp://127.0.0.1:{port}", timeout=0.5) as client, pytest.raises(ClusterUnavailable):
+            client.generate(token_ids=[1, 2, 3], max_tokens=2)
+        got = []
+        while router.poll(1000):
+            got.append(decode(router.recv_multipart()[-1]))
+        assert [type(m) for m in got] == [Generate, Abort], got
+        assert got[1].request_id == got[0].request_id
+    finally:
+        router.close()
+
+
 def test_client_cli_ends_the_answer_on_stdout_and_reports_on_stderr() -> None:
     """``pdserve-client ... > answer.txt``: the file holds the answer as one finished line; the
     counts and timings go to stderr in words."""

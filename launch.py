@@ -228,7 +228,7 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
     try:
         cluster.start()
     except (ClusterError, ValueError, FileNotFoundError, RuntimeError) as e:
-        raise click.ClickException(str(e)) from None
+        raise click.ClickException(_as_typed(str(e), given)) from None
     finished = threading.Event()
     demo_failure: list[BaseException] = []
 

@@ -568,8 +568,10 @@ def _cluster_error(error: ClusterError, prompt_param: str = "prompt") -> APIErro
     """The cluster's error reply as an HTTP error (docs/protocol.md lists the codes); a fault
     the cluster finds in the prompt's ids is the request's ``prompt_param`` (a chat's messages)."""
     if error.code == "invalid_request":
-        field = error.error.message.partition(":")[0]
-        return APIError(400, error.error.message, "invalid_request", prompt_param if field == "token_ids" else field)
+        field, _, why = error.error.message.partition(": ")
+        if field == "token_ids":  # the ids this server made of the request's prompt
+            return APIError(400, f"{prompt_param}: {why}", "invalid_request", prompt_param)
+        return APIError(400, error.error.message, "invalid_request", field)
     # The ones a later try may not meet (503, as OpenAI's "engine is currently overloaded").
     if error.code in ("shutting_down", "shutdown", "worker_failed", "no_group", "overloaded"):
         return APIError(503, error.error.message, error.code)

@@ -781,8 +781,8 @@ class RefusingCluster(LaggingCluster):
 
 
 def test_a_prompt_the_cluster_refuses_names_the_chats_messages(demo_model_dir: Path) -> None:
-    """The router refuses a prompt by its ids; over HTTP the field is what the client sent: a
-    completion's ``prompt``, a chat's ``messages``."""
+    """The router refuses a prompt by its ids; over HTTP the field, in ``param`` and the message,
+    is what the client sent: a completion's ``prompt``, a chat's ``messages``."""
     from fastapi.testclient import TestClient
 
     frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), served_model_name=MODEL)
@@ -790,9 +790,11 @@ def test_a_prompt_the_cluster_refuses_names_the_chats_messages(demo_model_dir: P
     http = TestClient(frontend.app())
     frontend.client = RefusingCluster()  # type: ignore[assignment]  # after TestClient: no lifespan ran
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-    openai_error(http.post("/v1/chat/completions", json=chat), 400, "invalid_request", "messages")
+    message = openai_error(http.post("/v1/chat/completions", json=chat), 400, "invalid_request", "messages")
+    assert message == "messages: 9 tokens with max_tokens 8 exceed 16"  # not the ids' wire name
     completion = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 8}
-    openai_error(http.post("/v1/completions", json=completion), 400, "invalid_request", "prompt")
+    message = openai_error(http.post("/v1/completions", json=completion), 400, "invalid_request", "prompt")
+    assert message == "prompt: 9 tokens with max_tokens 8 exceed 16"
 
 
 def test_a_model_is_retrieved_by_its_id(demo_model_dir: Path) -> None:

@@ -222,19 +222,27 @@ def ensure_demo_model(quiet: bool = False) -> Path:
 
     def build(target: Path) -> None:
         _remove_stale(target, quiet)
-        if quiet:
-            # transformers' GGUF reader draws its own tqdm bars, which no switch turns off.
-            with contextlib.redirect_stderr(io.StringIO()):
-                _convert(gguf, target)
-            return
-        print(
-            f"converting the demo model {DEMO_NAME} (first use, ~{_CONVERSION_SECONDS} s)...",
-            file=sys.stderr,
-            flush=True,
-        )
+        if not quiet:
+            print(
+                f"converting the demo model {DEMO_NAME} (first use, ~{_CONVERSION_SECONDS} s)...",
+                file=sys.stderr,
+                flush=True,
+            )
         start = time.monotonic()
-        _convert(gguf, target)
-        print(f"demo model ready in {time.monotonic() - start:.0f} s: {target}", file=sys.stderr, flush=True)
+        if quiet or not sys.stderr.isatty():
+            # transformers' GGUF reader draws its own tqdm bars, which no switch turns off; in a
+            # log they are lines of carriage returns. A failure still shows what they held.
+            bars = io.StringIO()
+            try:
+                with contextlib.redirect_stderr(bars):
+                    _convert(gguf, target)
+            except BaseException:
+                sys.stderr.write(bars.getvalue())
+                raise
+        else:
+            _convert(gguf, target)
+        if not quiet:
+            print(f"demo model ready in {time.monotonic() - start:.0f} s: {target}", file=sys.stderr, flush=True)
 
     return build_once(final, build)
 

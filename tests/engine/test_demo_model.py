@@ -188,3 +188,38 @@ def test_stale_conversions_are_removed_and_rebuilt(tmp_path: Path, monkeypatch: 
     assert converted == [demo_model_dir()] and demo_model_dir().is_dir()
     assert not any(path.exists() for path in stale) and all(path.is_dir() for path in kept)
     assert ensure_demo_model(quiet=True) == demo_model_dir() and len(converted) == 1
+
+
+def _fake_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail: bool = False) -> None:
+    """A conversion that draws a progress bar on stderr, as transformers' GGUF reader does."""
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+
+    def fake_convert(gguf: Path, final: Path) -> None:
+        print("\rConverting 1/2\rConverting 2/2", file=sys.stderr)
+        if fail:
+            raise RuntimeError("the GGUF is truncated")
+        with atomic_directory(final) as tmp:
+            (tmp / "config.json").write_text("{}")
+
+    monkeypatch.setattr(demo, "_convert", fake_convert)
+    monkeypatch.setattr(demo, "gguf_path", lambda: tmp_path / "fake.gguf")
+
+
+def test_the_conversions_bars_stay_out_of_a_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without a terminal (a log, CI) only the two lines of the conversion show; in a terminal its
+    bars too; a failure shows them whatever stderr is."""
+    _fake_conversion(tmp_path / "log", monkeypatch)
+    ensure_demo_model()
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("converting the demo model") and "ready in" in lines[1], lines
+    _fake_conversion(tmp_path / "terminal", monkeypatch)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    ensure_demo_model()
+    assert "Converting 2/2" in capsys.readouterr().err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    _fake_conversion(tmp_path / "failing", monkeypatch, fail=True)
+    with pytest.raises(RuntimeError, match="truncated"):
+        ensure_demo_model()
+    assert "Converting 2/2" in capsys.readouterr().err

@@ -209,6 +209,7 @@ def test_size_limits_and_admission(cluster_factory, tiny_model_dirs: dict[str, P
         for _ in range(3):
             hostile.submit(token_ids=[3, 4], stream=True, max_tokens=450, temperature=0.0, ignore_eos=True)
         hostile.receive()
+        hostile._running.clear()  # as a killed client's process, it sends no abort on its way out
         hostile.close()
         deadline = time.monotonic() + 10
         while (stats := client.stats()).requests_in_flight or not idle(stats.groups):

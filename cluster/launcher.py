@@ -60,7 +60,7 @@ from pdserve.cluster.protocol import Ready
 from pdserve.cluster.rank import WorkerSpec, worker_main
 from pdserve.engine.config import EngineConfig, ModelConfig, flatten_config
 from pdserve.engine.parallel import check_tp_size
-from pdserve.engine.presets import resolve_model
+from pdserve.engine.presets import check_model_spec, resolve_model
 from pdserve.engine.tokenization import load_tokenizer
 from pdserve.engine.weights import checkpoint_files
 from pdserve.kvtransfer.base import TransferConfig, backends_for
@@ -205,6 +205,7 @@ class Cluster:
         warning = None if c.auth_keys is not None else exposure_warning(c.host)
         if warning is not None:
             logger.warning(warning)
+        check_model_spec(c.engine.model)  # a mistyped name is the mistake to name, not a busy port
         for port, flag in ((c.port, "--port"), (c.http_port, "--http-port")):
             if port is not None:
                 _check_port_free(c.host, port, flag)

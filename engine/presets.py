@@ -202,12 +202,11 @@ def ensure_preset_model(name: str, seed: int = 0, dtype: str = "bfloat16", devic
     )
 
 
-def resolve_model(spec: str) -> Path:
-    """A model directory from ``spec``: "demo", a preset name, or a Hugging Face directory path."""
-    if spec == "demo":
-        return ensure_demo_model()
-    if spec in list_presets():
-        return ensure_preset_model(spec)
+def check_model_spec(spec: str) -> None:
+    """Refuse a ``spec`` that ``resolve_model`` cannot resolve, at once: nothing is converted or
+    written."""
+    if spec == "demo" or spec in list_presets():
+        return
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(
@@ -215,7 +214,16 @@ def resolve_model(spec: str) -> Path:
         )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model directory {path} has no config.json")
-    return path
+
+
+def resolve_model(spec: str) -> Path:
+    """A model directory from ``spec``: "demo", a preset name, or a Hugging Face directory path."""
+    check_model_spec(spec)
+    if spec == "demo":
+        return ensure_demo_model()
+    if spec in list_presets():
+        return ensure_preset_model(spec)
+    return Path(spec).expanduser()
 
 
 def _parameter_count(config: dict[str, Any]) -> int:

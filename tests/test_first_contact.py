@@ -94,6 +94,13 @@ def test_port_in_use(flag: str, busy_port: int, demo_model_dir: Path) -> None:
     assert len(result.stderr.splitlines()) <= 2, result.stderr
 
 
+def test_a_wrong_model_is_named_before_a_busy_port(busy_port: int, tmp_path: Path) -> None:
+    """Both mistakes at once: the model's is said first (checked without converting or writing
+    anything), not the port's, which would only lead to the second error after a fix."""
+    result = launch("--model", str(tmp_path / "missing"), "--port", str(busy_port))
+    assert_one_line_error(result, "missing", "nor a directory")
+
+
 def test_the_launchers_log_lines_carry_a_time_as_the_ranks_do(tmp_path: Path) -> None:
     """The router node's own lines (here: the warning that the endpoint is open to the network)
     are stamped like the ranks' lines, not bare text between them."""

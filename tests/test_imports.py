@@ -28,7 +28,7 @@ ENGINE_API = {
     "timings",  # RequestTimings
     "tokenization",
     "detokenizer",
-    "presets",  # resolve_model
+    "presets",  # resolve_model, check_model_spec
     "weights",  # checkpoint_files: the launcher checks a checkpoint before any rank loads it
 }
 PRODUCT = ("cluster", "decode_worker", "kvtransfer", "prefill_worker", "router")

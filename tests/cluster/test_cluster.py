@@ -403,6 +403,36 @@ def test_client_cli_ends_the_answer_on_stdout_and_reports_on_stderr() -> None:
     assert result.stderr == "[37 prompt + 1 generated, stop] TTFT 250.0 ms, total 500.0 ms\n"
 
 
+def test_client_cli_names_the_option_behind_a_refused_field() -> None:
+    """The router refuses a request field by its wire name; the user typed the option."""
+    import subprocess
+    import sys
+    import threading
+
+    import zmq
+
+    from pdserve.cluster.protocol import Error, decode, encode
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def refuse() -> None:
+        identity, frame = router.recv_multipart()
+        why = "max_tokens: must be an integer >= 1, got 0"
+        router.send_multipart([identity, encode(Error(decode(frame).request_id, "invalid_request", why))])
+
+    thread = threading.Thread(target=refuse, daemon=True)
+    thread.start()
+    try:
+        cli = [sys.executable, "-m", "pdserve.cluster.client", "hi", "--max-tokens", "0", "--endpoint", str(port)]
+        result = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    finally:
+        thread.join(10)
+        router.close()
+    assert result.returncode == 1
+    assert result.stderr == "Error: invalid_request: --max-tokens must be an integer >= 1, got 0\n", result.stderr
+
+
 def test_async_client_send_that_cannot_queue_times_out() -> None:
     """A router that takes nothing (gone, or never there) fills the socket's send queue; a send
     past it waits the client's timeout, then ClusterUnavailable, instead of forever."""

@@ -200,6 +200,9 @@ def test_an_async_stream_left_early_aborts_and_takes_nothing_of_the_next_one_wit
 
             # The first request's next token is on its way; the router has not read the abort yet.
             rig.to_router.send(encode(TokenOutputs([TokenOutput(running.request_id, 1, [12])])))
+            # Both wait at the router before it reads either (a loaded machine delivers either one
+            # first), so that it reads them in its turn: the worker's token, then the abort.
+            assert rig.router.inbox.poll(2000) and rig.router.frontend.poll(2000)
             try:
                 await second()
             except ClusterError as e:

@@ -343,7 +343,7 @@ class GroupInfo(Message):
     role: str
     group: int
     tp: int
-    state: str  # starting | ready | draining
+    state: str  # starting | ready | draining | down
     address: str  # its leader's control endpoint (ipc:// on the router's node, tcp:// beyond it)
     devices: list[str]  # each TP rank's device, from its heartbeats ("cpu", "cuda:0")
     joined: bool  # joined at run time from a group node (not started by the router's node)

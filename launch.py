@@ -194,6 +194,7 @@ def setting_options(function: Callable[..., Any]) -> Callable[..., Any]:
     help="A cluster preset: a YAML file (keys as the flags below) or the name of one in configs/ "
     "(1p1d, 2p1d, colocated); flags given here override it.",
 )
+@click.version_option(package_name="pdserve", prog_name="pdserve")
 @click.option("--demo", is_flag=True, help="Answer a few prompts through the client, then shut down.")
 @click.option(
     "--demo-max-tokens", type=click.IntRange(min=1), default=48, show_default=True, help="Tokens per demo answer."

@@ -725,6 +725,7 @@ class Seconds(click.ParamType):
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="pdserve", prog_name="pdserve-client")
 @click.argument("prompt")
 @click.option(
     "--endpoint",

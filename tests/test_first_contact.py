@@ -3,6 +3,7 @@ before any rank starts."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import signal
@@ -192,6 +193,12 @@ def test_a_presets_bad_value_is_named_by_its_key(tmp_path: Path) -> None:
     result = launch("--config", str(preset))
     assert result.returncode == 2, result.stderr
     assert "prefill_tp must be >= 1, got 0" in result.stderr and "--prefill-tp" not in result.stderr, result.stderr
+
+
+def test_both_commands_say_their_version() -> None:
+    version = importlib.metadata.version("pdserve")
+    for result, name in ((launch("--version"), "pdserve"), (client("--version"), "pdserve-client")):
+        assert result.returncode == 0 and result.stdout == f"{name}, version {version}\n", result
 
 
 def test_help_explains_every_flag() -> None:

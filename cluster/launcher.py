@@ -271,9 +271,13 @@ class Cluster:
         for group in self.groups.values():
             self._spawn(group)
         deadline = time.monotonic() + c.start_timeout
-        # Ready once every group is, and every KV pair between them can move KV: a pair forms in
-        # the background (its first use may compile a kernel), and requests would wait for it.
-        while not all(self.router.is_ready(key) for key in self.groups) or self.router.pairs_forming():
+        while True:
+            # Ready once every group is, and every KV pair between them can move KV: a pair forms
+            # in the background (its first use may compile a kernel), and requests would wait for it.
+            groups_ready = all(self.router.is_ready(key) for key in self.groups)
+            forming = self.router.pairs_forming() if groups_ready else []
+            if groups_ready and not forming:
+                break
             self.router.poll(100)
             failure = next(
                 (f"{g.role} group {g.index}: {f}" for g in self.groups.values() if (f := self._failure(g))), None
@@ -283,8 +287,7 @@ class Cluster:
                 raise ClusterError(f"a worker failed to start: {failure}")
             if time.monotonic() > deadline:
                 self._abandon()
-                forming = self.router.pairs_forming()
-                if all(self.router.is_ready(key) for key in self.groups) and forming:
+                if forming:
                     raise ClusterError(
                         f"the KV transfer pairs of {', '.join(forming)} did not connect in {c.start_timeout:.0f} s"
                     )

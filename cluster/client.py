@@ -805,25 +805,16 @@ def main(
         except (ClusterError, ClusterUnavailable) as e:
             if mid_line:
                 click.echo(err=True)
-            raise click.ClickException(_as_typed(e)) from None
+            raise click.ClickException(_as_typed(e, sampling)) from None
 
 
-# The request fields this command line sets, by the option that sets each.
-_CLI_FIELDS = {
-    "max_tokens": "--max-tokens",
-    "temperature": "--temperature",
-    "top_p": "--top-p",
-    "top_k": "--top-k",
-    "seed": "--seed",
-}
-
-
-def _as_typed(error: ClusterError | ClusterUnavailable) -> str:
-    """The error, naming the option the user typed where the cluster names a request field."""
+def _as_typed(error: ClusterError | ClusterUnavailable, options: dict[str, Any]) -> str:
+    """The error, naming the option the user typed where the cluster names a request field that
+    one of ``options`` (by parameter name) set."""
     if isinstance(error, ClusterError) and error.code == "invalid_request":
         field, _, why = error.error.message.partition(": ")
-        if field in _CLI_FIELDS:
-            return f"{error.code}: {_CLI_FIELDS[field]} {why}"
+        if field in options:
+            return f"{error.code}: --{field.replace('_', '-')} {why}"
     return str(error)
 
 

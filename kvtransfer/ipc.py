@@ -253,7 +253,7 @@ def compile_copies(copiers: list[Callable[[torch.Tensor, torch.Tensor], None]], 
     current stream, so that Triton compiles and loads the copy kernel now: not at the first pull,
     which every running request would wait for on a machine whose Triton cache is empty, and
     never inside a graph capture. Triton specializes on whether a pointer is 16-byte aligned:
-    the destination row of ``upload_block_ids`` is for an even count, not for an odd one."""
+    the destination row of ``upload_block_ids`` is for an even count, 8 bytes past it for an odd one."""
     for count in (2, 1):
         ids = upload_block_ids([0] * count, [-1] * count, device)
         for copy in copiers:

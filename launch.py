@@ -19,6 +19,7 @@ removes it from the cluster.
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import statistics
 import sys
@@ -172,12 +173,19 @@ def _setting_option(spec: SettingSpec) -> Callable[[Callable[..., Any]], Callabl
     return click.option(*decls, **kwargs)
 
 
-def _as_typed(message: str, given: dict[str, Any]) -> str:
-    """A setting's check names it by its key, as a preset spells it: name the flag instead where
-    the value came from one."""
-    key = message.split(" ", 1)[0]
-    flag = next((spec.flag for spec in cluster_settings() if spec.key == key), None)
-    return flag + message[len(key) :] if flag is not None and key in given else message
+def _as_typed(message: str, given: dict[str, Any], preset: bool) -> str:
+    """A setting's check names settings by their keys, as a preset spells them: name a flag
+    instead where the value came from one, or from a default that only a flag can change."""
+    flags = {spec.key: spec.flag for spec in cluster_settings()}
+    keys = "|".join(map(re.escape, flags))
+
+    def rename(match: re.Match[str]) -> str:
+        key = match.group(1) or match.group(2)
+        return flags[key] if key in given or not preset else key
+
+    # The checked setting leads the message ("key must ...", "key 7 exceeds ..."); one it is
+    # weighed against reads "key (value)". Other text that starts with a key's word stays as is.
+    return re.sub(rf"^({keys})(?= must | \(| -?\d)|(?<= )({keys})(?= \()", rename, message)
 
 
 def setting_options(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -216,7 +224,7 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
     try:
         config = ClusterConfig.from_preset(config_path, **given) if config_path else ClusterConfig.from_settings(given)
     except (TypeError, ValueError) as e:
-        raise click.UsageError(_as_typed(str(e), given)) from None
+        raise click.UsageError(_as_typed(str(e), given, preset=config_path is not None)) from None
     if config.join is not None:
         if config_path:
             raise click.UsageError("--config applies to the router node: a group node (--join) takes the cluster's")
@@ -229,7 +237,7 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
     try:
         cluster.start()
     except (ClusterError, ValueError, FileNotFoundError, RuntimeError) as e:
-        raise click.ClickException(_as_typed(str(e), given)) from None
+        raise click.ClickException(_as_typed(str(e), given, preset=config_path is not None)) from None
     finished = threading.Event()
     demo_failure: list[BaseException] = []
 

@@ -170,6 +170,8 @@ def test_text_serving_needs_a_tokenizer(flag: tuple[str, ...], tiny_model_dirs: 
         # A check names the flag the user typed, not the setting's key.
         (("--max-model-len", "-3"), "--max-model-len must be >= 2, got -3"),
         (("--prefill-tp", "0"), "--prefill-tp must be >= 1, got 0"),
+        # ... and the flag that changes a default the check weighs it against.
+        (("--max-num-batched-tokens", "8"), "--max-num-batched-tokens (8) must be >= --max-num-seqs (256)"),
         (("--transfer", "carrier-pigeon"), "carrier-pigeon"),
         (("--devices", "zero"), "comma-separated GPU ids"),
         (("--max-model-lenn", "5"), "--max-model-len"),

@@ -6,11 +6,13 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from pdserve.cluster import launcher
 from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.group import RankProcesses
+from pdserve.cluster.group import RankProcesses, free_port
 from pdserve.cluster.launcher import Cluster, ClusterError, RestartBudget, _Group
 
 
@@ -139,4 +141,28 @@ def test_a_stop_signal_that_a_library_turns_into_its_own_error_still_stops_quiet
         cluster.start()
     monkeypatch.setattr(cluster, "_start", start_failing)
     with pytest.raises(ModuleNotFoundError):  # with no signal, the error is the error
+        cluster.start()
+
+
+class _FormingRouter(_Router):
+    """Every group ready, and one KV pair that never connects."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None: ...
+    def is_ready(self, key: tuple[str, int]) -> bool:
+        return True
+
+    def pairs_forming(self) -> list[str]:
+        return ["decode0"]
+
+
+def test_a_pair_that_never_connects_is_named_when_the_start_times_out(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dirs: dict[str, Path]
+) -> None:
+    """The endpoint waits for every KV pair to form; one that never does fails the start with
+    the groups it holds up, not the "workers not ready" of groups that are."""
+    monkeypatch.setattr(launcher, "Router", _FormingRouter)
+    monkeypatch.setattr(Cluster, "_spawn", lambda self, group: None)
+    settings = {"model": str(tiny_model_dirs["tiny-llama"]), "start_timeout": 1.0, "port": free_port()}
+    cluster = Cluster(ClusterConfig.from_settings(settings))
+    with pytest.raises(ClusterError, match=r"^the KV transfer pairs of decode0 did not connect in 1 s$"):
         cluster.start()

@@ -22,6 +22,7 @@ node supervises it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import ipaddress
 import json
@@ -37,6 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import zmq
@@ -77,6 +79,7 @@ class ClusterError(RuntimeError):
 _MAX_BACKOFF_S = 30.0
 _STABLE_S = 60.0  # a process that served this long before it fails starts its count afresh
 _SAME_STOP_S = 0.5  # a stop signal this soon after the first is the same stop (request_stop)
+_GIVE_UP_DRAIN_S = 10.0  # for the front ends to pass the error of a cluster that gives up to their clients
 
 
 @dataclass
@@ -572,19 +575,17 @@ class Cluster:
         self.router.group_failed(group.role, group.index, cause)
         if delay is None:
             logger.error(
-                "%s group %d: %d restarts in a row already, it stays down",
+                "%s group %d stays down: it failed after %d restart(s) in a row (--max-restarts %d)",
                 group.role,
                 group.index,
                 group.budget.failures_in_row - 1,
+                c.max_restarts,
             )
             down = all(
                 g.processes is None and g.restart_at is None for g in self.groups.values() if g.role == group.role
             )
             if down and not c.joinable:  # where groups join, one may yet come
-                failure = f"every {group.role} group failed for good (last: {cause})"
-                self.router.fail_all("worker_failed", failure)
-                self._abandon()
-                raise ClusterError(failure)
+                self._give_up(f"every {group.role} group failed for good (last: {cause})")
             return
         group.restart_at = now + delay
         logger.warning(
@@ -595,6 +596,21 @@ class Cluster:
             group.budget.failures_in_row,
             c.max_restarts,
         )
+
+    def _give_up(self, failure: str) -> NoReturn:
+        """The cluster cannot serve: end every request with ``failure``, then stop. The front ends
+        drain rather than die, so that their clients read the error, not a cut connection."""
+        assert self.router is not None
+        self.router.fail_all("worker_failed", failure)
+        front_ends = self._live_front_ends()
+        for front_end in front_ends:
+            front_end.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + _GIVE_UP_DRAIN_S
+        for front_end in front_ends:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # _abandon kills what is left
+                front_end.wait(timeout=max(0.0, deadline - time.monotonic()))
+        self._abandon()
+        raise ClusterError(failure)
 
     def _restart(self, group: _Group) -> None:
         assert self.router is not None

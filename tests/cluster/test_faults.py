@@ -6,11 +6,13 @@ seed) must match an uninterrupted run token for token, and every KV block must c
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -328,3 +330,40 @@ def test_a_rank_whose_loop_hangs_is_ended_by_its_watchdog_and_its_group_restarts
     assert "(most recent call first)" in log and " in _lead" in log  # every stack, the serve loop's too
     assert "sent no heartbeat" not in log
     assert cluster.stop() == 0, log[-4000:]
+
+
+@pytest.mark.slow
+def test_a_cluster_that_gives_up_ends_every_request_with_its_error(cluster_factory) -> None:
+    """With no restart left, the last decode group's failure stops the cluster: every client
+    reads why, over ZMQ and over HTTP (streamed or not), and none a cut connection."""
+    port = free_port()
+    cluster = cluster_factory("--model", "demo", "--http-port", str(port), "--max-restarts", "0")
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    body = {"model": "demo", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
+    plain: list[httpx.Response] = []
+    posting = threading.Thread(target=lambda: plain.append(httpx.post(url, json=body, timeout=120)))
+    with (
+        Client(cluster.endpoint, timeout=120) as client,
+        httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as stream,
+    ):
+        posting.start()
+        chunks = client.chunks(client.submit(token_ids=[5, 6, 7], stream=True, max_tokens=400, ignore_eos=True))
+        next(chunks)
+        events = (line for line in stream.iter_lines() if line)
+        assert '"text"' in next(events)  # decoding
+        deadline = time.monotonic() + 60
+        while client.stats().requests_in_flight < 3:  # the plain request too
+            assert time.monotonic() < deadline, "the non-streamed request never came in"
+            time.sleep(0.1)
+        os.kill(rank_pids(cluster)["decode0.0"], signal.SIGKILL)
+        with pytest.raises(ClusterError) as failed:
+            list(chunks)
+        rest = list(events)
+        posting.join(timeout=60)
+    assert failed.value.code == "worker_failed" and "every decode group failed for good" in str(failed.value)
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    assert json.loads(rest[-2].removeprefix("data: "))["error"]["code"] == "worker_failed", rest[-3:]
+    (response,) = plain
+    assert response.status_code == 503 and response.json()["error"]["code"] == "worker_failed", response.text
+    assert cluster.proc.wait(timeout=60) == 1
+    assert "stays down: it failed after 0 restart(s) in a row (--max-restarts 0)" in cluster.output()

@@ -4,7 +4,8 @@
 Latencies are measured where the front end sees them (request arrival, each chunk, the end);
 the phases of a request (queue, prefill, KV transfer, decode) come from the ``timings`` of its
 ``final`` message; running/waiting requests, KV usage, refused and failed transfers and the prefix cache's
-counters per worker group come from the cluster's ``stats`` reply, read at each scrape. One
+counters per worker group, each group's readiness and the router's fault counts come from the
+cluster's ``stats`` reply, read at each scrape. One
 registry per server, never the process-wide default, so that several servers (tests) never
 share counters.
 
@@ -58,6 +59,15 @@ PHASES = {
     "prefill": ("request_prefill_time_seconds", "Time from first scheduling to the first token sampled."),
     "transfer": ("kv_transfer_time_seconds", "Time to move the prompt's KV cache from prefill to decode."),
     "decode": ("request_decode_time_seconds", "Time generating the tokens after the first."),
+}
+
+# stats.faults key -> counter name (without the prefix and _total) and help: the router's own,
+# since it started.
+FAULTS = {
+    "group_failures": ("group_failures", "Worker group failures (a rank died, hung, or stopped its heartbeats)."),
+    "restarts": ("group_restarts", "Worker groups the launcher started again after a failure."),
+    "migrated": ("requests_migrated", "Moves of a request off a failed group, to go on elsewhere."),
+    "worker_failed": ("requests_worker_failed", "Requests ended with a worker_failed error past --migration-limit."),
 }
 
 
@@ -145,8 +155,9 @@ class FrontendMetrics:
 
 
 class ClusterCollector(Collector):
-    """Gauges (and the counters of refused and failed transfers and of the prefix cache) from the
-    latest ``stats`` reply, read at scrape time; nothing per group while the cluster has not answered."""
+    """Gauges (and the counters of refused and failed transfers, of the prefix cache and of the
+    router's faults) from the latest ``stats`` reply, read at scrape time; nothing but
+    ``cluster_ready`` while the cluster has not answered."""
 
     def __init__(self) -> None:
         self.stats: Stats | None = None
@@ -220,3 +231,15 @@ class ClusterCollector(Collector):
         yield refused
         yield failures
         yield from counters.values()
+        ready = GaugeMetricFamily(
+            f"{PREFIX}group_ready",
+            "1 while a worker group serves; 0 while it starts, drains or is down (a restart, a node gone).",
+            labels=["group"],
+        )
+        for member in stats.members:
+            ready.add_metric([f"{member.role}{member.group}"], float(member.state == "ready"))
+        yield ready
+        for key, (name, doc) in FAULTS.items():
+            fault = CounterMetricFamily(f"{PREFIX}{name}", doc)
+            fault.add_metric([], stats.faults.get(key, 0))
+            yield fault

@@ -1524,6 +1524,36 @@ def test_metrics_carry_each_groups_kv_transfer_failures() -> None:
     assert ("pdserve:kv_transfer_failures_total", (("group", "prefill0"),)) in samples
 
 
+def test_metrics_carry_the_routers_faults_and_each_groups_readiness() -> None:
+    """What an operator alerts on: group failures, restarts and moved requests (the counts
+    ``--status`` prints), and a group that is down, which reports no stats of its own."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pdserve.cluster.protocol import GroupInfo, Stats
+    from pdserve.router.metrics import ClusterCollector
+
+    collector = ClusterCollector()
+    faults = {"group_failures": 2, "restarts": 1, "migrated": 8, "worker_failed": 3}
+    members = [
+        GroupInfo(role, 0, 1, state, f"ipc://{role}", ["cpu"], False, 0, 0, 0)
+        for role, state in (("prefill", "ready"), ("decode", "down"))
+    ]
+    collector.stats = Stats(1, {"prefill0": {}}, faults=faults, members=members)
+    registry = CollectorRegistry()
+    registry.register(collector)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+    }
+    assert sample(samples, "pdserve:group_failures_total") == 2
+    assert sample(samples, "pdserve:group_restarts_total") == 1
+    assert sample(samples, "pdserve:requests_migrated_total") == 8
+    assert sample(samples, "pdserve:requests_worker_failed_total") == 3
+    assert sample(samples, "pdserve:group_ready", group="prefill0") == 1
+    assert sample(samples, "pdserve:group_ready", group="decode0") == 0
+
+
 def test_metrics_of_several_processes_are_summed_whichever_one_exposes_them(tmp_path: Path) -> None:
     """With PROMETHEUS_MULTIPROC_DIR (what launch.py --api-servers N sets) each process's counters
     and histograms go to its files there, and any process's /metrics body sums every process's,

@@ -334,6 +334,7 @@ class Stats(Message):
     members: list[GroupInfo] = msgspec.field(default_factory=list)  # every group the router knows of
     tag: int | None = None  # the request's
     vocab_size: int = 0  # token ids are [0, vocab_size): a front end checks its model against it
+    serving: bool = False  # every role has a ready group: requests run now (some groups may be down)
 
 
 class GroupInfo(Message):

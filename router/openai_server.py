@@ -248,10 +248,11 @@ class Frontend:
             stats = await self._stats()
             if not stats.accepting:
                 raise APIError(503, "the cluster is shutting down", "shutting_down")
-            if not stats.ready:
-                raise APIError(
-                    503, f"the cluster is starting: groups ready so far: {sorted(stats.groups)}", "not_ready"
-                )
+            # Healthy while requests run now: one group of several restarting leaves the others
+            # serving (pdserve:group_ready tells which is down).
+            if not stats.serving:
+                states = ", ".join(f"{m.role}{m.group} {m.state}" for m in stats.members) or "none yet"
+                raise APIError(503, f"the cluster cannot serve now: groups: {states}", "not_ready")
             return JSONResponse({"status": "ok"})
 
         @app.get("/metrics")

@@ -215,9 +215,13 @@ class Router:
 
     def all_ready(self) -> bool:
         """Every group known is ready, and every role has one that takes requests."""
+        return len(self.ready) == len(self.tp_sizes) and self.serving()
+
+    def serving(self) -> bool:
+        """Every role a request passes through has a ready group that takes requests (others of
+        the role may be restarting)."""
         roles = {self.entry_role} | ({"decode"} if self.entry_role == "prefill" else set())
-        serving = {role for role, group in self.ready - set(self.draining)}
-        return len(self.ready) == len(self.tp_sizes) and roles <= serving
+        return roles <= {role for role, group in self.ready - set(self.draining)}
 
     def is_ready(self, key: tuple[str, int]) -> bool:
         return key in self.ready
@@ -648,6 +652,7 @@ class Router:
                     self.members(),
                     message.tag,
                     self.vocab_size,
+                    self.serving(),
                 ),
             )
         else:

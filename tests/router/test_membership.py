@@ -113,6 +113,26 @@ def test_a_group_joins_by_its_ready_and_meets_the_other_role(rig: Rig) -> None:
     assert (prefill.joined, prefill.dispatched) == (False, 1)
 
 
+def test_the_cluster_serves_while_each_role_has_a_ready_group(rig: Rig) -> None:
+    """``stats.serving`` (what an HTTP front end's /health answers by) needs one ready group of
+    each role a request passes through; ``stats.ready`` needs every group."""
+
+    def stats() -> Stats:
+        rig.client.send(encode(StatsRequest()))
+        (reply,) = rig.replies()
+        assert isinstance(reply, Stats)
+        return reply
+
+    assert (stats().serving, stats().ready) == (False, False)  # no decode group yet
+    rig.join("decode", 5)
+    rig.join("decode", 6)
+    assert (stats().serving, stats().ready) == (True, True)
+    rig.router.group_failed("decode", 5, "killed")
+    assert stats().serving  # decode6 serves on
+    rig.router.group_failed("decode", 6, "killed")
+    assert (stats().serving, stats().ready) == (False, False)
+
+
 def test_stats_count_the_routers_requests_and_age_each_groups_report(rig: Rig) -> None:
     """A leader reports between engine steps, so during a long step its report is old: ``stats``
     says how old, beside the requests the router itself has in flight on each group."""

@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.bench.compare import LaunchedCluster
 from pdserve.cluster.client import Client, ClusterError, ClusterUnavailable, Final
 from pdserve.cluster.group import free_port
-from pdserve.cluster.protocol import Chunk, Error, Stats
+from pdserve.cluster.protocol import Chunk, Error, GroupInfo, Stats
 from pdserve.engine.tokenization import encode_chat, encode_prompt
 from pdserve.router.openai_api import APIError, ChatRequest, parse_request
 from pdserve.router.openai_server import Frontend, RepeatLimit
@@ -502,7 +502,41 @@ class StatsOnlyCluster:
         self.vocab_size = vocab_size
 
     async def stats(self, timeout: float | None = None) -> Stats:
-        return Stats(0, {}, ready=True, max_model_len=MAX_MODEL_LEN, vocab_size=self.vocab_size)
+        return Stats(0, {}, ready=True, max_model_len=MAX_MODEL_LEN, vocab_size=self.vocab_size, serving=True)
+
+
+class RestartingCluster(StatsOnlyCluster):
+    """Two decode groups, one of them restarting; the other one's state as given."""
+
+    def __init__(self, vocab_size: int, other: str) -> None:
+        super().__init__(vocab_size)
+        self.other = other
+
+    async def stats(self, timeout: float | None = None) -> Stats:
+        states = [("prefill", 0, "ready"), ("decode", 0, "starting"), ("decode", 1, self.other)]
+        members = [GroupInfo(r, g, 1, state, "ipc://x", ["cpu"], False, 0, 0, 0) for r, g, state in states]
+        serving = self.other == "ready"
+        return Stats(0, {}, False, True, MAX_MODEL_LEN, members=members, vocab_size=self.vocab_size, serving=serving)
+
+
+def test_health_is_ok_while_requests_run_though_a_group_restarts(demo_model_dir: Path) -> None:
+    """A load balancer's probe: one group of several restarting leaves the cluster serving (200);
+    with no decode group ready, 503 not_ready, with every group's state."""
+    vocab = json.loads((demo_model_dir / "config.json").read_text())["vocab_size"]
+    frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), served_model_name=MODEL)
+
+    async def health() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=frontend.app()), base_url="http://x") as http:
+            return await http.get("/health")
+
+    frontend.client = RestartingCluster(vocab, "ready")  # type: ignore[assignment]
+    assert asyncio.run(health()).status_code == 200
+    frontend.client = RestartingCluster(vocab, "down")  # type: ignore[assignment]
+    response = asyncio.run(health())
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["code"] == "not_ready"
+    assert error["message"].endswith("groups: prefill0 ready, decode0 starting, decode1 down"), error
 
 
 def test_a_cluster_of_another_model_is_refused_with_the_reason(

@@ -244,7 +244,8 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
     def serving() -> None:
         click.echo(f"ready in {time.monotonic() - started:.1f} s: {cluster.summary()}", err=True)
         if cluster.http_url is not None:
-            click.echo(f"http {cluster.http_url}/v1 (OpenAI-compatible, model {config.engine.model!r})", err=True)
+            model = config.served_model_name or config.engine.model
+            click.echo(f"http {cluster.http_url}/v1 (OpenAI-compatible, model {model!r})", err=True)
         click.echo(f"run directory {cluster.addresses.run_dir}", err=True)
         click.echo(f"endpoint {cluster.endpoint}", err=True)
         if demo:

@@ -136,6 +136,12 @@ class ClusterConfig:
         section="Serving",
         default_text="off: no key",
     )
+    served_model_name: str | None = setting(
+        None,
+        help="The model name the HTTP API answers to: what its clients give as 'model' and /v1/models lists.",
+        section="Serving",
+        default_text="--model as given",
+    )
     allowed_origins: str | None = setting(
         None,
         help="Web origins whose pages may call the HTTP API from a browser (CORS), comma-separated, "
@@ -340,6 +346,10 @@ class ClusterConfig:
             raise ValueError(f"--http-port and --port must differ, both are {self.port}")
         if self.api_servers < 1:
             raise ValueError(f"api_servers must be >= 1, got {self.api_servers}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must not be empty")
+        if self.served_model_name is not None and self.http_port is None:
+            raise ValueError("--served-model-name names the model of the HTTP API: give --http-port too")
         if self.api_servers > 1 and self.http_port is None:
             raise ValueError(f"--api-servers {self.api_servers} runs HTTP front ends: give --http-port too")
         if self.api_key is not None and (self.http_port is None or not self.api_key.strip()):

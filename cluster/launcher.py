@@ -444,6 +444,7 @@ class Cluster:
             self.endpoint,
             "--model",
             c.engine.model,
+            *(["--served-model-name", c.served_model_name] if c.served_model_name is not None else []),
             "--host",
             c.host,
             "--port",

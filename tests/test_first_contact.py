@@ -167,6 +167,7 @@ def test_text_serving_needs_a_tokenizer(flag: tuple[str, ...], tiny_model_dirs: 
         (("--colocated-tp", "2"), "--colocated-tp applies to --mode colocated"),
         (("--port", "70000"), "port"),
         (("--port", "6000", "--http-port", "6000"), "--http-port and --port must differ"),
+        (("--served-model-name", "qwen"), "--served-model-name names the model of the HTTP API: give --http-port"),
         # A check names the flag the user typed, not the setting's key.
         (("--max-model-len", "-3"), "--max-model-len must be >= 2, got -3"),
         (("--prefill-tp", "0"), "--prefill-tp must be >= 1, got 0"),

@@ -40,7 +40,7 @@ from pdserve.router.stop_strings import StopStringMatcher
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 512
-MODEL = "demo"  # the served name is --model as given
+MODEL = "smollm2-demo"  # the name the served cluster answers to (--served-model-name)
 QUESTION = "What is the capital of France?"
 TEXT_PROMPT = "The three primary colours are"
 
@@ -934,6 +934,8 @@ class FrontendProcess:
             endpoint,
             "--model",
             "demo",
+            "--served-model-name",
+            MODEL,
             "--port",
             str(self.port),
             *args,
@@ -995,11 +997,13 @@ def served(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> It
         str(MAX_MODEL_LEN),
         "--http-port",
         str(http_port),
+        "--served-model-name",
+        MODEL,
     ]
     cluster = LaunchedCluster(args, logs / "launch.log", start_timeout=300)
     base_url = f"http://127.0.0.1:{http_port}"
     try:
-        assert f"http {base_url}/v1" in cluster.output()
+        assert f"http {base_url}/v1 (OpenAI-compatible, model {MODEL!r})" in cluster.output()
         with (
             Client(cluster.endpoint, timeout=120) as zmq_client,
             httpx.Client(base_url=base_url, timeout=120) as http,
@@ -1805,7 +1809,8 @@ def test_ctrl_c_drains_the_http_front_end_too(tmp_path: Path, demo_model_dir: Pa
         ]
         assert len(front_ends) == 1 and key.encode() not in front_ends[0], front_ends
         url = f"http://127.0.0.1:{http_port}/v1/completions"
-        body = {"model": MODEL, "prompt": TEXT_PROMPT, "max_tokens": 40, "ignore_eos": True, "stream": True}
+        # No --served-model-name: the model is named as --model was given.
+        body = {"model": "demo", "prompt": TEXT_PROMPT, "max_tokens": 40, "ignore_eos": True, "stream": True}
         refused = httpx.post(url, json=body, headers={"Origin": "https://ui.example"}, timeout=30)
         assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "https://ui.example"
         with httpx.stream("POST", url, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120) as response:

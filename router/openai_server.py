@@ -25,7 +25,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import hmac
-import itertools
 import json
 import logging
 import os
@@ -139,7 +138,6 @@ class Frontend:
         self.draining_since: float | None = None
         self._drain_aborted = False
         self.created = int(time.time())
-        self._ids = itertools.count()
         self._background: set[asyncio.Task[Any]] = set()
         self.stalls = _Stalls(send_timeout, self.rejections)
         # Bodies past INLINE_BODY_BYTES are checked and tokenized on one thread of their own: a
@@ -466,9 +464,6 @@ class Frontend:
             tail += _event(gen.usage_chunk(run.outcome.usage, run.outcome.cached_tokens))
         yield tail + DONE
 
-    def next_request_id(self) -> str:
-        return f"http-{next(self._ids)}"
-
 
 class _Run:
     """One request's run through the cluster: ``texts()`` yields each chunk's text (after the stop
@@ -479,7 +474,7 @@ class _Run:
         self.frontend = frontend
         self.gen = gen
         self.arrival = arrival
-        self.request_id = frontend.next_request_id()
+        self.request_id = gen.id  # the id its client sees is the one in the cluster's logs
         self.outcome: Outcome | None = None
 
     async def texts(self) -> AsyncIterator[str]:

@@ -438,7 +438,11 @@ class Router:
         del self.requests[request_id]
         state.migrations += 1
         logger.info(
-            "request %s moves (move %d, after %d tokens): %s", request_id, state.migrations, len(state.token_ids), cause
+            "request %s moves (move %d, after %d tokens): %s",
+            state.client_request_id,
+            state.migrations,
+            len(state.token_ids),
+            cause,
         )
         self.faults["migrated"] += 1
         state.offset = len(state.token_ids)

@@ -201,6 +201,12 @@ class ClusterConfig:
         section="Serving",
     )
     drain_timeout: float = setting(30.0, help="Seconds to finish in-flight requests on shutdown.", section="Serving")
+    log_stats_interval: float = setting(
+        10.0,
+        help="Seconds between the launcher's log lines of token throughput, requests and each group's load and "
+        "KV use, while the cluster works (vLLM's stats line). 0: none.",
+        section="Serving",
+    )
     leader_spin_ms: float | None = setting(
         None,
         help="Milliseconds a group leader busy-polls its inbox after its last work before it sleeps: a request "
@@ -374,8 +380,9 @@ class ClusterConfig:
                 f"client_heartbeat_timeout must be at most {_MAX_CLIENT_HEARTBEAT_TIMEOUT:g} s (ZMQ's limit), "
                 f"got {self.client_heartbeat_timeout:g}"
             )
-        if self.drain_timeout < 0:
-            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        for name in ("drain_timeout", "log_stats_interval"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.leader_spin_ms is not None and self.leader_spin_ms < 0:
             raise ValueError(f"leader_spin_ms must be >= 0, got {self.leader_spin_ms}")
         for name in (

@@ -68,6 +68,7 @@ from pdserve.engine.weights import checkpoint_files
 from pdserve.kvtransfer.base import TransferConfig, backends_for
 from pdserve.router.metrics import MULTIPROC_DIR_ENV
 from pdserve.router.router import Router
+from pdserve.router.stats_log import StatsLog
 
 logger = logging.getLogger(__name__)
 
@@ -506,9 +507,14 @@ class Cluster:
         try:
             if serving is not None:
                 serving()
+            stats_log = StatsLog(self.config.log_stats_interval, time.monotonic())
             while not self.stop_requested and not (until is not None and until()):
                 self.router.poll(50)
                 self._check_workers()
+                r = self.router
+                line = stats_log.line(time.monotonic(), r.token_counts, len(r.requests), r.worker_stats, r.entry_role)
+                if line is not None:
+                    logger.info("%s", line)
             self.shutdown()
         finally:
             for sig, handler in previous.items():

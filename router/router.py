@@ -203,6 +203,9 @@ class Router:
         # failed by then instead of taking them, which would cost each a second move.
         self._moved: list[str] = []
         self.faults = {"group_failures": 0, "restarts": 0, "migrated": 0, "worker_failed": 0}
+        # Since start: prompt tokens prefilled (a moved request's tokens so far again) and tokens
+        # generated, as their first tokens and chunks come.
+        self.token_counts = {"prompt": 0, "generated": 0}
         self.worker_stats: dict[str, dict[str, int]] = {}
         self.stats_time: dict[str, float] = {}  # when each group's ``worker_stats`` came
         self.accepting = True
@@ -812,12 +815,14 @@ class Router:
         while len(state.token_ids) in state.pending:  # apply outputs in index order
             current = state.pending.pop(len(state.token_ids))
             if current.index == 0:
+                self.token_counts["prompt"] += len(state.prompt_ids) + state.offset
                 state.entry_timings = current.timings
                 if self.prefix_index is not None:  # this attempt's first token: its prompt is in
                     self.prefix_index.settled(output.request_id)
             if state.first_token is None:
                 state.first_token = time.monotonic()
             state.token_ids.extend(current.token_ids)
+            self.token_counts["generated"] += len(current.token_ids)
             delta = state.detokenizer.add(current.token_ids) if state.detokenizer else ""
             if current.finished and state.detokenizer:
                 delta += state.detokenizer.flush()

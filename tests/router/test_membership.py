@@ -274,3 +274,22 @@ def test_joined_decode_groups_have_their_caches_followed(rig: Rig) -> None:
     rig.router.group_failed("decode", 0, "killed")
     rig.worker(CacheEvents("decode", 0, hashes))
     assert 0 not in index.sizes() and index.matched_tokens(hashes) == {1: 64}
+
+
+def test_the_router_counts_prompt_and_generated_tokens_a_moved_request_again(rig: Rig) -> None:
+    """What the launcher's stats line reads (``token_counts``): a prompt counts at its first
+    token; a request moved off a failed group is prefilled again with its tokens so far."""
+    rig.join("decode", 5)
+    rig.received("prefill", 0)
+    rig.generate("r1")  # a 3-token prompt
+    (work,) = [m for m in rig.received("prefill", 0) if isinstance(m, WorkRequest)]
+    rig.worker(TokenOutputs([TokenOutput(work.request_id, 0, [11])]))
+    rig.worker(TokenOutputs([TokenOutput(work.request_id, 1, [12])]))
+    assert rig.router.token_counts == {"prompt": 3, "generated": 2}
+    rig.router.group_failed("decode", 5, "killed")
+    rig.join("decode", 6)
+    rig.pump()
+    (moved,) = [m for m in rig.received("prefill", 0) if isinstance(m, WorkRequest)]
+    assert moved.token_ids == [5, 6, 7, 11, 12]
+    rig.worker(TokenOutputs([TokenOutput(moved.request_id, 0, [13], finished=True, finish_reason="length")]))
+    assert rig.router.token_counts == {"prompt": 3 + 5, "generated": 3}

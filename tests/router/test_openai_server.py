@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -999,6 +1000,8 @@ def served(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> It
         str(http_port),
         "--served-model-name",
         MODEL,
+        "--log-stats-interval",
+        "1",
     ]
     cluster = LaunchedCluster(args, logs / "launch.log", start_timeout=300)
     base_url = f"http://127.0.0.1:{http_port}"
@@ -1067,6 +1070,17 @@ def test_models_and_health(served: Served) -> None:
     assert served.http.get("/v1/models").json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
     health = served.http.get("/health")
     assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+def test_the_launcher_logs_throughput_and_load_while_the_cluster_works(served: Served) -> None:
+    """The stats line, as vLLM's (--log-stats-interval, 1 s here): token rates, requests in
+    flight, each group's queues and KV use."""
+    served.zmq.generate(token_ids=[1, 504, 3458, 314], max_tokens=8, temperature=0.0)
+    line = re.compile(
+        r"launcher INFO prompt \d+\.\d tok/s, generation \d+\.\d tok/s \| \d+ request\(s\) in flight"
+        r" \| prefill0: \d+ running, \d+ waiting, KV \d+\.\d% \| decode0: \d+ running"
+    )
+    wait_for(lambda: line.search(served.cluster.output()), 10, "no stats line in the launcher's log")
 
 
 @pytest.mark.slow

@@ -1,0 +1,58 @@
+"""The launcher's periodic line of what the cluster does, as vLLM's "Avg prompt throughput" line:
+token rates since the last line, requests in flight, each group's queues and KV use, and the
+prefix cache's hit rate over the interval. Only while the cluster works: an idle one stays quiet."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+class StatsLog:
+    """Call ``line(now, ...)`` often; it returns a line once ``interval`` seconds have passed since
+    the last one and the cluster did something in between (or holds requests), else None."""
+
+    def __init__(self, interval: float, now: float) -> None:
+        self.interval = interval
+        self.since = now
+        self.tokens = {"prompt": 0, "generated": 0}
+        self.prefix: dict[str, tuple[int, int]] = {}  # group -> (queried, hit) at the last line
+
+    def line(
+        self,
+        now: float,
+        tokens: Mapping[str, int],
+        in_flight: int,
+        groups: Mapping[str, Mapping[str, int]],
+        entry_role: str,
+    ) -> str | None:
+        """``tokens``: the router's cumulative ``token_counts``; ``groups``: each group's latest
+        ``worker_stats``; the prefix cache's rate is the entry groups' (prefill or colocated)."""
+        elapsed = now - self.since
+        if self.interval <= 0 or elapsed < self.interval:
+            return None
+        prompt, generated = (tokens[k] - self.tokens[k] for k in ("prompt", "generated"))
+        queried = hit = 0
+        for name, g in groups.items():
+            if not name.startswith(entry_role):
+                continue
+            now_queried, now_hit = g.get("prefix_queried_tokens", 0), g.get("prefix_hit_tokens", 0)
+            was_queried, was_hit = self.prefix.get(name, (0, 0))
+            if now_queried < was_queried:  # a restarted group counts from zero again
+                was_queried = was_hit = 0
+            queried += now_queried - was_queried
+            hit += now_hit - was_hit
+            self.prefix[name] = (now_queried, now_hit)
+        self.since, self.tokens = now, dict(tokens)
+        if not (prompt or generated or in_flight):
+            return None
+        parts = [
+            f"prompt {prompt / elapsed:.1f} tok/s, generation {generated / elapsed:.1f} tok/s",
+            f"{in_flight} request(s) in flight",
+        ]
+        for name, g in sorted(groups.items(), key=lambda item: (not item[0].startswith(entry_role), item[0])):
+            total = g.get("num_blocks", 0)
+            kv = f"{(total - g.get('free_blocks', 0)) / total:.1%}" if total else "-"
+            parts.append(f"{name}: {g.get('running', 0)} running, {g.get('waiting', 0)} waiting, KV {kv}")
+        if queried:
+            parts.append(f"prefix cache hit {hit / queried:.0%} of {queried} prompt tokens")
+        return " | ".join(parts)

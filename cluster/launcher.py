@@ -22,7 +22,6 @@ node supervises it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import ipaddress
 import json
@@ -608,14 +607,13 @@ class Cluster:
         """The cluster cannot serve: end every request with ``failure``, then stop. The front ends
         drain rather than die, so that their clients read the error, not a cut connection."""
         assert self.router is not None
+        self.router.stop_accepting()  # a request that comes meanwhile is refused, not parked
         self.router.fail_all("worker_failed", failure)
-        front_ends = self._live_front_ends()
-        for front_end in front_ends:
+        for front_end in self._live_front_ends():
             front_end.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + _GIVE_UP_DRAIN_S
-        for front_end in front_ends:
-            with contextlib.suppress(subprocess.TimeoutExpired):  # _abandon kills what is left
-                front_end.wait(timeout=max(0.0, deadline - time.monotonic()))
+        while self._live_front_ends() and time.monotonic() < deadline:  # _abandon kills what is left
+            self.router.poll(50)
         self._abandon()
         raise ClusterError(failure)
 

@@ -1525,27 +1525,33 @@ def test_metrics_parse_and_move_with_a_request(served: Served) -> None:
         assert sample(idle_samples, "pdserve:kv_transfer_refused_total", group=group) == 0
 
 
-def test_metrics_carry_each_groups_prefix_cache_counters() -> None:
+def collected(stats: Stats) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The samples a scrape exposes of the cluster's ``stats`` (``ClusterCollector``)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from pdserve.cluster.protocol import Stats
     from pdserve.router.metrics import ClusterCollector
 
     collector = ClusterCollector()
-    collector.stats = Stats(
-        1,
-        {
-            "prefill0": {"prefix_queried_tokens": 300, "prefix_hit_tokens": 240, "prefix_evicted_blocks": 7},
-            "decode0": {"num_blocks": 64, "free_blocks": 64},
-        },
-    )
+    collector.stats = stats
     registry = CollectorRegistry()
     registry.register(collector)
-    samples = {
+    return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(generate_latest(registry).decode())
         for s in family.samples
     }
+
+
+def test_metrics_carry_each_groups_prefix_cache_counters() -> None:
+    samples = collected(
+        Stats(
+            1,
+            {
+                "prefill0": {"prefix_queried_tokens": 300, "prefix_hit_tokens": 240, "prefix_evicted_blocks": 7},
+                "decode0": {"num_blocks": 64, "free_blocks": 64},
+            },
+        )
+    )
     assert sample(samples, "pdserve:prefix_cache_queries_total", group="prefill0") == 300
     assert sample(samples, "pdserve:prefix_cache_hits_total", group="prefill0") == 240
     assert sample(samples, "pdserve:prefix_cache_evicted_blocks_total", group="prefill0") == 7
@@ -1555,22 +1561,11 @@ def test_metrics_carry_each_groups_prefix_cache_counters() -> None:
 def test_metrics_carry_each_groups_kv_transfer_failures() -> None:
     """A leader's failure count travels in its worker_stats, through the router's stats reply, to
     a per-group counter beside the refusals."""
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from pdserve.cluster.protocol import Stats, WorkerStats, decode, encode
-    from pdserve.router.metrics import ClusterCollector
+    from pdserve.cluster.protocol import WorkerStats, decode, encode
 
     report = decode(encode(WorkerStats("decode", 0, 64, 60, 1, 0, 0, 0, kv_transfer_failures=3)))
     assert isinstance(report, WorkerStats) and report.kv_transfer_failures == 3
-    collector = ClusterCollector()
-    collector.stats = Stats(1, {"decode0": {"kv_transfer_failures": 3, "kv_refused": 5}, "prefill0": {}})
-    registry = CollectorRegistry()
-    registry.register(collector)
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(generate_latest(registry).decode())
-        for s in family.samples
-    }
+    samples = collected(Stats(1, {"decode0": {"kv_transfer_failures": 3, "kv_refused": 5}, "prefill0": {}}))
     assert sample(samples, "pdserve:kv_transfer_failures_total", group="decode0") == 3
     assert sample(samples, "pdserve:kv_transfer_refused_total", group="decode0") == 5
     assert ("pdserve:kv_transfer_failures_total", (("group", "prefill0"),)) in samples
@@ -1579,25 +1574,12 @@ def test_metrics_carry_each_groups_kv_transfer_failures() -> None:
 def test_metrics_carry_the_routers_faults_and_each_groups_readiness() -> None:
     """What an operator alerts on: group failures, restarts and moved requests (the counts
     ``--status`` prints), and a group that is down, which reports no stats of its own."""
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from pdserve.cluster.protocol import GroupInfo, Stats
-    from pdserve.router.metrics import ClusterCollector
-
-    collector = ClusterCollector()
     faults = {"group_failures": 2, "restarts": 1, "migrated": 8, "worker_failed": 3}
     members = [
         GroupInfo(role, 0, 1, state, f"ipc://{role}", ["cpu"], False, 0, 0, 0)
         for role, state in (("prefill", "ready"), ("decode", "down"))
     ]
-    collector.stats = Stats(1, {"prefill0": {}}, faults=faults, members=members)
-    registry = CollectorRegistry()
-    registry.register(collector)
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(generate_latest(registry).decode())
-        for s in family.samples
-    }
+    samples = collected(Stats(1, {"prefill0": {}}, faults=faults, members=members))
     assert sample(samples, "pdserve:group_failures_total") == 2
     assert sample(samples, "pdserve:group_restarts_total") == 1
     assert sample(samples, "pdserve:requests_migrated_total") == 8

@@ -510,10 +510,12 @@ class Cluster:
             while not self.stop_requested and not (until is not None and until()):
                 self.router.poll(50)
                 self._check_workers()
-                r = self.router
-                line = stats_log.line(time.monotonic(), r.token_counts, len(r.requests), r.worker_stats, r.entry_role)
-                if line is not None:
-                    logger.info("%s", line)
+                now = time.monotonic()
+                if stats_log.due(now):
+                    r = self.router
+                    line = stats_log.line(now, r.token_counts, len(r.requests), r.worker_stats, r.entry_role)
+                    if line is not None:
+                        logger.info("%s", line)
             self.shutdown()
         finally:
             for sig, handler in previous.items():

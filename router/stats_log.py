@@ -8,14 +8,17 @@ from collections.abc import Mapping
 
 
 class StatsLog:
-    """Call ``line(now, ...)`` often; it returns a line once ``interval`` seconds have passed since
-    the last one and the cluster did something in between (or holds requests), else None."""
+    """Call ``line(now, ...)`` once ``due(now)``: a line if the cluster did something since the
+    last one (or holds requests), else None."""
 
     def __init__(self, interval: float, now: float) -> None:
         self.interval = interval
         self.since = now
         self.tokens = {"prompt": 0, "generated": 0}
         self.prefix: dict[str, tuple[int, int]] = {}  # group -> (queried, hit) at the last line
+
+    def due(self, now: float) -> bool:
+        return self.interval > 0 and now - self.since >= self.interval
 
     def line(
         self,
@@ -27,9 +30,9 @@ class StatsLog:
     ) -> str | None:
         """``tokens``: the router's cumulative ``token_counts``; ``groups``: each group's latest
         ``worker_stats``; the prefix cache's rate is the entry groups' (prefill or colocated)."""
-        elapsed = now - self.since
-        if self.interval <= 0 or elapsed < self.interval:
+        if not self.due(now):
             return None
+        elapsed = now - self.since
         prompt, generated = (tokens[k] - self.tokens[k] for k in ("prompt", "generated"))
         queried = hit = 0
         for name, g in groups.items():

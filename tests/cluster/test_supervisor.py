@@ -22,9 +22,13 @@ def _exit_with(code: int, after: float) -> None:
 
 
 class _Router:
-    """What ``Cluster.shutdown`` asks of the router: no request in flight."""
+    """What ``Cluster.serve`` and ``shutdown`` ask of the router: no request in flight, nothing
+    for the stats line."""
 
     requests: dict[str, object] = {}
+    token_counts = {"prompt": 0, "generated": 0}
+    worker_stats: dict[str, dict[str, int]] = {}
+    entry_role = "prefill"
 
     def stop_accepting(self) -> None: ...
     def poll(self, timeout_ms: int) -> None: ...

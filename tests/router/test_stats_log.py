@@ -17,7 +17,8 @@ def prefix(queried: int, hit: int) -> dict[str, dict[str, int]]:
 def test_a_line_gives_the_rates_since_the_last_one_and_each_groups_load() -> None:
     log = StatsLog(10.0, now=0.0)
     tokens = {"prompt": 2000, "generated": 500}
-    assert log.line(9.9, tokens, 3, GROUPS, "prefill") is None  # not yet
+    assert not log.due(9.9) and log.line(9.9, tokens, 3, GROUPS, "prefill") is None  # not yet
+    assert log.due(10.0)
     line = log.line(10.0, tokens, 3, GROUPS, "prefill")
     assert line == (
         "prompt 200.0 tok/s, generation 50.0 tok/s | 3 request(s) in flight"

@@ -216,12 +216,14 @@ class GroupLeader:
             if self._stopped_at is None:
                 self._stopped_at = time.monotonic()
         elif isinstance(message, PeerFailed):
-            logger.warning(
-                "%s%d: %s group %d is gone (failed, or left the cluster)",
+            logger.log(
+                logging.INFO if message.left else logging.WARNING,
+                "%s%d: %s group %d %s",
                 self.role,
                 self.group,
                 message.role,
                 message.group,
+                "left the cluster" if message.left else "failed",
             )
             sock = self._leaders.pop((message.role, message.group), None)
             if sock is not None:  # what was queued for the dead group must not reach its successor

@@ -508,6 +508,7 @@ class PeerFailed(Message):
     type: ClassVar[str] = "peer_failed"
     role: str
     group: int
+    left: bool = False  # it drained and left (a group node stopped), rather than failed
 
 
 class PeerRestarted(Message):

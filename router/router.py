@@ -378,7 +378,7 @@ class Router:
             other = _OTHER_ROLE.get(key[0])
             for peer_key, peer in self.leaders.items():
                 if peer_key[0] == other:
-                    peer.send(encode(PeerFailed(*key)))
+                    peer.send(encode(PeerFailed(*key, left=True)))
             self._forget(key)
             logger.info("%s group %d left the cluster", *key)
 

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
 
@@ -174,18 +174,30 @@ def _setting_option(spec: SettingSpec) -> Callable[[Callable[..., Any]], Callabl
 
 
 def _as_typed(message: str, given: dict[str, Any], preset: bool) -> str:
-    """A setting's check names settings by their keys, as a preset spells them: name a flag
-    instead where the value came from one, or from a default that only a flag can change."""
-    flags = {spec.key: spec.flag for spec in cluster_settings()}
-    keys = "|".join(map(re.escape, flags))
+    """Name each setting a check's message mentions as the user set it: by its flag where it was
+    typed, or where only a flag can change it (no preset); by its key, as the preset spells it,
+    where a preset may have set it. Checks name settings both ways."""
+    flag_of = {spec.key: spec.flag for spec in cluster_settings()}
+    key_of = {flag: key for key, flag in flag_of.items()}
+
+    def alternation(names: Iterable[str]) -> str:
+        return "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
+
+    one_word = alternation(k for k in flag_of if "_" not in k)
+    # A flag, or a key with an underscore, anywhere as a whole word; a one-word key ("port",
+    # "model") only where a check names its setting: leading ("key must ...", "key 7 exceeds")
+    # or weighed against ("key (value)"), as other text may use the word.
+    pattern = re.compile(
+        rf"(?<![\w-])({alternation(key_of)}|{alternation(k for k in flag_of if '_' in k)})(?![\w-])"
+        rf"|^({one_word})(?= must | \(| -?\d)|(?<= )({one_word})(?= \()"
+    )
 
     def rename(match: re.Match[str]) -> str:
-        key = match.group(1) or match.group(2)
-        return flags[key] if key in given or not preset else key
+        word = next(group for group in match.groups() if group)
+        key = key_of.get(word, word)
+        return flag_of[key] if key in given or not preset else key
 
-    # The checked setting leads the message ("key must ...", "key 7 exceeds ..."); one it is
-    # weighed against reads "key (value)". Other text that starts with a key's word stays as is.
-    return re.sub(rf"^({keys})(?= must | \(| -?\d)|(?<= )({keys})(?= \()", rename, message)
+    return pattern.sub(rename, message)
 
 
 def setting_options(function: Callable[..., Any]) -> Callable[..., Any]:

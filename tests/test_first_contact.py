@@ -127,7 +127,7 @@ def test_max_model_len_beyond_the_model(tiny_model_dirs: dict[str, Path]) -> Non
 
 def test_a_pool_too_small_for_one_sequence(tiny_model_dirs: dict[str, Path]) -> None:
     result = launch("--model", str(tiny_model_dirs["tiny-llama"]), "--num-blocks", "3", "--max-model-len", "64")
-    assert_one_line_error(result, "--num-blocks 3 holds 48 tokens", "max_model_len 64")
+    assert_one_line_error(result, "--num-blocks 3 holds 48 tokens", "fewer than --max-model-len 64")
 
 
 def test_a_model_directory_without_weights(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
@@ -189,13 +189,21 @@ def test_bad_flags_are_usage_errors(args: tuple[str, ...], needle: str) -> None:
     assert "Traceback" not in result.stderr and needle in result.stderr, result.stderr
 
 
-def test_a_presets_bad_value_is_named_by_its_key(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("yaml", "needle"),
+    [
+        ("prefill_tp: 0\n", "prefill_tp must be >= 1, got 0"),
+        # A check written with flags names them as keys too, where the preset may set them.
+        ("served_model_name: qwen\n", "served_model_name names the model of the HTTP API: give http_port too"),
+    ],
+)
+def test_a_presets_bad_value_is_named_by_its_key(tmp_path: Path, yaml: str, needle: str) -> None:
     """A value from a YAML preset is named as the file spells it, not as a flag nobody typed."""
     preset = tmp_path / "bad.yaml"
-    preset.write_text("prefill_tp: 0\n")
+    preset.write_text(yaml)
     result = launch("--config", str(preset))
     assert result.returncode == 2, result.stderr
-    assert "prefill_tp must be >= 1, got 0" in result.stderr and "--prefill-tp" not in result.stderr, result.stderr
+    assert needle in result.stderr and "--" not in result.stderr.split("Error: ")[-1], result.stderr
 
 
 def test_both_commands_say_their_version() -> None:
@@ -410,7 +418,7 @@ def test_a_cpu_pool_too_small_for_one_sequence(tiny_model_dirs: dict[str, Path])
         "--max-model-len",
         "64",
     )
-    assert_one_line_error(result, "--cpu-kv-cache-bytes", "max_model_len 64")
+    assert_one_line_error(result, "--cpu-kv-cache-bytes", "fewer than --max-model-len 64")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton kernels run on GPUs")

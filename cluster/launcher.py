@@ -580,7 +580,6 @@ class Cluster:
         group.processes = None
         delay = group.budget.failed(None if group.ready_since is None else now - group.ready_since)
         logger.error("%s group %d (generation %d) failed: %s", group.role, group.index, group.generation, cause)
-        self.router.group_failed(group.role, group.index, cause)
         if delay is None:
             logger.error(
                 "%s group %d stays down: it failed after %d restart(s) in a row (--max-restarts %d)",
@@ -593,7 +592,10 @@ class Cluster:
                 g.processes is None and g.restart_at is None for g in self.groups.values() if g.role == group.role
             )
             if down and not c.joinable:  # where groups join, one may yet come
+                # Before the router moves the group's requests: they have nowhere to go.
                 self._give_up(f"every {group.role} group failed for good (last: {cause})")
+        self.router.group_failed(group.role, group.index, cause)
+        if delay is None:
             return
         group.restart_at = now + delay
         logger.warning(

@@ -430,12 +430,11 @@ class Router:
         self._abort_workers(request_id)
         if state.migrations >= self.config.migration_limit:
             self.faults["worker_failed"] += 1
-            self._terminal_error(
-                request_id,
-                "worker_failed",
-                f"{cause} (the request moved {state.migrations} time(s), "
-                f"migration limit {self.config.migration_limit})",
+            why = (
+                f"{cause} (the request moved {state.migrations} time(s), migration limit {self.config.migration_limit})"
             )
+            logger.warning("request %s ends with worker_failed: %s", state.client_request_id, why)
+            self._terminal_error(request_id, "worker_failed", why)
             return
         self._unassign(request_id, state)
         del self.requests[request_id]

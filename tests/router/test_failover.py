@@ -104,7 +104,10 @@ def test_a_request_waits_while_its_role_has_no_ready_group_and_goes_when_one_is_
         assert [w.token_ids for w in works if isinstance(w, WorkRequest)] == [PROMPT, PROMPT]
 
 
-def test_past_the_migration_limit_a_request_ends_with_worker_failed(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_past_the_migration_limit_a_request_ends_with_worker_failed(
+    tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It ends with worker_failed, and a log line names it by its client's id, with why."""
     for rig in _rig(tmp_path_factory, migration_limit=1):
         work = _start(rig)
         rig.worker(TokenOutputs([TokenOutput(work.request_id, 0, [11])]))
@@ -117,6 +120,8 @@ def test_past_the_migration_limit_a_request_ends_with_worker_failed(tmp_path_fac
         assert [type(m) for m in replies] == [Chunk, Error]
         assert replies[1].code == "worker_failed" and "migration limit 1" in replies[1].message
         assert rig.router.faults["worker_failed"] == 1 and not rig.router.requests
+        (line,) = [r.getMessage() for r in caplog.records if "ends with worker_failed" in r.getMessage()]
+        assert line.startswith(f"request {replies[1].request_id} ends with worker_failed: decode group"), line
 
 
 def test_a_request_whose_kv_its_prefill_groups_death_cut_off_moves_once(

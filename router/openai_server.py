@@ -249,8 +249,7 @@ class Frontend:
             # Healthy while requests run now: one group of several restarting leaves the others
             # serving (pdserve:group_ready tells which is down).
             if not stats.serving:
-                states = ", ".join(f"{m.role}{m.group} {m.state}" for m in stats.members) or "none yet"
-                raise APIError(503, f"the cluster cannot serve now: groups: {states}", "not_ready")
+                raise APIError(503, _not_serving(stats), "not_ready")
             return JSONResponse({"status": "ok"})
 
         @app.get("/metrics")
@@ -572,6 +571,17 @@ def _cluster_error(error: ClusterError, prompt_param: str = "prompt") -> APIErro
     if error.code in ("shutting_down", "shutdown", "worker_failed", "no_group", "overloaded"):
         return APIError(503, error.error.message, error.code)
     return APIError(500, f"{error.code}: {error.error.message}", error.code)
+
+
+def _not_serving(stats: Stats) -> str:
+    """Why requests cannot run now: the roles with no ready group, and every group's state."""
+    roles = {m.role for m in stats.members}
+    needed = ["colocated"] if "colocated" in roles else ["prefill", "decode"]
+    ready = {m.role for m in stats.members if m.state == "ready"}
+    missing = " or ".join(role for role in needed if role not in ready)
+    states = ", ".join(f"{m.role}{m.group} {m.state}" for m in stats.members) or "none"
+    why = f"no ready {missing} group" if missing else "no group takes requests"
+    return f"the cluster cannot serve now: {why} (groups: {states})"
 
 
 def _event(body: dict[str, Any]) -> bytes:

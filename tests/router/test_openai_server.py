@@ -506,38 +506,40 @@ class StatsOnlyCluster:
         return Stats(0, {}, ready=True, max_model_len=MAX_MODEL_LEN, vocab_size=self.vocab_size, serving=True)
 
 
-class RestartingCluster(StatsOnlyCluster):
-    """Two decode groups, one of them restarting; the other one's state as given."""
+class GroupsCluster(StatsOnlyCluster):
+    """One ready prefill group and decode groups in the given states."""
 
-    def __init__(self, vocab_size: int, other: str) -> None:
+    def __init__(self, vocab_size: int, decode_states: list[str]) -> None:
         super().__init__(vocab_size)
-        self.other = other
+        self.decode_states = decode_states
 
     async def stats(self, timeout: float | None = None) -> Stats:
-        states = [("prefill", 0, "ready"), ("decode", 0, "starting"), ("decode", 1, self.other)]
+        states = [("prefill", 0, "ready"), *(("decode", g, state) for g, state in enumerate(self.decode_states))]
         members = [GroupInfo(r, g, 1, state, "ipc://x", ["cpu"], False, 0, 0, 0) for r, g, state in states]
-        serving = self.other == "ready"
+        serving = "ready" in self.decode_states
         return Stats(0, {}, False, True, MAX_MODEL_LEN, members=members, vocab_size=self.vocab_size, serving=serving)
 
 
 def test_health_is_ok_while_requests_run_though_a_group_restarts(demo_model_dir: Path) -> None:
     """A load balancer's probe: one group of several restarting leaves the cluster serving (200);
-    with no decode group ready, 503 not_ready, with every group's state."""
+    with no decode group ready, 503 not_ready, naming the role and every group's state."""
     vocab = json.loads((demo_model_dir / "config.json").read_text())["vocab_size"]
     frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), served_model_name=MODEL)
 
-    async def health() -> httpx.Response:
+    async def health(decode_states: list[str]) -> httpx.Response:
+        frontend.client = GroupsCluster(vocab, decode_states)  # type: ignore[assignment]
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=frontend.app()), base_url="http://x") as http:
             return await http.get("/health")
 
-    frontend.client = RestartingCluster(vocab, "ready")  # type: ignore[assignment]
-    assert asyncio.run(health()).status_code == 200
-    frontend.client = RestartingCluster(vocab, "down")  # type: ignore[assignment]
-    response = asyncio.run(health())
-    assert response.status_code == 503, response.text
-    error = response.json()["error"]
-    assert error["code"] == "not_ready"
-    assert error["message"].endswith("groups: prefill0 ready, decode0 starting, decode1 down"), error
+    assert asyncio.run(health(["starting", "ready"])).status_code == 200
+    for decode_states, why in (
+        (["starting", "down"], "no ready decode group (groups: prefill0 ready, decode0 starting, decode1 down)"),
+        ([], "no ready decode group (groups: prefill0 ready)"),  # none yet joined
+    ):
+        response = asyncio.run(health(decode_states))
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["code"] == "not_ready" and error["message"] == f"the cluster cannot serve now: {why}", error
 
 
 def test_a_cluster_of_another_model_is_refused_with_the_reason(

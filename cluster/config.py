@@ -380,9 +380,10 @@ class ClusterConfig:
                 f"client_heartbeat_timeout must be at most {_MAX_CLIENT_HEARTBEAT_TIMEOUT:g} s (ZMQ's limit), "
                 f"got {self.client_heartbeat_timeout:g}"
             )
-        for name in ("drain_timeout", "log_stats_interval"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.log_stats_interval != 0 and self.log_stats_interval < 1:
+            raise ValueError(f"log_stats_interval must be 0 (no line) or at least 1 s, got {self.log_stats_interval}")
         if self.leader_spin_ms is not None and self.leader_spin_ms < 0:
             raise ValueError(f"leader_spin_ms must be >= 0, got {self.leader_spin_ms}")
         for name in (

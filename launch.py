@@ -18,6 +18,7 @@ removes it from the cluster.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import signal
@@ -237,6 +238,8 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
         config = ClusterConfig.from_preset(config_path, **given) if config_path else ClusterConfig.from_settings(given)
     except (TypeError, ValueError) as e:
         raise click.UsageError(_as_typed(str(e), given, preset=config_path is not None)) from None
+    if demo and "log_stats_interval" not in given:  # its lines would break into the streamed answers
+        config = dataclasses.replace(config, log_stats_interval=0.0)
     if config.join is not None:
         if config_path:
             raise click.UsageError("--config applies to the router node: a group node (--join) takes the cluster's")

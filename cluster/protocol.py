@@ -334,7 +334,9 @@ class Stats(Message):
     members: list[GroupInfo] = msgspec.field(default_factory=list)  # every group the router knows of
     tag: int | None = None  # the request's
     vocab_size: int = 0  # token ids are [0, vocab_size): a front end checks its model against it
-    serving: bool = False  # every role has a ready group: requests run now (some groups may be down)
+    # Roles a request passes through with no ready group taking requests: empty while requests run
+    # (some groups may be down).
+    unserved_roles: list[str] = msgspec.field(default_factory=list)
 
 
 class GroupInfo(Message):

@@ -248,7 +248,7 @@ class Frontend:
                 raise APIError(503, "the cluster is shutting down", "shutting_down")
             # Healthy while requests run now: one group of several restarting leaves the others
             # serving (pdserve:group_ready tells which is down).
-            if not stats.serving:
+            if stats.unserved_roles:
                 raise APIError(503, _not_serving(stats), "not_ready")
             return JSONResponse({"status": "ok"})
 
@@ -575,13 +575,8 @@ def _cluster_error(error: ClusterError, prompt_param: str = "prompt") -> APIErro
 
 def _not_serving(stats: Stats) -> str:
     """Why requests cannot run now: the roles with no ready group, and every group's state."""
-    roles = {m.role for m in stats.members}
-    needed = ["colocated"] if "colocated" in roles else ["prefill", "decode"]
-    ready = {m.role for m in stats.members if m.state == "ready"}
-    missing = " or ".join(role for role in needed if role not in ready)
     states = ", ".join(f"{m.role}{m.group} {m.state}" for m in stats.members) or "none"
-    why = f"no ready {missing} group" if missing else "no group takes requests"
-    return f"the cluster cannot serve now: {why} (groups: {states})"
+    return f"the cluster cannot serve now: no ready {' or '.join(stats.unserved_roles)} group (groups: {states})"
 
 
 def _event(body: dict[str, Any]) -> bytes:

@@ -218,13 +218,14 @@ class Router:
 
     def all_ready(self) -> bool:
         """Every group known is ready, and every role has one that takes requests."""
-        return len(self.ready) == len(self.tp_sizes) and self.serving()
+        return len(self.ready) == len(self.tp_sizes) and not self.unserved_roles()
 
-    def serving(self) -> bool:
-        """Every role a request passes through has a ready group that takes requests (others of
-        the role may be restarting)."""
-        roles = {self.entry_role} | ({"decode"} if self.entry_role == "prefill" else set())
-        return roles <= {role for role, group in self.ready - set(self.draining)}
+    def unserved_roles(self) -> list[str]:
+        """The roles a request passes through with no ready group that takes requests: none while
+        requests run (other groups of a role may be restarting)."""
+        roles = [self.entry_role] + (["decode"] if self.entry_role == "prefill" else [])
+        serving = {role for role, group in self.ready - set(self.draining)}
+        return [role for role in roles if role not in serving]
 
     def is_ready(self, key: tuple[str, int]) -> bool:
         return key in self.ready
@@ -658,7 +659,7 @@ class Router:
                     self.members(),
                     message.tag,
                     self.vocab_size,
-                    self.serving(),
+                    self.unserved_roles(),
                 ),
             )
         else:

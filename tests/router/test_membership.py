@@ -114,8 +114,8 @@ def test_a_group_joins_by_its_ready_and_meets_the_other_role(rig: Rig) -> None:
 
 
 def test_the_cluster_serves_while_each_role_has_a_ready_group(rig: Rig) -> None:
-    """``stats.serving`` (what an HTTP front end's /health answers by) needs one ready group of
-    each role a request passes through; ``stats.ready`` needs every group."""
+    """``stats.unserved_roles`` (what an HTTP front end's /health answers by) lists each role a
+    request passes through that has no ready group; ``stats.ready`` needs every group."""
 
     def stats() -> Stats:
         rig.client.send(encode(StatsRequest()))
@@ -123,14 +123,14 @@ def test_the_cluster_serves_while_each_role_has_a_ready_group(rig: Rig) -> None:
         assert isinstance(reply, Stats)
         return reply
 
-    assert (stats().serving, stats().ready) == (False, False)  # no decode group yet
+    assert (stats().unserved_roles, stats().ready) == (["decode"], False)  # no decode group yet
     rig.join("decode", 5)
     rig.join("decode", 6)
-    assert (stats().serving, stats().ready) == (True, True)
+    assert (stats().unserved_roles, stats().ready) == ([], True)
     rig.router.group_failed("decode", 5, "killed")
-    assert stats().serving  # decode6 serves on
+    assert stats().unserved_roles == []  # decode6 serves on
     rig.router.group_failed("decode", 6, "killed")
-    assert (stats().serving, stats().ready) == (False, False)
+    assert (stats().unserved_roles, stats().ready) == (["decode"], False)
 
 
 def test_stats_count_the_routers_requests_and_age_each_groups_report(rig: Rig) -> None:

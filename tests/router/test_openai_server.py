@@ -503,7 +503,7 @@ class StatsOnlyCluster:
         self.vocab_size = vocab_size
 
     async def stats(self, timeout: float | None = None) -> Stats:
-        return Stats(0, {}, ready=True, max_model_len=MAX_MODEL_LEN, vocab_size=self.vocab_size, serving=True)
+        return Stats(0, {}, ready=True, max_model_len=MAX_MODEL_LEN, vocab_size=self.vocab_size)
 
 
 class GroupsCluster(StatsOnlyCluster):
@@ -516,8 +516,10 @@ class GroupsCluster(StatsOnlyCluster):
     async def stats(self, timeout: float | None = None) -> Stats:
         states = [("prefill", 0, "ready"), *(("decode", g, state) for g, state in enumerate(self.decode_states))]
         members = [GroupInfo(r, g, 1, state, "ipc://x", ["cpu"], False, 0, 0, 0) for r, g, state in states]
-        serving = "ready" in self.decode_states
-        return Stats(0, {}, False, True, MAX_MODEL_LEN, members=members, vocab_size=self.vocab_size, serving=serving)
+        unserved = [] if "ready" in self.decode_states else ["decode"]
+        return Stats(
+            0, {}, False, True, MAX_MODEL_LEN, members=members, vocab_size=self.vocab_size, unserved_roles=unserved
+        )
 
 
 def test_health_is_ok_while_requests_run_though_a_group_restarts(demo_model_dir: Path) -> None:

@@ -248,6 +248,10 @@ class Sampling(Message):
     seed: int | None = None
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def to_params(self) -> SamplingParams:
         """The engine's parameters; raises ``RequestError`` naming a field out of range."""
@@ -259,6 +263,10 @@ class Sampling(Message):
             seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
         )
 
 

@@ -19,6 +19,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.model_runner import SINGLE_RANK, ModelRunner
 from pdserve.engine.parallel import TensorParallel
+from pdserve.engine.penalties import History
 from pdserve.engine.prefix_cache import CacheEvent, CacheListener, PrefixCache, PrefixCacheStats
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling import RequestError, SamplingParams, validate_request
@@ -331,7 +332,11 @@ class LLMEngine:
                     self.block_manager.cache_blocks(seq)
         if not sampled_seqs:
             return None
-        tokens = self.sampler(logits, [s.params for s in sampled_seqs], [s.num_tokens for s in sampled_seqs])
+        params = [s.params for s in sampled_seqs]
+        histories = None
+        if any(p.penalized for p in params):
+            histories = [History(s.token_ids, s.num_prompt_tokens) for s in sampled_seqs]
+        tokens = self.sampler(logits, params, [s.num_tokens for s in sampled_seqs], histories, sampled)
         indexes = []
         for row, seq in enumerate(sampled_seqs):
             indexes.append(seq.num_tokens)

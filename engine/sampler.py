@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.penalties import History, penalize
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.step_plan import device_tensor
 
@@ -29,6 +30,17 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     drop[:, 0] = False
     masked = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, masked)
+
+
+def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit whose probability is below ``min_p`` times its row's largest.
+
+    logits ``[B, V]`` fp32 (after the temperature); min_p ``[B]`` fp32 in [0, 1] (0 disables).
+    The likeliest token always survives.
+    """
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 _MASK64 = (1 << 64) - 1
@@ -62,15 +74,31 @@ class Sampler:
         self._generator.manual_seed(position_seed(seed, position))
         return self._generator
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> torch.Tensor:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        positions: list[int],
+        histories: list[History] | None = None,
+        sampled: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """logits ``[B, V]`` fp32 -> one token id per row, ``[B]`` int64 on the logits' device;
-        ``positions[i]``: how many tokens row i's sequence holds before the one sampled. No host
-        sync: the engine reads the tokens back when it needs them."""
+        ``positions[i]``: how many tokens row i's sequence holds before the one sampled;
+        ``histories``: each row's tokens, needed where a row asks for a penalty; ``sampled``: the
+        tokens their placeholders name. No host sync: the engine reads the tokens back when it
+        needs them."""
         vocab = logits.shape[-1]
+        device = logits.device
+        penalized = [i for i, p in enumerate(params) if p.penalized]
+        if penalized:
+            if histories is None:
+                raise ValueError("rows that ask for a penalty need their histories")
+            rows = device_tensor(penalized, torch.int64, device)
+            changed = penalize(logits[rows], [params[i] for i in penalized], [histories[i] for i in penalized], sampled)
+            logits = logits.index_put((rows,), changed)
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
-            device = logits.device
             # From pinned memory (device_tensor): the engine queues a step before it reads the
             # last one back, and a copy from pageable memory would wait for it.
             rows = device_tensor(sampled_rows, torch.int64, device)
@@ -80,13 +108,17 @@ class Sampler:
             temps = device_tensor(
                 [min(params[i].temperature, _FLOAT32_MAX) for i in sampled_rows], torch.float32, device
             )
+            scaled = sub / temps[:, None]
+            min_p = [params[i].min_p for i in sampled_rows]
+            if any(min_p):
+                scaled = min_p_mask(scaled, device_tensor(min_p, torch.float32, device))
             top_k = device_tensor(  # -1 (off) and anything past the vocabulary keep every token
                 [min(params[i].top_k, vocab) if params[i].top_k > 0 else vocab for i in sampled_rows],
                 torch.int64,
                 device,
             )
             top_p = device_tensor([params[i].top_p for i in sampled_rows], torch.float32, device)
-            probs = top_k_top_p_mask(sub / temps[:, None], top_k, top_p).softmax(dim=-1)
+            probs = top_k_top_p_mask(scaled, top_k, top_p).softmax(dim=-1)
             # Exponential race (Gumbel-max in disguise): argmax(p / E) with E ~ Exp(1) samples
             # from p; each seeded row draws its noise from its seed and position.
             noise = torch.empty_like(probs).exponential_()

@@ -22,12 +22,20 @@ class RequestError(ValueError):
 # Below this temperature sampling is greedy, which is what such a temperature asks for: the
 # sampler's float32 logits divided by it would overflow (or the temperature rounds to 0).
 GREEDY_BELOW = 1e-5
+# Past this a repeated token's logit is all but zeroed (or flipped to its most negative): a bound
+# that keeps the division finite rather than a limit any use reaches.
+MAX_REPETITION_PENALTY = 1e4
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. ``temperature < GREEDY_BELOW`` (0 among them) is greedy; ``top_k == -1``
-    disables top-k."""
+    disables top-k; ``min_p`` drops tokens less likely than that share of the likeliest one.
+
+    The penalties are vLLM's (and OpenAI's): ``repetition_penalty`` divides the positive logits
+    (multiplies the negative ones) of every token in the prompt or the output so far; then
+    ``frequency_penalty`` times a token's count in the output, and ``presence_penalty`` once if
+    it occurs there, are subtracted. They apply to greedy requests too."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -36,6 +44,10 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -53,10 +65,25 @@ class SamplingParams:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise RequestError("stop_token_ids", "must be non-negative integers")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise RequestError("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise RequestError(name, f"must be in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise RequestError(
+                "repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}"
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the tokens seen so far change this request's logits."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 def _is_real(x: object) -> bool:

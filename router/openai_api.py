@@ -4,9 +4,10 @@ response and stream-chunk bodies, and errors in OpenAI's form.
 Requests are decoded strictly (no "5" for 5, no ``true`` for 1): a field of the wrong type or
 out of range, a field this server does not support (``n`` > 1, ``logprobs``, tools, ...) and a
 field OpenAI does not have are each a 400 naming the field; an unsupported field with its "not
-used" value (``presence_penalty: 0``, ``tools: []``) passes, and fields that change nothing of
+used" value (``logprobs: false``, ``tools: []``) passes, and fields that change nothing of
 the output (``user``, ``store``, ``metadata``, ``parallel_tool_calls``) are accepted and
-ignored. vLLM's extensions ``top_k``, ``ignore_eos`` and ``stop_token_ids`` are accepted.
+ignored. vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos`` and
+``stop_token_ids`` are accepted.
 Prompts are tokenized here, the same way the ZMQ client's are
 (``engine.tokenization.encode_prompt``), so the cluster gets token ids.
 """
@@ -21,7 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from pdserve.engine.sampling import RequestError
+from pdserve.engine.sampling import MAX_REPETITION_PENALTY, RequestError
 from pdserve.engine.tokenization import encode_chat, encode_prompt
 
 MAX_INT32 = 2**31 - 1
@@ -76,13 +77,15 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)  # vLLM's
+    min_p: float | None = Field(None, ge=0, le=1)  # vLLM's
     n: int | None = Field(None, ge=1, le=MAX_INT32)
     user: str | None = None  # accepted and ignored, as it only identifies the caller to OpenAI
     # OpenAI fields this server does not implement: any value but the neutral one is refused.
     logprobs: Any = None
     logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -213,8 +216,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None,),
@@ -414,6 +415,10 @@ def parse_request(
         "seed": request.seed,
         "stop_token_ids": list(request.stop_token_ids or []),
         "ignore_eos": request.ignore_eos,
+        "min_p": request.min_p or 0.0,
+        "presence_penalty": request.presence_penalty or 0.0,
+        "frequency_penalty": request.frequency_penalty or 0.0,
+        "repetition_penalty": 1.0 if request.repetition_penalty is None else request.repetition_penalty,
     }
     include_usage = request.stream_options is not None and bool(request.stream_options.include_usage)
     return GenerationRequest(

@@ -69,6 +69,11 @@ def mixed_requests(vocab: int, n: int, seed: int) -> tuple[list[list[int]], list
     # only, so prefill's first token and decode's next ones draw as the single engine does.
     for i in range(0, n, 4):
         params[i] = dataclasses.replace(params[i], temperature=0.8, top_k=50, seed=rng.randrange(2**63))
+    # Penalties count the prompt and every token so far, wherever each was sampled.
+    for i in range(1, n, 3):
+        params[i] = dataclasses.replace(params[i], repetition_penalty=1.3, frequency_penalty=0.4)
+    for i in range(0, n, 5):
+        params[i] = dataclasses.replace(params[i], presence_penalty=0.6, min_p=0.05)
     return prompts, params
 
 

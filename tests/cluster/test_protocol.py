@@ -186,6 +186,10 @@ def test_wire_form_is_a_plain_map_with_type_and_version() -> None:
             "seed": 123,
             "stop_token_ids": [2, 3],
             "ignore_eos": True,
+            "min_p": 0.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0,
         },
         "stream": True,
         "chat": True,
@@ -410,9 +414,9 @@ def test_an_unknown_field_is_named() -> None:
 
 
 def test_an_unknown_sampling_key_is_named() -> None:
-    error = decode_error(generate(prompt="hi", sampling={"temperature": 0.0, "frequency_penalty": 1.0}))
+    error = decode_error(generate(prompt="hi", sampling={"temperature": 0.0, "logit_bias": {"5": 1.0}}))
     assert error.code == "unknown_field"
-    assert "'frequency_penalty'" in error.message and "sampling" in error.message
+    assert "'logit_bias'" in error.message and "sampling" in error.message
     assert error.request_id == "r1"
 
 

@@ -1,8 +1,14 @@
-"""What the engine's GPU test files share."""
+"""What the engine's test files share."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from transformers import AutoModelForCausalLM
+
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.engine import LLMEngine
 
 
 def free_cuda() -> None:
@@ -10,3 +16,51 @@ def free_cuda() -> None:
     the next model a test loads finds the memory the last one held."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+
+
+def make_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def hf_model(model_dir: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, **processors: float) -> list[int]:
+    """transformers' greedy output, exactly ``max_new_tokens`` long; ``processors``: generate's
+    logits processors (``repetition_penalty=1.2``)."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),  # else generate masks every id 0 as padding
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **processors,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def make_engine(
+    model_dir: Path,
+    num_blocks: int = 256,
+    max_model_len: int = 256,
+    overlap: bool = True,
+    kernels: str = "auto",
+    **sched: object,
+) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            device="cpu",
+            max_model_len=max_model_len,
+            kernels=kernels,
+            overlap_scheduling=overlap,
+            cache=CacheConfig(num_blocks=num_blocks),
+            scheduler=SchedulerConfig(**sched),  # type: ignore[arg-type]
+        )
+    )

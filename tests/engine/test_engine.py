@@ -10,60 +10,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from pdserve.engine import ops
-from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import EngineStats, LLMEngine, RequestOutput
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.step_plan import build_plan, pending_token, write_pending_tokens
+from pdserve.tests.engine.helpers import hf_greedy, hf_model, make_engine, make_prompts
 
 PARITY_MODELS = ["tiny-qwen2", "tiny-llama-odd"]
 PROMPT_LENGTHS = [1, 5, 16, 17, 40, 63]
-
-
-def make_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
-
-
-def hf_model(model_dir: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
-def make_engine(
-    model_dir: Path,
-    num_blocks: int = 256,
-    max_model_len: int = 256,
-    overlap: bool = True,
-    kernels: str = "auto",
-    **sched: object,
-) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=str(model_dir),
-            dtype="float32",
-            device="cpu",
-            max_model_len=max_model_len,
-            kernels=kernels,
-            overlap_scheduling=overlap,
-            cache=CacheConfig(num_blocks=num_blocks),
-            scheduler=SchedulerConfig(**sched),  # type: ignore[arg-type]
-        )
-    )
 
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

@@ -412,7 +412,8 @@ def test_overlapped_steps_match_sync_steps(bf16_dirs: dict[str, Path]) -> None:
     """Overlapped steps (placeholders filled on the device, in the graphs' static buffers) give
     the tokens of read-back-first steps, bit for bit: without stop tokens every step holds the
     same sequences either way, so the same kernels see the same inputs. Greedy and seeded
-    sampled requests, prompts chunked beside decodes, decode and prefill graphs."""
+    sampled requests, some with penalties (which count the placeholders' tokens) or min-p,
+    prompts chunked beside decodes, decode and prefill graphs."""
     path = bf16_dirs[REAL_SHAPE]
     config = engine_config(
         path,
@@ -423,8 +424,16 @@ def test_overlapped_steps_match_sync_steps(bf16_dirs: dict[str, Path]) -> None:
     vocab = ModelConfig.from_pretrained(path).vocab_size
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (3, 17, 40, 64, 100, 150, 9, 33)]
+    penalties = [
+        {},
+        {"repetition_penalty": 1.3},
+        {"frequency_penalty": 0.5, "min_p": 0.05},
+        {"presence_penalty": 0.8, "frequency_penalty": -0.2},
+    ]
     params = [
-        SamplingParams(max_tokens=10 + 5 * i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
+        SamplingParams(
+            max_tokens=10 + 5 * i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True, **penalties[i % 4]
+        )
         for i in range(len(prompts))
     ]
     outputs = []
@@ -455,6 +464,10 @@ def test_overlapped_steps_never_wait_for_the_stream(bf16_dirs: dict[str, Path]) 
             SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
             SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, top_k=20, ignore_eos=True),
             SamplingParams(max_tokens=40, temperature=1.0, seed=5, ignore_eos=True),
+            SamplingParams(
+                max_tokens=40, temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.3, ignore_eos=True
+            ),
+            SamplingParams(max_tokens=40, temperature=0.7, min_p=0.1, presence_penalty=0.5, ignore_eos=True),
         ]
     ):
         engine.add_request(str(i), torch.randint(0, vocab, (20 + 7 * i,)).tolist(), params)
@@ -465,7 +478,7 @@ def test_overlapped_steps_never_wait_for_the_stream(bf16_dirs: dict[str, Path]) 
         outputs = [out for _ in range(10) for out in engine.step()]
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert len(outputs) == 30 and not any(o.finished for o in outputs)
+    assert len(outputs) == 50 and not any(o.finished for o in outputs)
     engine.close()
     del engine
     free_cuda()

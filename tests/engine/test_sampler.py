@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from pdserve.engine.sampler import Sampler, position_seed, top_k_top_p_mask
+from pdserve.engine.penalties import History
+from pdserve.engine.sampler import Sampler, min_p_mask, position_seed, top_k_top_p_mask
 from pdserve.engine.sampling import RequestError, SamplingParams
 
 
@@ -32,6 +33,33 @@ def test_top_p_always_keeps_the_most_likely_token() -> None:
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0]])
     masked = top_k_top_p_mask(logits, torch.tensor([4]), torch.tensor([1e-6]))
     assert int(torch.isfinite(masked).sum()) == 1
+
+
+def test_min_p_keeps_the_tokens_at_least_that_share_of_the_likeliest() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.12, 0.08], [0.25, 0.25, 0.25, 0.25]])
+    masked = min_p_mask(probs.log(), torch.tensor([0.25, 0.99]))
+    # row 0: threshold 0.125 drops 0.12 and 0.08; row 1: a uniform row keeps all
+    assert torch.isfinite(masked).tolist() == [[True, True, False, False], [True] * 4]
+    assert torch.isfinite(min_p_mask(probs.log(), torch.tensor([1.0, 0.0])))[0].tolist() == [True, False, False, False]
+
+
+def test_sampled_frequencies_follow_the_min_p_distribution() -> None:
+    logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]]).repeat(4000, 1)
+    torch.manual_seed(0)
+    tokens = Sampler()(logits, [SamplingParams(temperature=1.0, min_p=0.2)] * 4000, [0] * 4000)
+    freq = torch.bincount(tokens, minlength=4).float() / 4000
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95, atol=0.03, rtol=0)
+
+
+def test_a_penalty_changes_a_greedy_row_beside_plain_rows() -> None:
+    """Greedy rows see their penalties; rows without one keep the argmax of the raw logits."""
+    logits = torch.tensor([[3.0, 2.0, 1.0], [3.0, 2.0, 1.0], [3.0, 2.0, 1.0]])
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, presence_penalty=1.5)] * 2
+    histories = [History([2, 0], 1), History([2, 0], 1), History([1, 1], 1)]
+    tokens = Sampler()(logits, params[:3], [2, 2, 2], histories)
+    assert tokens.tolist() == [0, 1, 0]  # row 1: 3 - 1.5 < 2
+    with pytest.raises(ValueError, match="histories"):
+        Sampler()(logits, params[:2], [2, 2])
 
 
 def test_top_k_and_top_p_combine() -> None:
@@ -116,6 +144,14 @@ def test_position_seeds_differ_across_seeds_and_positions() -> None:
         ({"top_k": -2}, "top_k"),
         ({"seed": -1}, "seed"),
         ({"stop_token_ids": (-3,)}, "stop_token_ids"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"repetition_penalty": True}, "repetition_penalty"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> None:

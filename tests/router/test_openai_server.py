@@ -179,6 +179,7 @@ NEUTRAL_FIELDS: dict[str, dict[str, Any]] = {
     "stream_options null": {"stream_options": None},
     "stream null": {"stream": None},
     "zero penalties": {"presence_penalty": 0, "frequency_penalty": 0.0},
+    "vLLM's neutral penalty and min_p": {"repetition_penalty": 1, "min_p": 0.0},
     "logit_bias null": {"logit_bias": None},
     "logit_bias empty": {"logit_bias": {}},
     "logprobs false": {"logprobs": False},
@@ -291,8 +292,7 @@ def test_a_reply_as_the_official_client_dumps_it_is_a_valid_next_turn(demo_token
         # false is no logprobs, but 0 asks a completion for its tokens' logprobs
         ("completion", {"logprobs": 0}, "logprobs", "logprobs is not supported by this server"),
         ("completion", {"best_of": True}, "best_of", "best_of is not supported by this server"),
-        ("chat", {"presence_penalty": False}, "presence_penalty", "presence_penalty is not supported by this server"),
-        ("chat", {"presence_penalty": 0.5}, "presence_penalty", "presence_penalty is not supported by this server"),
+        ("chat", {"logit_bias": {"5": 10}}, "logit_bias", "logit_bias is not supported by this server"),
         ("chat", {"tool_choice": "auto"}, "tool_choice", "tool_choice is not supported by this server"),
         ("chat", {"tools": [TOOL]}, "tools", "tools is not supported by this server"),  # OpenAI's choice: auto
         (
@@ -1329,6 +1329,29 @@ def test_stop_strings_stop_token_ids_seed_top_k_and_ignore_eos(served: Served) -
         sampled = client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=24, temperature=1.5, **kwargs)
         assert full.text.startswith(sampled.choices[0].text), extra
 
+    # Penalties and min_p reach the cluster: as the ZMQ client's request with them, not as without.
+    penalized = client.completions.create(
+        model=MODEL,
+        prompt=TEXT_PROMPT,
+        max_tokens=24,
+        temperature=0,
+        frequency_penalty=2.0,
+        presence_penalty=0.5,
+        extra_body={"repetition_penalty": 1.5, "min_p": 0.5, "ignore_eos": True},
+    )
+    same = zmq_greedy(
+        served,
+        TEXT_PROMPT,
+        chat=False,
+        max_tokens=24,
+        frequency_penalty=2.0,
+        presence_penalty=0.5,
+        repetition_penalty=1.5,
+        min_p=0.5,
+        ignore_eos=True,
+    )
+    assert penalized.choices[0].text == same.text != full.text
+
     # ignore_eos: a chat answer runs to max_completion_tokens instead of stopping at <|im_end|>.
     short = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_completion_tokens=40, temperature=0
@@ -1363,6 +1386,28 @@ BAD_REQUESTS = {
     "max_tokens 0": ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
     "top_k -2": ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "invalid_value", "top_k"),
     "negative seed": ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "invalid_value", "seed"),
+    "presence_penalty above 2": (
+        "/v1/chat/completions",
+        {"presence_penalty": 2.5},
+        400,
+        "invalid_value",
+        "presence_penalty",
+    ),
+    "boolean frequency_penalty": (
+        "/v1/completions",
+        {"prompt": "hi", "frequency_penalty": True},
+        400,
+        "invalid_value",
+        "frequency_penalty",
+    ),
+    "repetition_penalty 0": (
+        "/v1/completions",
+        {"prompt": "hi", "repetition_penalty": 0},
+        400,
+        "invalid_value",
+        "repetition_penalty",
+    ),
+    "min_p above 1": ("/v1/chat/completions", {"min_p": 1.5}, 400, "invalid_value", "min_p"),
     "string max_tokens": ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "invalid_value", "max_tokens"),
     "missing prompt": ("/v1/completions", {"max_tokens": 5}, 400, "missing_required_parameter", "prompt"),
     "empty prompt": ("/v1/completions", {"prompt": ""}, 400, "invalid_request", "prompt"),

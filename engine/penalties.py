@@ -61,7 +61,10 @@ def penalize(
     seen = occurs.clone()
     if seen_ids:
         prompt_rows = device_tensor(np.concatenate(seen_rows), torch.int64, device)
-        seen[prompt_rows, device_tensor(np.concatenate(seen_ids), torch.int64, device)] = True
+        prompt_ids = device_tensor(np.concatenate(seen_ids), torch.int64, device)
+        # A tensor of Trues, not ``= True``: the Python scalar would go up from pageable memory,
+        # which waits for the whole stream.
+        seen.index_put_((prompt_rows, prompt_ids), torch.ones_like(prompt_ids, dtype=torch.bool))
     repetition = device_tensor([p.repetition_penalty for p in params], torch.float32, device)[:, None]
     frequency = device_tensor([p.frequency_penalty for p in params], torch.float32, device)[:, None]
     presence = device_tensor([p.presence_penalty for p in params], torch.float32, device)[:, None]

@@ -24,6 +24,7 @@ from pdserve.cluster.protocol import (
     ROOT_HASH,
     Abort,
     CacheEvents,
+    Logprobs,
     Message,
     PeerFailed,
     PeerRestarted,
@@ -279,6 +280,7 @@ class GroupLeader:
                 out.finished,
                 out.finish_reason,
                 out.timings if out.finished or index == 0 else _NO_TIMINGS,
+                None if out.logprobs is None else Logprobs.of(out.logprobs),
             )
         )
         if out.finished:

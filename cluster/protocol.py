@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import msgpack
@@ -252,6 +252,7 @@ class Sampling(Message):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def to_params(self) -> SamplingParams:
         """The engine's parameters; raises ``RequestError`` naming a field out of range."""
@@ -267,6 +268,7 @@ class Sampling(Message):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
+            logprobs=self.logprobs,
         )
 
 
@@ -290,6 +292,30 @@ class Abort(Message):
     request_id: str
 
 
+class Logprobs(Message):
+    """The log-probabilities of the tokens beside it (``token_ids``), one entry each: the
+    token's, and the ids and log-probabilities of the likeliest tokens there, best first."""
+
+    token_logprobs: list[float]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+    @classmethod
+    def of(cls, entries: Iterable[tuple[float, list[int], list[float]]]) -> Logprobs:
+        """From the engine's entries (``sampler.TokenLogprobs``), one per token."""
+        out = cls([], [], [])
+        for logprob, top_ids, top_logprobs in entries:
+            out.token_logprobs.append(logprob)
+            out.top_token_ids.append(top_ids)
+            out.top_logprobs.append(top_logprobs)
+        return out
+
+    def extend(self, other: Logprobs) -> None:
+        self.token_logprobs.extend(other.token_logprobs)
+        self.top_token_ids.extend(other.top_token_ids)
+        self.top_logprobs.extend(other.top_logprobs)
+
+
 class Chunk(Message):
     """Router -> client: new tokens of a streaming request, in order."""
 
@@ -297,6 +323,7 @@ class Chunk(Message):
     request_id: str
     token_ids: list[int]
     text: str
+    logprobs: Logprobs | None = None  # where the request asked for them (``sampling.logprobs``)
 
 
 class Chunks(Message):
@@ -317,6 +344,7 @@ class Final(Message):
     text: str
     usage: dict[str, int]  # prompt_tokens, completion_tokens
     timings: dict[str, float]  # RequestTimings.as_dict(): queue, prefill, transfer, ..., total
+    logprobs: Logprobs | None = None  # of every generated token, where the request asked for them
 
 
 class StatsRequest(Message):
@@ -398,6 +426,7 @@ class TokenOutput(Message):
     finished: bool = False
     finish_reason: str | None = None
     timings: RequestTimings = msgspec.field(default_factory=RequestTimings)  # on the wire: the values that apply
+    logprobs: Logprobs | None = None
 
 
 class TokenOutputs(Message):

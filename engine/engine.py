@@ -21,7 +21,7 @@ from pdserve.engine.model_runner import SINGLE_RANK, ModelRunner
 from pdserve.engine.parallel import TensorParallel
 from pdserve.engine.penalties import History
 from pdserve.engine.prefix_cache import CacheEvent, CacheListener, PrefixCache, PrefixCacheStats
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import SampledLogprobs, Sampler, TokenLogprobs
 from pdserve.engine.sampling import RequestError, SamplingParams, validate_request
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
@@ -46,6 +46,8 @@ class RequestOutput:
     timings: RequestTimings = field(default_factory=RequestTimings)
     # finish_reason "prefilled": the blocks holding the prompt's KV, kept until ``release``.
     kv_block_ids: list[int] | None = None
+    # One per new token where the request asked for log-probabilities (``SamplingParams.logprobs``).
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class Reservation(NamedTuple):
@@ -72,31 +74,38 @@ class EngineStats:
 class _InFlight:
     """A launched step's sampled tokens: row i is ``seqs[i]``'s token at ``token_ids[indexes[i]]``
     (a placeholder until the step is read back). ``tokens`` stay on the device for the next
-    step's inputs; ``host_tokens`` is their copy, complete once ``copied`` has passed."""
+    step's inputs; ``host_tokens`` is their copy, and ``host_logprobs`` that of the rows'
+    log-probabilities that were asked for, complete once ``copied`` has passed."""
 
     seqs: list[Sequence]
     indexes: list[int]
     tokens: torch.Tensor
     host_tokens: torch.Tensor
+    host_logprobs: SampledLogprobs | None
     copied: torch.cuda.Event | None
 
     @classmethod
-    def launch_copy(cls, seqs: list[Sequence], indexes: list[int], tokens: torch.Tensor) -> _InFlight:
+    def launch_copy(
+        cls, seqs: list[Sequence], indexes: list[int], tokens: torch.Tensor, logprobs: SampledLogprobs | None
+    ) -> _InFlight:
         """Queue the copy to the host behind the sampling. Reading the device tensor itself
         (``tolist``) would wait for everything queued on the stream, the next step included."""
         if tokens.device.type != "cuda":
-            return cls(seqs, indexes, tokens, tokens, None)
+            return cls(seqs, indexes, tokens, tokens, logprobs, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
+        host_logprobs = None if logprobs is None else logprobs.to_host()
         copied = torch.cuda.Event()
         copied.record()
-        return cls(seqs, indexes, tokens, host, copied)
+        return cls(seqs, indexes, tokens, host, host_logprobs, copied)
 
-    def read(self) -> list[int]:
-        """The sampled tokens; waits for this step's copy only."""
+    def read(self) -> tuple[list[int], dict[int, TokenLogprobs]]:
+        """The sampled tokens, and the log-probabilities of the rows that asked; waits for this
+        step's copy only."""
         if self.copied is not None:
             self.copied.synchronize()
-        return self.host_tokens.tolist()
+        logprobs = {} if self.host_logprobs is None else self.host_logprobs.per_row([s.params for s in self.seqs])
+        return self.host_tokens.tolist(), logprobs
 
 
 class LLMEngine:
@@ -337,21 +346,23 @@ class LLMEngine:
         if any(p.penalized for p in params):
             histories = [History(s.token_ids, s.num_prompt_tokens) for s in sampled_seqs]
         tokens = self.sampler(logits, params, [s.num_tokens for s in sampled_seqs], histories, sampled)
+        logprobs = SampledLogprobs.of(logits, tokens, params)
         indexes = []
         for row, seq in enumerate(sampled_seqs):
             indexes.append(seq.num_tokens)
             seq.token_ids.append(pending_token(row))
             seq.finishing = seq.prefill_only or self._length_reached(seq, seq.num_tokens)
-        return _InFlight.launch_copy(sampled_seqs, indexes, tokens)
+        return _InFlight.launch_copy(sampled_seqs, indexes, tokens, logprobs)
 
     def _read_back(self, step: _InFlight) -> list[RequestOutput]:
         """The launched step's tokens, in place of their placeholders: stop checks and outputs."""
-        tokens = step.read()
+        tokens, logprobs = step.read()
         now = time.monotonic()
         outputs = []
-        for seq, index, token in zip(step.seqs, step.indexes, tokens):
+        for row, (seq, index, token) in enumerate(zip(step.seqs, step.indexes, tokens)):
             if seq.status is SequenceStatus.FINISHED:  # aborted, or stopped by the step before
                 continue
+            token_logprobs = [logprobs[row]] if row in logprobs else None
             seq.token_ids[index] = token
             first = seq.milestones.first_token is None
             if first:
@@ -360,7 +371,7 @@ class LLMEngine:
             if reason is None and seq.prefill_only:
                 self.scheduler.finish(seq, "prefilled", free_blocks=False)
                 self.held[seq.request_id] = seq
-                output = self._finish(seq, [token])
+                output = self._finish(seq, [token], token_logprobs)
                 output.kv_block_ids = seq.block_table.tolist()
                 outputs.append(output)
             elif reason is None:
@@ -371,11 +382,12 @@ class LLMEngine:
                         num_prompt_tokens=seq.num_prompt_tokens,
                         num_output_tokens=index + 1 - seq.num_prompt_tokens,
                         timings=self._timings(seq) if first else RequestTimings(),
+                        logprobs=token_logprobs,
                     )
                 )
             else:
                 self.scheduler.finish(seq, reason)
-                outputs.append(self._finish(seq, [token]))
+                outputs.append(self._finish(seq, [token], token_logprobs))
         return outputs
 
     def _length_reached(self, seq: Sequence, num_tokens: int) -> bool:
@@ -393,7 +405,9 @@ class LLMEngine:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence, new_tokens: list[int] | None = None) -> RequestOutput:
+    def _finish(
+        self, seq: Sequence, new_tokens: list[int] | None = None, logprobs: list[TokenLogprobs] | None = None
+    ) -> RequestOutput:
         seq.drop_pending()  # a token stopped it (or an abort) while its next step was in flight
         del self.requests[seq.request_id]
         return RequestOutput(
@@ -404,6 +418,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             timings=self._timings(seq),
+            logprobs=logprobs,
         )
 
     def _timings(self, seq: Sequence) -> RequestTimings:

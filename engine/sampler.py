@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +42,58 @@ def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
     return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+class TokenLogprobs(NamedTuple):
+    """A sampled token's log-probability, and the likeliest tokens' ids and theirs, best first."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class SampledLogprobs:
+    """The log-probabilities of one step's sampled tokens, for the rows that asked: ``chosen``
+    ``[R]`` the sampled tokens', ``top_ids``/``top_logprobs`` ``[R, K]`` the K likeliest."""
+
+    rows: list[int]
+    chosen: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> SampledLogprobs | None:
+        """Those of the rows whose ``logprobs`` is set, under the raw ``logits``; None if none is."""
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not rows:
+            return None
+        index = device_tensor(rows, torch.int64, logits.device)
+        logprobs = logits[index].log_softmax(dim=-1)
+        chosen = logprobs.gather(1, tokens[index, None]).squeeze(1)
+        top = logprobs.topk(max(params[i].logprobs or 0 for i in rows), dim=-1)
+        return cls(rows, chosen, top.indices, top.values)
+
+    def to_host(self) -> SampledLogprobs:
+        """Copies in pinned memory, queued behind the sampling (complete once the stream passes)."""
+        return SampledLogprobs(self.rows, *(_pinned_copy(t) for t in (self.chosen, self.top_ids, self.top_logprobs)))
+
+    def per_row(self, params: list[SamplingParams]) -> dict[int, TokenLogprobs]:
+        """Row -> its token's log-probabilities, each with as many alternatives as it asked."""
+        chosen, top_ids, top_logprobs = self.chosen.tolist(), self.top_ids.tolist(), self.top_logprobs.tolist()
+        out = {}
+        for j, row in enumerate(self.rows):
+            k = params[row].logprobs or 0
+            out[row] = TokenLogprobs(chosen[j], top_ids[j][:k], top_logprobs[j][:k])
+        return out
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 _MASK64 = (1 << 64) - 1

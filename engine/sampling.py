@@ -22,6 +22,8 @@ class RequestError(ValueError):
 # Below this temperature sampling is greedy, which is what such a temperature asks for: the
 # sampler's float32 logits divided by it would overflow (or the temperature rounds to 0).
 GREEDY_BELOW = 1e-5
+# The most alternatives a request may ask to see beside each token (vLLM's default cap).
+MAX_LOGPROBS = 20
 # Past this a repeated token's logit is all but zeroed (or flipped to its most negative): a bound
 # that keeps the division finite rather than a limit any use reaches.
 MAX_REPETITION_PENALTY = 1e4
@@ -35,7 +37,11 @@ class SamplingParams:
     The penalties are vLLM's (and OpenAI's): ``repetition_penalty`` divides the positive logits
     (multiplies the negative ones) of every token in the prompt or the output so far; then
     ``frequency_penalty`` times a token's count in the output, and ``presence_penalty`` once if
-    it occurs there, are subtracted. They apply to greedy requests too."""
+    it occurs there, are subtracted. They apply to greedy requests too.
+
+    ``logprobs`` (not None) asks for each generated token's log-probability and those of the
+    ``logprobs`` likeliest tokens, under the model's own distribution (before penalties,
+    temperature and masks, as vLLM reports them)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -48,6 +54,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -71,6 +78,12 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_real(value) or not -2.0 <= value <= 2.0:
                 raise RequestError(name, f"must be in [-2, 2], got {value!r}")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise RequestError("logprobs", f"must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise RequestError(
                 "repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}"

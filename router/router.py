@@ -56,6 +56,7 @@ from pdserve.cluster.protocol import (
     Generate,
     GroupInfo,
     Heartbeat,
+    Logprobs,
     Message,
     PeerFailed,
     PeerRestarted,
@@ -116,6 +117,7 @@ class RequestState:
     # tokens): the worker timings of a final the router writes itself (an abort).
     entry_timings: RequestTimings | None = None
     detokenizer: IncrementalDetokenizer | None = None
+    logprobs: Logprobs | None = None  # of every token so far, where the request asked for them
 
 
 class Router:
@@ -713,6 +715,8 @@ class Router:
         )
         if self.tokenizer is not None:
             state.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        if params.logprobs is not None:
+            state.logprobs = Logprobs([], [], [])
         self.requests[request_id] = state
         self.by_client[(client, client_id)] = request_id
         self.client_load[client] = self.client_load.get(client, 0) + 1
@@ -822,13 +826,15 @@ class Router:
             if state.first_token is None:
                 state.first_token = time.monotonic()
             state.token_ids.extend(current.token_ids)
+            if state.logprobs is not None and current.logprobs is not None:
+                state.logprobs.extend(current.logprobs)
             self.token_counts["generated"] += len(current.token_ids)
             delta = state.detokenizer.add(current.token_ids) if state.detokenizer else ""
             if current.finished and state.detokenizer:
                 delta += state.detokenizer.flush()
             state.text.append(delta)
             if state.stream:
-                chunk = Chunk(state.client_request_id, current.token_ids, delta)
+                chunk = Chunk(state.client_request_id, current.token_ids, delta, current.logprobs)
                 if state.batch_chunks:
                     self._chunks.setdefault(state.client, []).append(chunk)
                 else:
@@ -882,6 +888,7 @@ class Router:
                 "".join(state.text),
                 {"prompt_tokens": len(state.prompt_ids), "completion_tokens": len(state.token_ids)},
                 timings.as_dict(),
+                state.logprobs,
             ),
         )
 

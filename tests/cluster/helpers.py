@@ -9,8 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from pdserve.bench.soak import descendants
 from pdserve.cluster.client import Chunk, Client, Final
+from pdserve.cluster.protocol import Logprobs
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
@@ -52,11 +55,42 @@ def wait_until_idle(
         time.sleep(0.3)
 
 
-def oracle(model_dir: Path, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    engine = LLMEngine(
+def oracle_engine(model_dir: Path) -> LLMEngine:
+    return LLMEngine(
         EngineConfig(model=str(model_dir), device="cpu", max_model_len=MAX_MODEL_LEN, cache=CacheConfig(num_blocks=256))
     )
-    return engine.generate(prompts, params)
+
+
+def oracle(model_dir: Path, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    return oracle_engine(model_dir).generate(prompts, params)
+
+
+def oracle_logprobs(model_dir: Path, prompts: list[list[int]], params: list[SamplingParams]) -> list[Logprobs | None]:
+    """The single engine's log-probabilities of each request's tokens, as a final carries them."""
+    engine = oracle_engine(model_dir)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+    entries: dict[str, list] = {str(i): [] for i in range(len(prompts))}
+    for outputs in engine.drain():
+        for out in outputs:
+            entries[out.request_id] += out.logprobs or []
+    return [Logprobs.of(entries[str(i)]) if p.logprobs is not None else None for i, p in enumerate(params)]
+
+
+def assert_logprobs_close(got: Logprobs | None, expected: Logprobs | None, tolerance: float = 1e-4) -> None:
+    """Equal within ``tolerance``; alternatives whose log-probabilities lie that close to a
+    neighbour's may come in either order (other batch shapes round otherwise)."""
+    assert (got is None) == (expected is None)
+    if got is None or expected is None:
+        return
+    assert got.token_logprobs == pytest.approx(expected.token_logprobs, abs=tolerance)
+    for ids, values, want_ids, want_values in zip(
+        got.top_token_ids, got.top_logprobs, expected.top_token_ids, expected.top_logprobs, strict=True
+    ):
+        assert values == pytest.approx(want_values, abs=tolerance)
+        for k, (token, want) in enumerate(zip(ids, want_ids, strict=True)):
+            near = [v for j, v in enumerate(want_values) if j != k and abs(v - want_values[k]) <= 2 * tolerance]
+            assert token == want or near, (ids, want_ids)
 
 
 def mixed_requests(vocab: int, n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -74,6 +108,8 @@ def mixed_requests(vocab: int, n: int, seed: int) -> tuple[list[list[int]], list
         params[i] = dataclasses.replace(params[i], repetition_penalty=1.3, frequency_penalty=0.4)
     for i in range(0, n, 5):
         params[i] = dataclasses.replace(params[i], presence_penalty=0.6, min_p=0.05)
+    for i in range(2, n, 3):
+        params[i] = dataclasses.replace(params[i], logprobs=i % 4)
     return prompts, params
 
 
@@ -95,6 +131,16 @@ def run_concurrently(client: Client, prompts: list[list[int]], params: list[Samp
             else:
                 assert [t for c in chunks for t in c.token_ids] == message.token_ids, "chunks out of order"
                 assert "".join(c.text for c in chunks) == message.text
+                if message.logprobs is None:
+                    assert all(c.logprobs is None for c in chunks)
+                else:
+                    assert all(
+                        c.logprobs is not None and len(c.logprobs.token_logprobs) == len(c.token_ids) for c in chunks
+                    )
+                    joined = Logprobs([], [], [])
+                    for c in chunks:
+                        joined.extend(c.logprobs)  # type: ignore[arg-type]
+                    assert joined == message.logprobs
                 finals.append(message)
     return finals
 

@@ -24,9 +24,11 @@ from pdserve.engine.sampling import SamplingParams
 from pdserve.tests.cluster.helpers import (
     MAX_MODEL_LEN,
     abort_mid_stream,
+    assert_logprobs_close,
     cmdline,
     mixed_requests,
     oracle,
+    oracle_logprobs,
     run_concurrently,
     wait_until_idle,
 )
@@ -59,6 +61,8 @@ def test_2p1d_matches_single_process_then_survives_bad_input_and_aborts(
     with Client(cluster.endpoint, timeout=120) as client:
         finals = run_concurrently(client, prompts, params)
         assert [f.token_ids for f in finals] == expected
+        for final, logprobs in zip(finals, oracle_logprobs(model_dir, prompts, params)):
+            assert_logprobs_close(final.logprobs, logprobs)
         assert all(f.finish_reason == "length" for f in finals)
         decoded = next(f for f in finals if len(f.token_ids) > 1)  # went through both groups
         keys = {"queue", "prefill", "transfer", "transfer_bytes", "decode", "first_token", "total", "cached_tokens"}

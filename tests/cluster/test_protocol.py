@@ -22,6 +22,7 @@ from pdserve.cluster.protocol import (
     Heartbeat,
     KVAnnounce,
     KVReply,
+    Logprobs,
     Message,
     PeerFailed,
     PeerRestarted,
@@ -190,6 +191,7 @@ def test_wire_form_is_a_plain_map_with_type_and_version() -> None:
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
             "repetition_penalty": 1.0,
+            "logprobs": None,
         },
         "stream": True,
         "chat": True,
@@ -214,11 +216,26 @@ def test_a_nested_message_travels_as_its_fields_alone() -> None:
     """docs/protocol.md: a ``chunk`` inside ``chunks`` (and a ``group_info`` inside ``stats``,
     a ``tokens`` inside ``token_outputs``) has no ``type`` or ``version``."""
     body = msgpack.unpackb(encode(Chunks([Chunk("r1", [5], "a")])), raw=False)
-    assert body == {"type": "chunks", "version": 1, "chunks": [{"request_id": "r1", "token_ids": [5], "text": "a"}]}
+    chunks = [{"request_id": "r1", "token_ids": [5], "text": "a", "logprobs": None}]
+    assert body == {"type": "chunks", "version": 1, "chunks": chunks}
     body = msgpack.unpackb(encode(TokenOutputs([TokenOutput("7", 0, [9])])), raw=False)
     assert body["outputs"] == [
-        {"request_id": "7", "index": 0, "token_ids": [9], "finished": False, "finish_reason": None, "timings": {}}
+        {
+            "request_id": "7",
+            "index": 0,
+            "token_ids": [9],
+            "finished": False,
+            "finish_reason": None,
+            "timings": {},
+            "logprobs": None,
+        }
     ]
+    body = msgpack.unpackb(encode(Chunk("r1", [5, 6], "ab", Logprobs([-0.5, -1.0], [[5], [6]], [[-0.5], [-1.0]]))))
+    assert body["logprobs"] == {
+        "token_logprobs": [-0.5, -1.0],
+        "top_token_ids": [[5], [6]],
+        "top_logprobs": [[-0.5], [-1.0]],
+    }
     chunk = {"type": "chunk", "version": 1, "request_id": "r1", "token_ids": [5], "text": "a"}
     error = decode_error(pack({"type": "chunks", "version": 1, "chunks": [chunk]}))
     assert error.code == "unknown_field" and "'type'" in error.message and "chunks[0]" in error.message

@@ -468,6 +468,7 @@ def test_overlapped_steps_never_wait_for_the_stream(bf16_dirs: dict[str, Path]) 
                 max_tokens=40, temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.3, ignore_eos=True
             ),
             SamplingParams(max_tokens=40, temperature=0.7, min_p=0.1, presence_penalty=0.5, ignore_eos=True),
+            SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=5),
         ]
     ):
         engine.add_request(str(i), torch.randint(0, vocab, (20 + 7 * i,)).tolist(), params)
@@ -478,7 +479,12 @@ def test_overlapped_steps_never_wait_for_the_stream(bf16_dirs: dict[str, Path]) 
         outputs = [out for _ in range(10) for out in engine.step()]
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert len(outputs) == 50 and not any(o.finished for o in outputs)
+    assert len(outputs) == 60 and not any(o.finished for o in outputs)
+    asked = [o for o in outputs if o.request_id == "5"]
+    assert all(o.logprobs is not None and len(o.logprobs[0].top_ids) == 5 for o in asked)
+    # Greedy: its token is a likeliest one (ties may list another first).
+    assert all(o.logprobs[0].logprob == o.logprobs[0].top_logprobs[0] for o in asked)  # type: ignore[index]
+    assert all(o.logprobs is None for o in outputs if o.request_id != "5")
     engine.close()
     del engine
     free_cuda()

@@ -2,9 +2,9 @@
 response and stream-chunk bodies, and errors in OpenAI's form.
 
 Requests are decoded strictly (no "5" for 5, no ``true`` for 1): a field of the wrong type or
-out of range, a field this server does not support (``n`` > 1, ``logprobs``, tools, ...) and a
+out of range, a field this server does not support (``n`` > 1, ``echo``, tools, ...) and a
 field OpenAI does not have are each a 400 naming the field; an unsupported field with its "not
-used" value (``logprobs: false``, ``tools: []``) passes, and fields that change nothing of
+used" value (``logit_bias: {}``, ``tools: []``) passes, and fields that change nothing of
 the output (``user``, ``store``, ``metadata``, ``parallel_tool_calls``) are accepted and
 ignored. vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos`` and
 ``stop_token_ids`` are accepted.
@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from pdserve.engine.sampling import MAX_REPETITION_PENALTY, RequestError
+from pdserve.engine.sampling import MAX_LOGPROBS, MAX_REPETITION_PENALTY, RequestError
 from pdserve.engine.tokenization import encode_chat, encode_prompt
 
 MAX_INT32 = 2**31 - 1
@@ -84,7 +84,6 @@ class _Sampling(_Strict):
     n: int | None = Field(None, ge=1, le=MAX_INT32)
     user: str | None = None  # accepted and ignored, as it only identifies the caller to OpenAI
     # OpenAI fields this server does not implement: any value but the neutral one is refused.
-    logprobs: Any = None
     logit_bias: Any = None
 
     @field_validator("stop", mode="before")
@@ -103,9 +102,16 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _no_logprobs(cls, logprobs: Any) -> Any:
+        """``false``, which SDKs may send for "none", is null here; ``0`` asks for the tokens' own."""
+        return None if logprobs is False else logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -205,7 +211,8 @@ class ChatRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
-    top_logprobs: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: Any = None
     tool_choice: Any = None
     response_format: Any = None
@@ -213,8 +220,6 @@ class ChatRequest(_Sampling):
 
 # Each unsupported field and the values that mean "not used" (what SDKs send by default).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
     "echo": (None, False),
     "best_of": (None, 1),
@@ -234,8 +239,8 @@ MESSAGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 
 def _neutral(value: Any, neutrals: tuple[Any, ...]) -> bool:
-    """``value`` is one of ``neutrals`` as JSON sees it: 0 is 0.0, but false is not 0 (a
-    completion's ``logprobs: 0`` asks for the sampled tokens' logprobs, ``false`` for none)."""
+    """``value`` is one of ``neutrals`` as JSON sees it: 0 is 0.0, but false is not 0 (nor
+    true 1: ``best_of: true`` is refused)."""
     return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutrals)
 
 
@@ -269,15 +274,27 @@ class GenerationRequest:
     def chunk_object(self) -> str:
         return "text_completion" if self.kind == "completion" else "chat.completion.chunk"
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict[str, Any]:
-        """A stream chunk: ``text`` (None: none, as in chat's last chunk) and/or the finish reason."""
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        first: bool = False,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """A stream chunk: ``text`` (None: none, as in chat's last chunk) and/or the finish reason;
+        ``logprobs``: its tokens' (``LogprobsFormat``)."""
         if self.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "text": text or "",
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
         else:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return {
             "id": self.id,
             "object": self.chunk_object,
@@ -299,17 +316,22 @@ class GenerationRequest:
         }
 
     def response(
-        self, text: str, finish_reason: str, usage: dict[str, int], cached_tokens: int | None = None
+        self,
+        text: str,
+        finish_reason: str,
+        usage: dict[str, int],
+        cached_tokens: int | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The whole (non-streaming) response."""
+        """The whole (non-streaming) response; ``logprobs``: every token's (``LogprobsFormat``)."""
         if self.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "text_completion"
         else:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
             obj = "chat.completion"
@@ -322,6 +344,60 @@ class GenerationRequest:
             "choices": [choice],
             "usage": usage_body(usage, cached_tokens),
         }
+
+
+# JSON has no -inf: what vLLM reports for a token of probability 0.
+LOWEST_LOGPROB = -9999.0
+
+
+class LogprobsFormat:
+    """The cluster's log-probabilities (``protocol.Logprobs``) as a choice's ``logprobs``, a
+    stream's pieces one after another. A token is shown as its own decoded text, as the
+    response's text has it (a special token as "", a piece of a multi-byte character as
+    U+FFFD). Completions: OpenAI's legacy lists, each ``top_logprobs`` map holding the chosen
+    token beside the likeliest (vLLM's); chat: ``content`` entries with ``bytes``, and exactly
+    ``top_logprobs`` alternatives."""
+
+    def __init__(self, kind: Literal["completion", "chat"], tokenizer: Any) -> None:
+        self.kind = kind
+        self.tokenizer = tokenizer
+        self.text_offset = 0  # completions: characters of the tokens shown so far
+
+    def __call__(self, token_ids: list[int], logprobs: Any) -> dict[str, Any]:
+        """``logprobs``: a ``protocol.Logprobs`` of ``token_ids``."""
+        texts = [self._text(t) for t in token_ids]
+        values = [max(v, LOWEST_LOGPROB) for v in logprobs.token_logprobs]
+        tops = [
+            [(self._text(t), max(v, LOWEST_LOGPROB)) for t, v in zip(ids, lps)]
+            for ids, lps in zip(logprobs.top_token_ids, logprobs.top_logprobs)
+        ]
+        if self.kind == "chat":
+            return {
+                "content": [
+                    {
+                        "token": text,
+                        "logprob": value,
+                        "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top],
+                    }
+                    for text, value, top in zip(texts, values, tops)
+                ],
+                "refusal": None,
+            }
+        offsets = []
+        for text in texts:
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
+        return {
+            "text_offset": offsets,
+            "token_logprobs": values,
+            "tokens": texts,
+            "top_logprobs": [{**dict(top), text: value} for text, value, top in zip(texts, values, tops)],
+        }
+
+    def _text(self, token_id: int) -> str:
+        # As the response's text shows it: a special token (the end of a chat turn) reads as "".
+        return self.tokenizer.decode([token_id], skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 def usage_body(usage: dict[str, int], cached_tokens: int | None = None) -> dict[str, Any]:
@@ -380,6 +456,12 @@ def parse_request(
         )
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+    if isinstance(request, ChatRequest):
+        if request.top_logprobs and not request.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    else:
+        logprobs = request.logprobs
 
     prompt_param = PROMPT_PARAMS[kind]
     if isinstance(request, CompletionRequest):
@@ -419,6 +501,7 @@ def parse_request(
         "presence_penalty": request.presence_penalty or 0.0,
         "frequency_penalty": request.frequency_penalty or 0.0,
         "repetition_penalty": 1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        "logprobs": logprobs,
     }
     include_usage = request.stream_options is not None and bool(request.stream_options.include_usage)
     return GenerationRequest(

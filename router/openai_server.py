@@ -50,10 +50,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable, Seconds
 from pdserve.cluster.config import API_KEY_ENV, cluster_settings, origins
-from pdserve.cluster.protocol import Chunk, Final, Stats
+from pdserve.cluster.protocol import Chunk, Final, Logprobs, Stats
 from pdserve.engine.tokenization import load_tokenizer
 from pdserve.router.metrics import MULTIPROC_DIR_ENV, FrontendMetrics
-from pdserve.router.openai_api import APIError, GenerationRequest, parse_request
+from pdserve.router.openai_api import APIError, GenerationRequest, LogprobsFormat, parse_request
 from pdserve.router.rejection_log import RejectionLog, shorten
 from pdserve.router.stop_strings import StopStringMatcher
 
@@ -435,8 +435,11 @@ class Frontend:
     async def _whole(self, gen: GenerationRequest, run: _Run, texts: AsyncIterator[str]) -> JSONResponse:
         parts = [text async for text in texts]
         assert run.outcome is not None
+        outcome = run.outcome
         return JSONResponse(
-            gen.response("".join(parts), run.outcome.finish_reason, run.outcome.usage, run.outcome.cached_tokens)
+            gen.response(
+                "".join(parts), outcome.finish_reason, outcome.usage, outcome.cached_tokens, run.take_logprobs()
+            )
         )
 
     async def _events(
@@ -448,10 +451,13 @@ class Frontend:
         delta = _DeltaEvents(gen)
         try:
             if first is not None:
-                yield _event(gen.chunk(first, first=True))
+                yield _event(gen.chunk(first, first=True, logprobs=run.take_logprobs()))
                 sent = True
             async for text in texts:
-                yield delta(text) if sent else _event(gen.chunk(text, first=True))
+                if run.logprobs_format is not None:
+                    yield _event(gen.chunk(text, first=not sent, logprobs=run.take_logprobs()))
+                else:
+                    yield delta(text) if sent else _event(gen.chunk(text, first=True))
                 sent = True
         except APIError as error:  # the status is sent: the error goes in the stream, as OpenAI does
             self.metrics.observe_error(error.code)
@@ -475,6 +481,24 @@ class _Run:
         self.arrival = arrival
         self.request_id = gen.id  # the id its client sees is the one in the cluster's logs
         self.outcome: Outcome | None = None
+        # Where the request asked for log-probabilities: those of the pieces yielded and not yet taken.
+        self.logprobs_format = (
+            None if gen.sampling.get("logprobs") is None else LogprobsFormat(gen.kind, frontend.tokenizer)
+        )
+        self._pieces: list[tuple[list[int], Logprobs]] = []
+
+    def take_logprobs(self) -> dict[str, Any] | None:
+        """The ``logprobs`` body of the tokens behind the text yielded since the last call (None
+        if the request asked for none)."""
+        if self.logprobs_format is None:
+            return None
+        token_ids: list[int] = []
+        logprobs = Logprobs([], [], [])
+        for ids, piece in self._pieces:
+            token_ids += ids
+            logprobs.extend(piece)
+        self._pieces.clear()
+        return self.logprobs_format(token_ids, logprobs)
 
     async def texts(self) -> AsyncIterator[str]:
         frontend, metrics, gen = self.frontend, self.frontend.metrics, self.gen
@@ -499,6 +523,8 @@ class _Run:
                         return
                     assert isinstance(message, Chunk)
                     generated += len(message.token_ids)
+                    if self.logprobs_format is not None and message.logprobs is not None:
+                        self._pieces.append((message.token_ids, message.logprobs))
                     if last is None:
                         metrics.ttft.observe(now - self.arrival)
                     else:

@@ -219,6 +219,25 @@ def parsed(kind: str, body: dict[str, Any], tokenizer: Any) -> Any:
     return parse_request(kind, json.dumps({"model": MODEL, **body}).encode(), MODEL, tokenizer, MAX_MODEL_LEN, 1000)
 
 
+def test_logprobs_are_asked_for_as_each_endpoint_spells_it(demo_tokenizer: Any) -> None:
+    """A completion's ``logprobs: N`` (0: the tokens' own only; false: none); a chat's
+    ``logprobs: true`` with ``top_logprobs: N``."""
+    completion, chat = {"prompt": [1, 2]}, {"messages": [{"role": "user", "content": "hi"}]}
+    assert parsed("completion", {**completion, "logprobs": 3}, None).sampling["logprobs"] == 3
+    assert parsed("completion", {**completion, "logprobs": 0}, None).sampling["logprobs"] == 0
+    assert parsed("completion", {**completion, "logprobs": False}, None).sampling["logprobs"] is None
+    assert parsed("chat", {**chat, "logprobs": True, "top_logprobs": 2}, demo_tokenizer).sampling["logprobs"] == 2
+    assert parsed("chat", {**chat, "logprobs": True}, demo_tokenizer).sampling["logprobs"] == 0
+    refused = {
+        "top_logprobs": ("chat", {**chat, "top_logprobs": 2}),
+        "logprobs": ("completion", {**completion, "logprobs": 21}),
+    }
+    for param, (kind, body) in refused.items():
+        with pytest.raises(APIError) as info:
+            parsed(kind, body, demo_tokenizer)
+        assert (info.value.status, info.value.param) == (400, param), info.value.message
+
+
 def test_a_chat_that_fills_the_context_without_max_tokens_is_told_so(demo_tokenizer: Any) -> None:
     """Without max_tokens a chat may generate what its messages leave; messages that leave nothing
     are refused in those words, not with a negative count of tokens to generate."""
@@ -289,8 +308,7 @@ def test_a_reply_as_the_official_client_dumps_it_is_a_valid_next_turn(demo_token
 @pytest.mark.parametrize(
     ("kind", "extra", "param", "message"),
     [
-        # false is no logprobs, but 0 asks a completion for its tokens' logprobs
-        ("completion", {"logprobs": 0}, "logprobs", "logprobs is not supported by this server"),
+        ("completion", {"echo": True}, "echo", "echo is not supported by this server"),
         ("completion", {"best_of": True}, "best_of", "best_of is not supported by this server"),
         ("chat", {"logit_bias": {"5": 10}}, "logit_bias", "logit_bias is not supported by this server"),
         ("chat", {"tool_choice": "auto"}, "tool_choice", "tool_choice is not supported by this server"),
@@ -1368,6 +1386,56 @@ def test_stop_strings_stop_token_ids_seed_top_k_and_ignore_eos(served: Served) -
     assert long.usage.completion_tokens == short.usage.completion_tokens + 3
 
 
+def test_logprobs_in_both_endpoints_whole_and_streamed(served: Served) -> None:
+    """The cluster's log-probabilities (the ZMQ final's, for the same greedy request) in OpenAI's
+    shapes, as the official client parses them: a completion's legacy lists, a chat's entries."""
+    client = served.client
+    zmq = zmq_greedy(served, TEXT_PROMPT, chat=False, max_tokens=12, ignore_eos=True, logprobs=3)
+    assert zmq.logprobs is not None and len(zmq.logprobs.token_logprobs) == 12
+    whole = client.completions.create(
+        model=MODEL, prompt=TEXT_PROMPT, max_tokens=12, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
+    logprobs = whole.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None and logprobs.top_logprobs is not None
+    assert logprobs.token_logprobs == pytest.approx(zmq.logprobs.token_logprobs, abs=1e-5)
+    assert "".join(logprobs.tokens) == whole.choices[0].text == zmq.text
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(12)]
+    for token, value, top, top_values in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, zmq.logprobs.top_logprobs
+    ):
+        assert top[token] == value  # the chosen token beside the three likeliest, as vLLM shows it
+        assert sorted(top.values(), reverse=True)[:3] == pytest.approx(top_values, abs=1e-5)
+
+    streamed = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_completion_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    entries, text, usage = [], "", None
+    for chunk in streamed:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            if choice.logprobs is not None and choice.logprobs.content:
+                entries += choice.logprobs.content
+    assert usage is not None and len(entries) == usage.completion_tokens
+    assert "".join(e.token for e in entries) == text
+    for entry in entries:
+        assert len(entry.top_logprobs) == 2 and entry.bytes == list(entry.token.encode())
+        assert entry.logprob == entry.top_logprobs[0].logprob  # greedy: a likeliest token
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_completion_tokens=4, temperature=0
+    )
+    assert plain.choices[0].logprobs is None
+
+
 TOO_LONG = list(range(1, MAX_MODEL_LEN - 10))
 BAD_REQUESTS = {
     # name: (path, body (dict, or raw bytes), status, code, param)
@@ -1408,6 +1476,14 @@ BAD_REQUESTS = {
         "repetition_penalty",
     ),
     "min_p above 1": ("/v1/chat/completions", {"min_p": 1.5}, 400, "invalid_value", "min_p"),
+    "logprobs above 20": ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "invalid_value", "logprobs"),
+    "top_logprobs without logprobs": (
+        "/v1/chat/completions",
+        {"top_logprobs": 3},
+        400,
+        "invalid_request",
+        "top_logprobs",
+    ),
     "string max_tokens": ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "invalid_value", "max_tokens"),
     "missing prompt": ("/v1/completions", {"max_tokens": 5}, 400, "missing_required_parameter", "prompt"),
     "empty prompt": ("/v1/completions", {"prompt": ""}, 400, "invalid_request", "prompt"),
@@ -1449,8 +1525,8 @@ BAD_REQUESTS = {
         "prompt",
     ),
     "n=2": ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "unsupported_parameter", "n"),
-    "logprobs": ("/v1/completions", {"prompt": "hi", "logprobs": 1}, 400, "unsupported_parameter", "logprobs"),
-    "chat logprobs": ("/v1/chat/completions", {"logprobs": True}, 400, "unsupported_parameter", "logprobs"),
+    "echo": ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "unsupported_parameter", "echo"),
+    "chat logit_bias": ("/v1/chat/completions", {"logit_bias": {"5": 2}}, 400, "unsupported_parameter", "logit_bias"),
     "best_of": ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "unsupported_parameter", "best_of"),
     "tools": (
         "/v1/chat/completions",

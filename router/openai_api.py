@@ -66,7 +66,7 @@ class StreamOptions(_Strict):
 class _Sampling(_Strict):
     """The fields both endpoints share."""
 
-    model: str
+    model: str | None = None  # absent, null or "": the served model (vLLM's; OpenAI requires it)
     stream: bool | None = False  # null: OpenAI's default, false
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
@@ -430,7 +430,7 @@ def parse_request(
         request = (CompletionRequest if kind == "completion" else ChatRequest).model_validate_json(body)
     except ValidationError as e:
         raise _validation_error(e) from None
-    if request.model != served_model:
+    if request.model and request.model != served_model:
         raise APIError(
             404,  # as OpenAI and vLLM answer: the official client raises NotFoundError
             f"The model {request.model!r} does not exist: this server serves {served_model!r}",

@@ -219,6 +219,14 @@ def parsed(kind: str, body: dict[str, Any], tokenizer: Any) -> Any:
     return parse_request(kind, json.dumps({"model": MODEL, **body}).encode(), MODEL, tokenizer, MAX_MODEL_LEN, 1000)
 
 
+@pytest.mark.parametrize("model", [{}, {"model": None}, {"model": ""}], ids=["absent", "null", "empty"])
+def test_a_request_that_names_no_model_gets_the_served_one(model: dict[str, Any]) -> None:
+    """As vLLM's server: a deployment of one model need not be named by every client."""
+    body = json.dumps({"prompt": [1, 2], **model}).encode()
+    gen = parse_request("completion", body, MODEL, None, MAX_MODEL_LEN, 1000)
+    assert gen.model == MODEL and gen.response("", "stop", {})["model"] == MODEL
+
+
 def test_logprobs_are_asked_for_as_each_endpoint_spells_it(demo_tokenizer: Any) -> None:
     """A completion's ``logprobs: N`` (0: the tokens' own only; false: none); a chat's
     ``logprobs: true`` with ``top_logprobs: N``."""

@@ -164,6 +164,8 @@ def _request(
     if len(request_id) > MAX_REQUEST_ID_CHARS:  # the router's refusal could not name it: no reply would
         why = f"request_id: longer than {MAX_REQUEST_ID_CHARS} characters"
         raise ClusterError(Error(None, "invalid_field", why))
+    if isinstance(sampling.get("logit_bias"), dict):  # {1234: -100} as OpenAI's {"1234": -100}
+        sampling = {**sampling, "logit_bias": {str(token): bias for token, bias in sampling["logit_bias"].items()}}
     return Generate(
         request_id=request_id,
         prompt=prompt,

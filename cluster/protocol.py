@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import msgpack
 import msgspec
 
-from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.sampling import RequestError, SamplingParams
 from pdserve.engine.timings import RequestTimings
 
 PROTOCOL_VERSION = 1
@@ -253,6 +253,7 @@ class Sampling(Message):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    logit_bias: dict[str, float] = msgspec.field(default_factory=dict)  # token id (as OpenAI's, a string) -> bias
 
     def to_params(self) -> SamplingParams:
         """The engine's parameters; raises ``RequestError`` naming a field out of range."""
@@ -269,7 +270,15 @@ class Sampling(Message):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logprobs=self.logprobs,
+            logit_bias=tuple((_token_id(key), bias) for key, bias in self.logit_bias.items()),
         )
+
+
+def _token_id(key: str) -> int:
+    """A ``logit_bias`` key: a token id written in decimal digits."""
+    if not (key.isascii() and key.isdigit()):
+        raise RequestError("logit_bias", f"keys must be token ids, got {key!r}")
+    return int(key)
 
 
 class Generate(Message):

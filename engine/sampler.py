@@ -33,6 +33,16 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     return torch.empty_like(logits).scatter_(-1, order, masked)
 
 
+def add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``logits`` ``[B, V]`` with each row's ``logit_bias`` added (a new tensor)."""
+    rows = [row for row, p in enumerate(params) for _ in p.logit_bias]
+    ids = [token for p in params for token, _ in p.logit_bias]
+    biases = [bias for p in params for _, bias in p.logit_bias]
+    device = logits.device
+    index = (device_tensor(rows, torch.int64, device), device_tensor(ids, torch.int64, device))
+    return logits.index_put(index, device_tensor(biases, torch.float32, device), accumulate=True)
+
+
 def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Set to -inf every logit whose probability is below ``min_p`` times its row's largest.
 
@@ -142,6 +152,8 @@ class Sampler:
         needs them."""
         vocab = logits.shape[-1]
         device = logits.device
+        if any(p.logit_bias for p in params):
+            logits = add_logit_bias(logits, params)
         penalized = [i for i, p in enumerate(params) if p.penalized]
         if penalized:
             if histories is None:

@@ -24,6 +24,8 @@ class RequestError(ValueError):
 GREEDY_BELOW = 1e-5
 # The most alternatives a request may ask to see beside each token (vLLM's default cap).
 MAX_LOGPROBS = 20
+# OpenAI's bound on a logit bias: -100 bans a token, 100 all but forces it.
+MAX_LOGIT_BIAS = 100.0
 # Past this a repeated token's logit is all but zeroed (or flipped to its most negative): a bound
 # that keeps the division finite rather than a limit any use reaches.
 MAX_REPETITION_PENALTY = 1e4
@@ -38,6 +40,9 @@ class SamplingParams:
     (multiplies the negative ones) of every token in the prompt or the output so far; then
     ``frequency_penalty`` times a token's count in the output, and ``presence_penalty`` once if
     it occurs there, are subtracted. They apply to greedy requests too.
+
+    ``logit_bias``: (token id, bias) pairs added to those tokens' logits before anything else,
+    greedy requests included (OpenAI's).
 
     ``logprobs`` (not None) asks for each generated token's log-probability and those of the
     ``logprobs`` likeliest tokens, under the model's own distribution (before penalties,
@@ -55,6 +60,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -84,6 +90,14 @@ class SamplingParams:
             or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise RequestError("logprobs", f"must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not all(isinstance(entry, (tuple, list)) and len(entry) == 2 for entry in self.logit_bias):
+            raise RequestError("logit_bias", "must be (token id, bias) pairs")
+        object.__setattr__(self, "logit_bias", tuple(tuple(entry) for entry in self.logit_bias))
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise RequestError("logit_bias", f"keys must be token ids, got {token!r}")
+            if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise RequestError("logit_bias", f"token {token}: the bias must be in [-100, 100], got {bias!r}")
         if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise RequestError(
                 "repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}"
@@ -134,3 +148,6 @@ def validate_request(
     for t in params.stop_token_ids:
         if t >= vocab_size:
             raise RequestError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab_size})")
+    for t, _ in params.logit_bias:
+        if t >= vocab_size:
+            raise RequestError("logit_bias", f"token id {t} is outside the vocabulary [0, {vocab_size})")

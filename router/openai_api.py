@@ -2,9 +2,9 @@
 response and stream-chunk bodies, and errors in OpenAI's form.
 
 Requests are decoded strictly (no "5" for 5, no ``true`` for 1): a field of the wrong type or
-out of range, a field this server does not support (``n`` > 1, ``echo``, tools, ...) and a
+out of range, a field this server does not support (``echo``, tools, ...) and a
 field OpenAI does not have are each a 400 naming the field; an unsupported field with its "not
-used" value (``logit_bias: {}``, ``tools: []``) passes, and fields that change nothing of
+used" value (``tools: []``, ``best_of: 1``) passes, and fields that change nothing of
 the output (``user``, ``store``, ``metadata``, ``parallel_tool_calls``) are accepted and
 ignored. vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos`` and
 ``stop_token_ids`` are accepted.
@@ -26,6 +26,8 @@ from pdserve.engine.sampling import MAX_LOGPROBS, MAX_REPETITION_PENALTY, Reques
 from pdserve.engine.tokenization import encode_chat, encode_prompt
 
 MAX_INT32 = 2**31 - 1
+# OpenAI's bound on ``n``: each choice is a request of its own in the cluster.
+MAX_CHOICES = 128
 MAX_INT64 = 2**63 - 1
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
@@ -81,10 +83,9 @@ class _Sampling(_Strict):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)  # vLLM's
     min_p: float | None = Field(None, ge=0, le=1)  # vLLM's
-    n: int | None = Field(None, ge=1, le=MAX_INT32)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     user: str | None = None  # accepted and ignored, as it only identifies the caller to OpenAI
-    # OpenAI fields this server does not implement: any value but the neutral one is refused.
-    logit_bias: Any = None
+    logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100], checked with the sampling
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -220,7 +221,6 @@ class ChatRequest(_Sampling):
 
 # Each unsupported field and the values that mean "not used" (what SDKs send by default).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None,),
@@ -260,6 +260,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices: each a request of its own, a seed (if any) plus its index
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -274,18 +275,27 @@ class GenerationRequest:
     def chunk_object(self) -> str:
         return "text_completion" if self.kind == "completion" else "chat.completion.chunk"
 
+    def sampling_of(self, index: int) -> dict[str, Any]:
+        """The cluster's sampling fields of choice ``index``: a seeded request's choices draw
+        from seeds one apart, so that they differ and each repeats."""
+        seed = self.sampling.get("seed")
+        if index == 0 or seed is None:
+            return self.sampling
+        return {**self.sampling, "seed": (seed + index) % (MAX_INT64 + 1)}
+
     def chunk(
         self,
         text: str | None,
         finish_reason: str | None = None,
         first: bool = False,
         logprobs: dict[str, Any] | None = None,
+        index: int = 0,
     ) -> dict[str, Any]:
-        """A stream chunk: ``text`` (None: none, as in chat's last chunk) and/or the finish reason;
-        ``logprobs``: its tokens' (``LogprobsFormat``)."""
+        """A stream chunk of choice ``index``: ``text`` (None: none, as in chat's last chunk)
+        and/or the finish reason; ``logprobs``: its tokens' (``LogprobsFormat``)."""
         if self.kind == "completion":
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": index,
                 "text": text or "",
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
@@ -294,7 +304,7 @@ class GenerationRequest:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return {
             "id": self.id,
             "object": self.chunk_object,
@@ -323,25 +333,35 @@ class GenerationRequest:
         cached_tokens: int | None = None,
         logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The whole (non-streaming) response; ``logprobs``: every token's (``LogprobsFormat``)."""
+        """The whole (non-streaming) response of one choice; ``logprobs``: every token's
+        (``LogprobsFormat``)."""
+        return self.responses([self.choice(0, text, finish_reason, logprobs)], usage, cached_tokens)
+
+    def choice(
+        self, index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Choice ``index`` of a whole response."""
         if self.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-            obj = "text_completion"
-        else:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-            obj = "chat.completion"
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+
+    def responses(
+        self, choices: list[dict[str, Any]], usage: dict[str, int], cached_tokens: int | None = None
+    ) -> dict[str, Any]:
+        """The whole (non-streaming) response of ``choices`` (``choice``); ``usage`` counts the
+        prompt once and every choice's tokens."""
         return {
             "id": self.id,
-            "object": obj,
+            "object": "text_completion" if self.kind == "completion" else "chat.completion",
             "created": self.created,
             "model": self.model,
             "system_fingerprint": None,
-            "choices": [choice],
+            "choices": choices,
             "usage": usage_body(usage, cached_tokens),
         }
 
@@ -450,10 +470,6 @@ def parse_request(
                 raise bad_request(
                     f"messages.{i}.{name} is not supported by this server", "messages", "unsupported_parameter"
                 )
-    if request.n not in (None, 1):
-        raise bad_request(
-            "n > 1 is not supported by this server: ask for one choice per request", "n", "unsupported_parameter"
-        )
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     if isinstance(request, ChatRequest):
@@ -502,10 +518,18 @@ def parse_request(
         "frequency_penalty": request.frequency_penalty or 0.0,
         "repetition_penalty": 1.0 if request.repetition_penalty is None else request.repetition_penalty,
         "logprobs": logprobs,
+        "logit_bias": request.logit_bias or {},
     }
     include_usage = request.stream_options is not None and bool(request.stream_options.include_usage)
     return GenerationRequest(
-        kind, served_model, token_ids, sampling, [s for s in stop if s], bool(request.stream), include_usage
+        kind,
+        served_model,
+        token_ids,
+        sampling,
+        [s for s in stop if s],
+        bool(request.stream),
+        include_usage,
+        request.n or 1,
     )
 
 

@@ -368,6 +368,8 @@ class Frontend:
         gen = await self._parse(kind, body, max_model_len)
         if self.draining:  # began while the body came in: not yet in flight, so the drain won't wait for it
             raise APIError(503, "the server is shutting down", "shutting_down")
+        if gen.n > 1:
+            return await self._generate_choices(gen, arrival, request)
         run = _Run(self, gen, arrival)
         texts = run.texts()
         client = _Disconnect(request.receive)  # from here a client that leaves ends the run
@@ -388,6 +390,73 @@ class Frontend:
         finally:
             if not streaming:
                 client.stop()
+
+    async def _generate_choices(self, gen: GenerationRequest, arrival: float, request: Request) -> Response:
+        """``generate`` of a request for ``n`` > 1 choices: one cluster request each, run side by
+        side (the prefix cache shares the prompt's KV among those that start after the first)."""
+        runs = [_Run(self, gen, arrival, index) for index in range(gen.n)]
+        choices = _Choices(runs, per_piece_logprobs=gen.stream)
+        client = _Disconnect(request.receive)
+        streaming = False
+        try:
+            if not gen.stream:
+                texts: list[list[str]] = [[] for _ in runs]
+                async for index, text, _ in choices:
+                    if text is not None:
+                        texts[index].append(text)
+                choices_body = [
+                    gen.choice(i, "".join(texts[i]), run.ended().finish_reason, run.take_logprobs())
+                    for i, run in enumerate(runs)
+                ]
+                return JSONResponse(gen.responses(choices_body, _total_usage(runs), runs[0].ended().cached_tokens))
+            try:  # as for one choice: the cluster's refusal keeps its status
+                first = await anext(choices)
+            except StopAsyncIteration:
+                first = None
+            streaming = True
+            return _EventStream(self._choice_events(gen, runs, choices, first), choices, client, self.stalls)
+        except asyncio.CancelledError:
+            if not client.absorb():
+                raise
+            return Response(status_code=499)
+        finally:
+            if not streaming:
+                client.stop()
+                await choices.aclose()
+
+    async def _choice_events(
+        self,
+        gen: GenerationRequest,
+        runs: list[_Run],
+        choices: _Choices,
+        first: tuple[int, str | None, dict[str, Any] | None] | None,
+    ) -> AsyncIterator[bytes]:
+        """``_events`` for several choices: each chunk names its choice; each choice ends with its
+        own finish reason; the usage (if asked for) counts them all."""
+        started = [False] * len(runs)
+
+        def event(index: int, text: str | None, logprobs: dict[str, Any] | None) -> bytes:
+            if text is None:
+                last = None if gen.kind == "chat" else ""
+                reason = runs[index].ended().finish_reason
+                return _event(gen.chunk(last, reason, first=not started[index], index=index))
+            body = gen.chunk(text, first=not started[index], logprobs=logprobs, index=index)
+            started[index] = True
+            return _event(body)
+
+        try:
+            if first is not None:
+                yield event(*first)
+            async for piece in choices:
+                yield event(*piece)
+        except APIError as error:
+            self.metrics.observe_error(error.code)
+            yield _event(error.body()) + DONE
+            return
+        tail = b""
+        if gen.include_usage:
+            tail = _event(gen.usage_chunk(_total_usage(runs), runs[0].ended().cached_tokens))
+        yield tail + DONE
 
     async def _parse(self, kind: Literal["completion", "chat"], body: bytes, max_model_len: int) -> GenerationRequest:
         """``parse_request`` of a body: a small one here, as handing it to the parsing thread and
@@ -475,17 +544,24 @@ class _Run:
     strings), then ``outcome`` holds the finish reason and usage. Left early (the client went
     away, a timeout), it aborts the request in the cluster."""
 
-    def __init__(self, frontend: Frontend, gen: GenerationRequest, arrival: float) -> None:
+    def __init__(self, frontend: Frontend, gen: GenerationRequest, arrival: float, index: int = 0) -> None:
         self.frontend = frontend
         self.gen = gen
         self.arrival = arrival
-        self.request_id = gen.id  # the id its client sees is the one in the cluster's logs
+        # The id its client sees is the one in the cluster's logs (with the choice's index, of several).
+        self.request_id = gen.id if gen.n == 1 else f"{gen.id}-{index}"
+        self.sampling = gen.sampling_of(index)
         self.outcome: Outcome | None = None
         # Where the request asked for log-probabilities: those of the pieces yielded and not yet taken.
         self.logprobs_format = (
             None if gen.sampling.get("logprobs") is None else LogprobsFormat(gen.kind, frontend.tokenizer)
         )
         self._pieces: list[tuple[list[int], Logprobs]] = []
+
+    def ended(self) -> Outcome:
+        """How the run ended (once ``texts`` is exhausted)."""
+        assert self.outcome is not None, "the run has not ended"
+        return self.outcome
 
     def take_logprobs(self) -> dict[str, Any] | None:
         """The ``logprobs`` body of the tokens behind the text yielded since the last call (None
@@ -511,7 +587,7 @@ class _Run:
         generated = 0  # tokens in the chunks so far
         frontend.running.add(self.request_id)
         try:
-            stream = client.stream(token_ids=gen.token_ids, request_id=self.request_id, **gen.sampling)
+            stream = client.stream(token_ids=gen.token_ids, request_id=self.request_id, **self.sampling)
             async with contextlib.aclosing(stream) as messages:
                 async for message in messages:
                     now = time.perf_counter()
@@ -607,6 +683,57 @@ def _not_serving(stats: Stats) -> str:
 
 def _event(body: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _Choices:
+    """The pieces of a request's choices as they come, from all of its runs at once:
+    ``(index, text, logprobs)``, then ``(index, None, None)`` once choice ``index`` has ended.
+    The first error a choice meets is raised, and ``aclose`` ends every run (aborting those
+    still in the cluster). ``per_piece_logprobs``: each piece takes its tokens' logprobs body
+    (a stream's chunks); otherwise they stay with the run for its whole response."""
+
+    def __init__(self, runs: list[_Run], per_piece_logprobs: bool) -> None:
+        self.per_piece_logprobs = per_piece_logprobs
+        self.queue: asyncio.Queue[tuple[int, str | None, dict[str, Any] | None] | BaseException] = asyncio.Queue()
+        self.open = len(runs)
+        self.tasks = [asyncio.create_task(self._pump(index, run)) for index, run in enumerate(runs)]
+
+    async def _pump(self, index: int, run: _Run) -> None:
+        try:
+            async with contextlib.aclosing(run.texts()) as texts:
+                async for text in texts:
+                    logprobs = run.take_logprobs() if self.per_piece_logprobs else None
+                    self.queue.put_nowait((index, text, logprobs))
+            self.queue.put_nowait((index, None, None))
+        except Exception as e:  # noqa: BLE001 (the consumer raises it: an APIError, or a bug to see)
+            self.queue.put_nowait(e)
+
+    def __aiter__(self) -> _Choices:
+        return self
+
+    async def __anext__(self) -> tuple[int, str | None, dict[str, Any] | None]:
+        if self.open == 0:
+            raise StopAsyncIteration
+        piece = await self.queue.get()
+        if isinstance(piece, BaseException):
+            raise piece
+        if piece[1] is None:
+            self.open -= 1
+        return piece
+
+    async def aclose(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def _total_usage(runs: list[_Run]) -> dict[str, int]:
+    """Several choices' usage: the prompt once, every choice's generated tokens."""
+    usages = [run.ended().usage for run in runs]
+    return {
+        "prompt_tokens": usages[0].get("prompt_tokens", 0),
+        "completion_tokens": sum(u.get("completion_tokens", 0) for u in usages),
+    }
 
 
 class _DeltaEvents:

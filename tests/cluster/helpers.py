@@ -110,13 +110,16 @@ def mixed_requests(vocab: int, n: int, seed: int) -> tuple[list[list[int]], list
         params[i] = dataclasses.replace(params[i], presence_penalty=0.6, min_p=0.05)
     for i in range(2, n, 3):
         params[i] = dataclasses.replace(params[i], logprobs=i % 4)
+    for i in range(3, n, 4):
+        bias = ((rng.randrange(vocab), 5.0), (rng.randrange(vocab), -100.0))
+        params[i] = dataclasses.replace(params[i], logit_bias=bias)
     return prompts, params
 
 
 def wire_sampling(params: SamplingParams) -> dict[str, Any]:
     """``params`` as the client's sampling keywords."""
     fields = dataclasses.asdict(params)
-    return {**fields, "stop_token_ids": list(fields["stop_token_ids"])}
+    return {**fields, "stop_token_ids": list(fields["stop_token_ids"]), "logit_bias": dict(fields["logit_bias"])}
 
 
 def run_concurrently(client: Client, prompts: list[list[int]], params: list[SamplingParams]) -> list[Final]:

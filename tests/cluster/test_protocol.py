@@ -192,6 +192,7 @@ def test_wire_form_is_a_plain_map_with_type_and_version() -> None:
             "frequency_penalty": 0.0,
             "repetition_penalty": 1.0,
             "logprobs": None,
+            "logit_bias": {},
         },
         "stream": True,
         "chat": True,
@@ -430,10 +431,18 @@ def test_an_unknown_field_is_named() -> None:
     assert error.request_id == "r1"
 
 
+@pytest.mark.parametrize("key", ["abc", "-1", "1.5", " 7", "٣"])
+def test_a_logit_bias_key_that_is_no_token_id_is_refused_by_name(key: str) -> None:
+    with pytest.raises(RequestError) as info:
+        Sampling(logit_bias={key: 1.0}).to_params()
+    assert info.value.field == "logit_bias" and repr(key) in str(info.value)
+    assert Sampling(logit_bias={"17": -3.0}).to_params().logit_bias == ((17, -3.0),)
+
+
 def test_an_unknown_sampling_key_is_named() -> None:
-    error = decode_error(generate(prompt="hi", sampling={"temperature": 0.0, "logit_bias": {"5": 1.0}}))
+    error = decode_error(generate(prompt="hi", sampling={"temperature": 0.0, "best_of": 2}))
     assert error.code == "unknown_field"
-    assert "'logit_bias'" in error.message and "sampling" in error.message
+    assert "'best_of'" in error.message and "sampling" in error.message
     assert error.request_id == "r1"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -27,7 +28,7 @@ def hf_model(model_dir: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, **processors: float) -> list[int]:
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, **processors: Any) -> list[int]:
     """transformers' greedy output, exactly ``max_new_tokens`` long; ``processors``: generate's
     logits processors (``repetition_penalty=1.2``)."""
     with torch.no_grad():

@@ -428,7 +428,7 @@ def test_overlapped_steps_match_sync_steps(bf16_dirs: dict[str, Path]) -> None:
         {},
         {"repetition_penalty": 1.3},
         {"frequency_penalty": 0.5, "min_p": 0.05},
-        {"presence_penalty": 0.8, "frequency_penalty": -0.2},
+        {"presence_penalty": 0.8, "frequency_penalty": -0.2, "logit_bias": ((5, 3.0), (9, -100.0))},
     ]
     params = [
         SamplingParams(
@@ -467,7 +467,9 @@ def test_overlapped_steps_never_wait_for_the_stream(bf16_dirs: dict[str, Path]) 
             SamplingParams(
                 max_tokens=40, temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.3, ignore_eos=True
             ),
-            SamplingParams(max_tokens=40, temperature=0.7, min_p=0.1, presence_penalty=0.5, ignore_eos=True),
+            SamplingParams(
+                max_tokens=40, temperature=0.7, min_p=0.1, presence_penalty=0.5, logit_bias=((3, 2.0),), ignore_eos=True
+            ),
             SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=5),
         ]
     ):

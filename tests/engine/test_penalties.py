@@ -1,5 +1,6 @@
-"""Repetition, frequency and presence penalties: the engine against transformers (fp32, CPU) and
-against the rules written out a token at a time, with steps overlapped or not."""
+"""What changes the logits before sampling (a logit bias; repetition, frequency and presence
+penalties): the engine against transformers (fp32, CPU) and against the rules written out a
+token at a time, with steps overlapped or not."""
 
 from __future__ import annotations
 
@@ -64,6 +65,28 @@ def test_repetition_penalty_matches_transformers(tiny_model_dirs: dict[str, Path
     # The penalty must change something here, or this test could not fail.
     assert got[0] != hf_greedy(reference, prompts[0], MAX_TOKENS)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_logit_bias_matches_transformers_sequence_bias(tiny_model_dirs: dict[str, Path], overlap: bool) -> None:
+    """A bias on single tokens is transformers' ``sequence_bias`` of one-token sequences; with a
+    repetition penalty too, the bias comes first (as vLLM orders them)."""
+    model_dir = tiny_model_dirs["tiny-qwen2"]
+    engine = make_engine(model_dir, overlap=overlap)
+    prompts = make_prompts(engine.model_config.vocab_size, [6, 19, 33], seed=7)
+    reference = hf_model(model_dir)
+    plain = [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in prompts]
+    # Ban each request's first greedy token and favour two others.
+    biases = [((plain[i][0], -100.0), (7, 3.5), (11 + i, 2.0)) for i in range(len(prompts))]
+    params = [greedy(logit_bias=biases[0]), greedy(logit_bias=biases[1], repetition_penalty=1.4), greedy()]
+    got = engine.generate(prompts, params)
+    for i, p in enumerate(params):
+        sequence_bias = {(token,): bias for token, bias in p.logit_bias} or None
+        expected = hf_greedy(
+            reference, prompts[i], MAX_TOKENS, sequence_bias=sequence_bias, repetition_penalty=p.repetition_penalty
+        )
+        assert got[i] == expected, f"request {i}"
+    assert got[0][0] != plain[0][0] and got[2] == plain[2]
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])

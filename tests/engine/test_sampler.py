@@ -62,6 +62,18 @@ def test_a_penalty_changes_a_greedy_row_beside_plain_rows() -> None:
         Sampler()(logits, params[:2], [2, 2])
 
 
+def test_a_logit_bias_moves_its_rows_only() -> None:
+    logits = torch.zeros(3, 6)
+    params = [
+        SamplingParams(temperature=0.0, logit_bias=((4, 2.0), (1, 1.0))),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, logit_bias=tuple((t, -100.0) for t in range(6) if t != 2)),
+    ]
+    torch.manual_seed(0)
+    for _ in range(20):  # the sampled row: every token but 2 banned
+        assert Sampler()(logits, params, [1, 1, 1]).tolist() == [4, 0, 2]
+
+
 def test_top_k_and_top_p_combine() -> None:
     logits = torch.tensor([[4.0, 3.9, 3.8, 0.0, -2.0]])
     # top-k 3 renormalises over three near-equal tokens; top-p 0.5 then needs two of them.
@@ -152,6 +164,11 @@ def test_position_seeds_differ_across_seeds_and_positions() -> None:
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"repetition_penalty": float("inf")}, "repetition_penalty"),
         ({"repetition_penalty": True}, "repetition_penalty"),
+        ({"logit_bias": ((5, 100.5),)}, "logit_bias"),
+        ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
+        ({"logit_bias": ((True, 1.0),)}, "logit_bias"),
+        ({"logit_bias": ((5,),)}, "logit_bias"),
+        ({"logit_bias": ((5, float("nan")),)}, "logit_bias"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs: dict, field: str) -> None:

@@ -227,6 +227,17 @@ def test_a_request_that_names_no_model_gets_the_served_one(model: dict[str, Any]
     assert gen.model == MODEL and gen.response("", "stop", {})["model"] == MODEL
 
 
+def test_choices_are_requests_of_their_own_with_seeds_one_apart() -> None:
+    gen = parsed("completion", {"prompt": [1, 2], "n": 3, "seed": 2**63 - 2, "temperature": 1.0}, None)
+    assert gen.n == 3
+    assert [gen.sampling_of(i)["seed"] for i in range(3)] == [2**63 - 2, 2**63 - 1, 0]
+    unseeded = parsed("completion", {"prompt": [1, 2], "n": 2}, None)
+    assert unseeded.sampling_of(1) == unseeded.sampling
+    with pytest.raises(APIError) as info:
+        parsed("completion", {"prompt": [1, 2], "n": 129}, None)
+    assert (info.value.status, info.value.param) == (400, "n")
+
+
 def test_logprobs_are_asked_for_as_each_endpoint_spells_it(demo_tokenizer: Any) -> None:
     """A completion's ``logprobs: N`` (0: the tokens' own only; false: none); a chat's
     ``logprobs: true`` with ``top_logprobs: N``."""
@@ -318,7 +329,7 @@ def test_a_reply_as_the_official_client_dumps_it_is_a_valid_next_turn(demo_token
     [
         ("completion", {"echo": True}, "echo", "echo is not supported by this server"),
         ("completion", {"best_of": True}, "best_of", "best_of is not supported by this server"),
-        ("chat", {"logit_bias": {"5": 10}}, "logit_bias", "logit_bias is not supported by this server"),
+        ("completion", {"suffix": "and so on"}, "suffix", "suffix is not supported by this server"),
         ("chat", {"tool_choice": "auto"}, "tool_choice", "tool_choice is not supported by this server"),
         ("chat", {"tools": [TOOL]}, "tools", "tools is not supported by this server"),  # OpenAI's choice: auto
         (
@@ -1378,6 +1389,18 @@ def test_stop_strings_stop_token_ids_seed_top_k_and_ignore_eos(served: Served) -
     )
     assert penalized.choices[0].text == same.text != full.text
 
+    # A logit bias reaches the cluster: banning the greedy answer's first token changes it.
+    banned = {str(full.token_ids[0]): -100}
+    biased = client.completions.create(
+        model=MODEL,
+        prompt=TEXT_PROMPT,
+        max_tokens=8,
+        temperature=0,
+        logit_bias=banned,  # type: ignore[arg-type]
+    )
+    same = zmq_greedy(served, TEXT_PROMPT, chat=False, max_tokens=8, logit_bias=banned)
+    assert biased.choices[0].text == same.text and same.token_ids[0] != full.token_ids[0]
+
     # ignore_eos: a chat answer runs to max_completion_tokens instead of stopping at <|im_end|>.
     short = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_completion_tokens=40, temperature=0
@@ -1532,9 +1555,30 @@ BAD_REQUESTS = {
         "invalid_request",
         "prompt",
     ),
-    "n=2": ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "unsupported_parameter", "n"),
+    "n past 128": ("/v1/completions", {"prompt": "hi", "n": 129}, 400, "invalid_value", "n"),
     "echo": ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "unsupported_parameter", "echo"),
-    "chat logit_bias": ("/v1/chat/completions", {"logit_bias": {"5": 2}}, 400, "unsupported_parameter", "logit_bias"),
+    "suffix": ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "unsupported_parameter", "suffix"),
+    "logit_bias past 100": (
+        "/v1/chat/completions",
+        {"logit_bias": {"5": 101}},
+        400,
+        "invalid_request",
+        "logit_bias",
+    ),
+    "logit_bias on no token id": (
+        "/v1/completions",
+        {"prompt": "hi", "logit_bias": {"five": 1}},
+        400,
+        "invalid_request",
+        "logit_bias",
+    ),
+    "logit_bias outside the vocabulary": (
+        "/v1/completions",
+        {"prompt": "hi", "logit_bias": {"10000000": 1}},
+        400,
+        "invalid_request",
+        "logit_bias",
+    ),
     "best_of": ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "unsupported_parameter", "best_of"),
     "tools": (
         "/v1/chat/completions",
@@ -1594,8 +1638,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served: Ser
     assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
 
     with pytest.raises(openai.BadRequestError) as info:  # what the official client makes of one
-        served.client.completions.create(model=MODEL, prompt="hi", n=2)
-    assert info.value.status_code == 400 and info.value.code == "unsupported_parameter" and info.value.param == "n"
+        served.client.completions.create(model=MODEL, prompt="hi", echo=True)
+    assert info.value.status_code == 400 and info.value.code == "unsupported_parameter" and info.value.param == "echo"
 
     after = metric_samples(served)
     for code in (
@@ -1764,6 +1808,55 @@ def test_metrics_of_several_processes_are_summed_whichever_one_exposes_them(tmp_
 
 
 @pytest.mark.slow
+def test_n_choices_whole_and_streamed(served: Served) -> None:
+    """Each choice is the cluster's answer to its own request (seeds one apart); the usage counts
+    the prompt once and every choice's tokens; a stream ends each choice with its own reason."""
+    client = served.client
+    whole = client.completions.create(
+        model=MODEL, prompt=TEXT_PROMPT, max_tokens=10, temperature=1.0, seed=5, n=3, logprobs=1
+    )
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    expected = [
+        served.zmq.generate(TEXT_PROMPT, chat=False, max_tokens=10, temperature=1.0, seed=5 + i) for i in range(3)
+    ]
+    assert [c.text for c in whole.choices] == [e.text for e in expected]
+    assert len({c.text for c in whole.choices}) > 1
+    assert all(
+        c.logprobs is not None and len(c.logprobs.tokens or []) == len(e.token_ids)
+        for c, e in zip(whole.choices, expected)
+    )
+    assert whole.usage is not None
+    assert whole.usage.prompt_tokens == expected[0].usage["prompt_tokens"]
+    assert whole.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_completion_tokens=12,
+        temperature=0,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts, reasons, roles, usage = ["", ""], [None, None], [0, 0], None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            roles[choice.index] += choice.delta.role == "assistant"
+            if choice.finish_reason is not None:
+                assert reasons[choice.index] is None
+                reasons[choice.index] = choice.finish_reason
+    greedy = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_completion_tokens=12, temperature=0
+    )
+    assert texts == [greedy.choices[0].message.content] * 2
+    assert reasons == [greedy.choices[0].finish_reason] * 2 and roles == [1, 1]
+    assert usage is not None and greedy.usage is not None
+    assert usage.completion_tokens == 2 * greedy.usage.completion_tokens
+    wait_for(lambda: idle(served.zmq.stats()), 30, "the choices' requests did not end")
+
+
 def test_a_client_that_goes_away_aborts_its_request_and_frees_the_kv(served: Served) -> None:
     before = metric_samples(served)
     body = {
@@ -1824,6 +1917,21 @@ def test_a_client_that_goes_away_aborts_its_request_and_frees_the_kv(served: Ser
         )
 
     wait_for(counted, 10, "the aborts are not counted in every metric")
+
+    # A stream of several choices that its client leaves has every choice's request aborted.
+    with (
+        httpx.Client(base_url=served.base_url, timeout=60) as http,
+        http.stream("POST", "/v1/completions", json={**body, "n": 3}) as response,
+    ):
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events == 6:  # still reading: leaving the loop closes the connection
+                wait_for(lambda: served.zmq.stats().requests_in_flight == 3, 10, "the three choices never all ran")
+                break
+    gone = time.monotonic()
+    wait_for(lambda: idle(served.zmq.stats()), 60, "the choices' KV was not freed")
+    assert time.monotonic() - gone < max(2.0, 476 * per_token / 4)
 
 
 def test_a_client_that_stops_reading_is_dropped_after_the_send_timeout(demo_model_dir: Path, tmp_path: Path) -> None:

@@ -50,7 +50,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable, Seconds
 from pdserve.cluster.config import API_KEY_ENV, cluster_settings, origins
-from pdserve.cluster.protocol import Chunk, Final, Logprobs, Stats
+from pdserve.cluster.protocol import Chunk, Final, Logprobs, Sampling, Stats
+from pdserve.engine.sampling import RequestError, validate_request
 from pdserve.engine.tokenization import load_tokenizer
 from pdserve.router.metrics import MULTIPROC_DIR_ENV, FrontendMetrics
 from pdserve.router.openai_api import APIError, GenerationRequest, LogprobsFormat, parse_request
@@ -394,6 +395,7 @@ class Frontend:
     async def _generate_choices(self, gen: GenerationRequest, arrival: float, request: Request) -> Response:
         """``generate`` of a request for ``n`` > 1 choices: one cluster request each, run side by
         side (the prefix cache shares the prompt's KV among those that start after the first)."""
+        self._check_sampling(gen)
         runs = [_Run(self, gen, arrival, index) for index in range(gen.n)]
         choices = _Choices(runs, per_piece_logprobs=gen.stream)
         client = _Disconnect(request.receive)
@@ -423,6 +425,17 @@ class Frontend:
             if not streaming:
                 client.stop()
                 await choices.aclose()
+
+    def _check_sampling(self, gen: GenerationRequest) -> None:
+        """The cluster's checks of a request, here: a request it would refuse is refused once, not
+        once for each of its choices."""
+        try:
+            params = Sampling(**gen.sampling).to_params()
+            if self.vocab_size is not None and self.max_model_len is not None:
+                validate_request(gen.token_ids, params, self.vocab_size, self.max_model_len)
+        except RequestError as e:
+            field = gen.prompt_param if e.field in ("prompt", "prompt_token_ids") else e.field
+            raise APIError(400, f"{field}: {e.message}", "invalid_request", field) from None
 
     async def _choice_events(
         self,

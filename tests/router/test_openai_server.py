@@ -238,6 +238,26 @@ def test_choices_are_requests_of_their_own_with_seeds_one_apart() -> None:
     assert (info.value.status, info.value.param) == (400, "n")
 
 
+def test_a_request_of_several_choices_is_checked_before_it_fans_out(demo_model_dir: Path) -> None:
+    """The cluster's checks run in the front end first: one refusal, not one per choice (each
+    a warning in the router's log)."""
+    frontend = Frontend("tcp://127.0.0.1:1", str(demo_model_dir), MODEL)  # never connects
+    frontend.max_model_len = MAX_MODEL_LEN
+    bodies = {
+        "logit_bias": {"prompt": [1, 2], "n": 3, "logit_bias": {"49152": 1}},
+        "stop_token_ids": {"prompt": [1, 2], "n": 2, "stop_token_ids": [50_000]},
+        "prompt": {"prompt": [1, 49_152], "n": 2},
+    }
+    for field, body in bodies.items():
+        gen = parse_request("completion", json.dumps(body).encode(), MODEL, frontend.tokenizer, MAX_MODEL_LEN, 1000)
+        with pytest.raises(APIError) as info:
+            frontend._check_sampling(gen)
+        assert (info.value.status, info.value.param) == (400, field), info.value.message
+    frontend._check_sampling(
+        parse_request("completion", b'{"prompt": [1, 2], "n": 2}', MODEL, None, MAX_MODEL_LEN, 1000)
+    )
+
+
 def test_logprobs_are_asked_for_as_each_endpoint_spells_it(demo_tokenizer: Any) -> None:
     """A completion's ``logprobs: N`` (0: the tokens' own only; false: none); a chat's
     ``logprobs: true`` with ``top_logprobs: N``."""
@@ -1855,6 +1875,11 @@ def test_n_choices_whole_and_streamed(served: Served) -> None:
     assert usage is not None and greedy.usage is not None
     assert usage.completion_tokens == 2 * greedy.usage.completion_tokens
     wait_for(lambda: idle(served.zmq.stats()), 30, "the choices' requests did not end")
+
+    # A request the cluster would refuse is refused as one request would be.
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=TEXT_PROMPT, n=3, logit_bias={"49152": 1})  # type: ignore[dict-item]
+    assert info.value.param == "logit_bias" and "outside the vocabulary" in info.value.message
 
 
 def test_a_client_that_goes_away_aborts_its_request_and_frees_the_kv(served: Served) -> None:

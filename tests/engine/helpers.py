@@ -51,8 +51,10 @@ def make_engine(
     max_model_len: int = 256,
     overlap: bool = True,
     kernels: str = "auto",
+    prefix_cache: bool = True,
     **sched: object,
 ) -> LLMEngine:
+    """An fp32 engine on the CPU; ``sched``: ``SchedulerConfig`` fields."""
     return LLMEngine(
         EngineConfig(
             model=str(model_dir),
@@ -61,7 +63,7 @@ def make_engine(
             max_model_len=max_model_len,
             kernels=kernels,
             overlap_scheduling=overlap,
-            cache=CacheConfig(num_blocks=num_blocks),
+            cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=prefix_cache),
             scheduler=SchedulerConfig(**sched),  # type: ignore[arg-type]
         )
     )

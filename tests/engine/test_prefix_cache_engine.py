@@ -10,27 +10,21 @@ import pytest
 import torch
 
 from pdserve.cluster.config import ClusterConfig
-from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.config import CacheConfig, ModelConfig
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling import SamplingParams
+from pdserve.tests.engine import helpers
 
-BLOCK = 16
+BLOCK = CacheConfig().block_size
 PREFIX_LENGTHS = [0, 5, BLOCK, BLOCK + 1, 2 * BLOCK, 3 * BLOCK - 1, 4 * BLOCK, 5 * BLOCK + 3]
 
 
 def make_engine(
     model_dir: Path, prefix_cache: bool, num_blocks: int = 128, overlap: bool = True, **sched: object
 ) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=str(model_dir),
-            dtype="float32",
-            device="cpu",
-            max_model_len=128,
-            overlap_scheduling=overlap,
-            cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, enable_prefix_caching=prefix_cache),
-            scheduler=SchedulerConfig(**sched),  # type: ignore[arg-type]
-        )
+    """``helpers.make_engine`` of 128-token requests (blocks of ``BLOCK``, the default size)."""
+    return helpers.make_engine(
+        model_dir, num_blocks, max_model_len=128, overlap=overlap, prefix_cache=prefix_cache, **sched
     )
 
 

@@ -684,10 +684,15 @@ class Router:
             return
         if self.client_load.get(client, 0) >= self.config.max_requests_per_client:
             limit = self.config.max_requests_per_client
-            self._reject(client, Error(client_id, "overloaded", f"this client has {limit} requests in flight already"))
+            why = (
+                f"this connection has {limit} requests in flight already (--max-requests-per-client; an HTTP "
+                "front end's clients share its one connection): retry later"
+            )
+            self._reject(client, Error(client_id, "overloaded", why))
             return
         if len(self.requests) >= self.config.max_requests:
-            self._reject(client, Error(client_id, "overloaded", "the cluster has too many requests in flight"))
+            why = f"the cluster has {self.config.max_requests} requests in flight (--max-requests): retry later"
+            self._reject(client, Error(client_id, "overloaded", why))
             return
         if (client, client_id) in self.by_client:
             self._reject(

@@ -201,6 +201,7 @@ def test_size_limits_and_admission(cluster_factory, tiny_model_dirs: dict[str, P
                 outcomes.append(client.result(request_id).finish_reason)
             except ClusterError as e:
                 outcomes.append(e.code)
+                assert "4 requests in flight already (--max-requests-per-client" in str(e), e
         assert outcomes == ["length"] * 4 + ["overloaded"] * 2
         slots_back = client.generate(token_ids=[9], max_tokens=2, temperature=0.0, ignore_eos=True)
         assert len(slots_back.token_ids) == 2  # the slots came back

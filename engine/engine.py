@@ -26,7 +26,7 @@ from pdserve.engine.sampling import RequestError, SamplingParams, validate_reque
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.step_channel import StepSender
-from pdserve.engine.step_plan import StepPlan, build_plan, pending_token
+from pdserve.engine.step_plan import StepPlan, build_plan, host_copy, pending_token
 from pdserve.engine.timings import RequestTimings
 
 __all__ = ["CacheEvent", "CacheListener", "EngineStats", "LLMEngine", "RequestOutput", "Reservation"]
@@ -92,8 +92,7 @@ class _InFlight:
         (``tolist``) would wait for everything queued on the stream, the next step included."""
         if tokens.device.type != "cuda":
             return cls(seqs, indexes, tokens, tokens, logprobs, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+        host = host_copy(tokens)
         host_logprobs = None if logprobs is None else logprobs.to_host()
         copied = torch.cuda.Event()
         copied.record()

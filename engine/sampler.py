@@ -9,7 +9,7 @@ import torch
 
 from pdserve.engine.penalties import History, penalize
 from pdserve.engine.sampling import SamplingParams
-from pdserve.engine.step_plan import device_tensor
+from pdserve.engine.step_plan import device_tensor, host_copy
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -86,7 +86,7 @@ class SampledLogprobs:
 
     def to_host(self) -> SampledLogprobs:
         """Copies in pinned memory, queued behind the sampling (complete once the stream passes)."""
-        return SampledLogprobs(self.rows, *(_pinned_copy(t) for t in (self.chosen, self.top_ids, self.top_logprobs)))
+        return SampledLogprobs(self.rows, *(host_copy(t) for t in (self.chosen, self.top_ids, self.top_logprobs)))
 
     def per_row(self, params: list[SamplingParams]) -> dict[int, TokenLogprobs]:
         """Row -> its token's log-probabilities, each with as many alternatives as it asked."""
@@ -96,14 +96,6 @@ class SampledLogprobs:
             k = params[row].logprobs or 0
             out[row] = TokenLogprobs(chosen[j], top_ids[j][:k], top_logprobs[j][:k])
         return out
-
-
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    if t.device.type != "cuda":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
 
 
 _MASK64 = (1 << 64) - 1

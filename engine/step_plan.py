@@ -106,6 +106,16 @@ def device_tensor(values: list | np.ndarray, dtype: torch.dtype, device: torch.d
     return host_tensor(values, dtype, pin=device.type == "cuda").to(device, non_blocking=True)
 
 
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy in page-locked host memory, queued on the stream (complete once the
+    stream passes it; record an event to wait for it). A CPU tensor is returned as it is."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 def pending_token(row: int) -> int:
     """The placeholder id of a sampled token not yet read back from the device: row ``row`` of
     the sampled tokens of the step that produced it (the last one launched)."""

@@ -50,7 +50,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable, Seconds
 from pdserve.cluster.config import API_KEY_ENV, cluster_settings, origins
-from pdserve.cluster.protocol import Chunk, Final, Logprobs, Sampling, Stats
+from pdserve.cluster.protocol import Chunk, Error, Final, Logprobs, Sampling, Stats
 from pdserve.engine.sampling import RequestError, validate_request
 from pdserve.engine.tokenization import load_tokenizer
 from pdserve.router.metrics import MULTIPROC_DIR_ENV, FrontendMetrics
@@ -432,10 +432,9 @@ class Frontend:
         try:
             params = Sampling(**gen.sampling).to_params()
             if self.vocab_size is not None and self.max_model_len is not None:
-                validate_request(gen.token_ids, params, self.vocab_size, self.max_model_len)
-        except RequestError as e:
-            field = gen.prompt_param if e.field in ("prompt", "prompt_token_ids") else e.field
-            raise APIError(400, f"{field}: {e.message}", "invalid_request", field) from None
+                validate_request(gen.token_ids, params, self.vocab_size, self.max_model_len, tokens_field="token_ids")
+        except RequestError as e:  # answered as the router's refusal of one request is
+            raise _cluster_error(ClusterError(Error(None, "invalid_request", str(e))), gen.prompt_param) from None
 
     async def _choice_events(
         self,
@@ -516,8 +515,7 @@ class Frontend:
 
     async def _whole(self, gen: GenerationRequest, run: _Run, texts: AsyncIterator[str]) -> JSONResponse:
         parts = [text async for text in texts]
-        assert run.outcome is not None
-        outcome = run.outcome
+        outcome = run.ended()
         return JSONResponse(
             gen.response(
                 "".join(parts), outcome.finish_reason, outcome.usage, outcome.cached_tokens, run.take_logprobs()
@@ -545,10 +543,10 @@ class Frontend:
             self.metrics.observe_error(error.code)
             yield _event(error.body()) + DONE
             return
-        assert run.outcome is not None
-        tail = _event(gen.chunk(None if gen.kind == "chat" else "", run.outcome.finish_reason, first=not sent))
+        outcome = run.ended()
+        tail = _event(gen.chunk(None if gen.kind == "chat" else "", outcome.finish_reason, first=not sent))
         if gen.include_usage:
-            tail += _event(gen.usage_chunk(run.outcome.usage, run.outcome.cached_tokens))
+            tail += _event(gen.usage_chunk(outcome.usage, outcome.cached_tokens))
         yield tail + DONE
 
 

@@ -248,6 +248,7 @@ class Sampling(Message):
     seed: int | None = None
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -265,6 +266,7 @@ class Sampling(Message):
             seed=self.seed,
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
             min_p=self.min_p,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,

@@ -344,7 +344,8 @@ class LLMEngine:
         histories = None
         if any(p.penalized for p in params):
             histories = [History(s.token_ids, s.num_prompt_tokens) for s in sampled_seqs]
-        tokens = self.sampler(logits, params, [s.num_tokens for s in sampled_seqs], histories, sampled)
+        banned = [self._stop_ids(s.params) if s.num_output_tokens < s.params.min_tokens else () for s in sampled_seqs]
+        tokens = self.sampler(logits, params, [s.num_tokens for s in sampled_seqs], histories, sampled, banned)
         logprobs = SampledLogprobs.of(logits, tokens, params)
         indexes = []
         for row, seq in enumerate(sampled_seqs):
@@ -392,6 +393,11 @@ class LLMEngine:
     def _length_reached(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether ``seq`` ends once it holds ``num_tokens`` tokens, whatever the last one is."""
         return num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= self.max_model_len
+
+    def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        """The ids that end a request of ``params``: what ``min_tokens`` holds back."""
+        eos = () if params.ignore_eos else self.model_config.eos_token_ids
+        return (*eos, *params.stop_token_ids)
 
     def _stop_reason(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
         """Why ``seq`` ends with ``token`` as its ``num_tokens``-th token, or None."""

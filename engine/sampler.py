@@ -43,6 +43,15 @@ def add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return logits.index_put(index, device_tensor(biases, torch.float32, device), accumulate=True)
 
 
+def ban_tokens(logits: torch.Tensor, banned: list[tuple[int, ...]]) -> torch.Tensor:
+    """``logits`` ``[B, V]`` with the ids ``banned[row]`` of each row set to -inf (a new tensor)."""
+    rows = [row for row, ids in enumerate(banned) for _ in ids]
+    ids = [token for row_ids in banned for token in row_ids]
+    device = logits.device
+    index = (device_tensor(rows, torch.int64, device), device_tensor(ids, torch.int64, device))
+    return logits.index_put(index, torch.full((len(ids),), float("-inf"), device=device))
+
+
 def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Set to -inf every logit whose probability is below ``min_p`` times its row's largest.
 
@@ -136,16 +145,19 @@ class Sampler:
         positions: list[int],
         histories: list[History] | None = None,
         sampled: torch.Tensor | None = None,
+        banned: list[tuple[int, ...]] | None = None,
     ) -> torch.Tensor:
         """logits ``[B, V]`` fp32 -> one token id per row, ``[B]`` int64 on the logits' device;
         ``positions[i]``: how many tokens row i's sequence holds before the one sampled;
         ``histories``: each row's tokens, needed where a row asks for a penalty; ``sampled``: the
-        tokens their placeholders name. No host sync: the engine reads the tokens back when it
-        needs them."""
+        tokens their placeholders name; ``banned``: ids each row may not draw (a ``min_tokens``
+        row's stop tokens). No host sync: the engine reads the tokens back when it needs them."""
         vocab = logits.shape[-1]
         device = logits.device
         if any(p.logit_bias for p in params):
             logits = add_logit_bias(logits, params)
+        if banned is not None and any(banned):
+            logits = ban_tokens(logits, banned)
         penalized = [i for i, p in enumerate(params) if p.penalized]
         if penalized:
             if histories is None:

@@ -44,6 +44,9 @@ class SamplingParams:
     ``logit_bias``: (token id, bias) pairs added to those tokens' logits before anything else,
     greedy requests included (OpenAI's).
 
+    ``min_tokens``: the end-of-sequence tokens (unless ``ignore_eos``) and ``stop_token_ids``
+    cannot be sampled before the output holds this many tokens (vLLM's).
+
     ``logprobs`` (not None) asks for each generated token's log-probability and those of the
     ``logprobs`` likeliest tokens, under the model's own distribution (before penalties,
     temperature and masks, as vLLM reports them)."""
@@ -55,6 +58,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -78,6 +82,10 @@ class SamplingParams:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise RequestError("stop_token_ids", "must be non-negative integers")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise RequestError("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise RequestError("min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise RequestError("min_p", f"must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):

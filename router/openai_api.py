@@ -6,8 +6,8 @@ out of range, a field this server does not support (``echo``, tools, ...) and a
 field OpenAI does not have are each a 400 naming the field; an unsupported field with its "not
 used" value (``tools: []``, ``best_of: 1``) passes, and fields that change nothing of
 the output (``user``, ``store``, ``metadata``, ``parallel_tool_calls``) are accepted and
-ignored. vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos`` and
-``stop_token_ids`` are accepted.
+ignored. vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``stop_token_ids``, ``min_tokens`` and ``include_stop_str_in_output`` are accepted.
 Prompts are tokenized here, the same way the ZMQ client's are
 (``engine.tokenization.encode_prompt``), so the cluster gets token ids.
 """
@@ -77,8 +77,10 @@ class _Sampling(_Strict):
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32)  # vLLM: -1 and 0 both turn it off
     seed: int | None = Field(None, ge=0, le=MAX_INT64)
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False  # vLLM's
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    min_tokens: int | None = Field(None, ge=0, le=MAX_INT32)  # vLLM's
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)  # vLLM's
@@ -258,6 +260,7 @@ class GenerationRequest:
     token_ids: list[int]
     sampling: dict[str, Any]  # cluster.protocol.Sampling fields
     stop: list[str] = field(default_factory=list)
+    include_stop: bool = False  # the output keeps the stop string that ended it
     stream: bool = False
     include_usage: bool = False
     n: int = 1  # choices: each a request of its own, a seed (if any) plus its index
@@ -513,6 +516,7 @@ def parse_request(
         "seed": request.seed,
         "stop_token_ids": list(request.stop_token_ids or []),
         "ignore_eos": request.ignore_eos,
+        "min_tokens": request.min_tokens or 0,
         "min_p": request.min_p or 0.0,
         "presence_penalty": request.presence_penalty or 0.0,
         "frequency_penalty": request.frequency_penalty or 0.0,
@@ -526,10 +530,11 @@ def parse_request(
         served_model,
         token_ids,
         sampling,
-        [s for s in stop if s],
-        bool(request.stream),
-        include_usage,
-        request.n or 1,
+        stop=[s for s in stop if s],
+        include_stop=request.include_stop_str_in_output,
+        stream=bool(request.stream),
+        include_usage=include_usage,
+        n=request.n or 1,
     )
 
 

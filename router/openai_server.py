@@ -591,7 +591,8 @@ class _Run:
         frontend, metrics, gen = self.frontend, self.frontend.metrics, self.gen
         client = frontend.client
         assert client is not None
-        matcher = StopStringMatcher(gen.stop) if gen.stop else None
+        matcher = StopStringMatcher(gen.stop, gen.include_stop) if gen.stop else None
+        min_tokens = self.sampling.get("min_tokens", 0)  # no stop string ends the output before these
         ended = False  # the cluster sent the request's terminal message
         failed = False  # answered with an error: counted as that alone
         last: float | None = None
@@ -620,7 +621,7 @@ class _Run:
                     if matcher is None:
                         yield message.text
                         continue
-                    text, stopped = matcher.add(message.text)
+                    text, stopped = matcher.add(message.text, may_stop=generated > min_tokens)
                     if stopped:  # the cluster only knows stop tokens: end it here, before the client reads on
                         await client.abort(self.request_id)
                     yield text

@@ -7,26 +7,37 @@ from __future__ import annotations
 
 class StopStringMatcher:
     """Feed text deltas in order; ``add`` returns the text that is safe to send and whether a
-    stop string ended the output; ``flush`` releases what is held back once the stream ends."""
+    stop string ended the output; ``flush`` releases what is held back once the stream ends.
 
-    def __init__(self, stops: list[str]) -> None:
+    ``include``: the output ends after the stop string instead of before it (vLLM's
+    ``include_stop_str_in_output``), so nothing need be held back."""
+
+    def __init__(self, stops: list[str], include: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include = include
         # A stop string that started in earlier text ends at most this many characters into a delta.
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""  # the output so far (cut before the stop string once one is found)
+        self.hold = 0 if include else max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""  # the output so far (cut at the stop string once one is found)
         self.sent = 0  # characters of ``text`` already returned
         self.stopped = False
 
-    def add(self, delta: str) -> tuple[str, bool]:
+    def add(self, delta: str, may_stop: bool = True) -> tuple[str, bool]:
+        """``may_stop`` false (vLLM's ``min_tokens`` not yet reached): no stop string may end in
+        this delta; one that starts here and ends in a later delta still counts."""
         if self.stopped:
             return "", True
-        start = max(0, len(self.text) - self.hold)  # earlier text was already searched
+        end_of_old = len(self.text)
         self.text += delta
-        matches = [i for i in (self.text.find(s, start) for s in self.stops) if i != -1]
-        if matches:
-            self.text = self.text[: min(matches)]
-            self.stopped = True
-            return self.flush(), True
+        if may_stop:
+            # Only matches that end in the delta: earlier text was searched, or could not stop.
+            found = [
+                (i, i + len(s)) for s in self.stops if (i := self.text.find(s, max(0, end_of_old - len(s) + 1))) != -1
+            ]
+            if found:
+                start, end = min(found)
+                self.text = self.text[: end if self.include else start]
+                self.stopped = True
+                return self.flush(), True
         end = max(self.sent, len(self.text) - self._open_tail())
         out, self.sent = self.text[self.sent : end], end
         return out, False

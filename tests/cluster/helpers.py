@@ -113,6 +113,11 @@ def mixed_requests(vocab: int, n: int, seed: int) -> tuple[list[list[int]], list
     for i in range(3, n, 4):
         bias = ((rng.randrange(vocab), 5.0), (rng.randrange(vocab), -100.0))
         params[i] = dataclasses.replace(params[i], logit_bias=bias)
+    # Half the vocabulary stops these, but not within their first tokens: prefill's first token
+    # and decode's next ones must both hold them back, and the first allowed one likely stops.
+    for i in range(1, n, 4):
+        p = params[i]
+        params[i] = dataclasses.replace(p, stop_token_ids=tuple(range(0, vocab, 2)), min_tokens=min(3, p.max_tokens))
     return prompts, params
 
 

@@ -187,6 +187,7 @@ def test_wire_form_is_a_plain_map_with_type_and_version() -> None:
             "seed": 123,
             "stop_token_ids": [2, 3],
             "ignore_eos": True,
+            "min_tokens": 0,
             "min_p": 0.0,
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,

@@ -471,6 +471,8 @@ def test_overlapped_steps_never_wait_for_the_stream(bf16_dirs: dict[str, Path]) 
                 max_tokens=40, temperature=0.7, min_p=0.1, presence_penalty=0.5, logit_bias=((3, 2.0),), ignore_eos=True
             ),
             SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=5),
+            # EOS and its stop ids banned for its every token.
+            SamplingParams(max_tokens=40, temperature=0.9, min_tokens=40, stop_token_ids=tuple(range(0, vocab, 3))),
         ]
     ):
         engine.add_request(str(i), torch.randint(0, vocab, (20 + 7 * i,)).tolist(), params)
@@ -481,7 +483,7 @@ def test_overlapped_steps_never_wait_for_the_stream(bf16_dirs: dict[str, Path]) 
         outputs = [out for _ in range(10) for out in engine.step()]
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert len(outputs) == 60 and not any(o.finished for o in outputs)
+    assert len(outputs) == 70 and not any(o.finished for o in outputs)
     asked = [o for o in outputs if o.request_id == "5"]
     assert all(o.logprobs is not None and len(o.logprobs[0].top_ids) == 5 for o in asked)
     # Greedy: its token is a likeliest one (ties may list another first).

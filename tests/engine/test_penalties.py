@@ -1,6 +1,6 @@
 """What changes the logits before sampling (a logit bias; repetition, frequency and presence
-penalties): the engine against transformers (fp32, CPU) and against the rules written out a
-token at a time, with steps overlapped or not."""
+penalties; ``min_tokens``' ban on stop tokens): the engine against transformers (fp32, CPU) and
+against the rules written out a token at a time, with steps overlapped or not."""
 
 from __future__ import annotations
 
@@ -8,10 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.penalties import History, penalize
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.step_plan import pending_token
+from pdserve.engine.tokenization import encode_prompt
 from pdserve.tests.engine.helpers import hf_greedy, hf_model, make_engine, make_prompts
 
 MAX_TOKENS = 24
@@ -105,6 +109,62 @@ def test_frequency_and_presence_penalties_match_the_rules(tiny_model_dirs: dict[
     expected = [reference_greedy(reference, prompt, p) for prompt, p in zip(prompts, params)]
     assert got == expected
     assert expected[:2] != [reference_greedy(reference, prompt, greedy()) for prompt in prompts[:2]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_min_tokens_holds_back_the_end_of_sequence_as_transformers_does(demo_model_dir: Path, overlap: bool) -> None:
+    """The demo model's greedy answer ends after 8 tokens; ``min_tokens`` bans its EOS until the
+    output is that long, as transformers' ``min_new_tokens`` does, then lets it end."""
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    prompt = encode_prompt(tokenizer, "What is the capital of France?")
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(demo_model_dir),
+            device="cpu",
+            dtype="float32",
+            max_model_len=256,
+            overlap_scheduling=overlap,
+            cache=CacheConfig(num_blocks=64),
+        )
+    )
+    limits = [(48, 0), (48, 12), (20, 20)]  # (max_tokens, min_tokens)
+    got = engine.generate(
+        [prompt] * 3, [SamplingParams(max_tokens=n, min_tokens=m, temperature=0.0) for n, m in limits]
+    )
+    model = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+    for output, (n, m) in zip(got, limits):
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=m)
+        assert output == expected[0, len(prompt) :].tolist()
+    assert len(got[0]) < 12 and got[0][-1] in engine.model_config.eos_token_ids  # else nothing was held back
+    assert len(got[1]) > 12 and got[1][-1] in engine.model_config.eos_token_ids
+    assert len(got[2]) == 20 and got[2][-1] not in engine.model_config.eos_token_ids
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_min_tokens_holds_back_stop_token_ids(tiny_model_dirs: dict[str, Path], overlap: bool) -> None:
+    """A stop id greedy would draw second may not come before ``min_tokens``; once allowed it
+    ends the request where it first wins the argmax (the rule written out on transformers' logits)."""
+    model_dir = tiny_model_dirs["tiny-qwen2"]
+    engine = make_engine(model_dir, overlap=overlap)
+    prompts = make_prompts(engine.model_config.vocab_size, [7, 21, 12], seed=3)
+    reference = hf_model(model_dir)
+    plain = [hf_greedy(reference, prompt, MAX_TOKENS) for prompt in prompts]
+    params = [greedy(stop_token_ids=(plain[i][1], plain[i][3]), min_tokens=m) for i, m in enumerate([6, 0, MAX_TOKENS])]
+    got = engine.generate(prompts, params)
+    for prompt, p, output in zip(prompts, params, got):
+        expected: list[int] = []
+        with torch.no_grad():
+            while len(expected) < MAX_TOKENS and not set(expected[-1:]) & set(p.stop_token_ids):
+                logits = reference(torch.tensor([prompt + expected])).logits[0, -1].float()
+                if len(expected) < p.min_tokens:
+                    logits[list(p.stop_token_ids)] = float("-inf")
+                expected.append(int(logits.argmax()))
+        assert output == expected
+    assert len(got[1]) <= 2 and len(got[0]) > 6 and len(got[2]) == MAX_TOKENS
+    assert not set(got[2]) & set(params[2].stop_token_ids)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -74,6 +74,19 @@ def test_a_logit_bias_moves_its_rows_only() -> None:
         assert Sampler()(logits, params, [1, 1, 1]).tolist() == [4, 0, 2]
 
 
+def test_banned_tokens_are_never_drawn_whatever_their_bias() -> None:
+    logits = torch.zeros(3, 6)
+    params = [
+        SamplingParams(temperature=0.0, logit_bias=((4, 100.0),)),
+        SamplingParams(temperature=1.0, logit_bias=((4, 100.0),)),
+        SamplingParams(temperature=0.0, logit_bias=((4, 100.0),)),
+    ]
+    banned = [(4, 0), (4, 0, 1, 2, 3), ()]  # the last row bans nothing: its bias wins
+    torch.manual_seed(0)
+    for _ in range(20):
+        assert Sampler()(logits, params, [1, 1, 1], banned=banned).tolist() == [1, 5, 4]
+
+
 def test_top_k_and_top_p_combine() -> None:
     logits = torch.tensor([[4.0, 3.9, 3.8, 0.0, -2.0]])
     # top-k 3 renormalises over three near-equal tokens; top-p 0.5 then needs two of them.
@@ -156,6 +169,9 @@ def test_position_seeds_differ_across_seeds_and_positions() -> None:
         ({"top_k": -2}, "top_k"),
         ({"seed": -1}, "seed"),
         ({"stop_token_ids": (-3,)}, "stop_token_ids"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": True}, "min_tokens"),
+        ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
         ({"min_p": -0.1}, "min_p"),
         ({"min_p": 1.5}, "min_p"),
         ({"presence_penalty": 2.5}, "presence_penalty"),

@@ -71,6 +71,19 @@ def test_stop_strings_cut_before_the_first_match_even_across_deltas() -> None:
     assert feed(["\n"], ["one\ntwo"]) == ("one", True)
 
 
+def test_stop_strings_kept_in_the_output_or_not_yet_allowed() -> None:
+    """``include_stop_str_in_output`` ends the text after the match, holding nothing back;
+    ``min_tokens`` (``may_stop`` false) lets no match end in a delta, though one that starts
+    there and ends in a later, allowed delta counts, as vLLM's do."""
+    include = StopStringMatcher(["STOP", "P d"], include=True)
+    assert [include.add(d) for d in ["abc ST", "OP def"]] == [("abc ST", False), ("OP", True)]
+    late = StopStringMatcher(["ab", "STOP"])
+    steps = [late.add("x ab ST", may_stop=False), late.add("O", may_stop=False), late.add("Pab")]
+    assert steps == [("x ab ", False), ("", False), ("", True)]  # "ab" was in text that could not stop
+    held = StopStringMatcher(["ab"])
+    assert [held.add("xa", may_stop=False), held.add("b")] == [("x", False), ("", True)]
+
+
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 def test_delta_events_are_the_chunk_bodies_events(kind: str) -> None:
     """The stream's pre-rendered events hold exactly what rendering each chunk's body would."""
@@ -1369,6 +1382,36 @@ def test_stop_strings_stop_token_ids_seed_top_k_and_ignore_eos(served: Served) -
     assert stopped.usage is not None and stopped.usage.completion_tokens == index + 1
     assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == (head.text, "stop")
 
+    # vLLM's include_stop_str_in_output: the text ends after the stop string, whole or streamed.
+    for stream in (False, True):
+        kept = client.completions.create(
+            model=MODEL,
+            prompt=TEXT_PROMPT,
+            max_tokens=24,
+            temperature=0,
+            stop=stop,
+            stream=stream,
+            extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
+        )
+        pieces = list(kept) if stream else [kept]
+        assert "".join(c.choices[0].text for c in pieces) == full.text[: at + 3]
+        assert pieces[-1].choices[0].finish_reason == "stop"
+    # min_tokens: no stop string ends the output before it, nor a stop id (the cluster bans it).
+    whole = client.completions.create(
+        model=MODEL,
+        prompt=TEXT_PROMPT,
+        max_tokens=24,
+        temperature=0,
+        stop=stop,
+        extra_body={"ignore_eos": True, "min_tokens": 24},
+    )
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == (full.text, "length")
+    held = {"stop_token_ids": [full.token_ids[index]], "min_tokens": index + 3, "ignore_eos": True}
+    late = client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=24, temperature=0, extra_body=held)
+    same = zmq_greedy(served, TEXT_PROMPT, chat=False, max_tokens=24, **held)
+    assert late.choices[0].text == same.text and late.usage is not None
+    assert late.usage.completion_tokens == len(same.token_ids) > index + 3
+
     # Sampling reaches the cluster: a seed repeats, top_k=1 (and a tiny top_p) is greedy at any temperature.
     seeded = [
         client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=12, temperature=1.0, seed=7)
@@ -1527,6 +1570,14 @@ BAD_REQUESTS = {
         "repetition_penalty",
     ),
     "min_p above 1": ("/v1/chat/completions", {"min_p": 1.5}, 400, "invalid_value", "min_p"),
+    "negative min_tokens": ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, 400, "invalid_value", "min_tokens"),
+    "min_tokens above max_tokens": (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 4, "min_tokens": 5},
+        400,
+        "invalid_request",
+        "min_tokens",
+    ),
     "logprobs above 20": ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "invalid_value", "logprobs"),
     "top_logprobs without logprobs": (
         "/v1/chat/completions",

@@ -14,6 +14,7 @@ Prompts are tokenized here, the same way the ZMQ client's are
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -453,13 +454,7 @@ def parse_request(
         request = (CompletionRequest if kind == "completion" else ChatRequest).model_validate_json(body)
     except ValidationError as e:
         raise _validation_error(e) from None
-    if request.model and request.model != served_model:
-        raise APIError(
-            404,  # as OpenAI and vLLM answer: the official client raises NotFoundError
-            f"The model {request.model!r} does not exist: this server serves {served_model!r}",
-            "model_not_found",
-            "model",
-        )
+    _check_model(request.model, served_model)
     for name, neutral in UNSUPPORTED.items():
         if name == "tools" and getattr(request, "tool_choice", None) == "none":
             # Tools the model may not call stay out of the prompt (vLLM's --exclude-tools-when-
@@ -467,12 +462,7 @@ def parse_request(
             continue
         if name in request.model_fields_set and not _neutral(getattr(request, name), neutral):
             raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
-    for i, message in enumerate(getattr(request, "messages", ())):
-        for name, neutral in MESSAGE_UNSUPPORTED.items():
-            if not _neutral(getattr(message, name), neutral):
-                raise bad_request(
-                    f"messages.{i}.{name} is not supported by this server", "messages", "unsupported_parameter"
-                )
+    _check_messages(getattr(request, "messages", []))
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     if isinstance(request, ChatRequest):
@@ -487,7 +477,7 @@ def parse_request(
         token_ids = _completion_prompt(request, tokenizer, max_prompt_chars, parse_special_tokens)
         max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's default
     else:
-        token_ids = _chat_prompt(request, tokenizer, max_prompt_chars, parse_special_tokens)
+        token_ids = _chat_prompt(request.messages, tokenizer, max_prompt_chars, parse_special_tokens)
         max_tokens = request.max_completion_tokens or request.max_tokens or max_model_len - len(token_ids)
     total = len(token_ids) + max_tokens
     if max_tokens < 1:  # a chat without max_tokens whose messages fill the context alone
@@ -538,6 +528,73 @@ def parse_request(
     )
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's ``POST /tokenize`` of a prompt: its ids as ``/v1/completions`` would send them."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # only true: what a completion's prompt gets
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """vLLM's ``POST /tokenize`` of a chat: its ids as ``/v1/chat/completions`` would send them."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True  # only true: what a chat's prompt gets
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's ``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+def parse_tokenize(
+    body: bytes, served_model: str, tokenizer: Any, max_prompt_chars: int, parse_special_tokens: bool = False
+) -> tuple[list[int], bool]:
+    """The ids of a ``/tokenize`` body's prompt or messages, tokenized as the generation routes
+    tokenize them, and whether it asked for each id's token string; raises APIError."""
+    try:
+        shape = json.loads(body)
+    except ValueError:
+        shape = None  # the model's own decode names the fault
+    model = TokenizeChatRequest if isinstance(shape, dict) and "messages" in shape else TokenizeRequest
+    try:
+        request = model.model_validate_json(body)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    _check_model(request.model, served_model)
+    for name in ("add_special_tokens", "add_generation_prompt"):
+        if getattr(request, name, True) is not True:
+            raise bad_request(f"{name}: false is not supported by this server", name, "unsupported_parameter")
+    if isinstance(request, TokenizeChatRequest):
+        _check_messages(request.messages)
+        ids = _chat_prompt(request.messages, tokenizer, max_prompt_chars, parse_special_tokens)
+    else:
+        ids = _text_prompt(request.prompt, tokenizer, max_prompt_chars, parse_special_tokens)
+    return ids, request.return_token_strs
+
+
+def parse_detokenize(body: bytes, served_model: str, tokenizer: Any) -> list[int]:
+    """The token ids of a ``/detokenize`` body, each within the tokenizer's; raises APIError."""
+    try:
+        request = DetokenizeRequest.model_validate_json(body)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    _check_model(request.model, served_model)
+    if tokenizer is None:
+        raise bad_request("this model has no tokenizer", "tokens")
+    vocab = len(tokenizer)
+    for i, token in enumerate(request.tokens):
+        if token >= vocab:
+            raise bad_request(f"tokens.{i}: token id {token} is outside the vocabulary [0, {vocab})", "tokens")
+    return request.tokens
+
+
 def _prompt_too_long(chars: int, max_prompt_chars: int, param: str) -> APIError:
     return bad_request(
         f"{chars} characters in {param}, more than this server accepts ({max_prompt_chars})",
@@ -561,19 +618,45 @@ def _completion_prompt(
     if not prompt:
         raise bad_request("prompt is empty", "prompt")
     if isinstance(prompt, str):
-        if len(prompt) > max_prompt_chars:
-            raise _prompt_too_long(len(prompt), max_prompt_chars, "prompt")
-        if tokenizer is None:
-            raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
-        return encode_prompt(tokenizer, prompt, chat=False, parse_special_tokens=parse_special_tokens)
+        return _text_prompt(prompt, tokenizer, max_prompt_chars, parse_special_tokens)
     return list(prompt)
 
 
-def _chat_prompt(request: ChatRequest, tokenizer: Any, max_prompt_chars: int, parse_special_tokens: bool) -> list[int]:
+def _check_model(model: str | None, served_model: str) -> None:
+    """A request that names a model names the served one (none, or "", means it)."""
+    if model and model != served_model:
+        raise APIError(
+            404,  # as OpenAI and vLLM answer: the official client raises NotFoundError
+            f"The model {model!r} does not exist: this server serves {served_model!r}",
+            "model_not_found",
+            "model",
+        )
+
+
+def _check_messages(messages: list[ChatMessage]) -> None:
+    for i, message in enumerate(messages):
+        for name, neutral in MESSAGE_UNSUPPORTED.items():
+            if not _neutral(getattr(message, name), neutral):
+                raise bad_request(
+                    f"messages.{i}.{name} is not supported by this server", "messages", "unsupported_parameter"
+                )
+
+
+def _text_prompt(prompt: str, tokenizer: Any, max_prompt_chars: int, parse_special_tokens: bool) -> list[int]:
+    if len(prompt) > max_prompt_chars:
+        raise _prompt_too_long(len(prompt), max_prompt_chars, "prompt")
+    if tokenizer is None:
+        raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
+    return encode_prompt(tokenizer, prompt, chat=False, parse_special_tokens=parse_special_tokens)
+
+
+def _chat_prompt(
+    chat: list[ChatMessage], tokenizer: Any, max_prompt_chars: int, parse_special_tokens: bool
+) -> list[int]:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template: use /v1/completions", "messages")
     messages = []
-    for message in request.messages:
+    for message in chat:
         content = message.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)

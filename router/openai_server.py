@@ -3,10 +3,11 @@
     python -m pdserve.router.openai_server --endpoint tcp://127.0.0.1:5555 --port 8000
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events ending
-``data: [DONE]``, or whole), ``GET /v1/models`` and ``/v1/models/{id}``, ``GET /health`` (200
-only while every worker group is ready and the cluster accepts requests) and ``GET /metrics``
-(Prometheus). With an API key (``--api-key`` or ``PDSERVE_API_KEY``, as vLLM's), every ``/v1``
-route wants it as ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open. Browser
+``data: [DONE]``, or whole), ``GET /v1/models`` and ``/v1/models/{id}``, vLLM's ``POST /tokenize``
+and ``/detokenize``, ``GET /health`` (200 only while every worker group is ready and the cluster
+accepts requests) and ``GET /metrics`` (Prometheus). With an API key (``--api-key`` or
+``PDSERVE_API_KEY``, as vLLM's), every ``/v1`` route and the two token routes want it as
+``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open. Browser
 pages may call it from the origins ``--allowed-origins`` names (CORS; none by default). Requests go to
 the router through one ``AsyncClient`` (ZMQ); a client that goes away mid-request has its
 request aborted, which frees its KV on both sides. SIGTERM or SIGINT drains: new requests get
@@ -37,7 +38,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import click
 import uvicorn
@@ -54,10 +55,18 @@ from pdserve.cluster.protocol import Chunk, Error, Final, Logprobs, Sampling, St
 from pdserve.engine.sampling import RequestError, validate_request
 from pdserve.engine.tokenization import load_tokenizer
 from pdserve.router.metrics import MULTIPROC_DIR_ENV, FrontendMetrics
-from pdserve.router.openai_api import APIError, GenerationRequest, LogprobsFormat, parse_request
+from pdserve.router.openai_api import (
+    APIError,
+    GenerationRequest,
+    LogprobsFormat,
+    parse_detokenize,
+    parse_request,
+    parse_tokenize,
+)
 from pdserve.router.rejection_log import RejectionLog, shorten
 from pdserve.router.stop_strings import StopStringMatcher
 
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
@@ -239,6 +248,31 @@ class Frontend:
             return JSONResponse(self._model_card())
 
         app.include_router(v1)
+        # vLLM's, beside /v1 as there; behind the API key like /v1 (they spend the server's CPU).
+        tokens = APIRouter(dependencies=v1.dependencies)
+
+        @tokens.post("/tokenize")
+        async def tokenize(request: Request) -> JSONResponse:
+            max_model_len = await self._model_len()
+            body = await self._body(request)
+            ids, token_strs = await self._tokenize(
+                parse_tokenize, body, self.model_name, self.tokenizer, self.max_prompt_chars, self.parse_special_tokens
+            )
+            return JSONResponse(
+                {
+                    "count": len(ids),
+                    "max_model_len": max_model_len,
+                    "tokens": ids,
+                    "token_strs": self.tokenizer.convert_ids_to_tokens(ids) if token_strs else None,
+                }
+            )
+
+        @tokens.post("/detokenize")
+        async def detokenize(request: Request) -> JSONResponse:
+            ids = parse_detokenize(await self._body(request), self.model_name, self.tokenizer)
+            return JSONResponse({"prompt": await self._tokenize(self.tokenizer.decode, ids)})
+
+        app.include_router(tokens)
 
         @app.get("/health")
         async def health() -> JSONResponse:
@@ -487,11 +521,15 @@ class Frontend:
                 return parse_request(*args)
             finally:
                 self._tokenizing.release()
-        return await asyncio.get_running_loop().run_in_executor(self._parser, self._parse_locked, *args)
+        return await self._tokenize(parse_request, *args)
 
-    def _parse_locked(self, *args: Any) -> GenerationRequest:
+    async def _tokenize(self, work: Callable[..., T], *args: Any) -> T:
+        """``work(*args)`` on the parsing thread, which tokenizes one request at a time."""
+        return await asyncio.get_running_loop().run_in_executor(self._parser, self._locked, work, *args)
+
+    def _locked(self, work: Callable[..., T], *args: Any) -> T:
         with self._tokenizing:
-            return parse_request(*args)
+            return work(*args)
 
     async def _body(self, request: Request) -> bytes:
         """The request's body, refused (413) past ``max_body_bytes`` before more of it is read:

@@ -923,7 +923,7 @@ def test_a_model_is_retrieved_by_its_id(demo_model_dir: Path) -> None:
         assert http.get(path).json()["id"] == "org/some-model", path
 
 
-def test_an_api_key_guards_every_v1_route_and_leaves_health_and_metrics_open(
+def test_an_api_key_guards_every_v1_and_token_route_and_leaves_health_and_metrics_open(
     demo_model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """As vLLM's --api-key, with OpenAI's 401 body: the key must come as a bearer token; a
@@ -946,11 +946,15 @@ def test_an_api_key_guards_every_v1_route_and_leaves_health_and_metrics_open(
         openai_error(http.post("/v1/completions", content=b"{not json"), 401, "invalid_api_key")
         openai_error(http.post("/v1/chat/completions", content=b"{not json"), 401, "invalid_api_key")
         openai_error(http.post("/v1/completions", content=b"{not json", headers=good), 400, "malformed_json")
+        # So do vLLM's token routes, which spend the server's CPU as generation does.
+        openai_error(http.post("/tokenize", json={"prompt": "hi"}), 401, "invalid_api_key")
+        openai_error(http.post("/detokenize", json={"tokens": [1]}), 401, "invalid_api_key")
+        assert http.post("/tokenize", json={"prompt": "hi"}, headers=good).json()["count"] > 0
         # Probes and scrapers need no key (no cluster here: health says so).
         assert http.get("/health").json()["error"]["code"] == "cluster_unavailable"
         metrics = http.get("/metrics")
         assert metrics.status_code == 200
-        assert 'pdserve:request_error_total{reason="invalid_api_key"} 7.0' in metrics.text
+        assert 'pdserve:request_error_total{reason="invalid_api_key"} 9.0' in metrics.text
 
 
 def test_cors_is_off_unless_origins_are_allowed_and_then_needs_no_key_to_ask(demo_model_dir: Path) -> None:
@@ -1335,6 +1339,54 @@ def test_sse_framing_usage_chunk_and_done(served: Served, demo_model_dir: Path) 
         events = sse_events(response)
     assert "usage" not in events[-1] and events[-1]["choices"][0]["text"] == ""
     assert all(e["object"] == "text_completion" for e in events)
+
+
+@pytest.mark.slow
+def test_tokenize_gives_the_ids_generation_sends_and_detokenize_the_text(served: Served, demo_tokenizer: Any) -> None:
+    """vLLM's ``/tokenize`` and ``/detokenize``: a prompt's and a chat's ids are those the
+    generation routes send the cluster (their usage counts them), special-token text included."""
+    http = served.http
+    tokenized = http.post("/tokenize", json={"model": MODEL, "prompt": TEXT_PROMPT}).json()
+    completion = served.client.completions.create(model=MODEL, prompt=TEXT_PROMPT, max_tokens=1)
+    assert completion.usage is not None
+    assert tokenized == {
+        "count": completion.usage.prompt_tokens,
+        "max_model_len": MAX_MODEL_LEN,
+        "tokens": encode_prompt(demo_tokenizer, TEXT_PROMPT, chat=False),
+        "token_strs": None,
+    }
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say <|im_end|> twice"}]
+    chat = http.post("/tokenize", json={"messages": messages, "return_token_strs": True}).json()
+    reply = served.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    assert reply.usage is not None and chat["count"] == reply.usage.prompt_tokens
+    assert chat["tokens"] == encode_chat(demo_tokenizer, messages)  # the special-token text as plain text
+    assert chat["token_strs"] == demo_tokenizer.convert_ids_to_tokens(chat["tokens"])
+    detokenized = http.post("/detokenize", json={"model": MODEL, "tokens": tokenized["tokens"]})
+    assert detokenized.json() == {"prompt": TEXT_PROMPT}
+    refused = {
+        "/tokenize": [
+            ({"prompt": "hi", "add_special_tokens": False}, 400, "unsupported_parameter", "add_special_tokens"),
+            (
+                {"messages": messages, "add_generation_prompt": False},
+                400,
+                "unsupported_parameter",
+                "add_generation_prompt",
+            ),
+            ({"model": "other", "prompt": "hi"}, 404, "model_not_found", "model"),
+            ({"prompt": "hi", "tokens": [1]}, 400, "unrecognized_argument", "tokens"),
+            ({"messages": []}, 400, "invalid_value", "messages"),
+        ],
+        "/detokenize": [
+            ({"tokens": [len(demo_tokenizer)]}, 400, "invalid_request", "tokens"),
+            ({"tokens": ["a"]}, 400, "invalid_value", "tokens"),
+            ({"prompt": "hi"}, 400, "missing_required_parameter", "tokens"),
+        ],
+    }
+    for path, cases in refused.items():
+        for body, status, code, param in cases:
+            response = http.post(path, json=body)
+            error = response.json()["error"]
+            assert (response.status_code, error["code"], error["param"]) == (status, code, param), (path, body)
 
 
 @pytest.mark.slow

@@ -281,6 +281,7 @@ class GroupLeader:
                 out.finish_reason,
                 out.timings if out.finished or index == 0 else _NO_TIMINGS,
                 None if out.logprobs is None else Logprobs.of(out.logprobs),
+                None if out.prompt_logprobs is None else Logprobs.of(out.prompt_logprobs),
             )
         )
         if out.finished:

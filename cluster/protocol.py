@@ -254,6 +254,7 @@ class Sampling(Message):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: dict[str, float] = msgspec.field(default_factory=dict)  # token id (as OpenAI's, a string) -> bias
 
     def to_params(self) -> SamplingParams:
@@ -272,6 +273,7 @@ class Sampling(Message):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             logit_bias=tuple((_token_id(key), bias) for key, bias in self.logit_bias.items()),
         )
 
@@ -335,6 +337,8 @@ class Chunk(Message):
     token_ids: list[int]
     text: str
     logprobs: Logprobs | None = None  # where the request asked for them (``sampling.logprobs``)
+    # The first chunk's, where the request asked (``sampling.prompt_logprobs``): prompt token i + 1's at i.
+    prompt_logprobs: Logprobs | None = None
 
 
 class Chunks(Message):
@@ -356,6 +360,7 @@ class Final(Message):
     usage: dict[str, int]  # prompt_tokens, completion_tokens
     timings: dict[str, float]  # RequestTimings.as_dict(): queue, prefill, transfer, ..., total
     logprobs: Logprobs | None = None  # of every generated token, where the request asked for them
+    prompt_logprobs: Logprobs | None = None  # of every prompt token but the first, where asked
 
 
 class StatsRequest(Message):
@@ -438,6 +443,7 @@ class TokenOutput(Message):
     finish_reason: str | None = None
     timings: RequestTimings = msgspec.field(default_factory=RequestTimings)  # on the wire: the values that apply
     logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None  # with the first token (index 0)
 
 
 class TokenOutputs(Message):

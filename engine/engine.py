@@ -21,12 +21,12 @@ from pdserve.engine.model_runner import SINGLE_RANK, ModelRunner
 from pdserve.engine.parallel import TensorParallel
 from pdserve.engine.penalties import History
 from pdserve.engine.prefix_cache import CacheEvent, CacheListener, PrefixCache, PrefixCacheStats
-from pdserve.engine.sampler import SampledLogprobs, Sampler, TokenLogprobs
+from pdserve.engine.sampler import PromptLogprobs, SampledLogprobs, Sampler, TokenLogprobs
 from pdserve.engine.sampling import RequestError, SamplingParams, validate_request
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.engine.step_channel import StepSender
-from pdserve.engine.step_plan import StepPlan, build_plan, host_copy, pending_token
+from pdserve.engine.step_plan import StepPlan, build_plan, host_copy, pending_token, prompt_logprob_positions
 from pdserve.engine.timings import RequestTimings
 
 __all__ = ["CacheEvent", "CacheListener", "EngineStats", "LLMEngine", "RequestOutput", "Reservation"]
@@ -48,6 +48,9 @@ class RequestOutput:
     kv_block_ids: list[int] | None = None
     # One per new token where the request asked for log-probabilities (``SamplingParams.logprobs``).
     logprobs: list[TokenLogprobs] | None = None
+    # With the first token, where the request asked (``SamplingParams.prompt_logprobs``): entry i
+    # is prompt token i + 1's.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class Reservation(NamedTuple):
@@ -74,8 +77,9 @@ class EngineStats:
 class _InFlight:
     """A launched step's sampled tokens: row i is ``seqs[i]``'s token at ``token_ids[indexes[i]]``
     (a placeholder until the step is read back). ``tokens`` stay on the device for the next
-    step's inputs; ``host_tokens`` is their copy, and ``host_logprobs`` that of the rows'
-    log-probabilities that were asked for, complete once ``copied`` has passed."""
+    step's inputs; ``host_tokens`` is their copy, ``host_logprobs`` that of the rows'
+    log-probabilities that were asked for, and ``host_prompt`` that of the prompt positions'
+    (``prompt``: each row's sequence and position), complete once ``copied`` has passed."""
 
     seqs: list[Sequence]
     indexes: list[int]
@@ -83,28 +87,42 @@ class _InFlight:
     host_tokens: torch.Tensor
     host_logprobs: SampledLogprobs | None
     copied: torch.cuda.Event | None
+    prompt: list[tuple[Sequence, int]] = field(default_factory=list)
+    host_prompt: PromptLogprobs | None = None
 
     @classmethod
     def launch_copy(
-        cls, seqs: list[Sequence], indexes: list[int], tokens: torch.Tensor, logprobs: SampledLogprobs | None
+        cls,
+        seqs: list[Sequence],
+        indexes: list[int],
+        tokens: torch.Tensor,
+        logprobs: SampledLogprobs | None,
+        prompt: list[tuple[Sequence, int]],
+        prompt_logprobs: PromptLogprobs | None,
     ) -> _InFlight:
         """Queue the copy to the host behind the sampling. Reading the device tensor itself
         (``tolist``) would wait for everything queued on the stream, the next step included."""
         if tokens.device.type != "cuda":
-            return cls(seqs, indexes, tokens, tokens, logprobs, None)
+            return cls(seqs, indexes, tokens, tokens, logprobs, None, prompt, prompt_logprobs)
         host = host_copy(tokens)
         host_logprobs = None if logprobs is None else logprobs.to_host()
+        host_prompt = None if prompt_logprobs is None else prompt_logprobs.to_host()
         copied = torch.cuda.Event()
         copied.record()
-        return cls(seqs, indexes, tokens, host, host_logprobs, copied)
+        return cls(seqs, indexes, tokens, host, host_logprobs, copied, prompt, host_prompt)
 
-    def read(self) -> tuple[list[int], dict[int, TokenLogprobs]]:
-        """The sampled tokens, and the log-probabilities of the rows that asked; waits for this
-        step's copy only."""
+    def read(self) -> tuple[list[int], dict[int, TokenLogprobs], list[TokenLogprobs]]:
+        """The sampled tokens, the log-probabilities of the rows that asked, and those of the
+        prompt positions; waits for this step's copy only."""
         if self.copied is not None:
             self.copied.synchronize()
         logprobs = {} if self.host_logprobs is None else self.host_logprobs.per_row([s.params for s in self.seqs])
-        return self.host_tokens.tolist(), logprobs
+        prompt = (
+            []
+            if self.host_prompt is None
+            else self.host_prompt.rows([s.params.prompt_logprobs or 0 for s, _ in self.prompt])
+        )
+        return self.host_tokens.tolist(), logprobs, prompt
 
 
 class LLMEngine:
@@ -135,6 +153,9 @@ class LLMEngine:
         # Decode role: requests with blocks reserved for KV that is still arriving.
         self.reserved: dict[str, Sequence] = {}
         self._admitted: list[str] = []  # since the last step: their KV must be in place first
+        # Requests that asked for their prompt's log-probabilities, until their first token: the
+        # entry of each prompt position whose step has been read back.
+        self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self.overlap = config.overlap_scheduling
         self._in_flight: _InFlight | None = None  # the launched step not yet read back
 
@@ -164,6 +185,8 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only)
         self.requests[request_id] = seq
+        if params.prompt_logprobs is not None:  # filled by position as the prompt's steps are read back
+            self._prompt_logprobs[request_id] = [None] * (seq.num_prompt_tokens - 1)
         self.scheduler.add(seq)
 
     def _check_new_id(self, request_id: str) -> None:
@@ -306,6 +329,8 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         if batch is not None:
             plan = build_plan(batch, self.runner.block_size)
+            prompt = [] if batch.is_decode else prompt_logprob_positions(batch, plan.cu_seqlens_q)
+            plan.prompt_rows = [row for row, _, _ in prompt]
             sampled = previous.tokens if previous is not None else None
             if previous is not None and not self.runner.replays(plan):
                 # The host is about to launch every kernel itself, which outlasts the GPU's work:
@@ -316,7 +341,7 @@ class LLMEngine:
                     emit(ready)
                 else:
                     outputs += ready
-            self._in_flight = self._launch(batch, plan, sampled)
+            self._in_flight = self._launch(batch, plan, sampled, [(seq, p) for _, seq, p in prompt])
         if previous is not None:
             outputs += self._read_back(previous)
         if self._in_flight is not None and not self.overlap:
@@ -324,11 +349,25 @@ class LLMEngine:
             self._in_flight = None
         return outputs
 
-    def _launch(self, batch: ScheduledBatch, plan: StepPlan, sampled: torch.Tensor | None) -> _InFlight | None:
+    def _launch(
+        self,
+        batch: ScheduledBatch,
+        plan: StepPlan,
+        sampled: torch.Tensor | None,
+        prompt: list[tuple[Sequence, int]],
+    ) -> _InFlight | None:
         """Run ``plan`` (placeholders filled from ``sampled``) and sample on the device; append
-        each sampled sequence's placeholder. None if no sequence reached its last token."""
+        each sampled sequence's placeholder. ``prompt``: the sequence and position of each of the
+        plan's prompt rows. None if no sequence reached its last token and no prompt row ran."""
         plan.kv_ready, self._admitted = self._admitted, []  # their KV must be in place first
-        logits = self.runner.step(plan, sampled)
+        prompt_logprobs = None
+        if prompt:
+            logits, hidden = self.runner.step_with_prompt_rows(plan, sampled)
+            targets = [seq.token_ids[p + 1] for seq, p in prompt]
+            k = max(seq.params.prompt_logprobs or 0 for seq, _ in prompt)
+            prompt_logprobs = PromptLogprobs.of(hidden, self.runner.logits, targets, k)
+        else:
+            logits = self.runner.step(plan, sampled)
         sampled_seqs = []  # sequences whose last token ran: they get a new one
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
@@ -339,7 +378,10 @@ class LLMEngine:
                     # (their steps queue behind this one, which writes them).
                     self.block_manager.cache_blocks(seq)
         if not sampled_seqs:
-            return None
+            if not prompt:
+                return None
+            empty = torch.empty(0, dtype=torch.int64, device=logits.device)
+            return _InFlight.launch_copy([], [], empty, None, prompt, prompt_logprobs)
         params = [s.params for s in sampled_seqs]
         histories = None
         if any(p.penalized for p in params):
@@ -352,11 +394,15 @@ class LLMEngine:
             indexes.append(seq.num_tokens)
             seq.token_ids.append(pending_token(row))
             seq.finishing = seq.prefill_only or self._length_reached(seq, seq.num_tokens)
-        return _InFlight.launch_copy(sampled_seqs, indexes, tokens, logprobs)
+        return _InFlight.launch_copy(sampled_seqs, indexes, tokens, logprobs, prompt, prompt_logprobs)
 
     def _read_back(self, step: _InFlight) -> list[RequestOutput]:
         """The launched step's tokens, in place of their placeholders: stop checks and outputs."""
-        tokens, logprobs = step.read()
+        tokens, logprobs, prompt_logprobs = step.read()
+        for (seq, position), entry in zip(step.prompt, prompt_logprobs):
+            wanted = self._prompt_logprobs.get(seq.request_id)
+            if wanted is not None:  # else it ended meanwhile
+                wanted[position] = entry
         now = time.monotonic()
         outputs = []
         for row, (seq, index, token) in enumerate(zip(step.seqs, step.indexes, tokens)):
@@ -365,13 +411,15 @@ class LLMEngine:
             token_logprobs = [logprobs[row]] if row in logprobs else None
             seq.token_ids[index] = token
             first = seq.milestones.first_token is None
+            prompt_entries = None
             if first:
                 seq.milestones.first_token = now
+                prompt_entries = self._take_prompt_logprobs(seq.request_id)
             reason = self._stop_reason(seq, token, index + 1)
             if reason is None and seq.prefill_only:
                 self.scheduler.finish(seq, "prefilled", free_blocks=False)
                 self.held[seq.request_id] = seq
-                output = self._finish(seq, [token], token_logprobs)
+                output = self._finish(seq, [token], token_logprobs, prompt_entries)
                 output.kv_block_ids = seq.block_table.tolist()
                 outputs.append(output)
             elif reason is None:
@@ -383,11 +431,12 @@ class LLMEngine:
                         num_output_tokens=index + 1 - seq.num_prompt_tokens,
                         timings=self._timings(seq) if first else RequestTimings(),
                         logprobs=token_logprobs,
+                        prompt_logprobs=prompt_entries,
                     )
                 )
             else:
                 self.scheduler.finish(seq, reason)
-                outputs.append(self._finish(seq, [token], token_logprobs))
+                outputs.append(self._finish(seq, [token], token_logprobs, prompt_entries))
         return outputs
 
     def _length_reached(self, seq: Sequence, num_tokens: int) -> bool:
@@ -410,11 +459,24 @@ class LLMEngine:
             return "length"
         return None
 
+    def _take_prompt_logprobs(self, request_id: str) -> list[TokenLogprobs] | None:
+        """A request's prompt log-probabilities, complete once its first token is read back."""
+        entries = self._prompt_logprobs.pop(request_id, None)
+        if entries is None:
+            return None
+        assert all(entry is not None for entry in entries), f"{request_id}: prompt positions without logits"
+        return entries  # type: ignore[return-value]
+
     def _finish(
-        self, seq: Sequence, new_tokens: list[int] | None = None, logprobs: list[TokenLogprobs] | None = None
+        self,
+        seq: Sequence,
+        new_tokens: list[int] | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
+        prompt_logprobs: list[TokenLogprobs] | None = None,
     ) -> RequestOutput:
         seq.drop_pending()  # a token stopped it (or an abort) while its next step was in flight
         del self.requests[seq.request_id]
+        self._prompt_logprobs.pop(seq.request_id, None)  # an abort before the first token
         return RequestOutput(
             seq.request_id,
             new_tokens or [],
@@ -424,6 +486,7 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             timings=self._timings(seq),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _timings(self, seq: Sequence) -> RequestTimings:

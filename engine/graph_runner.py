@@ -471,6 +471,7 @@ class PrefillGraphRunner(_StepGraphs[PrefillBucket]):
             and len(plan.input_ids) <= self.max_tokens
             and len(plan.context_lens) <= self.max_seqs
             and len(plan.sample_rows) <= self.max_seqs
+            and not plan.prompt_rows
         )
 
     def run(self, plan: StepPlan, sampled: torch.Tensor | None = None) -> torch.Tensor:

@@ -257,12 +257,24 @@ class ModelRunner:
         sample_rows: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """Run the model; fp32 logits ``[len(sample_rows), vocab]``, or None without rows to sample."""
+        hidden = self.hidden_states(input_ids, positions, context)
+        return None if sample_rows is None else self.model.compute_logits(hidden[sample_rows])
+
+    @torch.inference_mode()
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, context: AttentionContext
+    ) -> torch.Tensor:
+        """Run the model up to its LM head: ``[T, hidden]``."""
         set_context(context)
         try:
-            hidden = self.model(input_ids, positions)
-            return None if sample_rows is None else self.model.compute_logits(hidden[sample_rows])
+            return self.model(input_ids, positions)
         finally:
             set_context(None)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head: ``[N, hidden]`` -> fp32 ``[N, vocab]``."""
+        return self.model.compute_logits(hidden)
 
     def _graphs_for(self, plan: StepPlan) -> CudaGraphRunner | PrefillGraphRunner | None:
         """The captured graphs that hold this plan, if any."""
@@ -297,13 +309,29 @@ class ModelRunner:
         """Leader: send a ready plan to the TP peers and run it; the logits of its sampled rows.
         ``sampled`` (overlapped steps): the tokens the plan's placeholders name, still on the
         device; the peers get them from a broadcast on the TP group, in stream order."""
+        self._share(plan, sampled)
+        logits = self.run(plan, sampled)
+        assert logits is not None
+        return logits
+
+    def step_with_prompt_rows(
+        self, plan: StepPlan, sampled: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Leader: ``step`` of a plan with ``prompt_rows`` (eagerly, as no graph holds one): the
+        logits of its sampled rows and the hidden states of its prompt rows, whose logits the
+        caller takes a slice at a time (``logits``): all at once they take ``[rows, vocab]``."""
+        self._share(plan, sampled)
+        input_ids, positions, context, sample_rows = self.inputs(plan, sampled)
+        hidden = self.hidden_states(input_ids, positions, context)
+        prompt_rows = device_tensor(plan.prompt_rows, torch.int64, self.device)
+        return self.logits(hidden[sample_rows]), hidden[prompt_rows]
+
+    def _share(self, plan: StepPlan, sampled: torch.Tensor | None) -> None:
+        """Send the plan (and the sampled tokens its placeholders name) to the TP peers."""
         if self._sender is not None:
             self._sender.send(plan if sampled is None else dataclasses.replace(plan, num_pending=len(sampled)))
             if sampled is not None:
                 self.tp.broadcast_from_leader(sampled)
-        logits = self.run(plan, sampled)
-        assert logits is not None
-        return logits
 
     @property
     def step_channel(self) -> StepSender | None:

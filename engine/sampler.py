@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -105,6 +106,43 @@ class SampledLogprobs:
             k = params[row].logprobs or 0
             out[row] = TokenLogprobs(chosen[j], top_ids[j][:k], top_logprobs[j][:k])
         return out
+
+
+@dataclass
+class PromptLogprobs:
+    """The log-probabilities of prompt tokens, one row per prompt position: ``chosen`` ``[P]``
+    the next prompt token's, ``top_ids``/``top_logprobs`` ``[P, K]`` the K likeliest."""
+
+    chosen: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+    # Rows at a time: a whole prompt chunk's logits would take [tokens, vocab] fp32.
+    SLICE = 512
+
+    @classmethod
+    def of(
+        cls, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor], targets: list[int], k: int
+    ) -> PromptLogprobs:
+        """Those of ``targets[i]`` under the raw logits of ``hidden[i]`` (by ``head``, the LM
+        head), with the ``k`` likeliest."""
+        index = device_tensor(targets, torch.int64, hidden.device)
+        parts = []
+        for start in range(0, len(targets), cls.SLICE):
+            logprobs = head(hidden[start : start + cls.SLICE]).log_softmax(dim=-1)
+            top = logprobs.topk(k, dim=-1)
+            chosen = logprobs.gather(1, index[start : start + cls.SLICE, None]).squeeze(1)
+            parts.append((chosen, top.indices, top.values))
+        return cls(*(torch.cat(column) for column in zip(*parts)))
+
+    def to_host(self) -> PromptLogprobs:
+        """Copies in pinned memory, queued behind the computation."""
+        return PromptLogprobs(*(host_copy(t) for t in (self.chosen, self.top_ids, self.top_logprobs)))
+
+    def rows(self, ks: list[int]) -> list[TokenLogprobs]:
+        """Row i's, with ``ks[i]`` alternatives."""
+        chosen, top_ids, top_logprobs = self.chosen.tolist(), self.top_ids.tolist(), self.top_logprobs.tolist()
+        return [TokenLogprobs(chosen[i], top_ids[i][:k], top_logprobs[i][:k]) for i, k in enumerate(ks)]
 
 
 _MASK64 = (1 << 64) - 1

@@ -49,7 +49,11 @@ class SamplingParams:
 
     ``logprobs`` (not None) asks for each generated token's log-probability and those of the
     ``logprobs`` likeliest tokens, under the model's own distribution (before penalties,
-    temperature and masks, as vLLM reports them)."""
+    temperature and masks, as vLLM reports them).
+
+    ``prompt_logprobs`` (not None) asks the same of every prompt token after the first, given
+    those before it (vLLM's): the prompt is then computed whole, none of it from the prefix
+    cache, whose blocks hold no logits."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -64,6 +68,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
@@ -92,12 +97,12 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_real(value) or not -2.0 <= value <= 2.0:
                 raise RequestError(name, f"must be in [-2, 2], got {value!r}")
-        if self.logprobs is not None and (
-            isinstance(self.logprobs, bool)
-            or not isinstance(self.logprobs, int)
-            or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise RequestError("logprobs", f"must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise RequestError(name, f"must be null or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if not all(isinstance(entry, (tuple, list)) and len(entry) == 2 for entry in self.logit_bias):
             raise RequestError("logit_bias", "must be (token id, bias) pairs")
         object.__setattr__(self, "logit_bias", tuple(tuple(entry) for entry in self.logit_bias))

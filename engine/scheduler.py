@@ -122,7 +122,7 @@ class Scheduler:
         scheduled: list[tuple[Sequence, int]] = []
         while self.waiting and budget > 0 and free_seq_slots > 0:
             seq = self.waiting[0]
-            if seq.cache_node is None:  # not matched since it last held blocks
+            if seq.cache_node is None and not seq.wants_prompt_logprobs:  # not matched since it last held blocks
                 # A preempted sequence's return is not another request, in the cache's counts
                 # nor in its own cached tokens.
                 first = seq.milestones.first_scheduled is None

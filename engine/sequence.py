@@ -62,6 +62,12 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's log-probabilities are still to come: every prompt position's logits are
+        needed, so none of its KV may come from the prefix cache."""
+        return self.params.prompt_logprobs is not None and self.num_output_tokens == 0
+
     def drop_pending(self) -> None:
         """Forget the placeholders of tokens not yet read back (a finished sequence's)."""
         while self.token_ids and self.token_ids[-1] < 0:

@@ -8,13 +8,14 @@ from the device stand in the plan as placeholders (``pending_token``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence as SequenceType
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.sequence import Sequence
 
 
 @dataclass(eq=False)  # block_tables is an array: compare plans field by field
@@ -29,6 +30,9 @@ class StepPlan:
     cu_seqlens_q: list[int]
     sample_rows: list[int]
     is_decode: bool
+    # Rows whose logits are wanted beside the sampled ones: prompt positions of requests that
+    # asked for their prompt's log-probabilities (such a step runs eagerly).
+    prompt_rows: list[int] = field(default_factory=list)
     # Decode role: transfers whose received KV this step reads; each rank waits for its part.
     kv_ready: list[str] = field(default_factory=list)
     # Overlapped steps of a TP group: how many tokens the step before sampled. The plan's
@@ -73,7 +77,18 @@ def build_plan(batch: ScheduledBatch, block_size: int) -> StepPlan:
     )
 
 
-def padded_block_tables(tables: Sequence[Sequence[int] | np.ndarray]) -> np.ndarray:
+def prompt_logprob_positions(batch: ScheduledBatch, cu_seqlens_q: list[int]) -> list[tuple[int, Sequence, int]]:
+    """``(row, sequence, position)`` of each prompt position in ``batch`` whose next prompt
+    token's log-probability its request asked for (the prompt's last token predicts the output)."""
+    wanted = []
+    for seq, n, row in zip(batch.seqs, batch.num_new_tokens, cu_seqlens_q):
+        if seq.wants_prompt_logprobs:
+            start = seq.num_computed_tokens
+            wanted += [(row + p - start, seq, p) for p in range(start, min(start + n, seq.num_prompt_tokens - 1))]
+    return wanted
+
+
+def padded_block_tables(tables: SequenceType[SequenceType[int] | np.ndarray]) -> np.ndarray:
     """A plan's ``[num_seqs, max_blocks]`` int32 block tables, zero past each row's blocks. One
     array, so that it becomes a tensor or a peer message as one buffer (docs/decisions.md, "Step
     inputs")."""

@@ -23,16 +23,19 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def encode_prompt(tokenizer: Any, text: str, chat: bool = True, parse_special_tokens: bool = False) -> list[int]:
+def encode_prompt(
+    tokenizer: Any, text: str, chat: bool = True, parse_special_tokens: bool = False, add_special_tokens: bool = True
+) -> list[int]:
     """Token ids of ``text``; as one user turn of the chat template when the tokenizer has one.
 
     Special tokens written in ``text`` (``<|im_start|>``) are plain text unless
     ``parse_special_tokens``: otherwise user content could forge the template's turns.
+    ``add_special_tokens`` false: plain text without the tokenizer's own (e.g. BOS) around it.
     """
     if chat and getattr(tokenizer, "chat_template", None):
         return encode_chat(tokenizer, [{"role": "user", "content": text}], parse_special_tokens)
     literal = not parse_special_tokens and _has_special_text(tokenizer, text)
-    return list(tokenizer.encode(text, split_special_tokens=literal))
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=literal))
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, str]], parse_special_tokens: bool = False) -> list[int]:

@@ -112,7 +112,15 @@ class PrefillLeader(GroupLeader):
             return
         # For the router the request goes on: decoding continues in the decode group. Its
         # prefill timings go with the first token: they are the router's if it is aborted.
-        self.emit(RequestOutput(out.request_id, out.new_token_ids, timings=out.timings, logprobs=out.logprobs))
+        self.emit(
+            RequestOutput(
+                out.request_id,
+                out.new_token_ids,
+                timings=out.timings,
+                logprobs=out.logprobs,
+                prompt_logprobs=out.prompt_logprobs,
+            )
+        )
         self.next_index.pop(out.request_id, None)  # nothing more goes to the router from here
         block_ids = out.kv_block_ids or []
         announce = KVAnnounce(

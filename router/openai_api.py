@@ -2,7 +2,7 @@
 response and stream-chunk bodies, and errors in OpenAI's form.
 
 Requests are decoded strictly (no "5" for 5, no ``true`` for 1): a field of the wrong type or
-out of range, a field this server does not support (``echo``, tools, ...) and a
+out of range, a field this server does not support (``suffix``, tools, ...) and a
 field OpenAI does not have are each a 400 naming the field; an unsupported field with its "not
 used" value (``tools: []``, ``best_of: 1``) passes, and fields that change nothing of
 the output (``user``, ``store``, ``metadata``, ``parallel_tool_calls``) are accepted and
@@ -107,7 +107,7 @@ class _Sampling(_Strict):
 class CompletionRequest(_Sampling):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Any = None
+    echo: bool | None = None
     best_of: Any = None
     suffix: Any = None
 
@@ -224,7 +224,6 @@ class ChatRequest(_Sampling):
 
 # Each unsupported field and the values that mean "not used" (what SDKs send by default).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None,),
     "tools": (None, []),
@@ -262,6 +261,7 @@ class GenerationRequest:
     sampling: dict[str, Any]  # cluster.protocol.Sampling fields
     stop: list[str] = field(default_factory=list)
     include_stop: bool = False  # the output keeps the stop string that ended it
+    echo: str | None = None  # completions' echo: the prompt's text, before the output's
     stream: bool = False
     include_usage: bool = False
     n: int = 1  # choices: each a request of its own, a seed (if any) plus its index
@@ -387,6 +387,25 @@ class LogprobsFormat:
         self.tokenizer = tokenizer
         self.text_offset = 0  # completions: characters of the tokens shown so far
 
+    def prompt(self, token_ids: list[int], logprobs: Any) -> dict[str, Any]:
+        """Completions' echo: the prompt's tokens, ``logprobs`` those of all but the first,
+        which has none (nothing comes before it), as vLLM lists them."""
+        first = self._text(token_ids[0])
+        offset = self.text_offset
+        self.text_offset += len(first)
+        rest = self(token_ids[1:], logprobs)
+        return {
+            "text_offset": [offset, *rest["text_offset"]],
+            "token_logprobs": [None, *rest["token_logprobs"]],
+            "tokens": [first, *rest["tokens"]],
+            "top_logprobs": [None, *rest["top_logprobs"]],
+        }
+
+    @staticmethod
+    def join(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+        """Two completions bodies as one, ``first``'s tokens before ``then``'s."""
+        return {key: first[key] + then[key] for key in first}
+
     def __call__(self, token_ids: list[int], logprobs: Any) -> dict[str, Any]:
         """``logprobs``: a ``protocol.Logprobs`` of ``token_ids``."""
         texts = [self._text(t) for t in token_ids]
@@ -473,9 +492,12 @@ def parse_request(
         logprobs = request.logprobs
 
     prompt_param = PROMPT_PARAMS[kind]
+    echo = None
     if isinstance(request, CompletionRequest):
         token_ids = _completion_prompt(request, tokenizer, max_prompt_chars, parse_special_tokens)
         max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's default
+        if request.echo:
+            echo = _echo_text(request, token_ids, tokenizer)
     else:
         token_ids = _chat_prompt(request.messages, tokenizer, max_prompt_chars, parse_special_tokens)
         max_tokens = request.max_completion_tokens or request.max_tokens or max_model_len - len(token_ids)
@@ -512,6 +534,8 @@ def parse_request(
         "frequency_penalty": request.frequency_penalty or 0.0,
         "repetition_penalty": 1.0 if request.repetition_penalty is None else request.repetition_penalty,
         "logprobs": logprobs,
+        # An echo shows the prompt's tokens with their log-probabilities too (vLLM's).
+        "prompt_logprobs": logprobs if echo is not None else None,
         "logit_bias": request.logit_bias or {},
     }
     include_usage = request.stream_options is not None and bool(request.stream_options.include_usage)
@@ -522,6 +546,7 @@ def parse_request(
         sampling,
         stop=[s for s in stop if s],
         include_stop=request.include_stop_str_in_output,
+        echo=echo,
         stream=bool(request.stream),
         include_usage=include_usage,
         n=request.n or 1,
@@ -533,7 +558,7 @@ class TokenizeRequest(_Strict):
 
     model: str | None = None
     prompt: str
-    add_special_tokens: bool = True  # only true: what a completion's prompt gets
+    add_special_tokens: bool = True  # what a completion's prompt gets; false: the text's alone
     return_token_strs: bool = False
 
 
@@ -568,14 +593,19 @@ def parse_tokenize(
     except ValidationError as e:
         raise _validation_error(e) from None
     _check_model(request.model, served_model)
-    for name in ("add_special_tokens", "add_generation_prompt"):
-        if getattr(request, name, True) is not True:
-            raise bad_request(f"{name}: false is not supported by this server", name, "unsupported_parameter")
     if isinstance(request, TokenizeChatRequest):
+        if not request.add_generation_prompt:
+            raise bad_request(
+                "add_generation_prompt: false is not supported by this server",
+                "add_generation_prompt",
+                "unsupported_parameter",
+            )
         _check_messages(request.messages)
         ids = _chat_prompt(request.messages, tokenizer, max_prompt_chars, parse_special_tokens)
     else:
-        ids = _text_prompt(request.prompt, tokenizer, max_prompt_chars, parse_special_tokens)
+        ids = _text_prompt(
+            request.prompt, tokenizer, max_prompt_chars, parse_special_tokens, request.add_special_tokens
+        )
     return ids, request.return_token_strs
 
 
@@ -622,6 +652,18 @@ def _completion_prompt(
     return list(prompt)
 
 
+def _echo_text(request: CompletionRequest, token_ids: list[int], tokenizer: Any) -> str:
+    """What an echo shows of the prompt: its text as sent, or its ids' decoded (vLLM's)."""
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if tokenizer is None:
+        raise bad_request("echo needs the model's tokenizer to show a prompt of token ids", "echo")
+    return tokenizer.decode(token_ids)
+
+
 def _check_model(model: str | None, served_model: str) -> None:
     """A request that names a model names the served one (none, or "", means it)."""
     if model and model != served_model:
@@ -642,12 +684,14 @@ def _check_messages(messages: list[ChatMessage]) -> None:
                 )
 
 
-def _text_prompt(prompt: str, tokenizer: Any, max_prompt_chars: int, parse_special_tokens: bool) -> list[int]:
+def _text_prompt(
+    prompt: str, tokenizer: Any, max_prompt_chars: int, parse_special_tokens: bool, add_special_tokens: bool = True
+) -> list[int]:
     if len(prompt) > max_prompt_chars:
         raise _prompt_too_long(len(prompt), max_prompt_chars, "prompt")
     if tokenizer is None:
         raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
-    return encode_prompt(tokenizer, prompt, chat=False, parse_special_tokens=parse_special_tokens)
+    return encode_prompt(tokenizer, prompt, False, parse_special_tokens, add_special_tokens)
 
 
 def _chat_prompt(

@@ -606,6 +606,8 @@ class _Run:
             None if gen.sampling.get("logprobs") is None else LogprobsFormat(gen.kind, frontend.tokenizer)
         )
         self._pieces: list[tuple[list[int], Logprobs]] = []
+        # An echoing request's: its prompt's log-probabilities, until they go with the first piece.
+        self._prompt_logprobs: Logprobs | None = None
 
     def ended(self) -> Outcome:
         """How the run ended (once ``texts`` is exhausted)."""
@@ -623,9 +625,26 @@ class _Run:
             token_ids += ids
             logprobs.extend(piece)
         self._pieces.clear()
-        return self.logprobs_format(token_ids, logprobs)
+        if self._prompt_logprobs is None:
+            return self.logprobs_format(token_ids, logprobs)
+        prompt = self.logprobs_format.prompt(self.gen.token_ids, self._prompt_logprobs)
+        self._prompt_logprobs = None
+        return LogprobsFormat.join(prompt, self.logprobs_format(token_ids, logprobs))
 
-    async def texts(self) -> AsyncIterator[str]:
+    def texts(self) -> AsyncIterator[str]:
+        """The output's text as it comes (an echoing request's first piece after its prompt)."""
+        return self._texts() if self.gen.echo is None else self._echoed(self._texts())
+
+    async def _echoed(self, texts: AsyncIterator[str]) -> AsyncIterator[str]:
+        async with contextlib.aclosing(texts):  # type: ignore[type-var]
+            prefix = self.gen.echo or ""
+            async for text in texts:
+                yield prefix + text
+                prefix = ""
+            if prefix:  # nothing came after it (the request ended before its first token)
+                yield prefix
+
+    async def _texts(self) -> AsyncIterator[str]:
         frontend, metrics, gen = self.frontend, self.frontend.metrics, self.gen
         client = frontend.client
         assert client is not None
@@ -641,6 +660,8 @@ class _Run:
             async with contextlib.aclosing(stream) as messages:
                 async for message in messages:
                     now = time.perf_counter()
+                    if self.gen.echo is not None and message.prompt_logprobs is not None:
+                        self._prompt_logprobs = message.prompt_logprobs  # with the first token
                     if isinstance(message, Final):
                         ended = True
                         if matcher is not None and (tail := matcher.flush()):

@@ -118,6 +118,7 @@ class RequestState:
     entry_timings: RequestTimings | None = None
     detokenizer: IncrementalDetokenizer | None = None
     logprobs: Logprobs | None = None  # of every token so far, where the request asked for them
+    prompt_logprobs: Logprobs | None = None  # from its first attempt's first token
 
 
 class Router:
@@ -828,8 +829,11 @@ class Router:
         state.pending[output.index + state.offset] = output
         while len(state.token_ids) in state.pending:  # apply outputs in index order
             current = state.pending.pop(len(state.token_ids))
+            prompt_logprobs = None
             if current.index == 0:
                 self.token_counts["prompt"] += len(state.prompt_ids) + state.offset
+                if state.offset == 0:  # a moved request's new attempt has a longer "prompt"
+                    prompt_logprobs = state.prompt_logprobs = current.prompt_logprobs
                 state.entry_timings = current.timings
                 if self.prefix_index is not None:  # this attempt's first token: its prompt is in
                     self.prefix_index.settled(output.request_id)
@@ -844,7 +848,7 @@ class Router:
                 delta += state.detokenizer.flush()
             state.text.append(delta)
             if state.stream:
-                chunk = Chunk(state.client_request_id, current.token_ids, delta, current.logprobs)
+                chunk = Chunk(state.client_request_id, current.token_ids, delta, current.logprobs, prompt_logprobs)
                 if state.batch_chunks:
                     self._chunks.setdefault(state.client, []).append(chunk)
                 else:
@@ -899,6 +903,7 @@ class Router:
                 {"prompt_tokens": len(state.prompt_ids), "completion_tokens": len(state.token_ids)},
                 timings.as_dict(),
                 state.logprobs,
+                state.prompt_logprobs,
             ),
         )
 

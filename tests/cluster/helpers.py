@@ -77,6 +77,21 @@ def oracle_logprobs(model_dir: Path, prompts: list[list[int]], params: list[Samp
     return [Logprobs.of(entries[str(i)]) if p.logprobs is not None else None for i, p in enumerate(params)]
 
 
+def oracle_prompt_logprobs(
+    model_dir: Path, prompts: list[list[int]], params: list[SamplingParams]
+) -> list[Logprobs | None]:
+    """The single engine's prompt log-probabilities of each request, as a final carries them."""
+    engine = oracle_engine(model_dir)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+    entries: dict[str, Logprobs] = {}
+    for outputs in engine.drain():
+        for out in outputs:
+            if out.prompt_logprobs is not None:
+                entries[out.request_id] = Logprobs.of(out.prompt_logprobs)
+    return [entries.get(str(i)) for i in range(len(prompts))]
+
+
 def assert_logprobs_close(got: Logprobs | None, expected: Logprobs | None, tolerance: float = 1e-4) -> None:
     """Equal within ``tolerance``; alternatives whose log-probabilities lie that close to a
     neighbour's may come in either order (other batch shapes round otherwise)."""
@@ -113,6 +128,9 @@ def mixed_requests(vocab: int, n: int, seed: int) -> tuple[list[list[int]], list
     for i in range(3, n, 4):
         bias = ((rng.randrange(vocab), 5.0), (rng.randrange(vocab), -100.0))
         params[i] = dataclasses.replace(params[i], logit_bias=bias)
+    # The prompt's own log-probabilities come with the first token, from the entry group.
+    for i in range(0, n, 6):
+        params[i] = dataclasses.replace(params[i], prompt_logprobs=i % 4)
     # Half the vocabulary stops these, but not within their first tokens: prefill's first token
     # and decode's next ones must both hold them back, and the first allowed one likely stops.
     for i in range(1, n, 4):

@@ -29,6 +29,7 @@ from pdserve.tests.cluster.helpers import (
     mixed_requests,
     oracle,
     oracle_logprobs,
+    oracle_prompt_logprobs,
     run_concurrently,
     wait_until_idle,
 )
@@ -63,6 +64,9 @@ def test_2p1d_matches_single_process_then_survives_bad_input_and_aborts(
         assert [f.token_ids for f in finals] == expected
         for final, logprobs in zip(finals, oracle_logprobs(model_dir, prompts, params)):
             assert_logprobs_close(final.logprobs, logprobs)
+        for final, logprobs in zip(finals, oracle_prompt_logprobs(model_dir, prompts, params), strict=True):
+            assert_logprobs_close(final.prompt_logprobs, logprobs)
+        assert sum(f.prompt_logprobs is not None for f in finals) == 3
         # The rows that half the vocabulary stops end at a stop id, the rest at their length.
         assert [f.finish_reason for f in finals] == [
             "stop" if f.token_ids[-1] in p.stop_token_ids else "length" for f, p in zip(finals, params)

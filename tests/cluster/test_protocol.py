@@ -69,6 +69,7 @@ MESSAGES: list[Message] = [
     Abort("r1"),
     Chunk("r1", [5, 6], "ab"),
     Chunk("r1", [], ""),
+    Chunk("r1", [5], "a", None, Logprobs([-1.5, -0.25], [[5], [2]], [[-1.5], [-0.25]])),  # a first chunk's prompt
     Chunks([Chunk("r1", [5], "a"), Chunk("r2", [7, 8], "")]),
     Final(
         "r1",
@@ -92,6 +93,7 @@ MESSAGES: list[Message] = [
     WorkRequest("7", [1, 2, 3], SAMPLING, decode_group=1),
     WorkRequest("8", [1], Sampling(), decode_group=-1),
     TokenOutput("7", 0, [9]),
+    TokenOutput("9", 0, [4], prompt_logprobs=Logprobs([-2.0], [[3, 1]], [[-0.5, -1.0]])),
     TokenOutput("7", 1, [10, 11], finished=True, finish_reason="stop", timings=RequestTimings(decode=0.01)),
     TokenOutputs([TokenOutput("7", 0, [9]), TokenOutput("8", 3, [1], finished=True, finish_reason="length")]),
     WorkerError("7", "invalid_request", "prompt_token_ids: token id 9999 is outside the vocabulary"),
@@ -193,6 +195,7 @@ def test_wire_form_is_a_plain_map_with_type_and_version() -> None:
             "frequency_penalty": 0.0,
             "repetition_penalty": 1.0,
             "logprobs": None,
+            "prompt_logprobs": None,
             "logit_bias": {},
         },
         "stream": True,
@@ -218,7 +221,7 @@ def test_a_nested_message_travels_as_its_fields_alone() -> None:
     """docs/protocol.md: a ``chunk`` inside ``chunks`` (and a ``group_info`` inside ``stats``,
     a ``tokens`` inside ``token_outputs``) has no ``type`` or ``version``."""
     body = msgpack.unpackb(encode(Chunks([Chunk("r1", [5], "a")])), raw=False)
-    chunks = [{"request_id": "r1", "token_ids": [5], "text": "a", "logprobs": None}]
+    chunks = [{"request_id": "r1", "token_ids": [5], "text": "a", "logprobs": None, "prompt_logprobs": None}]
     assert body == {"type": "chunks", "version": 1, "chunks": chunks}
     body = msgpack.unpackb(encode(TokenOutputs([TokenOutput("7", 0, [9])])), raw=False)
     assert body["outputs"] == [
@@ -230,6 +233,7 @@ def test_a_nested_message_travels_as_its_fields_alone() -> None:
             "finish_reason": None,
             "timings": {},
             "logprobs": None,
+            "prompt_logprobs": None,
         }
     ]
     body = msgpack.unpackb(encode(Chunk("r1", [5, 6], "ab", Logprobs([-0.5, -1.0], [[5], [6]], [[-0.5], [-1.0]]))))

@@ -372,6 +372,46 @@ def test_teacher_forced_logits_match_transformers(bf16_dirs: dict[str, Path], na
     assert (ours_fp32.argmax(-1) == oracle.argmax(-1)).float().mean() >= 0.99
 
 
+def test_prompt_logprobs_run_eagerly_beside_graph_steps_and_match_transformers(bf16_dirs: dict[str, Path]) -> None:
+    """A prompt whose log-probabilities are asked for runs eagerly (every position's logits)
+    between decode steps that replay graphs; the values are transformers' in fp32, and the
+    decoding request beside it is unchanged."""
+    path = bf16_dirs["tiny-qwen2"]
+    config = engine_config(
+        path, dtype="float32", max_model_len=256, cache=CacheConfig(block_size=BLOCK, num_blocks=256)
+    )
+    vocab = ModelConfig.from_pretrained(path).vocab_size
+    gen = torch.Generator().manual_seed(6)
+    other, prompt = (torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (30, 150))
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine = LLMEngine(config)
+    alone = engine.generate([other], greedy)[0]
+    engine.add_request("other", other, greedy)
+    for _ in range(4):  # its prefill, then decode graphs
+        engine.step()
+    engine.add_request(
+        "asked", prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    )
+    tokens: list[int] = []
+    entries = None
+    for outputs in engine.drain():
+        for out in outputs:
+            if out.request_id == "other":
+                tokens += out.new_token_ids
+            elif out.prompt_logprobs is not None:
+                entries = out.prompt_logprobs
+    engine.close()
+    del engine
+    free_cuda()
+    assert tokens == alone
+    assert entries is not None and len(entries) == len(prompt) - 1
+    oracle = hf_logits(path, prompt, torch.float32, attn="eager")[:-1].log_softmax(dim=-1)
+    chosen = torch.tensor([entry.logprob for entry in entries])
+    assert (chosen - oracle[torch.arange(len(entries)), torch.tensor(prompt[1:])]).abs().max() < 2e-3
+    tops = torch.tensor([entry.top_logprobs for entry in entries])
+    assert (tops - oracle.topk(3, dim=-1).values).abs().max() < 2e-3
+
+
 # -- the engine with graphs against the engine without ----------------------------------------
 
 

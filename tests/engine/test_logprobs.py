@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.sampler import PromptLogprobs, TokenLogprobs
 from pdserve.engine.sampling import RequestError, SamplingParams
 from pdserve.tests.engine.helpers import hf_model, make_engine, make_prompts
 
@@ -73,3 +73,57 @@ def test_logprobs_out_of_range_are_refused(value: object) -> None:
     with pytest.raises(RequestError) as info:
         SamplingParams(logprobs=value)  # type: ignore[arg-type]
     assert info.value.field == "logprobs"
+
+
+@pytest.mark.parametrize("value", [-1, 21, True])
+def test_prompt_logprobs_out_of_range_are_refused(value: object) -> None:
+    with pytest.raises(RequestError) as info:
+        SamplingParams(prompt_logprobs=value)  # type: ignore[arg-type]
+    assert info.value.field == "prompt_logprobs"
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_prompt_logprobs_match_transformers(
+    tiny_model_dirs: dict[str, Path], overlap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each prompt token's log-probability given those before it, and the likeliest tokens there,
+    are transformers' (teacher-forced over the prompt), chunked over several steps beside other
+    requests, and whole even where the prefix cache holds the prompt's start."""
+    monkeypatch.setattr(PromptLogprobs, "SLICE", 7)  # a step's prompt rows go through the LM head in slices
+    model_dir = tiny_model_dirs["tiny-qwen2"]
+    engine = make_engine(model_dir, overlap=overlap, max_num_batched_tokens=24, max_num_seqs=4)
+    vocab = engine.model_config.vocab_size
+    shared, tail, other = make_prompts(vocab, [40, 9, 17], seed=8)
+    engine.generate([shared], SamplingParams(max_tokens=1))  # leaves the shared prompt's blocks cached
+    prompts = [shared + tail, other, shared + tail, [5]]
+    params = [
+        SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=4),
+        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=0, logprobs=2),
+        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=3),
+    ]
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+    firsts: dict[str, list] = {}
+    for outputs in engine.drain():
+        for out in outputs:
+            if out.request_id not in firsts:
+                firsts[out.request_id] = out.prompt_logprobs  # only the first output carries them
+            else:
+                assert out.prompt_logprobs is None
+    reference = hf_model(model_dir)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        entries = firsts[str(i)]
+        if p.prompt_logprobs is None:
+            assert entries is None
+            continue
+        with torch.no_grad():
+            expected = reference(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(dim=-1)
+        assert entries is not None and len(entries) == len(prompt) - 1
+        for position, entry in enumerate(entries):
+            assert entry.logprob == pytest.approx(float(expected[position, prompt[position + 1]]), abs=1e-4)
+            top = expected[position].topk(p.prompt_logprobs)
+            assert entry.top_ids == top.indices.tolist(), f"request {i}, position {position}"
+            assert entry.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4)
+    # The request with the cached prefix computed all of it: nothing was served from the cache.
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -10,8 +10,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.engine import LLMEngine
 from pdserve.engine.penalties import History, penalize
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.step_plan import pending_token
@@ -118,16 +116,7 @@ def test_min_tokens_holds_back_the_end_of_sequence_as_transformers_does(demo_mod
     output is that long, as transformers' ``min_new_tokens`` does, then lets it end."""
     tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
     prompt = encode_prompt(tokenizer, "What is the capital of France?")
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(demo_model_dir),
-            device="cpu",
-            dtype="float32",
-            max_model_len=256,
-            overlap_scheduling=overlap,
-            cache=CacheConfig(num_blocks=64),
-        )
-    )
+    engine = make_engine(demo_model_dir, num_blocks=64, overlap=overlap)
     limits = [(48, 0), (48, 12), (20, 20)]  # (max_tokens, min_tokens)
     got = engine.generate(
         [prompt] * 3, [SamplingParams(max_tokens=n, min_tokens=m, temperature=0.0) for n, m in limits]

@@ -360,7 +360,6 @@ def test_a_reply_as_the_official_client_dumps_it_is_a_valid_next_turn(demo_token
 @pytest.mark.parametrize(
     ("kind", "extra", "param", "message"),
     [
-        ("completion", {"echo": True}, "echo", "echo is not supported by this server"),
         ("completion", {"best_of": True}, "best_of", "best_of is not supported by this server"),
         ("completion", {"suffix": "and so on"}, "suffix", "suffix is not supported by this server"),
         ("chat", {"tool_choice": "auto"}, "tool_choice", "tool_choice is not supported by this server"),
@@ -1342,6 +1341,43 @@ def test_sse_framing_usage_chunk_and_done(served: Served, demo_model_dir: Path) 
 
 
 @pytest.mark.slow
+def test_echo_shows_the_prompt_and_its_log_probabilities(served: Served, demo_tokenizer: Any) -> None:
+    """Completions' ``echo``, as vLLM's (lm-evaluation-harness scores a text with it): the
+    prompt's text before the output's and, with ``logprobs``, its tokens too, the first without
+    a log-probability; the values are what the cluster gives the ZMQ client's ``prompt_logprobs``."""
+    request = {"model": MODEL, "prompt": TEXT_PROMPT, "max_tokens": 4, "temperature": 0}
+    plain = served.http.post("/v1/completions", json=request).json()["choices"][0]["text"]
+    echoed = served.http.post("/v1/completions", json={**request, "echo": True, "logprobs": 2}).json()["choices"][0]
+    assert echoed["text"] == TEXT_PROMPT + plain
+    ids = encode_prompt(demo_tokenizer, TEXT_PROMPT, chat=False)
+    same = zmq_greedy(served, TEXT_PROMPT, chat=False, max_tokens=4, prompt_logprobs=2, logprobs=2)
+    assert same.prompt_logprobs is not None and same.logprobs is not None
+    logprobs, n = echoed["logprobs"], len(ids)
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1:] == pytest.approx(
+        same.prompt_logprobs.token_logprobs + same.logprobs.token_logprobs, abs=1e-5
+    )
+    assert len(logprobs["tokens"]) == n + 4 and "".join(logprobs["tokens"][:n]) == TEXT_PROMPT
+    assert all(token in top for token, top in zip(logprobs["tokens"][1:], logprobs["top_logprobs"][1:]))
+    offsets = [0]
+    for token in logprobs["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert logprobs["text_offset"] == offsets
+    # Streamed: the first chunk holds the prompt, and its log-probabilities with the first token's.
+    with served.http.stream(
+        "POST", "/v1/completions", json={**request, "echo": True, "logprobs": 2, "stream": True}
+    ) as r:
+        events = [e for e in sse_events(r) if e != "[DONE]"]
+    assert events[0]["choices"][0]["text"].startswith(TEXT_PROMPT)
+    assert "".join(e["choices"][0]["text"] for e in events) == echoed["text"]
+    streamed = [v for e in events if e["choices"][0]["logprobs"] for v in e["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == logprobs["token_logprobs"]
+    # A prompt of token ids echoes as their text; no logprobs, none computed.
+    by_ids = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, echo=True)
+    assert by_ids.choices[0].text == demo_tokenizer.decode(ids) + plain and by_ids.choices[0].logprobs is None
+
+
+@pytest.mark.slow
 def test_tokenize_gives_the_ids_generation_sends_and_detokenize_the_text(served: Served, demo_tokenizer: Any) -> None:
     """vLLM's ``/tokenize`` and ``/detokenize``: a prompt's and a chat's ids are those the
     generation routes send the cluster (their usage counts them), special-token text included."""
@@ -1361,11 +1397,13 @@ def test_tokenize_gives_the_ids_generation_sends_and_detokenize_the_text(served:
     assert reply.usage is not None and chat["count"] == reply.usage.prompt_tokens
     assert chat["tokens"] == encode_chat(demo_tokenizer, messages)  # the special-token text as plain text
     assert chat["token_strs"] == demo_tokenizer.convert_ids_to_tokens(chat["tokens"])
+    # lm-evaluation-harness's remote tokenizer asks for the text's ids alone.
+    bare = http.post("/tokenize", json={"prompt": TEXT_PROMPT, "add_special_tokens": False}).json()["tokens"]
+    assert bare == demo_tokenizer.encode(TEXT_PROMPT, add_special_tokens=False)
     detokenized = http.post("/detokenize", json={"model": MODEL, "tokens": tokenized["tokens"]})
     assert detokenized.json() == {"prompt": TEXT_PROMPT}
     refused = {
         "/tokenize": [
-            ({"prompt": "hi", "add_special_tokens": False}, 400, "unsupported_parameter", "add_special_tokens"),
             (
                 {"messages": messages, "add_generation_prompt": False},
                 400,
@@ -1679,7 +1717,7 @@ BAD_REQUESTS = {
         "prompt",
     ),
     "n past 128": ("/v1/completions", {"prompt": "hi", "n": 129}, 400, "invalid_value", "n"),
-    "echo": ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "unsupported_parameter", "echo"),
+    "echo not a boolean": ("/v1/completions", {"prompt": "hi", "echo": "yes"}, 400, "invalid_value", "echo"),
     "suffix": ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "unsupported_parameter", "suffix"),
     "logit_bias past 100": (
         "/v1/chat/completions",
@@ -1761,8 +1799,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served: Ser
     assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
 
     with pytest.raises(openai.BadRequestError) as info:  # what the official client makes of one
-        served.client.completions.create(model=MODEL, prompt="hi", echo=True)
-    assert info.value.status_code == 400 and info.value.code == "unsupported_parameter" and info.value.param == "echo"
+        served.client.completions.create(model=MODEL, prompt="hi", suffix="!")
+    assert info.value.status_code == 400 and info.value.code == "unsupported_parameter" and info.value.param == "suffix"
 
     after = metric_samples(served)
     for code in (

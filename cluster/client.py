@@ -157,6 +157,7 @@ def _request(
     request_id: str | None,
     sampling: dict[str, Any],
     batch_chunks: bool = False,
+    skip_special_tokens: bool = True,
 ) -> Generate:
     if request_id is not None and not isinstance(request_id, str):
         raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
@@ -174,6 +175,7 @@ def _request(
         stream=stream,
         chat=chat,
         batch_chunks=batch_chunks,
+        skip_special_tokens=skip_special_tokens,
     )
 
 
@@ -310,12 +312,15 @@ class Client:
         stream: bool = False,
         chat: bool = True,
         request_id: str | None = None,
+        skip_special_tokens: bool = True,
         **sampling: Any,
     ) -> str:
         """Send a request without waiting; returns its request_id (see ``result``/``chunks``).
         An id whose request's terminal reply was not read yet is refused (``duplicate_request_id``):
         the replies of the two could not be told apart."""
-        request = _request(prompt, token_ids, stream, chat, request_id, sampling)
+        request = _request(
+            prompt, token_ids, stream, chat, request_id, sampling, skip_special_tokens=skip_special_tokens
+        )
         rid = request.request_id or ""
         if rid in self._running:
             why = f"request_id {rid!r} is already running, or its end was not read (chunks, result)"
@@ -561,12 +566,13 @@ class AsyncClient:
         token_ids: list[int] | None = None,
         chat: bool = True,
         request_id: str | None = None,
+        skip_special_tokens: bool = True,
         **sampling: Any,
     ) -> AsyncIterator[Chunk | Final]:
         """Chunks in order, then the Final; raises ClusterError on an error reply. Leaving it before
         its end (``break``, a cancelled task, a timeout) aborts the request; ``cancel`` then
         returns what it used."""
-        request = _request(prompt, token_ids, True, chat, request_id, sampling, batch_chunks=self.batch_chunks)
+        request = _request(prompt, token_ids, True, chat, request_id, sampling, self.batch_chunks, skip_special_tokens)
         rid = request.request_id or ""
         if rid in self._inboxes or rid in self._left:  # its replies could not be told from the running one's
             raise ClusterError(Error(rid, "duplicate_request_id", f"request_id {rid!r} is already running"))

@@ -296,6 +296,7 @@ class Generate(Message):
     stream: bool = True
     chat: bool = True  # apply the model's chat template to a text prompt
     batch_chunks: bool = False  # this request's chunks may come inside ``chunks`` messages
+    skip_special_tokens: bool = True  # the text leaves special tokens out (vLLM's default)
 
 
 class Abort(Message):

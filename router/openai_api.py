@@ -7,7 +7,8 @@ field OpenAI does not have are each a 400 naming the field; an unsupported field
 used" value (``tools: []``, ``best_of: 1``) passes, and fields that change nothing of
 the output (``user``, ``store``, ``metadata``, ``parallel_tool_calls``) are accepted and
 ignored. vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``, ``min_tokens`` and ``include_stop_str_in_output`` are accepted.
+``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output`` and ``skip_special_tokens``
+are accepted.
 Prompts are tokenized here, the same way the ZMQ client's are
 (``engine.tokenization.encode_prompt``), so the cluster gets token ids.
 """
@@ -79,6 +80,7 @@ class _Sampling(_Strict):
     seed: int | None = Field(None, ge=0, le=MAX_INT64)
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False  # vLLM's
+    skip_special_tokens: bool = True  # vLLM's
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: int | None = Field(None, ge=0, le=MAX_INT32)  # vLLM's
@@ -262,6 +264,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     include_stop: bool = False  # the output keeps the stop string that ended it
     echo: str | None = None  # completions' echo: the prompt's text, before the output's
+    skip_special_tokens: bool = True  # the text (and log-probabilities' tokens) leave them out
     stream: bool = False
     include_usage: bool = False
     n: int = 1  # choices: each a request of its own, a seed (if any) plus its index
@@ -377,14 +380,15 @@ LOWEST_LOGPROB = -9999.0
 class LogprobsFormat:
     """The cluster's log-probabilities (``protocol.Logprobs``) as a choice's ``logprobs``, a
     stream's pieces one after another. A token is shown as its own decoded text, as the
-    response's text has it (a special token as "", a piece of a multi-byte character as
-    U+FFFD). Completions: OpenAI's legacy lists, each ``top_logprobs`` map holding the chosen
+    response's text has it (a special token as "" unless ``skip_special_tokens`` is false, a
+    piece of a multi-byte character as U+FFFD). Completions: OpenAI's legacy lists, each ``top_logprobs`` map holding the chosen
     token beside the likeliest (vLLM's); chat: ``content`` entries with ``bytes``, and exactly
     ``top_logprobs`` alternatives."""
 
-    def __init__(self, kind: Literal["completion", "chat"], tokenizer: Any) -> None:
+    def __init__(self, kind: Literal["completion", "chat"], tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self.kind = kind
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.text_offset = 0  # completions: characters of the tokens shown so far
 
     def prompt(self, token_ids: list[int], logprobs: Any) -> dict[str, Any]:
@@ -439,8 +443,10 @@ class LogprobsFormat:
         }
 
     def _text(self, token_id: int) -> str:
-        # As the response's text shows it: a special token (the end of a chat turn) reads as "".
-        return self.tokenizer.decode([token_id], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        # As the response's text shows it: by default a special token (the end of a chat turn) reads as "".
+        return self.tokenizer.decode(
+            [token_id], skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
 
 def usage_body(usage: dict[str, int], cached_tokens: int | None = None) -> dict[str, Any]:
@@ -547,6 +553,7 @@ def parse_request(
         stop=[s for s in stop if s],
         include_stop=request.include_stop_str_in_output,
         echo=echo,
+        skip_special_tokens=request.skip_special_tokens,
         stream=bool(request.stream),
         include_usage=include_usage,
         n=request.n or 1,

@@ -603,7 +603,9 @@ class _Run:
         self.outcome: Outcome | None = None
         # Where the request asked for log-probabilities: those of the pieces yielded and not yet taken.
         self.logprobs_format = (
-            None if gen.sampling.get("logprobs") is None else LogprobsFormat(gen.kind, frontend.tokenizer)
+            None
+            if gen.sampling.get("logprobs") is None
+            else LogprobsFormat(gen.kind, frontend.tokenizer, gen.skip_special_tokens)
         )
         self._pieces: list[tuple[list[int], Logprobs]] = []
         # An echoing request's: its prompt's log-probabilities, until they go with the first piece.
@@ -656,7 +658,12 @@ class _Run:
         generated = 0  # tokens in the chunks so far
         frontend.running.add(self.request_id)
         try:
-            stream = client.stream(token_ids=gen.token_ids, request_id=self.request_id, **self.sampling)
+            stream = client.stream(
+                token_ids=gen.token_ids,
+                request_id=self.request_id,
+                skip_special_tokens=gen.skip_special_tokens,
+                **self.sampling,
+            )
             async with contextlib.aclosing(stream) as messages:
                 async for message in messages:
                     now = time.perf_counter()

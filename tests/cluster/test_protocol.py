@@ -201,6 +201,7 @@ def test_wire_form_is_a_plain_map_with_type_and_version() -> None:
         "stream": True,
         "chat": True,
         "batch_chunks": False,
+        "skip_special_tokens": True,
     }
     assert PROTOCOL_VERSION == 1
 

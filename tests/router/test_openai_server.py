@@ -1378,6 +1378,31 @@ def test_echo_shows_the_prompt_and_its_log_probabilities(served: Served, demo_to
 
 
 @pytest.mark.slow
+def test_special_tokens_show_in_the_text_only_when_asked(served: Served, demo_tokenizer: Any) -> None:
+    """vLLM's ``skip_special_tokens``: by default the chat's closing ``<|im_end|>`` is left out of
+    the text; with false the text is the tokenizer's whole decode, on the ZMQ protocol and the API."""
+    question = "What is the capital of France?"
+    default = zmq_greedy(served, question, max_tokens=24)
+    shown = zmq_greedy(served, question, max_tokens=24, skip_special_tokens=False)
+    assert default.token_ids == shown.token_ids and default.finish_reason == "stop"
+    assert shown.text == demo_tokenizer.decode(shown.token_ids, skip_special_tokens=False)
+    assert shown.text.endswith("<|im_end|>") and shown.text == default.text + "<|im_end|>"
+    messages = [{"role": "user", "content": question}]
+    for skip, expected in ((True, default.text), (False, shown.text)):
+        reply = served.client.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=24,
+            temperature=0,
+            logprobs=True,
+            extra_body={"skip_special_tokens": skip},
+        )
+        assert reply.choices[0].message.content == expected
+        assert reply.choices[0].logprobs is not None and reply.choices[0].logprobs.content is not None
+        assert reply.choices[0].logprobs.content[-1].token == ("" if skip else "<|im_end|>")
+
+
+@pytest.mark.slow
 def test_tokenize_gives_the_ids_generation_sends_and_detokenize_the_text(served: Served, demo_tokenizer: Any) -> None:
     """vLLM's ``/tokenize`` and ``/detokenize``: a prompt's and a chat's ids are those the
     generation routes send the cluster (their usage counts them), special-token text included."""

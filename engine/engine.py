@@ -386,7 +386,11 @@ class LLMEngine:
         histories = None
         if any(p.penalized for p in params):
             histories = [History(s.token_ids, s.num_prompt_tokens) for s in sampled_seqs]
-        banned = [self._stop_ids(s.params) if s.num_output_tokens < s.params.min_tokens else () for s in sampled_seqs]
+        banned = None
+        if any(p.min_tokens for p in params):
+            banned = [
+                self._stop_ids(s.params) if s.num_output_tokens < s.params.min_tokens else () for s in sampled_seqs
+            ]
         tokens = self.sampler(logits, params, [s.num_tokens for s in sampled_seqs], histories, sampled, banned)
         logprobs = SampledLogprobs.of(logits, tokens, params)
         indexes = []

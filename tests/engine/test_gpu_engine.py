@@ -387,14 +387,13 @@ def test_prompt_logprobs_run_eagerly_beside_graph_steps_and_match_transformers(b
     engine = LLMEngine(config)
     alone = engine.generate([other], greedy)[0]
     engine.add_request("other", other, greedy)
-    for _ in range(4):  # its prefill, then decode graphs
-        engine.step()
+    steps = [engine.step() for _ in range(4)]  # its prefill, then decode graphs
     engine.add_request(
         "asked", prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
     )
     tokens: list[int] = []
     entries = None
-    for outputs in engine.drain():
+    for outputs in [*steps, *engine.drain()]:
         for out in outputs:
             if out.request_id == "other":
                 tokens += out.new_token_ids

@@ -381,9 +381,9 @@ class LogprobsFormat:
     """The cluster's log-probabilities (``protocol.Logprobs``) as a choice's ``logprobs``, a
     stream's pieces one after another. A token is shown as its own decoded text, as the
     response's text has it (a special token as "" unless ``skip_special_tokens`` is false, a
-    piece of a multi-byte character as U+FFFD). Completions: OpenAI's legacy lists, each ``top_logprobs`` map holding the chosen
-    token beside the likeliest (vLLM's); chat: ``content`` entries with ``bytes``, and exactly
-    ``top_logprobs`` alternatives."""
+    piece of a multi-byte character as U+FFFD). Completions: OpenAI's legacy lists, each
+    ``top_logprobs`` map holding the chosen token beside the likeliest (vLLM's); chat:
+    ``content`` entries with ``bytes``, and exactly ``top_logprobs`` alternatives."""
 
     def __init__(self, kind: Literal["completion", "chat"], tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self.kind = kind

@@ -252,7 +252,11 @@ class GroupLeader:
         """Queue a request in the engine; a refused one gets a terminal error at the router."""
         try:
             self.engine.add_request(
-                request.request_id, request.token_ids, request.sampling.to_params(), prefill_only=prefill_only
+                request.request_id,
+                request.token_ids,
+                request.sampling.to_params(),
+                prefill_only=prefill_only,
+                generated=request.generated,
             )
         except RequestError as e:
             self.send_router(WorkerError(request.request_id, "invalid_request", str(e)))

@@ -431,6 +431,9 @@ class WorkRequest(Message):
     token_ids: list[int]
     sampling: Sampling
     decode_group: int  # where the prefill group sends the KV (unused when colocated)
+    # A moved request's: the last ``generated`` of ``token_ids`` are its output so far, which its
+    # limits and penalties count as output, not prompt.
+    generated: int = 0
 
 
 class TokenOutput(Message):
@@ -475,6 +478,7 @@ class KVAnnounce(Message):
     timings: RequestTimings = msgspec.field(default_factory=RequestTimings)  # measured by the prefill group's engine
     block_ids: list[int] = msgspec.field(default_factory=list)  # the prompt's KV blocks in the prefill pool
     generation: int = 0  # the prefill group's: a dead generation's announce, read late, is dropped
+    generated: int = 0  # as the work request's: the last ones of ``token_ids`` are output
 
 
 class KVReply(Message):

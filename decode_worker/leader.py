@@ -151,6 +151,7 @@ class DecodeLeader(GroupLeader):
                 announce.first_token,
                 announce.sampling.to_params(),
                 keep_free=0 if ahead is None else ahead.num_blocks + 1,  # and the headroom block this one adds
+                generated=announce.generated,
             )
         except RequestError as e:
             self.room_waits.pop(request_id, None)

@@ -172,20 +172,33 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------
 
-    def validate(self, prompt_token_ids: SequenceType[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: SequenceType[int], params: SamplingParams, generated: int = 0) -> None:
         """Raise ``RequestError`` naming the field if this request cannot be served."""
-        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        validate_request(
+            prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len, generated=generated
+        )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: SequenceType[int], params: SamplingParams, prefill_only: bool = False
+        self,
+        request_id: str,
+        prompt_token_ids: SequenceType[int],
+        params: SamplingParams,
+        prefill_only: bool = False,
+        generated: int = 0,
     ) -> None:
         """Queue a request. ``prefill_only``: finish it with reason "prefilled" after its first
-        token (unless that token already ends it) and keep its KV blocks for a transfer."""
+        token (unless that token already ends it) and keep its KV blocks for a transfer.
+        ``generated``: a request moved from a failed group, prefilled again with its output so
+        far, the last ``generated`` of ``prompt_token_ids``: its limits and penalties count them
+        as output, as the engine it started on did."""
         self._check_new_id(request_id)
-        self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only)
+        self.validate(prompt_token_ids, params, generated)
+        num_prompt_tokens = len(prompt_token_ids) - generated
+        seq = Sequence(
+            request_id, list(prompt_token_ids), params, num_prompt_tokens=num_prompt_tokens, prefill_only=prefill_only
+        )
         self.requests[request_id] = seq
-        if params.prompt_logprobs is not None:  # filled by position as the prompt's steps are read back
+        if params.prompt_logprobs is not None and not generated:  # filled by position as its steps are read back
             self._prompt_logprobs[request_id] = [None] * (seq.num_prompt_tokens - 1)
         self.scheduler.add(seq)
 
@@ -220,6 +233,7 @@ class LLMEngine:
         first_token: int,
         params: SamplingParams,
         keep_free: int = 0,
+        generated: int = 0,
     ) -> Reservation | None:
         """Decode role: blocks for the prompt's KV, or None if too few are free (try later);
         ``keep_free`` more blocks stay free (for a request waiting ahead of this one).
@@ -230,8 +244,13 @@ class LLMEngine:
         the scheduler, for ``admit`` once that KV is in place.
         """
         self._check_new_id(request_id)
-        self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id, [*prompt_token_ids, first_token], params, num_prompt_tokens=len(prompt_token_ids))
+        self.validate(prompt_token_ids, params, generated)
+        seq = Sequence(
+            request_id,
+            [*prompt_token_ids, first_token],
+            params,
+            num_prompt_tokens=len(prompt_token_ids) - generated,
+        )
         # Counted once it is granted: the prefill side retries a refused one every few ms.
         self.block_manager.match_prefix(seq, len(prompt_token_ids) - 1, count=False)
         seq.num_cached_tokens = seq.num_computed_tokens

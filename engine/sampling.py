@@ -136,20 +136,26 @@ def validate_request(
     vocab_size: int,
     max_model_len: int,
     tokens_field: str = "prompt_token_ids",
+    generated: int = 0,
 ) -> None:
     """Raise ``RequestError`` naming the field if a model of this vocabulary and length cannot
-    serve the request. The router calls it before dispatch, the engine again on arrival."""
+    serve the request. The router calls it before dispatch, the engine again on arrival.
+    ``generated``: a moved request's output so far, the last of ``token_ids``."""
     if len(token_ids) == 0:
         raise RequestError("prompt", "is empty")
-    total = len(token_ids) + params.max_tokens
-    if len(token_ids) >= max_model_len:  # first: refused without a scan of its ids
+    if not 0 <= generated < min(len(token_ids), params.max_tokens):
+        raise RequestError("generated", f"must leave a prompt and tokens to generate, got {generated}")
+    num_prompt_tokens = len(token_ids) - generated
+    total = num_prompt_tokens + params.max_tokens
+    if num_prompt_tokens >= max_model_len:  # first: refused without a scan of its ids
         raise RequestError(
-            "prompt", f"has {len(token_ids)} tokens: the maximum model length {max_model_len} leaves no room to answer"
+            "prompt",
+            f"has {num_prompt_tokens} tokens: the maximum model length {max_model_len} leaves no room to answer",
         )
     if total > max_model_len:
         raise RequestError(
             "max_tokens",
-            f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} "
             f"exceeds the maximum model length {max_model_len}",
         )
     # Every request pays this scan on each process it enters: first a check by C builtins, then,

@@ -132,6 +132,7 @@ class PrefillLeader(GroupLeader):
             out.timings,
             block_ids,
             self.generation,
+            work.generated,
         )
         self.to_announce.append(_Handoff(announce, work.decode_group, block_ids))
 

@@ -505,17 +505,12 @@ class Router:
         if decode_group is not None:
             self.decode_load[decode_group] += state.outstanding_tokens
             self.dispatched[("decode", decode_group)] += 1
-        generated = len(state.token_ids)  # a moved request's limits count what it has already
-        sampling = msgspec.structs.replace(
-            state.sampling,
-            max_tokens=state.sampling.max_tokens - generated,
-            min_tokens=max(0, state.sampling.min_tokens - generated),
-        )
         work = WorkRequest(
             request_id,
             prompt,
-            sampling,
+            state.sampling,
             decode_group if decode_group is not None else -1,
+            generated=len(state.token_ids),
         )
         self.leaders[state.entry_group].send(encode(work))
 

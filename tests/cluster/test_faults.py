@@ -38,6 +38,12 @@ SAMPLING = [
     else {"max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0.9, "top_k": 60, "seed": 1000 + i}
     for i in range(len(PROMPTS))
 ]
+# A moved request's output so far counts as output for its penalties and min_tokens, as on its
+# first group: otherwise its later tokens would differ from an uninterrupted run's.
+for i in range(0, len(PROMPTS), 3):
+    SAMPLING[i] |= {"frequency_penalty": 0.8, "presence_penalty": 0.4, "repetition_penalty": 1.2}
+for i in range(1, len(PROMPTS), 4):
+    SAMPLING[i] |= {"min_tokens": MAX_TOKENS, "stop_token_ids": list(range(0, 1000, 2))}
 
 
 def rank_pids(cluster: LaunchedCluster) -> dict[str, int]:

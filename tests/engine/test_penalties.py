@@ -179,3 +179,29 @@ def test_placeholders_count_as_the_tokens_they_name(device: str) -> None:
 def test_placeholders_without_sampled_tokens_are_refused() -> None:
     with pytest.raises(RuntimeError, match="placeholders"):
         penalize(torch.zeros(1, 8), [SamplingParams(presence_penalty=1.0)], [History([1, pending_token(0)], 1)])
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_a_moved_request_goes_on_as_on_its_first_engine(tiny_model_dirs: dict[str, Path], overlap: bool) -> None:
+    """A request moved after a failure is prefilled again with its output so far (``generated``):
+    its penalties, ``min_tokens`` and ``max_tokens`` count that output as output, so the rest is
+    what the engine it started on would have given."""
+    model_dir = tiny_model_dirs["tiny-qwen2"]
+    prompts = make_prompts(256, [9, 20], seed=11)
+    params = [
+        greedy(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3),
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=5, min_tokens=MAX_TOKENS, stop_token_ids=(3, 4)),
+    ]
+    whole = make_engine(model_dir, overlap=overlap).generate(prompts, params)
+    k = 7
+    moved = make_engine(model_dir, overlap=overlap)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        moved.add_request(str(i), prompt + whole[i][:k], p, generated=k)
+    rest = {str(i): [] for i in range(len(prompts))}
+    for outputs in moved.drain():
+        for out in outputs:
+            rest[out.request_id] += out.new_token_ids
+    assert [whole[i][:k] + rest[str(i)] for i in range(len(prompts))] == whole
+    # Counted as prompt instead, the penalties and the limit would differ.
+    as_prompt = make_engine(model_dir, overlap=overlap).generate([prompts[0] + whole[0][:k]], params[0])[0]
+    assert whole[0][:k] + as_prompt != whole[0]

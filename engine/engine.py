@@ -474,6 +474,8 @@ class LLMEngine:
     def _stop_reason(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
         """Why ``seq`` ends with ``token`` as its ``num_tokens``-th token, or None."""
         params = seq.params
+        if num_tokens - seq.num_prompt_tokens < params.min_tokens:  # a stop id only where all were banned
+            return "length" if self._length_reached(seq, num_tokens) else None
         if not params.ignore_eos and token in self.model_config.eos_token_ids:
             return "stop"
         if token in params.stop_token_ids:

@@ -660,7 +660,8 @@ def _completion_prompt(
 
 
 def _echo_text(request: CompletionRequest, token_ids: list[int], tokenizer: Any) -> str:
-    """What an echo shows of the prompt: its text as sent, or its ids' decoded (vLLM's)."""
+    """What an echo shows of the prompt: its text as sent, or its ids' decoded (vLLM's), as
+    the output's text and the log-probabilities' tokens show special tokens."""
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -668,7 +669,9 @@ def _echo_text(request: CompletionRequest, token_ids: list[int], tokenizer: Any)
         return prompt
     if tokenizer is None:
         raise bad_request("echo needs the model's tokenizer to show a prompt of token ids", "echo")
-    return tokenizer.decode(token_ids)
+    return tokenizer.decode(
+        token_ids, skip_special_tokens=request.skip_special_tokens, clean_up_tokenization_spaces=False
+    )
 
 
 def _check_model(model: str | None, served_model: str) -> None:

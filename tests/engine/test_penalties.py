@@ -181,6 +181,17 @@ def test_placeholders_without_sampled_tokens_are_refused() -> None:
         penalize(torch.zeros(1, 8), [SamplingParams(presence_penalty=1.0)], [History([1, pending_token(0)], 1)])
 
 
+def test_min_tokens_holds_even_where_every_token_stops(tiny_model_dirs: dict[str, Path]) -> None:
+    """Banned everywhere, a stop id is drawn anyway; as in vLLM it ends nothing before ``min_tokens``."""
+    engine = make_engine(tiny_model_dirs["tiny-qwen2"])
+    every = tuple(range(engine.model_config.vocab_size))
+    engine.add_request(
+        "r", [5, 6, 7], SamplingParams(max_tokens=6, min_tokens=3, temperature=0.0, stop_token_ids=every)
+    )
+    outputs = [out for step in engine.drain() for out in step]
+    assert sum(len(out.new_token_ids) for out in outputs) == 3 and outputs[-1].finish_reason == "stop"
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_a_moved_request_goes_on_as_on_its_first_engine(tiny_model_dirs: dict[str, Path], overlap: bool) -> None:
     """A request moved after a failure is prefilled again with its output so far (``generated``):

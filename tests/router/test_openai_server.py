@@ -1372,6 +1372,12 @@ def test_echo_shows_the_prompt_and_its_log_probabilities(served: Served, demo_to
     assert "".join(e["choices"][0]["text"] for e in events) == echoed["text"]
     streamed = [v for e in events if e["choices"][0]["logprobs"] for v in e["choices"][0]["logprobs"]["token_logprobs"]]
     assert streamed == logprobs["token_logprobs"]
+    # A prompt of token ids echoes as the output shows text: its special tokens left out, as its tokens are.
+    special = [demo_tokenizer.convert_tokens_to_ids("<|im_start|>"), *ids]
+    marked = {**request, "prompt": special, "max_tokens": 1, "echo": True, "logprobs": 1}
+    choice = served.http.post("/v1/completions", json=marked).json()["choices"][0]
+    assert "".join(choice["logprobs"]["tokens"][: len(special)]) == TEXT_PROMPT
+    assert choice["text"].startswith(TEXT_PROMPT) and choice["logprobs"]["tokens"][0] == ""
     # A prompt of token ids echoes as their text; no logprobs, none computed.
     by_ids = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, echo=True)
     assert by_ids.choices[0].text == demo_tokenizer.decode(ids) + plain and by_ids.choices[0].logprobs is None

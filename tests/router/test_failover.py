@@ -70,7 +70,8 @@ def test_a_request_moves_off_a_dead_decode_group_and_streams_on_without_gap_or_r
     again = moved[2]
     assert isinstance(again, WorkRequest) and again.request_id != work.request_id
     assert again.token_ids == PROMPT + [11, 12, 13]
-    assert again.sampling.max_tokens == 10 - 3
+    # Its tokens so far are output, not prompt, for its limits and penalties (max_tokens stays).
+    assert (again.generated, again.sampling.max_tokens) == (3, 10)
     assert again.decode_group == 1 - dead
     assert rig.received("decode", 1 - dead) == []  # the live decode group was not serving it: nothing to abort
     # Late outputs of the old attempt are ignored; the new attempt's index 0 is the 4th token.

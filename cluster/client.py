@@ -158,6 +158,7 @@ def _request(
     sampling: dict[str, Any],
     batch_chunks: bool = False,
     skip_special_tokens: bool = True,
+    include_stop_str_in_output: bool = False,
 ) -> Generate:
     if request_id is not None and not isinstance(request_id, str):
         raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
@@ -176,6 +177,7 @@ def _request(
         chat=chat,
         batch_chunks=batch_chunks,
         skip_special_tokens=skip_special_tokens,
+        include_stop_str_in_output=include_stop_str_in_output,
     )
 
 
@@ -313,13 +315,22 @@ class Client:
         chat: bool = True,
         request_id: str | None = None,
         skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
         **sampling: Any,
     ) -> str:
         """Send a request without waiting; returns its request_id (see ``result``/``chunks``).
         An id whose request's terminal reply was not read yet is refused (``duplicate_request_id``):
         the replies of the two could not be told apart."""
         request = _request(
-            prompt, token_ids, stream, chat, request_id, sampling, skip_special_tokens=skip_special_tokens
+            prompt,
+            token_ids,
+            stream,
+            chat,
+            request_id,
+            sampling,
+            False,
+            skip_special_tokens,
+            include_stop_str_in_output,
         )
         rid = request.request_id or ""
         if rid in self._running:
@@ -567,12 +578,23 @@ class AsyncClient:
         chat: bool = True,
         request_id: str | None = None,
         skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
         **sampling: Any,
     ) -> AsyncIterator[Chunk | Final]:
         """Chunks in order, then the Final; raises ClusterError on an error reply. Leaving it before
         its end (``break``, a cancelled task, a timeout) aborts the request; ``cancel`` then
         returns what it used."""
-        request = _request(prompt, token_ids, True, chat, request_id, sampling, self.batch_chunks, skip_special_tokens)
+        request = _request(
+            prompt,
+            token_ids,
+            True,
+            chat,
+            request_id,
+            sampling,
+            self.batch_chunks,
+            skip_special_tokens,
+            include_stop_str_in_output,
+        )
         rid = request.request_id or ""
         if rid in self._inboxes or rid in self._left:  # its replies could not be told from the running one's
             raise ClusterError(Error(rid, "duplicate_request_id", f"request_id {rid!r} is already running"))

@@ -297,6 +297,7 @@ class Generate(Message):
     chat: bool = True  # apply the model's chat template to a text prompt
     batch_chunks: bool = False  # this request's chunks may come inside ``chunks`` messages
     skip_special_tokens: bool = True  # the text leaves special tokens out (vLLM's default)
+    include_stop_str_in_output: bool = False  # the text keeps the stop token's (vLLM's name)
 
 
 class Abort(Message):

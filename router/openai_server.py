@@ -662,6 +662,7 @@ class _Run:
                 token_ids=gen.token_ids,
                 request_id=self.request_id,
                 skip_special_tokens=gen.skip_special_tokens,
+                include_stop_str_in_output=gen.include_stop,
                 **self.sampling,
             )
             async with contextlib.aclosing(stream) as messages:

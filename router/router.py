@@ -103,6 +103,7 @@ class RequestState:
     sampling: Sampling
     outstanding_tokens: int
     batch_chunks: bool = False  # its chunks go out in one ``chunks`` message a worker step
+    include_stop_text: bool = False  # the text keeps the stop token's
     entry_group: tuple[str, int] | None = None  # prefill (or colocated) group; None until dispatched
     decode_group: int | None = None
     base_id: str = ""  # the internal id of its first attempt; a move adds ".N"
@@ -717,6 +718,7 @@ class Router:
             request.sampling,
             len(token_ids) + params.max_tokens,
             request.batch_chunks,
+            request.include_stop_str_in_output,
             base_id=request_id,
         )
         if self.tokenizer is not None:
@@ -838,7 +840,10 @@ class Router:
             if state.logprobs is not None and current.logprobs is not None:
                 state.logprobs.extend(current.logprobs)
             self.token_counts["generated"] += len(current.token_ids)
-            delta = state.detokenizer.add(current.token_ids) if state.detokenizer else ""
+            shown = current.token_ids
+            if current.finish_reason == "stop" and not state.include_stop_text:
+                shown = shown[:-1]  # the EOS or stop id that ended it: its text is left out, as vLLM's
+            delta = state.detokenizer.add(shown) if state.detokenizer else ""
             if current.finished and state.detokenizer:
                 delta += state.detokenizer.flush()
             state.text.append(delta)

@@ -202,6 +202,7 @@ def test_wire_form_is_a_plain_map_with_type_and_version() -> None:
         "chat": True,
         "batch_chunks": False,
         "skip_special_tokens": True,
+        "include_stop_str_in_output": False,
     }
     assert PROTOCOL_VERSION == 1
 

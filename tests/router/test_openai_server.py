@@ -1384,28 +1384,35 @@ def test_echo_shows_the_prompt_and_its_log_probabilities(served: Served, demo_to
 
 
 @pytest.mark.slow
-def test_special_tokens_show_in_the_text_only_when_asked(served: Served, demo_tokenizer: Any) -> None:
-    """vLLM's ``skip_special_tokens``: by default the chat's closing ``<|im_end|>`` is left out of
-    the text; with false the text is the tokenizer's whole decode, on the ZMQ protocol and the API."""
+def test_special_and_stop_tokens_show_in_the_text_only_when_asked(served: Served, demo_tokenizer: Any) -> None:
+    """vLLM's ``skip_special_tokens`` and ``include_stop_str_in_output``: the chat's closing
+    ``<|im_end|>`` (the EOS that stops it) shows in the text only with special tokens kept and the
+    stop token's text included, which makes the text the tokenizer's whole decode; on the ZMQ
+    protocol and the API. Its token and log-probability are there either way."""
     question = "What is the capital of France?"
-    default = zmq_greedy(served, question, max_tokens=24)
-    shown = zmq_greedy(served, question, max_tokens=24, skip_special_tokens=False)
-    assert default.token_ids == shown.token_ids and default.finish_reason == "stop"
-    assert shown.text == demo_tokenizer.decode(shown.token_ids, skip_special_tokens=False)
-    assert shown.text.endswith("<|im_end|>") and shown.text == default.text + "<|im_end|>"
     messages = [{"role": "user", "content": question}]
-    for skip, expected in ((True, default.text), (False, shown.text)):
-        reply = served.client.chat.completions.create(
-            model=MODEL,
-            messages=messages,  # type: ignore[arg-type]
-            max_tokens=24,
-            temperature=0,
-            logprobs=True,
-            extra_body={"skip_special_tokens": skip},
-        )
-        assert reply.choices[0].message.content == expected
-        assert reply.choices[0].logprobs is not None and reply.choices[0].logprobs.content is not None
-        assert reply.choices[0].logprobs.content[-1].token == ("" if skip else "<|im_end|>")
+    default = zmq_greedy(served, question, max_tokens=24)
+    assert default.finish_reason == "stop" and not default.text.endswith(">")
+    for skip in (True, False):
+        for include in (False, True):
+            asked = {"skip_special_tokens": skip, "include_stop_str_in_output": include}
+            zmq = zmq_greedy(served, question, max_tokens=24, **asked)
+            assert zmq.token_ids == default.token_ids
+            expected = default.text + ("<|im_end|>" if include and not skip else "")
+            assert zmq.text == expected, asked
+            if include and not skip:
+                assert zmq.text == demo_tokenizer.decode(zmq.token_ids, skip_special_tokens=False)
+            reply = served.client.chat.completions.create(
+                model=MODEL,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=24,
+                temperature=0,
+                logprobs=True,
+                extra_body=asked,
+            )
+            assert reply.choices[0].message.content == expected, asked
+            assert reply.choices[0].logprobs is not None and reply.choices[0].logprobs.content is not None
+            assert reply.choices[0].logprobs.content[-1].token == ("" if skip else "<|im_end|>")
 
 
 @pytest.mark.slow
@@ -1490,18 +1497,34 @@ def test_stop_strings_stop_token_ids_seed_top_k_and_ignore_eos(served: Served) -
     assert "".join(c.choices[0].text for c in chunks) == full.text[:at]
     assert chunks[-1].choices[0].finish_reason == "stop"
 
-    # A stop token: generation ends right after it (the cluster keeps its text, as its protocol says).
+    # A stop token: generation ends right after it; as in vLLM its text is left out unless
+    # include_stop_str_in_output (it counts in the usage either way).
     index = next(i for i in range(2, len(full.token_ids)) if full.token_ids.index(full.token_ids[i]) == i)
-    head = zmq_greedy(served, TEXT_PROMPT, chat=False, max_tokens=index + 1)
-    stopped = client.completions.create(
-        model=MODEL,
-        prompt=TEXT_PROMPT,
-        max_tokens=24,
-        temperature=0,
-        extra_body={"stop_token_ids": [full.token_ids[index]], "ignore_eos": True},
-    )
-    assert stopped.usage is not None and stopped.usage.completion_tokens == index + 1
-    assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == (head.text, "stop")
+    for include in (False, True):
+        head = zmq_greedy(served, TEXT_PROMPT, chat=False, max_tokens=index + include)
+        stopped = client.completions.create(
+            model=MODEL,
+            prompt=TEXT_PROMPT,
+            max_tokens=24,
+            temperature=0,
+            extra_body={
+                "stop_token_ids": [full.token_ids[index]],
+                "ignore_eos": True,
+                "include_stop_str_in_output": include,
+            },
+        )
+        assert stopped.usage is not None and stopped.usage.completion_tokens == index + 1
+        assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == (head.text, "stop")
+        zmq = zmq_greedy(
+            served,
+            TEXT_PROMPT,
+            chat=False,
+            max_tokens=24,
+            stop_token_ids=[full.token_ids[index]],
+            ignore_eos=True,
+            include_stop_str_in_output=include,
+        )
+        assert (zmq.text, zmq.token_ids) == (head.text, full.token_ids[: index + 1])
 
     # vLLM's include_stop_str_in_output: the text ends after the stop string, whole or streamed.
     for stream in (False, True):

@@ -328,9 +328,8 @@ class Client:
             chat,
             request_id,
             sampling,
-            False,
-            skip_special_tokens,
-            include_stop_str_in_output,
+            skip_special_tokens=skip_special_tokens,
+            include_stop_str_in_output=include_stop_str_in_output,
         )
         rid = request.request_id or ""
         if rid in self._running:
@@ -591,9 +590,9 @@ class AsyncClient:
             chat,
             request_id,
             sampling,
-            self.batch_chunks,
-            skip_special_tokens,
-            include_stop_str_in_output,
+            batch_chunks=self.batch_chunks,
+            skip_special_tokens=skip_special_tokens,
+            include_stop_str_in_output=include_stop_str_in_output,
         )
         rid = request.request_id or ""
         if rid in self._inboxes or rid in self._left:  # its replies could not be told from the running one's

@@ -38,19 +38,22 @@ def add_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     """``logits`` ``[B, V]`` with each row's ``logit_bias`` added (a new tensor)."""
     rows = [row for row, p in enumerate(params) for _ in p.logit_bias]
     ids = [token for p in params for token, _ in p.logit_bias]
-    biases = [bias for p in params for _, bias in p.logit_bias]
-    device = logits.device
-    index = (device_tensor(rows, torch.int64, device), device_tensor(ids, torch.int64, device))
-    return logits.index_put(index, device_tensor(biases, torch.float32, device), accumulate=True)
+    return _add_at(logits, rows, ids, [bias for p in params for _, bias in p.logit_bias])
 
 
 def ban_tokens(logits: torch.Tensor, banned: list[tuple[int, ...]]) -> torch.Tensor:
     """``logits`` ``[B, V]`` with the ids ``banned[row]`` of each row set to -inf (a new tensor)."""
     rows = [row for row, ids in enumerate(banned) for _ in ids]
     ids = [token for row_ids in banned for token in row_ids]
+    return _add_at(logits, rows, ids, [float("-inf")] * len(ids))
+
+
+def _add_at(logits: torch.Tensor, rows: list[int], ids: list[int], values: list[float]) -> torch.Tensor:
+    """``logits`` with ``values[i]`` added at ``(rows[i], ids[i])``, repeats summed (a new tensor).
+    The indices go up from pinned memory: no wait for the steps queued ahead."""
     device = logits.device
     index = (device_tensor(rows, torch.int64, device), device_tensor(ids, torch.int64, device))
-    return logits.index_put(index, torch.full((len(ids),), float("-inf"), device=device))
+    return logits.index_put(index, device_tensor(values, torch.float32, device), accumulate=True)
 
 
 def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -103,7 +103,7 @@ class RequestState:
     sampling: Sampling
     outstanding_tokens: int
     batch_chunks: bool = False  # its chunks go out in one ``chunks`` message a worker step
-    include_stop_text: bool = False  # the text keeps the stop token's
+    include_stop_str_in_output: bool = False  # the text keeps the stopping token's
     entry_group: tuple[str, int] | None = None  # prefill (or colocated) group; None until dispatched
     decode_group: int | None = None
     base_id: str = ""  # the internal id of its first attempt; a move adds ".N"
@@ -841,7 +841,7 @@ class Router:
                 state.logprobs.extend(current.logprobs)
             self.token_counts["generated"] += len(current.token_ids)
             shown = current.token_ids
-            if current.finish_reason == "stop" and not state.include_stop_text:
+            if current.finish_reason == "stop" and not state.include_stop_str_in_output:
                 shown = shown[:-1]  # the EOS or stop id that ended it: its text is left out, as vLLM's
             delta = state.detokenizer.add(shown) if state.detokenizer else ""
             if current.finished and state.detokenizer:

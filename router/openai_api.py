@@ -30,6 +30,8 @@ from pdserve.engine.tokenization import encode_chat, encode_prompt
 MAX_INT32 = 2**31 - 1
 # OpenAI's bound on ``n``: each choice is a request of its own in the cluster.
 MAX_CHOICES = 128
+# A completion's prompts times ``n``: the cluster requests one HTTP request may start.
+MAX_BATCH = 2048
 MAX_INT64 = 2**63 - 1
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
@@ -253,17 +255,25 @@ PROMPT_PARAMS: dict[str, str] = {"completion": "prompt", "chat": "messages"}
 
 
 @dataclass
+class Prompt:
+    """One prompt of a request, as token ids."""
+
+    token_ids: list[int]
+    echo: str | None = None  # completions' echo: the prompt's text, before the output's
+
+
+@dataclass
 class GenerationRequest:
-    """A checked request: the prompt as token ids, the cluster's sampling fields, and what the
-    front end does itself (stop strings, streaming, the response's shape)."""
+    """A checked request: its prompts (a chat's one, a completion's one or a batch), the
+    cluster's sampling fields, and what the front end does itself (stop strings, streaming, the
+    response's shape)."""
 
     kind: Literal["completion", "chat"]
     model: str
-    token_ids: list[int]
+    prompts: list[Prompt]
     sampling: dict[str, Any]  # cluster.protocol.Sampling fields
     stop: list[str] = field(default_factory=list)
     include_stop: bool = False  # the output keeps the stop string that ended it
-    echo: str | None = None  # completions' echo: the prompt's text, before the output's
     skip_special_tokens: bool = True  # the text (and log-probabilities' tokens) leave them out
     stream: bool = False
     include_usage: bool = False
@@ -279,16 +289,27 @@ class GenerationRequest:
         return PROMPT_PARAMS[self.kind]
 
     @property
+    def choices(self) -> int:
+        """The response's choices: ``n`` of each prompt, each a request of its own."""
+        return len(self.prompts) * self.n
+
+    def prompt_of(self, index: int) -> Prompt:
+        """The prompt of choice ``index``: choices ``i * n`` to ``i * n + n - 1`` are prompt i's
+        (vLLM's order)."""
+        return self.prompts[index // self.n]
+
+    @property
     def chunk_object(self) -> str:
         return "text_completion" if self.kind == "completion" else "chat.completion.chunk"
 
     def sampling_of(self, index: int) -> dict[str, Any]:
-        """The cluster's sampling fields of choice ``index``: a seeded request's choices draw
-        from seeds one apart, so that they differ and each repeats."""
-        seed = self.sampling.get("seed")
-        if index == 0 or seed is None:
+        """The cluster's sampling fields of choice ``index``: a seeded request's choices of one
+        prompt draw from seeds one apart, so that they differ and each repeats; each prompt's
+        first choice is what a request of that prompt alone would get."""
+        seed, offset = self.sampling.get("seed"), index % self.n
+        if offset == 0 or seed is None:
             return self.sampling
-        return {**self.sampling, "seed": (seed + index) % (MAX_INT64 + 1)}
+        return {**self.sampling, "seed": (seed + offset) % (MAX_INT64 + 1)}
 
     def chunk(
         self,
@@ -472,8 +493,9 @@ def parse_request(
     max_prompt_chars: int,
     parse_special_tokens: bool = False,
 ) -> GenerationRequest:
-    """Check a request body (raw JSON) and tokenize its prompt; raises APIError (400). A text
-    prompt over ``max_prompt_chars`` (a chat's messages together) is refused before tokenizing;
+    """Check a request body (raw JSON) and tokenize its prompts; raises APIError (400). A text
+    prompt over ``max_prompt_chars`` (a chat's messages, or a batch's prompts, together) is
+    refused before tokenizing;
     special-token text in it is plain text unless ``parse_special_tokens`` (the cluster's setting)."""
     try:
         request = (CompletionRequest if kind == "completion" else ChatRequest).model_validate_json(body)
@@ -494,36 +516,15 @@ def parse_request(
         if request.top_logprobs and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        prompts = [Prompt(_chat_prompt(request.messages, tokenizer, max_prompt_chars, parse_special_tokens))]
+        ids = prompts[0].token_ids
+        max_tokens = request.max_completion_tokens or request.max_tokens or max_model_len - len(ids)
     else:
         logprobs = request.logprobs
-
-    prompt_param = PROMPT_PARAMS[kind]
-    echo = None
-    if isinstance(request, CompletionRequest):
-        token_ids = _completion_prompt(request, tokenizer, max_prompt_chars, parse_special_tokens)
+        prompts = _completion_prompts(request, tokenizer, max_prompt_chars, parse_special_tokens)
         max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's default
-        if request.echo:
-            echo = _echo_text(request, token_ids, tokenizer)
-    else:
-        token_ids = _chat_prompt(request.messages, tokenizer, max_prompt_chars, parse_special_tokens)
-        max_tokens = request.max_completion_tokens or request.max_tokens or max_model_len - len(token_ids)
-    total = len(token_ids) + max_tokens
-    if max_tokens < 1:  # a chat without max_tokens whose messages fill the context alone
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens; the {prompt_param} hold "
-            f"{len(token_ids)}, which leaves none to generate. Shorten the {prompt_param}.",
-            prompt_param,
-            "context_length_exceeded",
-        )
-    if total > max_model_len:
-        fits = len(token_ids) < max_model_len
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens; this request asks for {total} "
-            f"({len(token_ids)} in the {prompt_param}, {max_tokens} to generate). Shorten the {prompt_param} "
-            "or ask for fewer tokens.",
-            "max_tokens" if fits else prompt_param,
-            "context_length_exceeded",
-        )
+    for i, prompt in enumerate(prompts):
+        _check_length(kind, len(prompt.token_ids), max_tokens, max_model_len, i if len(prompts) > 1 else None)
 
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     sampling = {
@@ -541,18 +542,17 @@ def parse_request(
         "repetition_penalty": 1.0 if request.repetition_penalty is None else request.repetition_penalty,
         "logprobs": logprobs,
         # An echo shows the prompt's tokens with their log-probabilities too (vLLM's).
-        "prompt_logprobs": logprobs if echo is not None else None,
+        "prompt_logprobs": logprobs if getattr(request, "echo", None) else None,
         "logit_bias": request.logit_bias or {},
     }
     include_usage = request.stream_options is not None and bool(request.stream_options.include_usage)
     return GenerationRequest(
         kind,
         served_model,
-        token_ids,
+        prompts,
         sampling,
         stop=[s for s in stop if s],
         include_stop=request.include_stop_str_in_output,
-        echo=echo,
         skip_special_tokens=request.skip_special_tokens,
         stream=bool(request.stream),
         include_usage=include_usage,
@@ -632,46 +632,81 @@ def parse_detokenize(body: bytes, served_model: str, tokenizer: Any) -> list[int
     return request.tokens
 
 
-def _prompt_too_long(chars: int, max_prompt_chars: int, param: str) -> APIError:
+def _prompt_too_long(chars: int, max_prompt_chars: int, param: str, where: str | None = None) -> APIError:
     return bad_request(
-        f"{chars} characters in {param}, more than this server accepts ({max_prompt_chars})",
+        f"{chars} characters in {where or param}, more than this server accepts ({max_prompt_chars})",
         param,
         "prompt_too_long",
     )
 
 
-def _completion_prompt(
+def _completion_prompts(
     request: CompletionRequest, tokenizer: Any, max_prompt_chars: int, parse_special_tokens: bool
-) -> list[int]:
-    prompt = request.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) > 1:
-            raise bad_request(
-                "a list of several prompts is not supported by this server: send one prompt per request",
-                "prompt",
-                "unsupported_parameter",
-            )
-        prompt = prompt[0]
-    if not prompt:
-        raise bad_request("prompt is empty", "prompt")
-    if isinstance(prompt, str):
-        return _text_prompt(prompt, tokenizer, max_prompt_chars, parse_special_tokens)
-    return list(prompt)
+) -> list[Prompt]:
+    """A completion's prompts: one (a string, or a list of token ids) or a batch (a list of
+    either), each with its echo where asked."""
+    batch = request.prompt if isinstance(request.prompt, list) and request.prompt else [request.prompt]
+    if not isinstance(batch[0], (str, list)):  # one prompt of token ids
+        batch = [request.prompt]
+    runs = len(batch) * (request.n or 1)
+    if runs > MAX_BATCH:
+        raise bad_request(
+            f"{len(batch)} prompts of {request.n or 1} choices each are {runs} requests, more than this "
+            f"server starts for one ({MAX_BATCH}): send fewer at a time",
+            "prompt",
+        )
+    # A batch's texts together, as a chat's messages: tokenizing them holds up every other client.
+    chars = sum(len(prompt) for prompt in batch if isinstance(prompt, str))
+    if len(batch) > 1 and chars > max_prompt_chars:
+        raise _prompt_too_long(chars, max_prompt_chars, "prompt", "the prompts together")
+    prompts = []
+    for i, prompt in enumerate(batch):
+        where = "prompt" if len(batch) == 1 else f"prompt.{i}"
+        if not prompt:
+            raise bad_request(f"{where} is empty", "prompt")
+        if isinstance(prompt, str):
+            token_ids = _text_prompt(prompt, tokenizer, max_prompt_chars, parse_special_tokens, where=where)
+        else:
+            token_ids = list(prompt)
+        echo = _echo_text(prompt, token_ids, tokenizer, request.skip_special_tokens) if request.echo else None
+        prompts.append(Prompt(token_ids, echo))
+    return prompts
 
 
-def _echo_text(request: CompletionRequest, token_ids: list[int], tokenizer: Any) -> str:
-    """What an echo shows of the prompt: its text as sent, or its ids' decoded (vLLM's), as
+def _check_length(
+    kind: Literal["completion", "chat"], prompt_tokens: int, max_tokens: int, max_model_len: int, index: int | None
+) -> None:
+    """A prompt of ``prompt_tokens`` leaves room for ``max_tokens`` (at least one) in the context;
+    ``index``: the prompt's place in a batch."""
+    param = PROMPT_PARAMS[kind]
+    where = param if index is None else f"{param}.{index}"
+    if max_tokens < 1:  # a chat without max_tokens whose messages fill the context alone
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens; the {where} hold "
+            f"{prompt_tokens}, which leaves none to generate. Shorten the {where}.",
+            param,
+            "context_length_exceeded",
+        )
+    total = prompt_tokens + max_tokens
+    if total > max_model_len:
+        fits = prompt_tokens < max_model_len
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens; this request asks for {total} "
+            f"({prompt_tokens} in the {where}, {max_tokens} to generate). Shorten the {where} "
+            "or ask for fewer tokens.",
+            "max_tokens" if fits else param,
+            "context_length_exceeded",
+        )
+
+
+def _echo_text(prompt: str | list[int], token_ids: list[int], tokenizer: Any, skip_special_tokens: bool) -> str:
+    """What an echo shows of a prompt: its text as sent, or its ids' decoded (vLLM's), as
     the output's text and the log-probabilities' tokens show special tokens."""
-    prompt = request.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        prompt = prompt[0]
     if isinstance(prompt, str):
         return prompt
     if tokenizer is None:
         raise bad_request("echo needs the model's tokenizer to show a prompt of token ids", "echo")
-    return tokenizer.decode(
-        token_ids, skip_special_tokens=request.skip_special_tokens, clean_up_tokenization_spaces=False
-    )
+    return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
 
 def _check_model(model: str | None, served_model: str) -> None:
@@ -695,10 +730,15 @@ def _check_messages(messages: list[ChatMessage]) -> None:
 
 
 def _text_prompt(
-    prompt: str, tokenizer: Any, max_prompt_chars: int, parse_special_tokens: bool, add_special_tokens: bool = True
+    prompt: str,
+    tokenizer: Any,
+    max_prompt_chars: int,
+    parse_special_tokens: bool,
+    add_special_tokens: bool = True,
+    where: str = "prompt",
 ) -> list[int]:
     if len(prompt) > max_prompt_chars:
-        raise _prompt_too_long(len(prompt), max_prompt_chars, "prompt")
+        raise _prompt_too_long(len(prompt), max_prompt_chars, "prompt", where)
     if tokenizer is None:
         raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
     return encode_prompt(tokenizer, prompt, False, parse_special_tokens, add_special_tokens)

@@ -403,7 +403,7 @@ class Frontend:
         gen = await self._parse(kind, body, max_model_len)
         if self.draining:  # began while the body came in: not yet in flight, so the drain won't wait for it
             raise APIError(503, "the server is shutting down", "shutting_down")
-        if gen.n > 1:
+        if gen.choices > 1:
             return await self._generate_choices(gen, arrival, request)
         run = _Run(self, gen, arrival)
         texts = run.texts()
@@ -427,10 +427,11 @@ class Frontend:
                 client.stop()
 
     async def _generate_choices(self, gen: GenerationRequest, arrival: float, request: Request) -> Response:
-        """``generate`` of a request for ``n`` > 1 choices: one cluster request each, run side by
-        side (the prefix cache shares the prompt's KV among those that start after the first)."""
+        """``generate`` of a request for several choices (``n`` > 1, or a batch of prompts): one
+        cluster request each, run side by side (the prefix cache shares a prompt's KV among
+        those that start after the first)."""
         self._check_sampling(gen)
-        runs = [_Run(self, gen, arrival, index) for index in range(gen.n)]
+        runs = [_Run(self, gen, arrival, index) for index in range(gen.choices)]
         choices = _Choices(runs, per_piece_logprobs=gen.stream)
         client = _Disconnect(request.receive)
         streaming = False
@@ -444,7 +445,7 @@ class Frontend:
                     gen.choice(i, "".join(texts[i]), run.ended().finish_reason, run.take_logprobs())
                     for i, run in enumerate(runs)
                 ]
-                return JSONResponse(gen.responses(choices_body, _total_usage(runs), runs[0].ended().cached_tokens))
+                return JSONResponse(gen.responses(choices_body, *_total_usage(runs, gen.n)))
             try:  # as for one choice: the cluster's refusal keeps its status
                 first = await anext(choices)
             except StopAsyncIteration:
@@ -466,7 +467,10 @@ class Frontend:
         try:
             params = Sampling(**gen.sampling).to_params()
             if self.vocab_size is not None and self.max_model_len is not None:
-                validate_request(gen.token_ids, params, self.vocab_size, self.max_model_len, tokens_field="token_ids")
+                for prompt in gen.prompts:
+                    validate_request(
+                        prompt.token_ids, params, self.vocab_size, self.max_model_len, tokens_field="token_ids"
+                    )
         except RequestError as e:  # answered as the router's refusal of one request is
             raise _cluster_error(ClusterError(Error(None, "invalid_request", str(e))), gen.prompt_param) from None
 
@@ -501,7 +505,7 @@ class Frontend:
             return
         tail = b""
         if gen.include_usage:
-            tail = _event(gen.usage_chunk(_total_usage(runs), runs[0].ended().cached_tokens))
+            tail = _event(gen.usage_chunk(*_total_usage(runs, gen.n)))
         yield tail + DONE
 
     async def _parse(self, kind: Literal["completion", "chat"], body: bytes, max_model_len: int) -> GenerationRequest:
@@ -598,7 +602,8 @@ class _Run:
         self.gen = gen
         self.arrival = arrival
         # The id its client sees is the one in the cluster's logs (with the choice's index, of several).
-        self.request_id = gen.id if gen.n == 1 else f"{gen.id}-{index}"
+        self.request_id = gen.id if gen.choices == 1 else f"{gen.id}-{index}"
+        self.prompt = gen.prompt_of(index)
         self.sampling = gen.sampling_of(index)
         self.outcome: Outcome | None = None
         # Where the request asked for log-probabilities: those of the pieces yielded and not yet taken.
@@ -629,17 +634,17 @@ class _Run:
         self._pieces.clear()
         if self._prompt_logprobs is None:
             return self.logprobs_format(token_ids, logprobs)
-        prompt = self.logprobs_format.prompt(self.gen.token_ids, self._prompt_logprobs)
+        prompt = self.logprobs_format.prompt(self.prompt.token_ids, self._prompt_logprobs)
         self._prompt_logprobs = None
         return LogprobsFormat.join(prompt, self.logprobs_format(token_ids, logprobs))
 
     def texts(self) -> AsyncIterator[str]:
         """The output's text as it comes (an echoing request's first piece after its prompt)."""
-        return self._texts() if self.gen.echo is None else self._echoed(self._texts())
+        return self._texts() if self.prompt.echo is None else self._echoed(self._texts())
 
     async def _echoed(self, texts: AsyncIterator[str]) -> AsyncIterator[str]:
         async with contextlib.aclosing(texts):  # type: ignore[type-var]
-            prefix = self.gen.echo or ""
+            prefix = self.prompt.echo or ""
             async for text in texts:
                 yield prefix + text
                 prefix = ""
@@ -659,7 +664,7 @@ class _Run:
         frontend.running.add(self.request_id)
         try:
             stream = client.stream(
-                token_ids=gen.token_ids,
+                token_ids=self.prompt.token_ids,
                 request_id=self.request_id,
                 skip_special_tokens=gen.skip_special_tokens,
                 include_stop_str_in_output=gen.include_stop,
@@ -668,7 +673,7 @@ class _Run:
             async with contextlib.aclosing(stream) as messages:
                 async for message in messages:
                     now = time.perf_counter()
-                    if self.gen.echo is not None and message.prompt_logprobs is not None:
+                    if self.prompt.echo is not None and message.prompt_logprobs is not None:
                         self._prompt_logprobs = message.prompt_logprobs  # with the first token
                     if isinstance(message, Final):
                         ended = True
@@ -806,13 +811,16 @@ class _Choices:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-def _total_usage(runs: list[_Run]) -> dict[str, int]:
-    """Several choices' usage: the prompt once, every choice's generated tokens."""
-    usages = [run.ended().usage for run in runs]
-    return {
-        "prompt_tokens": usages[0].get("prompt_tokens", 0),
-        "completion_tokens": sum(u.get("completion_tokens", 0) for u in usages),
+def _total_usage(runs: list[_Run], n: int) -> tuple[dict[str, int], int | None]:
+    """Several choices' usage and cached prompt tokens: each prompt once (from its first of
+    ``n`` choices), every choice's generated tokens."""
+    firsts = [run.ended() for run in runs[::n]]
+    usage = {
+        "prompt_tokens": sum(outcome.usage.get("prompt_tokens", 0) for outcome in firsts),
+        "completion_tokens": sum(run.ended().usage.get("completion_tokens", 0) for run in runs),
     }
+    cached = [outcome.cached_tokens for outcome in firsts if outcome.cached_tokens is not None]
+    return usage, sum(cached) if cached else None
 
 
 class _DeltaEvents:

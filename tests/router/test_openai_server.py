@@ -35,7 +35,7 @@ from pdserve.cluster.client import Client, ClusterError, ClusterUnavailable, Fin
 from pdserve.cluster.group import free_port
 from pdserve.cluster.protocol import Chunk, Error, GroupInfo, Stats
 from pdserve.engine.tokenization import encode_chat, encode_prompt
-from pdserve.router.openai_api import APIError, ChatRequest, parse_request
+from pdserve.router.openai_api import APIError, ChatRequest, Prompt, parse_request
 from pdserve.router.openai_server import Frontend, RepeatLimit
 from pdserve.router.stop_strings import StopStringMatcher
 
@@ -90,7 +90,7 @@ def test_delta_events_are_the_chunk_bodies_events(kind: str) -> None:
     from pdserve.router.openai_api import GenerationRequest
     from pdserve.router.openai_server import _DeltaEvents, _event
 
-    gen = GenerationRequest(kind, 'a "model" \\ é', [1, 2], {"max_tokens": 4})
+    gen = GenerationRequest(kind, 'a "model" \\ é', [Prompt([1, 2])], {"max_tokens": 4})
     delta = _DeltaEvents(gen)
     for text in ["", "Paris", ' "quoted" \\ back', "line\nbreak\t\x00", "é 東京 🚀", gen.id, "data: [DONE]\n\n"]:
         assert delta(text) == _event(gen.chunk(text)), text
@@ -179,8 +179,8 @@ def test_a_bad_prompt_or_stop_is_explained_not_named_by_the_unions_branches(
 
 def test_every_prompt_and_stop_shape_is_still_accepted() -> None:
     for prompt in ([5, 7], [[5, 7]]):
-        assert parsed("completion", {"prompt": prompt}, None).token_ids == [5, 7]
-    assert parsed("completion", {"prompt": [0, 2**31 - 1]}, None).token_ids == [0, 2**31 - 1]
+        assert parsed("completion", {"prompt": prompt}, None).prompts == [Prompt([5, 7])]
+    assert parsed("completion", {"prompt": [0, 2**31 - 1]}, None).prompts == [Prompt([0, 2**31 - 1])]
     assert parsed("completion", {"prompt": [1], "stop": "a"}, None).stop == ["a"]
     assert parsed("completion", {"prompt": [1], "stop": ["a", "b"]}, None).stop == ["a", "b"]
 
@@ -251,6 +251,31 @@ def test_choices_are_requests_of_their_own_with_seeds_one_apart() -> None:
     assert (info.value.status, info.value.param) == (400, "n")
 
 
+def test_a_batch_of_prompts_is_a_choice_per_prompt_and_n(demo_tokenizer: Any) -> None:
+    """A completion's list of prompts (lm-evaluation-harness batches its requests so): choices
+    ``i * n`` to ``i * n + n - 1`` are prompt i's, each prompt's first choice as its own request
+    would be; each is checked as one, and a fault names its place in the batch."""
+    body = {"prompt": ["The sky is", "Paris is in"], "n": 2, "seed": 3, "temperature": 1.0, "echo": True}
+    gen = parsed("completion", body, demo_tokenizer)
+    alone = [parsed("completion", {**body, "prompt": p, "n": 1}, demo_tokenizer) for p in body["prompt"]]
+    assert gen.choices == 4 and gen.prompts == [a.prompts[0] for a in alone]
+    assert [gen.prompt_of(i).echo for i in range(4)] == ["The sky is"] * 2 + ["Paris is in"] * 2
+    assert [gen.sampling_of(i)["seed"] for i in range(4)] == [3, 4, 3, 4]
+    assert gen.sampling_of(2) == alone[1].sampling
+    by_ids = parsed("completion", {"prompt": [[5, 7], [9]]}, None)
+    assert by_ids.prompts == [Prompt([5, 7]), Prompt([9])] and by_ids.choices == 2
+    refused = {
+        "prompt.1 is empty": {"prompt": [[5], []]},
+        "in the prompt.1, 16 to generate": {"prompt": [[5], [5] * MAX_MODEL_LEN]},
+        "characters in the prompts together": {"prompt": ["a" * 600, "b" * 600]},
+        "3000 requests, more than this server starts for one (2048)": {"prompt": [[5]] * 1000, "n": 3},
+    }
+    for why, extra in refused.items():
+        with pytest.raises(APIError) as info:
+            parsed("completion", extra, demo_tokenizer)
+        assert info.value.param == "prompt" and why in info.value.message, info.value.message
+
+
 def test_a_request_of_several_choices_is_checked_before_it_fans_out(demo_model_dir: Path) -> None:
     """The cluster's checks run in the front end first: one refusal, not one per choice (each
     a warning in the router's log)."""
@@ -298,12 +323,12 @@ def test_a_chat_that_fills_the_context_without_max_tokens_is_told_so(demo_tokeni
     assert refused.value.code == "context_length_exceeded" and refused.value.param == "messages"
     assert "which leaves none to generate" in refused.value.message and "-" not in refused.value.message
     fits = parsed("chat", {"messages": [{"role": "user", "content": "hi"}]}, demo_tokenizer)
-    assert len(fits.token_ids) + fits.sampling["max_tokens"] == MAX_MODEL_LEN
+    assert len(fits.prompts[0].token_ids) + fits.sampling["max_tokens"] == MAX_MODEL_LEN
 
 
 def same_request(a: Any, b: Any) -> bool:
     """Two checked requests the cluster would run alike and answer in the same shape."""
-    keys = ("kind", "model", "token_ids", "sampling", "stop", "stream", "include_usage")
+    keys = ("kind", "model", "prompts", "sampling", "stop", "stream", "include_usage")
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
@@ -435,7 +460,7 @@ def test_bodies_have_openais_shapes_with_a_null_system_fingerprint(kind: str) ->
 
     from pdserve.router.openai_api import GenerationRequest
 
-    gen = GenerationRequest(kind, MODEL, [1, 2], {"max_tokens": 4})
+    gen = GenerationRequest(kind, MODEL, [Prompt([1, 2])], {"max_tokens": 4})
     usage = {"prompt_tokens": 2, "completion_tokens": 3}
     whole = gen.response("Paris", "stop", usage, cached_tokens=0)
     chunks = [gen.chunk("Par", first=True), gen.chunk("is"), gen.chunk(None, "length"), gen.usage_chunk(usage)]
@@ -736,9 +761,9 @@ def test_special_token_text_is_read_as_the_clusters_setting_says(
     assert (expected != encode_prompt(demo_tokenizer, prompt, chat=False)) == parse_special_tokens
     chat = {"model": MODEL, "messages": [{"role": "user", "content": prompt}]}
     args = (MODEL, demo_tokenizer, MAX_MODEL_LEN, 1000, parse_special_tokens)
-    assert parse_request("chat", json.dumps(chat).encode(), *args).token_ids == encode_chat(
-        demo_tokenizer, chat["messages"], parse_special_tokens
-    )
+    assert parse_request("chat", json.dumps(chat).encode(), *args).prompts == [
+        Prompt(encode_chat(demo_tokenizer, chat["messages"], parse_special_tokens))
+    ]
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -1802,7 +1827,14 @@ BAD_REQUESTS = {
         "unsupported_parameter",
         "tools",
     ),
-    "several prompts": ("/v1/completions", {"prompt": ["a", "b"]}, 400, "unsupported_parameter", "prompt"),
+    "a batch with an empty prompt": ("/v1/completions", {"prompt": ["a", ""]}, 400, "invalid_request", "prompt"),
+    "a batch of too many requests": (
+        "/v1/completions",
+        {"prompt": [[1]] * 1025, "n": 2},
+        400,
+        "invalid_request",
+        "prompt",
+    ),
     "unknown field": ("/v1/completions", {"prompt": "hi", "colour": "red"}, 400, "unrecognized_argument", "colour"),
     "stream_options without stream": (
         "/v1/completions",
@@ -2075,6 +2107,47 @@ def test_n_choices_whole_and_streamed(served: Served) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=TEXT_PROMPT, n=3, logit_bias={"49152": 1})  # type: ignore[dict-item]
     assert info.value.param == "logit_bias" and "outside the vocabulary" in info.value.message
+
+
+@pytest.mark.slow
+def test_a_batch_of_prompts_answers_each_as_its_own_request(served: Served, demo_tokenizer: Any) -> None:
+    """A list of prompts, as lm-evaluation-harness's ``local-completions`` sends a batch: each
+    choice is what the cluster gives its prompt alone (greedy: the ZMQ client's text, echo and
+    log-probabilities), in the batch's order; the usage counts every prompt and choice."""
+    prompts = [TEXT_PROMPT, "Paris is the capital of", "1, 2, 3,"]
+    request = {"model": MODEL, "prompt": prompts, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1}
+    whole = served.http.post("/v1/completions", json={**request, "n": 2}).json()
+    alone = [served.http.post("/v1/completions", json={**request, "prompt": p}).json()["choices"][0] for p in prompts]
+    assert [c["index"] for c in whole["choices"]] == list(range(6))
+    for i, choice in enumerate(whole["choices"]):
+        expected = alone[i // 2]
+        assert choice["text"] == expected["text"] and choice["text"].startswith(prompts[i // 2])
+        assert choice["logprobs"]["tokens"] == expected["logprobs"]["tokens"]
+        # Run side by side, the prompts share steps: fp32 sums in another order, not other tokens.
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected["logprobs"]["token_logprobs"], abs=1e-4)
+    for prompt, choice in zip(prompts, alone):
+        zmq = zmq_greedy(served, prompt, chat=False, max_tokens=3)
+        assert choice["text"] == prompt + zmq.text
+    prompt_tokens = [len(encode_prompt(demo_tokenizer, p, chat=False)) for p in prompts]
+    assert whole["usage"]["prompt_tokens"] == sum(prompt_tokens)
+    assert whole["usage"]["completion_tokens"] == 6 * 3
+
+    # Streamed, by the official client: each choice's chunks carry its index and its own end.
+    stream = served.client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=3, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    texts, reasons, usage = [""] * 3, [None] * 3, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason is not None:
+                assert reasons[c.index] is None
+                reasons[c.index] = c.finish_reason
+    assert [prompt + text for prompt, text in zip(prompts, texts)] == [c["text"] for c in alone]
+    assert reasons == ["length"] * 3
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (sum(prompt_tokens), 9)
+    wait_for(lambda: idle(served.zmq.stats()), 30, "the batch's requests did not end")
 
 
 def test_a_client_that_goes_away_aborts_its_request_and_frees_the_kv(served: Served) -> None:

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from pdserve.engine.tokenization import eos_token_ids
+
 # -- settings tree --------------------------------------------------------------------------
 
 
@@ -304,8 +306,6 @@ class ModelConfig:
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         num_heads = int(hf["num_attention_heads"])
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         attention_bias = bool(hf.get("attention_bias", False))
         return cls(
             architecture=arch,
@@ -324,7 +324,7 @@ class ModelConfig:
             qkv_bias=True if arch == "qwen2" else attention_bias,
             o_bias=False if arch == "qwen2" else attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos_token_ids(hf),
             torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
         )
 

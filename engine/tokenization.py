@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,12 @@ from pdserve.engine.sampling import RequestError
 # tokens are then encoded around them, and each content on its own.
 _SLOT = "\ue000pdserve-content-{}\ue000"
 _SLOTS = re.compile("\ue000pdserve-content-(\\d+)\ue000")
+
+
+def eos_token_ids(hf: Mapping[str, Any]) -> tuple[int, ...]:
+    """The end-of-sequence ids a Hugging Face ``config.json`` names (one, a list, or none)."""
+    eos = hf.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
 
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:

@@ -8,7 +8,7 @@ used" value (``tools: []``, ``best_of: 1``) passes, and fields that change nothi
 the output (``user``, ``store``, ``metadata``, ``parallel_tool_calls``) are accepted and
 ignored. vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output`` and ``skip_special_tokens``
-are accepted.
+are accepted, and each choice carries its ``stop_reason``.
 Prompts are tokenized here, the same way the ZMQ client's are
 (``engine.tokenization.encode_prompt``), so the cluster gets token ids.
 """
@@ -318,9 +318,11 @@ class GenerationRequest:
         first: bool = False,
         logprobs: dict[str, Any] | None = None,
         index: int = 0,
+        stop_reason: str | int | None = None,
     ) -> dict[str, Any]:
         """A stream chunk of choice ``index``: ``text`` (None: none, as in chat's last chunk)
-        and/or the finish reason; ``logprobs``: its tokens' (``LogprobsFormat``)."""
+        and/or the finish reason, with its ``stop_reason``; ``logprobs``: its tokens'
+        (``LogprobsFormat``)."""
         if self.kind == "completion":
             choice: dict[str, Any] = {
                 "index": index,
@@ -333,6 +335,8 @@ class GenerationRequest:
             if text is not None:
                 delta["content"] = text
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
         return {
             "id": self.id,
             "object": self.chunk_object,
@@ -360,22 +364,36 @@ class GenerationRequest:
         usage: dict[str, int],
         cached_tokens: int | None = None,
         logprobs: dict[str, Any] | None = None,
+        stop_reason: str | int | None = None,
     ) -> dict[str, Any]:
         """The whole (non-streaming) response of one choice; ``logprobs``: every token's
         (``LogprobsFormat``)."""
-        return self.responses([self.choice(0, text, finish_reason, logprobs)], usage, cached_tokens)
+        return self.responses([self.choice(0, text, finish_reason, logprobs, stop_reason)], usage, cached_tokens)
 
     def choice(
-        self, index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None = None
+        self,
+        index: int,
+        text: str,
+        finish_reason: str,
+        logprobs: dict[str, Any] | None = None,
+        stop_reason: str | int | None = None,
     ) -> dict[str, Any]:
-        """Choice ``index`` of a whole response."""
+        """Choice ``index`` of a whole response. ``stop_reason`` (vLLM's): the stop string or
+        ``stop_token_ids`` member that ended it; null for the model's EOS, a length or an abort."""
         if self.kind == "completion":
-            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            return {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
         return {
             "index": index,
             "message": {"role": "assistant", "content": text},
             "logprobs": logprobs,
             "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
         }
 
     def responses(

@@ -53,7 +53,7 @@ from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, 
 from pdserve.cluster.config import API_KEY_ENV, cluster_settings, origins
 from pdserve.cluster.protocol import Chunk, Error, Final, Logprobs, Sampling, Stats
 from pdserve.engine.sampling import RequestError, validate_request
-from pdserve.engine.tokenization import load_tokenizer
+from pdserve.engine.tokenization import eos_token_ids, load_tokenizer
 from pdserve.router.metrics import MULTIPROC_DIR_ENV, FrontendMetrics
 from pdserve.router.openai_api import (
     APIError,
@@ -97,14 +97,21 @@ class Outcome:
     finish_reason: str
     usage: dict[str, int]
     cached_tokens: int | None = None  # prompt tokens the prefix cache served; None with it off
+    stop_reason: str | int | None = None  # the stop string or stop_token_ids member that ended it
+
+
+def _hf_config(model_dir: str) -> dict[str, Any]:
+    """A Hugging Face model directory's config.json ({} where it has none, or not an object)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def model_vocab_size(model_dir: str) -> int | None:
     """The vocabulary size in a Hugging Face model directory's config.json (None if it says none)."""
-    try:
-        value = json.loads((Path(model_dir) / "config.json").read_text()).get("vocab_size")
-    except (OSError, ValueError, AttributeError):
-        return None
+    value = _hf_config(model_dir).get("vocab_size")
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -139,6 +146,10 @@ class Frontend:
         self.drain_timeout = drain_timeout
         self.tokenizer = load_tokenizer(self.model_dir)
         self.vocab_size = model_vocab_size(self.model_dir)
+        try:  # the engine's: an EOS that ends a request is no stop_reason
+            self.eos_token_ids = eos_token_ids(_hf_config(self.model_dir))
+        except (TypeError, ValueError):
+            self.eos_token_ids = ()
         self._mismatch_logged = False
         self.metrics = FrontendMetrics()
         self.rejections = RejectionLog(logger)
@@ -442,7 +453,9 @@ class Frontend:
                     if text is not None:
                         texts[index].append(text)
                 choices_body = [
-                    gen.choice(i, "".join(texts[i]), run.ended().finish_reason, run.take_logprobs())
+                    gen.choice(
+                        i, "".join(texts[i]), run.ended().finish_reason, run.take_logprobs(), run.ended().stop_reason
+                    )
                     for i, run in enumerate(runs)
                 ]
                 return JSONResponse(gen.responses(choices_body, *_total_usage(runs, gen.n)))
@@ -488,8 +501,16 @@ class Frontend:
         def event(index: int, text: str | None, logprobs: dict[str, Any] | None) -> bytes:
             if text is None:
                 last = None if gen.kind == "chat" else ""
-                reason = runs[index].ended().finish_reason
-                return _event(gen.chunk(last, reason, first=not started[index], index=index))
+                outcome = runs[index].ended()
+                return _event(
+                    gen.chunk(
+                        last,
+                        outcome.finish_reason,
+                        first=not started[index],
+                        index=index,
+                        stop_reason=outcome.stop_reason,
+                    )
+                )
             body = gen.chunk(text, first=not started[index], logprobs=logprobs, index=index)
             started[index] = True
             return _event(body)
@@ -560,7 +581,12 @@ class Frontend:
         outcome = run.ended()
         return JSONResponse(
             gen.response(
-                "".join(parts), outcome.finish_reason, outcome.usage, outcome.cached_tokens, run.take_logprobs()
+                "".join(parts),
+                outcome.finish_reason,
+                outcome.usage,
+                outcome.cached_tokens,
+                run.take_logprobs(),
+                outcome.stop_reason,
             )
         )
 
@@ -586,7 +612,14 @@ class Frontend:
             yield _event(error.body()) + DONE
             return
         outcome = run.ended()
-        tail = _event(gen.chunk(None if gen.kind == "chat" else "", outcome.finish_reason, first=not sent))
+        tail = _event(
+            gen.chunk(
+                None if gen.kind == "chat" else "",
+                outcome.finish_reason,
+                first=not sent,
+                stop_reason=outcome.stop_reason,
+            )
+        )
         if gen.include_usage:
             tail += _event(gen.usage_chunk(outcome.usage, outcome.cached_tokens))
         yield tail + DONE
@@ -705,7 +738,7 @@ class _Run:
                         assert final is not None
                         # What the abort's final counts may include tokens generated after the stop
                         # string, before the abort reached the cluster: the completion ends with it.
-                        self._finish("stop", final, now, generated)
+                        self._finish("stop", final, now, generated, matcher.matched)
                         return
         except ClusterError as e:
             ended = True
@@ -719,6 +752,16 @@ class _Run:
             frontend.running.discard(self.request_id)
             if not ended:
                 frontend._spawn(self._abandoned(time.perf_counter(), counted=failed))
+
+    def _stop_token(self, final: Final) -> int | None:
+        """The request's ``stop_token_ids`` member that ended it, as the engine decides: the
+        model's EOS first (no stop reason, as in vLLM), unless ``ignore_eos``."""
+        if final.finish_reason != "stop" or not final.token_ids:
+            return None
+        token = final.token_ids[-1]
+        if token not in self.sampling.get("stop_token_ids", ()):
+            return None
+        return None if token in self.frontend.eos_token_ids and not self.sampling.get("ignore_eos") else token
 
     async def _abandoned(self, left: float, counted: bool) -> None:
         """Its client left (or the cluster stopped answering) before the end: abort the request,
@@ -735,12 +778,20 @@ class _Run:
         else:
             metrics.observe_final("abort", final.usage, final.timings)
 
-    def _finish(self, reason: str, final: Final, now: float, completion_tokens: int | None = None) -> None:
+    def _finish(
+        self,
+        reason: str,
+        final: Final,
+        now: float,
+        completion_tokens: int | None = None,
+        stop_string: str | None = None,
+    ) -> None:
         usage = final.usage
         if completion_tokens is not None:
             usage = {**usage, "completion_tokens": completion_tokens}
         cached = final.timings.get("cached_tokens")
-        self.outcome = Outcome(reason, usage, None if cached is None else int(cached))
+        stop_reason = stop_string if stop_string is not None else self._stop_token(final)
+        self.outcome = Outcome(reason, usage, None if cached is None else int(cached), stop_reason)
         self.frontend.metrics.e2e.observe(now - self.arrival)
         self.frontend.metrics.observe_final(reason, usage, final.timings)
 

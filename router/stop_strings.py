@@ -20,6 +20,7 @@ class StopStringMatcher:
         self.text = ""  # the output so far (cut at the stop string once one is found)
         self.sent = 0  # characters of ``text`` already returned
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the output
 
     def add(self, delta: str, may_stop: bool = True) -> tuple[str, bool]:
         """``may_stop`` false (vLLM's ``min_tokens`` not yet reached): no stop string may end in
@@ -31,10 +32,12 @@ class StopStringMatcher:
         if may_stop:
             # Only matches that end in the delta: earlier text was searched, or could not stop.
             found = [
-                (i, i + len(s)) for s in self.stops if (i := self.text.find(s, max(0, end_of_old - len(s) + 1))) != -1
+                (i, i + len(s), s)
+                for s in self.stops
+                if (i := self.text.find(s, max(0, end_of_old - len(s) + 1))) != -1
             ]
             if found:
-                start, end = min(found)
+                start, end, self.matched = min(found)
                 self.text = self.text[: end if self.include else start]
                 self.stopped = True
                 return self.flush(), True

@@ -77,6 +77,7 @@ def test_stop_strings_kept_in_the_output_or_not_yet_allowed() -> None:
     there and ends in a later, allowed delta counts, as vLLM's do."""
     include = StopStringMatcher(["STOP", "P d"], include=True)
     assert [include.add(d) for d in ["abc ST", "OP def"]] == [("abc ST", False), ("OP", True)]
+    assert include.matched == "STOP"  # the earliest match
     late = StopStringMatcher(["ab", "STOP"])
     steps = [late.add("x ab ST", may_stop=False), late.add("O", may_stop=False), late.add("Pab")]
     assert steps == [("x ab ", False), ("", False), ("", True)]  # "ab" was in text that could not stop
@@ -1406,6 +1407,44 @@ def test_echo_shows_the_prompt_and_its_log_probabilities(served: Served, demo_to
     # A prompt of token ids echoes as their text; no logprobs, none computed.
     by_ids = served.client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, echo=True)
     assert by_ids.choices[0].text == demo_tokenizer.decode(ids) + plain and by_ids.choices[0].logprobs is None
+
+
+@pytest.mark.slow
+def test_stop_reason_names_the_stop_string_or_token_that_ended_the_output(served: Served) -> None:
+    """vLLM's ``stop_reason`` on each choice (and a stream's last chunk): the stop string, or the
+    ``stop_token_ids`` member, that ended the output; null for the model's EOS (even when listed
+    as a stop id, as the engine ends on it first), a length, or no stop at all."""
+    full = zmq_greedy(served, TEXT_PROMPT, chat=False, max_tokens=24, ignore_eos=True)
+    at = next(i for i in range(4, len(full.text) - 3) if full.text.find(full.text[i : i + 3]) == i)
+    index = next(i for i in range(2, len(full.token_ids)) if full.token_ids.index(full.token_ids[i]) == i)
+    base = {"model": MODEL, "prompt": TEXT_PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    cases: list[tuple[dict[str, Any], str, str | int | None]] = [
+        ({"stop": ["never \u2603", full.text[at : at + 3]]}, "stop", full.text[at : at + 3]),
+        ({"stop_token_ids": [full.token_ids[index]]}, "stop", full.token_ids[index]),
+        ({}, "length", None),
+    ]
+    for extra, reason, stop_reason in cases:
+        for stream in (False, True):
+            body = {**base, **extra, "stream": stream}
+            if stream:
+                with served.http.stream("POST", "/v1/completions", json=body) as r:
+                    events = [e for e in sse_events(r) if e != "[DONE]"]
+                assert all("stop_reason" not in e["choices"][0] for e in events[:-1])
+                choice = events[-1]["choices"][0]
+            else:
+                choice = served.http.post("/v1/completions", json=body).json()["choices"][0]
+            assert (choice["finish_reason"], choice["stop_reason"]) == (reason, stop_reason), (extra, stream)
+
+    eos = 2  # the demo model's <|im_end|>, which ends its chat turns
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 48, "temperature": 0}
+    for extra, stop_reason in (
+        ({}, None),
+        ({"stop_token_ids": [eos]}, None),
+        ({"stop_token_ids": [eos], "ignore_eos": True}, eos),
+    ):
+        choice = served.http.post("/v1/chat/completions", json={**chat, **extra}).json()["choices"][0]
+        assert choice["message"]["content"] and choice["finish_reason"] == "stop", extra
+        assert choice["stop_reason"] == stop_reason, extra
 
 
 @pytest.mark.slow

@@ -45,8 +45,16 @@ def encode_prompt(
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=literal))
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, str]], parse_special_tokens: bool = False) -> list[int]:
-    """Token ids of ``messages`` rendered by the chat template, with the generation prompt.
+def encode_chat(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    parse_special_tokens: bool = False,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> list[int]:
+    """Token ids of ``messages`` rendered by the chat template, with the generation prompt
+    (unless not ``add_generation_prompt``), or ending in the last message, open, for the model
+    to go on with (``continue_final_message``: an assistant's reply begun for it).
 
     The template is rendered to text and then encoded without extra special tokens, which gives
     the same ids on transformers 4 and 5 (their ``tokenize=True`` return types differ). A content
@@ -54,10 +62,11 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, str]], parse_special_to
     """
     contents = [message["content"] for message in messages]
     if parse_special_tokens or not any(_has_special_text(tokenizer, c) for c in contents):
-        rendered = _render(tokenizer, messages)
+        rendered = _render(tokenizer, messages, add_generation_prompt, continue_final_message)
         return list(tokenizer.encode(rendered, add_special_tokens=False))
     slotted = [{**message, "content": _SLOT.format(i)} for i, message in enumerate(messages)]
-    parts = _SLOTS.split(_render(tokenizer, slotted))  # template text, slot index, template text, ...
+    rendered = _render(tokenizer, slotted, add_generation_prompt, continue_final_message)
+    parts = _SLOTS.split(rendered)  # template text, slot index, template text, ...
     if sorted(int(i) for i in parts[1::2]) != list(range(len(messages))):
         raise RequestError("prompt", "holds special-token text and this model's chat template alters its contents")
     ids: list[int] = []
@@ -69,8 +78,15 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, str]], parse_special_to
     return ids
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def _render(
+    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool, continue_final_message: bool
+) -> str:
+    return tokenizer.apply_chat_template(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tokenize=False,
+    )
 
 
 def _has_special_text(tokenizer: Any, text: str) -> bool:

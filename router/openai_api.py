@@ -7,8 +7,9 @@ field OpenAI does not have are each a 400 naming the field; an unsupported field
 used" value (``tools: []``, ``best_of: 1``) passes, and fields that change nothing of
 the output (``user``, ``store``, ``metadata``, ``parallel_tool_calls``) are accepted and
 ignored. vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output`` and ``skip_special_tokens``
-are accepted, and each choice carries its ``stop_reason``.
+``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens`` and
+a chat's ``add_generation_prompt``, ``continue_final_message`` and ``echo`` are accepted, and
+each choice carries its ``stop_reason``.
 Prompts are tokenized here, the same way the ZMQ client's are
 (``engine.tokenization.encode_prompt``), so the cluster gets token ids.
 """
@@ -215,6 +216,10 @@ def _json_type(value: Any) -> str:
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    # vLLM's: the chat template's generation prompt, or the last message left open to go on with.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False  # vLLM's: the reply starts with the last message's content, if the assistant's
     # Accepted and ignored: they change nothing of the output (no tools run here; nothing is stored).
     parallel_tool_calls: bool | None = None
     store: bool | None = None
@@ -534,8 +539,16 @@ def parse_request(
         if request.top_logprobs and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        prompts = [Prompt(_chat_prompt(request.messages, tokenizer, max_prompt_chars, parse_special_tokens))]
-        ids = prompts[0].token_ids
+        _check_template_flags(request.add_generation_prompt, request.continue_final_message)
+        ids = _chat_prompt(
+            request.messages,
+            tokenizer,
+            max_prompt_chars,
+            parse_special_tokens,
+            request.add_generation_prompt,
+            request.continue_final_message,
+        )
+        prompts = [Prompt(ids, _chat_echo(request))]
         max_tokens = request.max_completion_tokens or request.max_tokens or max_model_len - len(ids)
     else:
         logprobs = request.logprobs
@@ -559,8 +572,8 @@ def parse_request(
         "frequency_penalty": request.frequency_penalty or 0.0,
         "repetition_penalty": 1.0 if request.repetition_penalty is None else request.repetition_penalty,
         "logprobs": logprobs,
-        # An echo shows the prompt's tokens with their log-probabilities too (vLLM's).
-        "prompt_logprobs": logprobs if getattr(request, "echo", None) else None,
+        # A completion's echo shows the prompt's tokens with their log-probabilities too (vLLM's).
+        "prompt_logprobs": logprobs if isinstance(request, CompletionRequest) and request.echo else None,
         "logit_bias": request.logit_bias or {},
     }
     include_usage = request.stream_options is not None and bool(request.stream_options.include_usage)
@@ -592,7 +605,8 @@ class TokenizeChatRequest(_Strict):
 
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True  # only true: what a chat's prompt gets
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 
@@ -619,14 +633,16 @@ def parse_tokenize(
         raise _validation_error(e) from None
     _check_model(request.model, served_model)
     if isinstance(request, TokenizeChatRequest):
-        if not request.add_generation_prompt:
-            raise bad_request(
-                "add_generation_prompt: false is not supported by this server",
-                "add_generation_prompt",
-                "unsupported_parameter",
-            )
+        _check_template_flags(request.add_generation_prompt, request.continue_final_message)
         _check_messages(request.messages)
-        ids = _chat_prompt(request.messages, tokenizer, max_prompt_chars, parse_special_tokens)
+        ids = _chat_prompt(
+            request.messages,
+            tokenizer,
+            max_prompt_chars,
+            parse_special_tokens,
+            request.add_generation_prompt,
+            request.continue_final_message,
+        )
     else:
         ids = _text_prompt(
             request.prompt, tokenizer, max_prompt_chars, parse_special_tokens, request.add_special_tokens
@@ -762,17 +778,43 @@ def _text_prompt(
     return encode_prompt(tokenizer, prompt, False, parse_special_tokens, add_special_tokens)
 
 
+def _check_template_flags(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    if add_generation_prompt and continue_final_message:  # vLLM's rule: an open message or a new one
+        raise bad_request(
+            "continue_final_message needs add_generation_prompt: false (the last message is continued, "
+            "no new one begun)",
+            "continue_final_message",
+        )
+
+
+def _chat_echo(request: ChatRequest) -> str | None:
+    """What a chat's ``echo`` puts before the reply: the last message's text, if the assistant's
+    (vLLM's; with ``continue_final_message``, the whole reply so)."""
+    last = request.messages[-1]
+    if not request.echo or last.role != "assistant":
+        return None
+    return _content(last) or None
+
+
+def _content(message: ChatMessage) -> str:
+    """A message's text: its content parts joined by newlines."""
+    content = message.content
+    return "\n".join(part.text for part in content) if isinstance(content, list) else content or ""
+
+
 def _chat_prompt(
-    chat: list[ChatMessage], tokenizer: Any, max_prompt_chars: int, parse_special_tokens: bool
+    chat: list[ChatMessage],
+    tokenizer: Any,
+    max_prompt_chars: int,
+    parse_special_tokens: bool,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[int]:
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template: use /v1/completions", "messages")
     messages = []
     for message in chat:
-        content = message.content
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        entry = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
+        entry = {"role": "system" if message.role == "developer" else message.role, "content": _content(message)}
         if message.name is not None:
             entry["name"] = message.name
         messages.append(entry)
@@ -781,7 +823,7 @@ def _chat_prompt(
         raise _prompt_too_long(chars, max_prompt_chars, "messages")
     try:
         # As engine.tokenization.encode_prompt does for one user turn: the same ids as the ZMQ client's.
-        return encode_chat(tokenizer, messages, parse_special_tokens)
+        return encode_chat(tokenizer, messages, parse_special_tokens, add_generation_prompt, continue_final_message)
     except RequestError as e:
         raise bad_request(str(e), "messages") from None
     except Exception as e:  # noqa: BLE001 (a template's own checks, e.g. alternating roles, raise anything)

@@ -1344,7 +1344,13 @@ def test_sse_framing_usage_chunk_and_done(served: Served, demo_model_dir: Path) 
     assert content[0]["choices"][0]["delta"]["role"] == "assistant"
     assert all(e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"] for e in events)
     assert all(e["choices"][0]["finish_reason"] is None for e in content)
-    assert finish["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert finish["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+    }
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
     assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 6
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in content)
@@ -1480,6 +1486,39 @@ def test_special_and_stop_tokens_show_in_the_text_only_when_asked(served: Served
 
 
 @pytest.mark.slow
+def test_a_chat_may_continue_the_assistants_last_message(served: Served, demo_tokenizer: Any) -> None:
+    """vLLM's ``continue_final_message`` (with ``add_generation_prompt: false``): the reply goes on
+    from a begun assistant message, as the ZMQ client's request of the same template ids does;
+    ``echo`` puts that message's text before it; ``/tokenize`` gives the ids the chat sends."""
+    begun = "The capital of France is"
+    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": begun}]
+    ids = encode_chat(demo_tokenizer, messages, add_generation_prompt=False, continue_final_message=True)
+    assert demo_tokenizer.decode(ids).endswith(f"assistant\n{begun}")
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0, **flags}
+    expected = zmq_greedy(served, token_ids=ids, max_tokens=8)
+    reply = served.http.post("/v1/chat/completions", json=body).json()
+    assert reply["choices"][0]["message"]["content"] == expected.text
+    assert reply["usage"]["prompt_tokens"] == len(ids)
+    tokenized = served.http.post("/tokenize", json={"messages": messages, **flags}).json()
+    assert tokenized["tokens"] == ids
+    echoed = served.http.post("/v1/chat/completions", json={**body, "echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == begun + expected.text
+    with served.http.stream("POST", "/v1/chat/completions", json={**body, "echo": True, "stream": True}) as r:
+        events = [e for e in sse_events(r) if e != "[DONE]"]
+    assert events[0]["choices"][0]["delta"]["content"].startswith(begun)
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == begun + expected.text
+    # Without the flags the template closes the message and starts a new one; echo shows only
+    # an assistant's last message.
+    closed = encode_chat(demo_tokenizer, messages)
+    assert closed != ids and served.http.post("/tokenize", json={"messages": messages}).json()["tokens"] == closed
+    asked = {"model": MODEL, "messages": messages[:1], "max_tokens": 4, "temperature": 0}
+    plain = served.http.post("/v1/chat/completions", json=asked).json()["choices"][0]["message"]["content"]
+    echo_user = served.http.post("/v1/chat/completions", json={**asked, "echo": True}).json()
+    assert echo_user["choices"][0]["message"]["content"] == plain
+
+
+@pytest.mark.slow
 def test_tokenize_gives_the_ids_generation_sends_and_detokenize_the_text(served: Served, demo_tokenizer: Any) -> None:
     """vLLM's ``/tokenize`` and ``/detokenize``: a prompt's and a chat's ids are those the
     generation routes send the cluster (their usage counts them), special-token text included."""
@@ -1507,10 +1546,10 @@ def test_tokenize_gives_the_ids_generation_sends_and_detokenize_the_text(served:
     refused = {
         "/tokenize": [
             (
-                {"messages": messages, "add_generation_prompt": False},
+                {"messages": messages, "continue_final_message": True},
                 400,
-                "unsupported_parameter",
-                "add_generation_prompt",
+                "invalid_request",
+                "continue_final_message",
             ),
             ({"model": "other", "prompt": "hi"}, 404, "model_not_found", "model"),
             ({"prompt": "hi", "tokens": [1]}, 400, "unrecognized_argument", "tokens"),

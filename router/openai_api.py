@@ -111,6 +111,7 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: int | None = Field(None, ge=0, le=MAX_INT32)  # 0: only with echo, to score the prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = None
     best_of: Any = None
@@ -280,6 +281,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     include_stop: bool = False  # the output keeps the stop string that ended it
     skip_special_tokens: bool = True  # the text (and log-probabilities' tokens) leave them out
+    echo_only: bool = False  # completions' echo with max_tokens 0: the prompt alone, no output
     stream: bool = False
     include_usage: bool = False
     n: int = 1  # choices: each a request of its own, a seed (if any) plus its index
@@ -535,6 +537,7 @@ def parse_request(
     _check_messages(getattr(request, "messages", []))
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+    echo_only = False
     if isinstance(request, ChatRequest):
         if request.top_logprobs and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -554,6 +557,14 @@ def parse_request(
         logprobs = request.logprobs
         prompts = _completion_prompts(request, tokenizer, max_prompt_chars, parse_special_tokens)
         max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's default
+        if max_tokens == 0:
+            if not request.echo:
+                raise bad_request("max_tokens 0 needs echo: true (the prompt alone, to score it)", "max_tokens")
+            if request.min_tokens:
+                raise bad_request("min_tokens must be at most max_tokens (0)", "min_tokens")
+            # The cluster runs the prompt and one token (its log-probabilities come with the first),
+            # which the response leaves out.
+            max_tokens, echo_only = 1, True
     for i, prompt in enumerate(prompts):
         _check_length(kind, len(prompt.token_ids), max_tokens, max_model_len, i if len(prompts) > 1 else None)
 
@@ -585,6 +596,7 @@ def parse_request(
         stop=[s for s in stop if s],
         include_stop=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens,
+        echo_only=echo_only,
         stream=bool(request.stream),
         include_usage=include_usage,
         n=request.n or 1,

@@ -688,7 +688,7 @@ class _Run:
         frontend, metrics, gen = self.frontend, self.frontend.metrics, self.gen
         client = frontend.client
         assert client is not None
-        matcher = StopStringMatcher(gen.stop, gen.include_stop) if gen.stop else None
+        matcher = StopStringMatcher(gen.stop, gen.include_stop) if gen.stop and not gen.echo_only else None
         min_tokens = self.sampling.get("min_tokens", 0)  # no stop string ends the output before these
         ended = False  # the cluster sent the request's terminal message
         failed = False  # answered with an error: counted as that alone
@@ -712,17 +712,22 @@ class _Run:
                         ended = True
                         if matcher is not None and (tail := matcher.flush()):
                             yield tail
-                        self._finish(message.finish_reason, message, now)
+                        if gen.echo_only:  # the token run for the prompt's log-probabilities is no output
+                            self._finish("length", message, now, completion_tokens=0)
+                        else:
+                            self._finish(message.finish_reason, message, now)
                         return
                     assert isinstance(message, Chunk)
-                    generated += len(message.token_ids)
-                    if self.logprobs_format is not None and message.logprobs is not None:
-                        self._pieces.append((message.token_ids, message.logprobs))
                     if last is None:
                         metrics.ttft.observe(now - self.arrival)
                     else:
                         metrics.itl.observe(now - last)
                     last = now
+                    if gen.echo_only:
+                        continue
+                    generated += len(message.token_ids)
+                    if self.logprobs_format is not None and message.logprobs is not None:
+                        self._pieces.append((message.token_ids, message.logprobs))
                     if matcher is None:
                         yield message.text
                         continue

@@ -1404,6 +1404,18 @@ def test_echo_shows_the_prompt_and_its_log_probabilities(served: Served, demo_to
     assert "".join(e["choices"][0]["text"] for e in events) == echoed["text"]
     streamed = [v for e in events if e["choices"][0]["logprobs"] for v in e["choices"][0]["logprobs"]["token_logprobs"]]
     assert streamed == logprobs["token_logprobs"]
+    # max_tokens 0 (how GPT-3 was scored): the prompt and its log-probabilities alone, a batch too.
+    scored = {**request, "prompt": [TEXT_PROMPT, TEXT_PROMPT], "max_tokens": 0, "echo": True, "logprobs": 2}
+    alone = served.http.post("/v1/completions", json=scored).json()
+    assert alone["usage"]["completion_tokens"] == 0 and alone["usage"]["prompt_tokens"] == 2 * n
+    for choice in alone["choices"]:
+        assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (TEXT_PROMPT, "length", None)
+        assert choice["logprobs"]["tokens"] == logprobs["tokens"][:n]
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(logprobs["token_logprobs"][:n], abs=1e-4)
+    with served.http.stream("POST", "/v1/completions", json={**scored, "prompt": TEXT_PROMPT, "stream": True}) as r:
+        events = [e for e in sse_events(r) if e != "[DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in events) == TEXT_PROMPT
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
     # A prompt of token ids echoes as the output shows text: its special tokens left out, as its tokens are.
     special = [demo_tokenizer.convert_tokens_to_ids("<|im_start|>"), *ids]
     marked = {**request, "prompt": special, "max_tokens": 1, "echo": True, "logprobs": 1}
@@ -1792,7 +1804,28 @@ BAD_REQUESTS = {
     ),
     "top_p 0": ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "invalid_value", "top_p"),
     "top_p above 1": ("/v1/chat/completions", {"top_p": 1.5}, 400, "invalid_value", "top_p"),
-    "max_tokens 0": ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
+    "max_tokens 0 without echo": (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 0},
+        400,
+        "invalid_request",
+        "max_tokens",
+    ),
+    "min_tokens over an echo's max_tokens 0": (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 0, "echo": True, "min_tokens": 1},
+        400,
+        "invalid_request",
+        "min_tokens",
+    ),
+    "max_tokens -1": ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "invalid_value", "max_tokens"),
+    "a chat's max_tokens 0": (
+        "/v1/chat/completions",
+        {"max_tokens": 0, "echo": True},
+        400,
+        "invalid_value",
+        "max_tokens",
+    ),
     "top_k -2": ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "invalid_value", "top_k"),
     "negative seed": ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "invalid_value", "seed"),
     "presence_penalty above 2": (

@@ -7,8 +7,8 @@ field OpenAI does not have are each a 400 naming the field; an unsupported field
 used" value (``tools: []``, ``best_of: 1``) passes, and fields that change nothing of
 the output (``user``, ``store``, ``metadata``, ``parallel_tool_calls``) are accepted and
 ignored. vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens`` and
-a chat's ``add_generation_prompt``, ``continue_final_message`` and ``echo`` are accepted, and
+``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+``return_tokens_as_token_ids`` and a chat's ``add_generation_prompt``, ``continue_final_message`` and ``echo`` are accepted, and
 each choice carries its ``stop_reason``.
 Prompts are tokenized here, the same way the ZMQ client's are
 (``engine.tokenization.encode_prompt``), so the cluster gets token ids.
@@ -84,6 +84,7 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False  # vLLM's
     skip_special_tokens: bool = True  # vLLM's
+    return_tokens_as_token_ids: bool = False  # vLLM's: log-probabilities' tokens as "token_id:<id>"
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: int | None = Field(None, ge=0, le=MAX_INT32)  # vLLM's
@@ -282,6 +283,7 @@ class GenerationRequest:
     include_stop: bool = False  # the output keeps the stop string that ended it
     skip_special_tokens: bool = True  # the text (and log-probabilities' tokens) leave them out
     echo_only: bool = False  # completions' echo with max_tokens 0: the prompt alone, no output
+    tokens_as_ids: bool = False  # log-probabilities show each token as "token_id:<id>"
     stream: bool = False
     include_usage: bool = False
     n: int = 1  # choices: each a request of its own, a seed (if any) plus its index
@@ -429,12 +431,21 @@ class LogprobsFormat:
     response's text has it (a special token as "" unless ``skip_special_tokens`` is false, a
     piece of a multi-byte character as U+FFFD). Completions: OpenAI's legacy lists, each
     ``top_logprobs`` map holding the chosen token beside the likeliest (vLLM's); chat:
-    ``content`` entries with ``bytes``, and exactly ``top_logprobs`` alternatives."""
+    ``content`` entries with ``bytes``, and exactly ``top_logprobs`` alternatives. ``as_ids``
+    (vLLM's ``return_tokens_as_token_ids``): each token shown as ``token_id:<id>`` instead, which
+    tells apart tokens that decode alike."""
 
-    def __init__(self, kind: Literal["completion", "chat"], tokenizer: Any, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        kind: Literal["completion", "chat"],
+        tokenizer: Any,
+        skip_special_tokens: bool = True,
+        as_ids: bool = False,
+    ) -> None:
         self.kind = kind
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.as_ids = as_ids
         self.text_offset = 0  # completions: characters of the tokens shown so far
 
     def prompt(self, token_ids: list[int], logprobs: Any) -> dict[str, Any]:
@@ -489,6 +500,8 @@ class LogprobsFormat:
         }
 
     def _text(self, token_id: int) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
         # As the response's text shows it: by default a special token (the end of a chat turn) reads as "".
         return self.tokenizer.decode(
             [token_id], skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
@@ -597,6 +610,7 @@ def parse_request(
         include_stop=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens,
         echo_only=echo_only,
+        tokens_as_ids=request.return_tokens_as_token_ids,
         stream=bool(request.stream),
         include_usage=include_usage,
         n=request.n or 1,

@@ -643,7 +643,7 @@ class _Run:
         self.logprobs_format = (
             None
             if gen.sampling.get("logprobs") is None
-            else LogprobsFormat(gen.kind, frontend.tokenizer, gen.skip_special_tokens)
+            else LogprobsFormat(gen.kind, frontend.tokenizer, gen.skip_special_tokens, gen.tokens_as_ids)
         )
         self._pieces: list[tuple[list[int], Logprobs]] = []
         # An echoing request's: its prompt's log-probabilities, until they go with the first piece.

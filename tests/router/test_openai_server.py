@@ -1466,6 +1466,34 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_the_output(served
 
 
 @pytest.mark.slow
+def test_log_probabilities_may_show_tokens_as_their_ids(served: Served, demo_tokenizer: Any) -> None:
+    """vLLM's ``return_tokens_as_token_ids``: each token of the log-probabilities (an echoed
+    prompt's too, and the alternatives) reads ``token_id:<id>``; the values stay the same."""
+    ids = encode_prompt(demo_tokenizer, TEXT_PROMPT, chat=False)
+    same = zmq_greedy(served, TEXT_PROMPT, chat=False, max_tokens=4, logprobs=2)
+    assert same.logprobs is not None
+    request = {"model": MODEL, "prompt": TEXT_PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 2}
+    asked = {**request, "return_tokens_as_token_ids": True}
+    plain = served.http.post("/v1/completions", json=request).json()["choices"][0]
+    as_ids = served.http.post("/v1/completions", json=asked).json()["choices"][0]
+    assert as_ids["text"] == plain["text"]
+    assert as_ids["logprobs"]["tokens"] == [f"token_id:{t}" for t in same.token_ids]
+    assert as_ids["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    for top, alternatives in zip(as_ids["logprobs"]["top_logprobs"], same.logprobs.top_token_ids):
+        assert set(top) >= {f"token_id:{t}" for t in alternatives}
+    echoed = served.http.post("/v1/completions", json={**asked, "echo": True, "max_tokens": 0}).json()
+    assert echoed["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, "temperature": 0}
+    reply = served.http.post(
+        "/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True}
+    ).json()
+    greedy = zmq_greedy(served, QUESTION, max_tokens=4)
+    content = reply["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in greedy.token_ids]
+    assert all(c["bytes"] == list(c["token"].encode()) for c in content)
+
+
+@pytest.mark.slow
 def test_special_and_stop_tokens_show_in_the_text_only_when_asked(served: Served, demo_tokenizer: Any) -> None:
     """vLLM's ``skip_special_tokens`` and ``include_stop_str_in_output``: the chat's closing
     ``<|im_end|>`` (the EOS that stops it) shows in the text only with special tokens kept and the

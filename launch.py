@@ -44,7 +44,7 @@ signal.signal(signal.SIGINT, _interrupt)
 try:
     import click
 
-    from pdserve.cluster.config import ClusterConfig, cluster_settings, parse_devices
+    from pdserve.cluster.config import ClusterConfig, cluster_settings, model_names, parse_devices
     from pdserve.cluster.group import name_process
     from pdserve.cluster.launcher import Cluster, ClusterError
     from pdserve.engine.config import SettingSpec
@@ -259,7 +259,7 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
     def serving() -> None:
         click.echo(f"ready in {time.monotonic() - started:.1f} s: {cluster.summary()}", err=True)
         if cluster.http_url is not None:
-            model = config.served_model_name or config.engine.model
+            model = model_names(config.served_model_name)[0] if config.served_model_name else config.engine.model
             click.echo(f"http {cluster.http_url}/v1 (OpenAI-compatible, model {model!r})", err=True)
         click.echo(f"run directory {cluster.addresses.run_dir}", err=True)
         click.echo(f"endpoint {cluster.endpoint}", err=True)

@@ -53,6 +53,17 @@ _GPU_LEADER_SPIN_MS = 100.0
 API_KEY_ENV = "PDSERVE_API_KEY"
 
 
+def model_names(served_model_name: str) -> list[str]:
+    """The names of a ``served_model_name`` setting ("qwen, gpt-4o"); raises ValueError for an
+    empty or repeated one."""
+    names = [name.strip() for name in served_model_name.split(",")]
+    if not all(names):
+        raise ValueError(f"served_model_name holds an empty name: {served_model_name!r}")
+    if len(set(names)) < len(names):
+        raise ValueError(f"served_model_name names a model twice: {served_model_name!r}")
+    return names
+
+
 def origins(allowed: str) -> list[str]:
     """The origins of an ``allowed_origins`` setting ("https://a.example, https://b.example")."""
     return [origin.strip() for origin in allowed.split(",") if origin.strip()]
@@ -138,7 +149,8 @@ class ClusterConfig:
     )
     served_model_name: str | None = setting(
         None,
-        help="The model name the HTTP API answers to: what its clients give as 'model' and /v1/models lists.",
+        help="The model name the HTTP API answers to: what its clients give as 'model' and /v1/models lists; "
+        "several, comma-separated, are aliases, the first one named in responses (vLLM's).",
         section="Serving",
         default_text="--model as given",
     )
@@ -352,8 +364,8 @@ class ClusterConfig:
             raise ValueError(f"--http-port and --port must differ, both are {self.port}")
         if self.api_servers < 1:
             raise ValueError(f"api_servers must be >= 1, got {self.api_servers}")
-        if self.served_model_name is not None and not self.served_model_name.strip():
-            raise ValueError("served_model_name must not be empty")
+        if self.served_model_name is not None:
+            model_names(self.served_model_name)
         if self.served_model_name is not None and self.http_port is None:
             raise ValueError("--served-model-name names the model of the HTTP API: give --http-port too")
         if self.api_servers > 1 and self.http_port is None:

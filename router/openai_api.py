@@ -8,8 +8,8 @@ used" value (``tools: []``, ``best_of: 1``) passes, and fields that change nothi
 the output (``user``, ``store``, ``metadata``, ``parallel_tool_calls``) are accepted and
 ignored. vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens``,
-``return_tokens_as_token_ids`` and a chat's ``add_generation_prompt``, ``continue_final_message`` and ``echo`` are accepted, and
-each choice carries its ``stop_reason``.
+``return_tokens_as_token_ids`` and a chat's ``add_generation_prompt``, ``continue_final_message``
+and ``echo`` are accepted, and each choice carries its ``stop_reason``.
 Prompts are tokenized here, the same way the ZMQ client's are
 (``engine.tokenization.encode_prompt``), so the cluster gets token ids.
 """
@@ -525,7 +525,7 @@ def usage_body(usage: dict[str, int], cached_tokens: int | None = None) -> dict[
 def parse_request(
     kind: Literal["completion", "chat"],
     body: bytes,
-    served_model: str,
+    served_models: list[str],
     tokenizer: Any,
     max_model_len: int,
     max_prompt_chars: int,
@@ -539,7 +539,7 @@ def parse_request(
         request = (CompletionRequest if kind == "completion" else ChatRequest).model_validate_json(body)
     except ValidationError as e:
         raise _validation_error(e) from None
-    _check_model(request.model, served_model)
+    check_model(request.model, served_models)
     for name, neutral in UNSUPPORTED.items():
         if name == "tools" and getattr(request, "tool_choice", None) == "none":
             # Tools the model may not call stay out of the prompt (vLLM's --exclude-tools-when-
@@ -603,7 +603,7 @@ def parse_request(
     include_usage = request.stream_options is not None and bool(request.stream_options.include_usage)
     return GenerationRequest(
         kind,
-        served_model,
+        served_models[0],
         prompts,
         sampling,
         stop=[s for s in stop if s],
@@ -644,7 +644,7 @@ class DetokenizeRequest(_Strict):
 
 
 def parse_tokenize(
-    body: bytes, served_model: str, tokenizer: Any, max_prompt_chars: int, parse_special_tokens: bool = False
+    body: bytes, served_models: list[str], tokenizer: Any, max_prompt_chars: int, parse_special_tokens: bool = False
 ) -> tuple[list[int], bool]:
     """The ids of a ``/tokenize`` body's prompt or messages, tokenized as the generation routes
     tokenize them, and whether it asked for each id's token string; raises APIError."""
@@ -657,7 +657,7 @@ def parse_tokenize(
         request = model.model_validate_json(body)
     except ValidationError as e:
         raise _validation_error(e) from None
-    _check_model(request.model, served_model)
+    check_model(request.model, served_models)
     if isinstance(request, TokenizeChatRequest):
         _check_template_flags(request.add_generation_prompt, request.continue_final_message)
         _check_messages(request.messages)
@@ -676,13 +676,13 @@ def parse_tokenize(
     return ids, request.return_token_strs
 
 
-def parse_detokenize(body: bytes, served_model: str, tokenizer: Any) -> list[int]:
+def parse_detokenize(body: bytes, served_models: list[str], tokenizer: Any) -> list[int]:
     """The token ids of a ``/detokenize`` body, each within the tokenizer's; raises APIError."""
     try:
         request = DetokenizeRequest.model_validate_json(body)
     except ValidationError as e:
         raise _validation_error(e) from None
-    _check_model(request.model, served_model)
+    check_model(request.model, served_models)
     if tokenizer is None:
         raise bad_request("this model has no tokenizer", "tokens")
     vocab = len(tokenizer)
@@ -769,12 +769,13 @@ def _echo_text(prompt: str | list[int], token_ids: list[int], tokenizer: Any, sk
     return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
 
-def _check_model(model: str | None, served_model: str) -> None:
-    """A request that names a model names the served one (none, or "", means it)."""
-    if model and model != served_model:
+def check_model(model: str | None, served_models: list[str]) -> None:
+    """A request that names a model names a served one (none, or "", means the first)."""
+    if model and model not in served_models:
+        served = " or ".join(repr(name) for name in served_models)
         raise APIError(
             404,  # as OpenAI and vLLM answer: the official client raises NotFoundError
-            f"The model {model!r} does not exist: this server serves {served_model!r}",
+            f"The model {model!r} does not exist: this server serves {served}",
             "model_not_found",
             "model",
         )

@@ -50,7 +50,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable, Seconds
-from pdserve.cluster.config import API_KEY_ENV, cluster_settings, origins
+from pdserve.cluster.config import API_KEY_ENV, cluster_settings, model_names, origins
 from pdserve.cluster.protocol import Chunk, Error, Final, Logprobs, Sampling, Stats
 from pdserve.engine.sampling import RequestError, validate_request
 from pdserve.engine.tokenization import eos_token_ids, load_tokenizer
@@ -59,6 +59,7 @@ from pdserve.router.openai_api import (
     APIError,
     GenerationRequest,
     LogprobsFormat,
+    check_model,
     parse_detokenize,
     parse_request,
     parse_tokenize,
@@ -141,7 +142,8 @@ class Frontend:
         self.max_prompt_chars = max_prompt_chars
         self.auth_keys = auth_keys
         self.model_dir = str(model_dir)
-        self.model_name = served_model_name or Path(model_dir).name
+        # Aliases (vLLM's): a request may name any; responses name the first.
+        self.model_names = model_names(served_model_name) if served_model_name else [Path(model_dir).name]
         self.timeout = timeout
         self.drain_timeout = drain_timeout
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -243,20 +245,14 @@ class Frontend:
 
         @v1.get("/models")
         async def models() -> JSONResponse:
-            return JSONResponse({"object": "list", "data": [self._model_card()]})
+            return JSONResponse({"object": "list", "data": [self._model_card(name) for name in self.model_names]})
 
         @v1.get("/models/{model:path}")  # a served name may hold a slash ("Qwen/Qwen2.5-1.5B")
         async def model(model: str) -> JSONResponse:
             if not model:  # "/v1/models/": the list, as FastAPI's redirect of a trailing slash would give
                 return await models()
-            if model != self.model_name:
-                raise APIError(
-                    404,
-                    f"The model {model!r} does not exist: this server serves {self.model_name!r}",
-                    "model_not_found",
-                    "model",
-                )
-            return JSONResponse(self._model_card())
+            check_model(model, self.model_names)
+            return JSONResponse(self._model_card(model))
 
         app.include_router(v1)
         # vLLM's, beside /v1 as there; behind the API key like /v1 (they spend the server's CPU).
@@ -267,7 +263,7 @@ class Frontend:
             max_model_len = await self._model_len()
             body = await self._body(request)
             ids, token_strs = await self._tokenize(
-                parse_tokenize, body, self.model_name, self.tokenizer, self.max_prompt_chars, self.parse_special_tokens
+                parse_tokenize, body, self.model_names, self.tokenizer, self.max_prompt_chars, self.parse_special_tokens
             )
             return JSONResponse(
                 {
@@ -280,7 +276,7 @@ class Frontend:
 
         @tokens.post("/detokenize")
         async def detokenize(request: Request) -> JSONResponse:
-            ids = parse_detokenize(await self._body(request), self.model_name, self.tokenizer)
+            ids = parse_detokenize(await self._body(request), self.model_names, self.tokenizer)
             return JSONResponse({"prompt": await self._tokenize(self.tokenizer.decode, ids)})
 
         app.include_router(tokens)
@@ -331,9 +327,9 @@ class Frontend:
         body = APIError(500, f"internal error: {type(error).__name__}: {error}", "internal_error").body()
         return JSONResponse(body, status_code=500)
 
-    def _model_card(self) -> dict[str, Any]:
+    def _model_card(self, name: str) -> dict[str, Any]:
         return {
-            "id": self.model_name,
+            "id": name,
             "object": "model",
             "created": self.created,
             "owned_by": "pdserve",
@@ -535,7 +531,7 @@ class Frontend:
         args = (
             kind,
             body,
-            self.model_name,
+            self.model_names,
             self.tokenizer,
             max_model_len,
             self.max_prompt_chars,
@@ -1166,7 +1162,10 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     "(the same as the cluster's; its tokenizer and chat template are used here).",
 )
 @click.option(
-    "--served-model-name", default=None, help="The name clients give as 'model' [default: --model as given, as vLLM]."
+    "--served-model-name",
+    default=None,
+    help="The name clients give as 'model'; several, comma-separated, are aliases, the first named in responses "
+    "[default: --model as given, as vLLM].",
 )
 @click.option("--host", default="127.0.0.1", help="Address the HTTP server binds.")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, help="TCP port of the HTTP server.")
@@ -1253,6 +1252,11 @@ def main(
 
     if api_key is not None and not api_key.strip():
         raise click.BadParameter("must not be empty", param_hint="--api-key")
+    if served_model_name is not None:
+        try:
+            model_names(served_model_name)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--served-model-name") from None
     shared = os.environ.get(MULTIPROC_DIR_ENV)
     if shared and not os.path.isdir(shared):
         raise click.UsageError(f"{MULTIPROC_DIR_ENV}={shared} is not a directory")

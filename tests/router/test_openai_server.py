@@ -106,7 +106,7 @@ def test_an_image_in_a_chat_is_refused_by_name() -> None:
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]}
     with pytest.raises(APIError) as refused:
-        parse_request("chat", json.dumps(body).encode(), MODEL, None, MAX_MODEL_LEN, 1000)
+        parse_request("chat", json.dumps(body).encode(), [MODEL], None, MAX_MODEL_LEN, 1000)
     assert (refused.value.status, refused.value.code, refused.value.param) == (400, "invalid_value", "messages")
     assert refused.value.message == (
         "Invalid value for messages.0.content: only text content parts are supported, got type 'image_url'"
@@ -116,7 +116,7 @@ def test_an_image_in_a_chat_is_refused_by_name() -> None:
 def refusal(messages: list[Any]) -> APIError:
     body = {"model": MODEL, "messages": messages}
     with pytest.raises(APIError) as refused:
-        parse_request("chat", json.dumps(body).encode(), MODEL, None, MAX_MODEL_LEN, 1000)
+        parse_request("chat", json.dumps(body).encode(), [MODEL], None, MAX_MODEL_LEN, 1000)
     return refused.value
 
 
@@ -230,14 +230,14 @@ def demo_tokenizer(demo_model_dir: Path) -> Any:
 
 
 def parsed(kind: str, body: dict[str, Any], tokenizer: Any) -> Any:
-    return parse_request(kind, json.dumps({"model": MODEL, **body}).encode(), MODEL, tokenizer, MAX_MODEL_LEN, 1000)
+    return parse_request(kind, json.dumps({"model": MODEL, **body}).encode(), [MODEL], tokenizer, MAX_MODEL_LEN, 1000)
 
 
 @pytest.mark.parametrize("model", [{}, {"model": None}, {"model": ""}], ids=["absent", "null", "empty"])
 def test_a_request_that_names_no_model_gets_the_served_one(model: dict[str, Any]) -> None:
     """As vLLM's server: a deployment of one model need not be named by every client."""
     body = json.dumps({"prompt": [1, 2], **model}).encode()
-    gen = parse_request("completion", body, MODEL, None, MAX_MODEL_LEN, 1000)
+    gen = parse_request("completion", body, [MODEL], None, MAX_MODEL_LEN, 1000)
     assert gen.model == MODEL and gen.response("", "stop", {})["model"] == MODEL
 
 
@@ -288,12 +288,12 @@ def test_a_request_of_several_choices_is_checked_before_it_fans_out(demo_model_d
         "prompt": {"prompt": [1, 49_152], "n": 2},
     }
     for field, body in bodies.items():
-        gen = parse_request("completion", json.dumps(body).encode(), MODEL, frontend.tokenizer, MAX_MODEL_LEN, 1000)
+        gen = parse_request("completion", json.dumps(body).encode(), [MODEL], frontend.tokenizer, MAX_MODEL_LEN, 1000)
         with pytest.raises(APIError) as info:
             frontend._check_sampling(gen)
         assert (info.value.status, info.value.param) == (400, field), info.value.message
     frontend._check_sampling(
-        parse_request("completion", b'{"prompt": [1, 2], "n": 2}', MODEL, None, MAX_MODEL_LEN, 1000)
+        parse_request("completion", b'{"prompt": [1, 2], "n": 2}', [MODEL], None, MAX_MODEL_LEN, 1000)
     )
 
 
@@ -761,7 +761,7 @@ def test_special_token_text_is_read_as_the_clusters_setting_says(
     assert cluster.prompts == [expected]
     assert (expected != encode_prompt(demo_tokenizer, prompt, chat=False)) == parse_special_tokens
     chat = {"model": MODEL, "messages": [{"role": "user", "content": prompt}]}
-    args = (MODEL, demo_tokenizer, MAX_MODEL_LEN, 1000, parse_special_tokens)
+    args = ([MODEL], demo_tokenizer, MAX_MODEL_LEN, 1000, parse_special_tokens)
     assert parse_request("chat", json.dumps(chat).encode(), *args).prompts == [
         Prompt(encode_chat(demo_tokenizer, chat["messages"], parse_special_tokens))
     ]
@@ -946,6 +946,15 @@ def test_a_model_is_retrieved_by_its_id(demo_model_dir: Path) -> None:
     http = TestClient(frontend_app(demo_model_dir, served_model_name="org/some-model"))
     for path in ("/v1/models/org/some-model", "/v1/models/org%2Fsome-model"):
         assert http.get(path).json()["id"] == "org/some-model", path
+    # Several names (vLLM's aliases): each listed and answered to; responses name the first.
+    http = TestClient(frontend_app(demo_model_dir, served_model_name="qwen, gpt-4o"))
+    assert [card["id"] for card in http.get("/v1/models").json()["data"]] == ["qwen", "gpt-4o"]
+    assert http.get("/v1/models/gpt-4o").json()["id"] == "gpt-4o"
+    message = openai_error(http.get("/v1/models/gpt-4"), 404, "model_not_found", "model")
+    assert message == "The model 'gpt-4' does not exist: this server serves 'qwen' or 'gpt-4o'"
+    for asked in ("gpt-4o", "qwen", None):
+        body = json.dumps({"model": asked, "prompt": [1, 2]}).encode()
+        assert parse_request("completion", body, ["qwen", "gpt-4o"], None, MAX_MODEL_LEN, 1000).model == "qwen"
 
 
 def test_an_api_key_guards_every_v1_and_token_route_and_leaves_health_and_metrics_open(

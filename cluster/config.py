@@ -212,6 +212,12 @@ class ClusterConfig:
         help="Read special-token text in prompts (e.g. <|im_start|>) as control tokens; off: as plain text.",
         section="Serving",
     )
+    access_log: bool = setting(
+        False,
+        help="Log each HTTP request of the OpenAI API (uvicorn's access log: client, method, path, status), "
+        "as vLLM does by default; off here, where a line a request would fill the launcher's output.",
+        section="Serving",
+    )
     drain_timeout: float = setting(30.0, help="Seconds to finish in-flight requests on shutdown.", section="Serving")
     log_stats_interval: float = setting(
         10.0,
@@ -368,6 +374,8 @@ class ClusterConfig:
             model_names(self.served_model_name)
         if self.served_model_name is not None and self.http_port is None:
             raise ValueError("--served-model-name names the model of the HTTP API: give --http-port too")
+        if self.access_log and self.http_port is None:
+            raise ValueError("--access-log logs the HTTP API's requests: give --http-port too")
         if self.api_servers > 1 and self.http_port is None:
             raise ValueError(f"--api-servers {self.api_servers} runs HTTP front ends: give --http-port too")
         if self.api_key is not None and (self.http_port is None or not self.api_key.strip()):

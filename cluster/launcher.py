@@ -462,6 +462,7 @@ class Cluster:
             *(["--auth-keys", c.auth_keys] if c.auth_keys is not None else []),
             *(["--allowed-origins", c.allowed_origins] if c.allowed_origins is not None else []),
             *(["--parse-special-tokens"] if c.parse_special_tokens else []),  # prompts read as the router reads them
+            *(["--access-log"] if c.access_log else []),
             *(["--reuse-port"] if c.api_servers > 1 else []),
             *(["--ready-fd", str(ready_fd)] if ready_fd is not None else []),
         ]

@@ -83,6 +83,7 @@ SHARED = {
         "allowed_origins",
         "send_timeout",
         "parse_special_tokens",
+        "access_log",
     )
 }
 STATS_TIMEOUT = 2.0  # seconds a health check or scrape waits for the router's stats
@@ -1110,6 +1111,7 @@ def serve_openai(
     ready_fd: int | None = None,
     send_timeout: float = SHARED["send_timeout"].default,
     parse_special_tokens: bool = SHARED["parse_special_tokens"].default,
+    access_log: bool = SHARED["access_log"].default,
 ) -> None:
     """Serve the OpenAI API for the cluster at ``endpoint`` until SIGTERM/SIGINT (blocking; run it
     in its own process: the router's loop and this one should not share an interpreter lock). On
@@ -1130,9 +1132,11 @@ def serve_openai(
         parse_special_tokens=parse_special_tokens,
     )
     config = uvicorn.Config(
-        frontend.app(), host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
+        frontend.app(), host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5
     )
     logging.getLogger("uvicorn.error").addFilter(RepeatLimit(_NOT_HTTP))  # after Config: it sets logging up
+    if access_log:  # its lines are INFO, whatever the other logs' level (the launcher asks for warnings)
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     _Server(config, frontend, ready_fd).run(sockets=None if sock is None else [sock])
 
 
@@ -1215,6 +1219,7 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     help=SHARED["send_timeout"].help,
 )
 @click.option("--parse-special-tokens", is_flag=True, help=SHARED["parse_special_tokens"].help)
+@click.option("--access-log", is_flag=True, help=SHARED["access_log"].help)
 @click.option(
     "--reuse-port",
     is_flag=True,
@@ -1244,6 +1249,7 @@ def main(
     allowed_origins: str | None,
     send_timeout: float,
     parse_special_tokens: bool,
+    access_log: bool,
     reuse_port: bool,
     ready_fd: int | None,
 ) -> None:
@@ -1294,6 +1300,7 @@ def main(
         ready_fd,
         send_timeout,
         parse_special_tokens,
+        access_log,
     )
 
 

@@ -170,6 +170,7 @@ def test_text_serving_needs_a_tokenizer(flag: tuple[str, ...], tiny_model_dirs: 
         (("--log-stats-interval", "0.05"), "--log-stats-interval must be 0 (no line) or at least 1 s"),
         (("--served-model-name", "qwen"), "--served-model-name names the model of the HTTP API: give --http-port"),
         (("--served-model-name", "qwen,,gpt", "--http-port", "8000"), "--served-model-name holds an empty name"),
+        (("--access-log",), "--access-log logs the HTTP API's requests: give --http-port too"),
         # A check names the flag the user typed, not the setting's key.
         (("--max-model-len", "-3"), "--max-model-len must be >= 2, got -3"),
         (("--prefill-tp", "0"), "--prefill-tp must be >= 1, got 0"),

@@ -2454,8 +2454,8 @@ def test_sigterm_drains_refuses_new_requests_with_503_and_exits_zero(served: Ser
 def test_ctrl_c_drains_the_http_front_end_too(tmp_path: Path, demo_model_dir: Path) -> None:
     """Ctrl-C in a terminal signals the whole foreground process group: the front end must still
     drain its streams (one signal, the launcher's), and the launcher exit 0 without a traceback.
-    The launcher hands the front end its --allowed-origins, and its --api-key in its environment,
-    not on its command line."""
+    The launcher hands the front end its --allowed-origins and --access-log, and its --api-key in
+    its environment, not on its command line."""
     http_port = free_port()
     log_path = tmp_path / "launch.log"
     key = "sk-launched"
@@ -2472,6 +2472,7 @@ def test_ctrl_c_drains_the_http_front_end_too(tmp_path: Path, demo_model_dir: Pa
         key,
         "--allowed-origins",
         "https://ui.example",
+        "--access-log",
     ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -2501,6 +2502,8 @@ def test_ctrl_c_drains_the_http_front_end_too(tmp_path: Path, demo_model_dir: Pa
         log = log_path.read_text()
         assert "Traceback" not in log, log[-4000:]
         assert "stopping: 1 request(s) in flight finish first, for up to 30 s (--drain-timeout;" in log, log[-4000:]
+        for status in ("401 Unauthorized", "200 OK"):  # each request's access line
+            assert f'"POST /v1/completions HTTP/1.1" {status}' in log, log[-4000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -2531,6 +2534,7 @@ def test_without_a_cluster_health_and_requests_are_503(tmp_path: Path) -> None:
         metrics = httpx.get(f"{frontend.base_url}/metrics", timeout=30).text
         assert "pdserve:cluster_ready 0.0" in metrics
         assert frontend.stop() == 0
+        assert "GET /health" not in frontend.log_path.read_text()  # no access log unless asked
     finally:
         frontend.kill()
 

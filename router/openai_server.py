@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -415,24 +415,13 @@ class Frontend:
             return await self._generate_choices(gen, arrival, request)
         run = _Run(self, gen, arrival)
         texts = run.texts()
-        client = _Disconnect(request.receive)  # from here a client that leaves ends the run
-        streaming = False
-        try:
-            if not gen.stream:
-                return await self._whole(gen, run, texts)
-            try:  # wait for the first token: a request the cluster refuses still gets its 4xx/5xx status
-                first: str | None = await anext(texts)
-            except StopAsyncIteration:
-                first = None
-            streaming = True
-            return _EventStream(self._events(gen, run, texts, first), texts, client, self.stalls)
-        except asyncio.CancelledError:
-            if not client.absorb():
-                raise
-            return Response(status_code=499)  # nobody is listening; 499 is nginx's "client closed request"
-        finally:
-            if not streaming:
-                client.stop()
+        return await self._respond(
+            request,
+            gen.stream,
+            texts,
+            lambda: self._whole(gen, run, texts),
+            lambda first: self._events(gen, run, texts, first),
+        )
 
     async def _generate_choices(self, gen: GenerationRequest, arrival: float, request: Request) -> Response:
         """``generate`` of a request for several choices (``n`` > 1, or a batch of prompts): one
@@ -441,35 +430,55 @@ class Frontend:
         self._check_sampling(gen)
         runs = [_Run(self, gen, arrival, index) for index in range(gen.choices)]
         choices = _Choices(runs, per_piece_logprobs=gen.stream)
+
+        async def whole() -> Response:
+            texts: list[list[str]] = [[] for _ in runs]
+            async for index, text, _ in choices:
+                if text is not None:
+                    texts[index].append(text)
+            bodies = [
+                gen.choice(
+                    i, "".join(texts[i]), run.ended().finish_reason, run.take_logprobs(), run.ended().stop_reason
+                )
+                for i, run in enumerate(runs)
+            ]
+            return JSONResponse(gen.responses(bodies, *_total_usage(runs, gen.n)))
+
+        return await self._respond(
+            request, gen.stream, choices, whole, lambda first: self._choice_events(gen, runs, choices, first)
+        )
+
+    async def _respond(
+        self,
+        request: Request,
+        stream: bool,
+        pieces: AsyncIterator[Any],
+        whole: Callable[[], Awaitable[Response]],
+        events: Callable[[Any], AsyncIterator[bytes]],
+    ) -> Response:
+        """The response of a generation whose output comes as ``pieces``: ``whole()``, or a stream
+        of ``events(first piece)`` once the first piece came, so that a request the cluster
+        refuses still gets its 4xx/5xx status. From here a client that leaves ends the run (499);
+        ``pieces`` is closed once nothing reads it, which aborts what still runs in the cluster."""
         client = _Disconnect(request.receive)
         streaming = False
         try:
-            if not gen.stream:
-                texts: list[list[str]] = [[] for _ in runs]
-                async for index, text, _ in choices:
-                    if text is not None:
-                        texts[index].append(text)
-                choices_body = [
-                    gen.choice(
-                        i, "".join(texts[i]), run.ended().finish_reason, run.take_logprobs(), run.ended().stop_reason
-                    )
-                    for i, run in enumerate(runs)
-                ]
-                return JSONResponse(gen.responses(choices_body, *_total_usage(runs, gen.n)))
-            try:  # as for one choice: the cluster's refusal keeps its status
-                first = await anext(choices)
+            if not stream:
+                return await whole()
+            try:
+                first = await anext(pieces)
             except StopAsyncIteration:
                 first = None
             streaming = True
-            return _EventStream(self._choice_events(gen, runs, choices, first), choices, client, self.stalls)
+            return _EventStream(events(first), pieces, client, self.stalls)
         except asyncio.CancelledError:
             if not client.absorb():
                 raise
-            return Response(status_code=499)
+            return Response(status_code=499)  # nobody is listening; 499 is nginx's "client closed request"
         finally:
-            if not streaming:
+            if not streaming:  # else the stream closes them when it ends
                 client.stop()
-                await choices.aclose()
+                await pieces.aclose()  # type: ignore[attr-defined]
 
     def _check_sampling(self, gen: GenerationRequest) -> None:
         """The cluster's checks of a request, here: a request it would refuse is refused once, not

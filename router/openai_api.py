@@ -555,15 +555,7 @@ def parse_request(
         if request.top_logprobs and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        _check_template_flags(request.add_generation_prompt, request.continue_final_message)
-        ids = _chat_prompt(
-            request.messages,
-            tokenizer,
-            max_prompt_chars,
-            parse_special_tokens,
-            request.add_generation_prompt,
-            request.continue_final_message,
-        )
+        ids = _chat_prompt(request, tokenizer, max_prompt_chars, parse_special_tokens)
         prompts = [Prompt(ids, _chat_echo(request))]
         max_tokens = request.max_completion_tokens or request.max_tokens or max_model_len - len(ids)
     else:
@@ -659,16 +651,8 @@ def parse_tokenize(
         raise _validation_error(e) from None
     check_model(request.model, served_models)
     if isinstance(request, TokenizeChatRequest):
-        _check_template_flags(request.add_generation_prompt, request.continue_final_message)
         _check_messages(request.messages)
-        ids = _chat_prompt(
-            request.messages,
-            tokenizer,
-            max_prompt_chars,
-            parse_special_tokens,
-            request.add_generation_prompt,
-            request.continue_final_message,
-        )
+        ids = _chat_prompt(request, tokenizer, max_prompt_chars, parse_special_tokens)
     else:
         ids = _text_prompt(
             request.prompt, tokenizer, max_prompt_chars, parse_special_tokens, request.add_special_tokens
@@ -805,15 +789,6 @@ def _text_prompt(
     return encode_prompt(tokenizer, prompt, False, parse_special_tokens, add_special_tokens)
 
 
-def _check_template_flags(add_generation_prompt: bool, continue_final_message: bool) -> None:
-    if add_generation_prompt and continue_final_message:  # vLLM's rule: an open message or a new one
-        raise bad_request(
-            "continue_final_message needs add_generation_prompt: false (the last message is continued, "
-            "no new one begun)",
-            "continue_final_message",
-        )
-
-
 def _chat_echo(request: ChatRequest) -> str | None:
     """What a chat's ``echo`` puts before the reply: the last message's text, if the assistant's
     (vLLM's; with ``continue_final_message``, the whole reply so)."""
@@ -830,17 +805,21 @@ def _content(message: ChatMessage) -> str:
 
 
 def _chat_prompt(
-    chat: list[ChatMessage],
-    tokenizer: Any,
-    max_prompt_chars: int,
-    parse_special_tokens: bool,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
+    request: ChatRequest | TokenizeChatRequest, tokenizer: Any, max_prompt_chars: int, parse_special_tokens: bool
 ) -> list[int]:
+    """The ids of a chat's messages, rendered as it asks: with the template's generation prompt,
+    or the last message left open (``continue_final_message``)."""
+    add_generation_prompt, continue_final_message = request.add_generation_prompt, request.continue_final_message
+    if add_generation_prompt and continue_final_message:  # vLLM's rule: an open message or a new one
+        raise bad_request(
+            "continue_final_message needs add_generation_prompt: false (the last message is continued, "
+            "no new one begun)",
+            "continue_final_message",
+        )
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template: use /v1/completions", "messages")
     messages = []
-    for message in chat:
+    for message in request.messages:
         entry = {"role": "system" if message.role == "developer" else message.role, "content": _content(message)}
         if message.name is not None:
             entry["name"] = message.name

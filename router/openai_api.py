@@ -84,7 +84,7 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False  # vLLM's
     skip_special_tokens: bool = True  # vLLM's
-    return_tokens_as_token_ids: bool = False  # vLLM's: log-probabilities' tokens as "token_id:<id>"
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: log-probabilities' tokens as "token_id:<id>"
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     min_tokens: int | None = Field(None, ge=0, le=MAX_INT32)  # vLLM's
@@ -571,7 +571,9 @@ def parse_request(
             # which the response leaves out.
             max_tokens, echo_only = 1, True
     for i, prompt in enumerate(prompts):
-        _check_length(kind, len(prompt.token_ids), max_tokens, max_model_len, i if len(prompts) > 1 else None)
+        _check_length(
+            kind, len(prompt.token_ids), max_tokens, max_model_len, i if len(prompts) > 1 else None, echo_only
+        )
 
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     sampling = {
@@ -602,7 +604,7 @@ def parse_request(
         include_stop=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens,
         echo_only=echo_only,
-        tokens_as_ids=request.return_tokens_as_token_ids,
+        tokens_as_ids=bool(request.return_tokens_as_token_ids),
         stream=bool(request.stream),
         include_usage=include_usage,
         n=request.n or 1,
@@ -718,12 +720,25 @@ def _completion_prompts(
 
 
 def _check_length(
-    kind: Literal["completion", "chat"], prompt_tokens: int, max_tokens: int, max_model_len: int, index: int | None
+    kind: Literal["completion", "chat"],
+    prompt_tokens: int,
+    max_tokens: int,
+    max_model_len: int,
+    index: int | None,
+    echo_only: bool = False,
 ) -> None:
     """A prompt of ``prompt_tokens`` leaves room for ``max_tokens`` (at least one) in the context;
-    ``index``: the prompt's place in a batch."""
+    ``index``: the prompt's place in a batch; ``echo_only``: a prompt to score (max_tokens 0)."""
     param = PROMPT_PARAMS[kind]
     where = param if index is None else f"{param}.{index}"
+    if echo_only and prompt_tokens >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens; the {where} holds {prompt_tokens}, "
+            f"and a prompt scored with max_tokens 0 may hold at most {max_model_len - 1} (the model runs one "
+            f"position past it, left out of the response). Shorten the {where}.",
+            param,
+            "context_length_exceeded",
+        )
     if max_tokens < 1:  # a chat without max_tokens whose messages fill the context alone
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens; the {where} hold "

@@ -26,6 +26,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import hmac
+import importlib.metadata
 import json
 import logging
 import os
@@ -282,6 +283,10 @@ class Frontend:
 
         app.include_router(tokens)
 
+        @app.get("/version")  # vLLM's, open as /health is: which release answers
+        async def version() -> JSONResponse:
+            return JSONResponse({"version": importlib.metadata.version("pdserve")})
+
         @app.get("/health")
         async def health() -> JSONResponse:
             if self.draining:
@@ -483,15 +488,18 @@ class Frontend:
     def _check_sampling(self, gen: GenerationRequest) -> None:
         """The cluster's checks of a request, here: a request it would refuse is refused once, not
         once for each of its choices."""
+        where = gen.prompt_param
         try:
             params = Sampling(**gen.sampling).to_params()
             if self.vocab_size is not None and self.max_model_len is not None:
-                for prompt in gen.prompts:
+                for i, prompt in enumerate(gen.prompts):
+                    where = gen.prompt_param if len(gen.prompts) == 1 else f"{gen.prompt_param}.{i}"
                     validate_request(
                         prompt.token_ids, params, self.vocab_size, self.max_model_len, tokens_field="token_ids"
                     )
         except RequestError as e:  # answered as the router's refusal of one request is
-            raise _cluster_error(ClusterError(Error(None, "invalid_request", str(e))), gen.prompt_param) from None
+            error = ClusterError(Error(None, "invalid_request", str(e)))
+            raise _cluster_error(error, gen.prompt_param, where) from None
 
     async def _choice_events(
         self,
@@ -513,6 +521,7 @@ class Frontend:
                         last,
                         outcome.finish_reason,
                         first=not started[index],
+                        logprobs=logprobs,
                         index=index,
                         stop_reason=outcome.stop_reason,
                     )
@@ -623,6 +632,7 @@ class Frontend:
                 None if gen.kind == "chat" else "",
                 outcome.finish_reason,
                 first=not sent,
+                logprobs=run.pending_logprobs(),
                 stop_reason=outcome.stop_reason,
             )
         )
@@ -677,8 +687,13 @@ class _Run:
         self._prompt_logprobs = None
         return LogprobsFormat.join(prompt, self.logprobs_format(token_ids, logprobs))
 
+    def pending_logprobs(self) -> dict[str, Any] | None:
+        """``take_logprobs`` of the tokens no text went out with (None if there are none): what the
+        finish chunk of a stream carries."""
+        return self.take_logprobs() if self._pieces or self._prompt_logprobs is not None else None
+
     def texts(self) -> AsyncIterator[str]:
-        """The output's text as it comes (an echoing request's first piece after its prompt)."""
+        """The output's text as it comes, never empty (an echoing request's first piece after its prompt)."""
         return self._texts() if self.prompt.echo is None else self._echoed(self._texts())
 
     async def _echoed(self, texts: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -712,8 +727,9 @@ class _Run:
             async with contextlib.aclosing(stream) as messages:
                 async for message in messages:
                     now = time.perf_counter()
-                    if self.prompt.echo is not None and message.prompt_logprobs is not None:
-                        self._prompt_logprobs = message.prompt_logprobs  # with the first token
+                    echoed = self.prompt.echo is not None and isinstance(message, Chunk)
+                    if echoed and message.prompt_logprobs is not None:  # the first chunk's; the final repeats them
+                        self._prompt_logprobs = message.prompt_logprobs
                     if isinstance(message, Final):
                         ended = True
                         if matcher is not None and (tail := matcher.flush()):
@@ -734,13 +750,17 @@ class _Run:
                     generated += len(message.token_ids)
                     if self.logprobs_format is not None and message.logprobs is not None:
                         self._pieces.append((message.token_ids, message.logprobs))
+                    # A chunk without text (a stop token's, one held back) sends nothing: its tokens'
+                    # log-probabilities go with the next text, or the finish.
                     if matcher is None:
-                        yield message.text
+                        if message.text:
+                            yield message.text
                         continue
                     text, stopped = matcher.add(message.text, may_stop=generated > min_tokens)
                     if stopped:  # the cluster only knows stop tokens: end it here, before the client reads on
                         await client.abort(self.request_id)
-                    yield text
+                    if text:
+                        yield text
                     if stopped:  # then read its final
                         final = None
                         async for message in messages:
@@ -807,13 +827,14 @@ class _Run:
         self.frontend.metrics.observe_final(reason, usage, final.timings)
 
 
-def _cluster_error(error: ClusterError, prompt_param: str = "prompt") -> APIError:
+def _cluster_error(error: ClusterError, prompt_param: str = "prompt", where: str | None = None) -> APIError:
     """The cluster's error reply as an HTTP error (docs/protocol.md lists the codes); a fault
-    the cluster finds in the prompt's ids is the request's ``prompt_param`` (a chat's messages)."""
+    the cluster finds in the prompt's ids is the request's ``prompt_param`` (a chat's messages),
+    named as ``where`` (a batch's prompt.i) in the message."""
     if error.code == "invalid_request":
         field, _, why = error.error.message.partition(": ")
         if field == "token_ids":  # the ids this server made of the request's prompt
-            return APIError(400, f"{prompt_param}: {why}", "invalid_request", prompt_param)
+            return APIError(400, f"{where or prompt_param}: {why}", "invalid_request", prompt_param)
         return APIError(400, error.error.message, "invalid_request", field)
     # The ones a later try may not meet (503, as OpenAI's "engine is currently overloaded").
     if error.code in ("shutting_down", "shutdown", "worker_failed", "no_group", "overloaded"):
@@ -833,7 +854,8 @@ def _event(body: dict[str, Any]) -> bytes:
 
 class _Choices:
     """The pieces of a request's choices as they come, from all of its runs at once:
-    ``(index, text, logprobs)``, then ``(index, None, None)`` once choice ``index`` has ended.
+    ``(index, text, logprobs)``, then ``(index, None, logprobs)`` once choice ``index`` has
+    ended (those of its tokens no text went out with).
     The first error a choice meets is raised, and ``aclose`` ends every run (aborting those
     still in the cluster). ``per_piece_logprobs``: each piece takes its tokens' logprobs body
     (a stream's chunks); otherwise they stay with the run for its whole response."""
@@ -850,7 +872,7 @@ class _Choices:
                 async for text in texts:
                     logprobs = run.take_logprobs() if self.per_piece_logprobs else None
                     self.queue.put_nowait((index, text, logprobs))
-            self.queue.put_nowait((index, None, None))
+            self.queue.put_nowait((index, None, run.pending_logprobs() if self.per_piece_logprobs else None))
         except Exception as e:  # noqa: BLE001 (the consumer raises it: an APIError, or a bug to see)
             self.queue.put_nowait(e)
 

@@ -10,6 +10,7 @@ module's last test drains the cluster, so the tests run in file order.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import os
@@ -197,6 +198,7 @@ NEUTRAL_FIELDS: dict[str, dict[str, Any]] = {
     "logit_bias null": {"logit_bias": None},
     "logit_bias empty": {"logit_bias": {}},
     "logprobs false": {"logprobs": False},
+    "return_tokens_as_token_ids null": {"return_tokens_as_token_ids": None},
     "n 1": {"n": 1},
     "null sampling": {"temperature": None, "top_p": None, "seed": None, "n": None},
     "max_tokens null": {"max_tokens": None},
@@ -268,6 +270,11 @@ def test_a_batch_of_prompts_is_a_choice_per_prompt_and_n(demo_tokenizer: Any) ->
     refused = {
         "prompt.1 is empty": {"prompt": [[5], []]},
         "in the prompt.1, 16 to generate": {"prompt": [[5], [5] * MAX_MODEL_LEN]},
+        f"prompt.1 holds {MAX_MODEL_LEN}, and a prompt scored with max_tokens 0 may hold at most {MAX_MODEL_LEN - 1}": {
+            "prompt": [[5], [5] * MAX_MODEL_LEN],
+            "max_tokens": 0,
+            "echo": True,
+        },
         "characters in the prompts together": {"prompt": ["a" * 600, "b" * 600]},
         "3000 requests, more than this server starts for one (2048)": {"prompt": [[5]] * 1000, "n": 3},
     }
@@ -295,6 +302,10 @@ def test_a_request_of_several_choices_is_checked_before_it_fans_out(demo_model_d
     frontend._check_sampling(
         parse_request("completion", b'{"prompt": [1, 2], "n": 2}', [MODEL], None, MAX_MODEL_LEN, 1000)
     )
+    batch = parse_request("completion", b'{"prompt": [[1], [49152]]}', [MODEL], None, MAX_MODEL_LEN, 1000)
+    with pytest.raises(APIError) as info:  # a batch's fault names the prompt
+        frontend._check_sampling(batch)
+    assert info.value.param == "prompt" and info.value.message.startswith("prompt.1: "), info.value.message
 
 
 def test_logprobs_are_asked_for_as_each_endpoint_spells_it(demo_tokenizer: Any) -> None:
@@ -986,6 +997,7 @@ def test_an_api_key_guards_every_v1_and_token_route_and_leaves_health_and_metric
         assert http.post("/tokenize", json={"prompt": "hi"}, headers=good).json()["count"] > 0
         # Probes and scrapers need no key (no cluster here: health says so).
         assert http.get("/health").json()["error"]["code"] == "cluster_unavailable"
+        assert http.get("/version").json() == {"version": importlib.metadata.version("pdserve")}
         metrics = http.get("/metrics")
         assert metrics.status_code == 200
         assert 'pdserve:request_error_total{reason="invalid_api_key"} 9.0' in metrics.text
@@ -1451,16 +1463,16 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_the_output(served
         ({}, "length", None),
     ]
     for extra, reason, stop_reason in cases:
-        for stream in (False, True):
-            body = {**base, **extra, "stream": stream}
-            if stream:
-                with served.http.stream("POST", "/v1/completions", json=body) as r:
-                    events = [e for e in sse_events(r) if e != "[DONE]"]
-                assert all("stop_reason" not in e["choices"][0] for e in events[:-1])
-                choice = events[-1]["choices"][0]
-            else:
-                choice = served.http.post("/v1/completions", json=body).json()["choices"][0]
-            assert (choice["finish_reason"], choice["stop_reason"]) == (reason, stop_reason), (extra, stream)
+        whole = served.http.post("/v1/completions", json={**base, **extra, "logprobs": 1}).json()["choices"][0]
+        assert (whole["finish_reason"], whole["stop_reason"]) == (reason, stop_reason), extra
+        # Streamed: the reason comes with the finish, in the last chunk. No chunk goes out without
+        # text (a stop token's has none): the finish carries what tokens remain, as vLLM's does.
+        with served.http.stream("POST", "/v1/completions", json={**base, **extra, "logprobs": 1, "stream": True}) as r:
+            events = [e["choices"][0] for e in sse_events(r) if e != "[DONE]"]
+        assert all(e["text"] and "stop_reason" not in e for e in events[:-1]), extra
+        assert (events[-1]["finish_reason"], events[-1]["stop_reason"]) == (reason, stop_reason), extra
+        tokens = [t for e in events if e["logprobs"] for t in e["logprobs"]["tokens"]]
+        assert tokens == whole["logprobs"]["tokens"], extra
 
     eos = 2  # the demo model's <|im_end|>, which ends its chat turns
     chat = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 48, "temperature": 0}

@@ -266,7 +266,8 @@ class Prompt:
     """One prompt of a request, as token ids."""
 
     token_ids: list[int]
-    echo: str | None = None  # completions' echo: the prompt's text, before the output's
+    # What an echo shows before the output: a completion's prompt, a chat's begun assistant message.
+    echo: str | None = None
 
 
 @dataclass
@@ -531,10 +532,10 @@ def parse_request(
     max_prompt_chars: int,
     parse_special_tokens: bool = False,
 ) -> GenerationRequest:
-    """Check a request body (raw JSON) and tokenize its prompts; raises APIError (400). A text
-    prompt over ``max_prompt_chars`` (a chat's messages, or a batch's prompts, together) is
-    refused before tokenizing;
-    special-token text in it is plain text unless ``parse_special_tokens`` (the cluster's setting)."""
+    """Check a request body (raw JSON) and tokenize its prompts; raises APIError (400). Text over
+    ``max_prompt_chars`` (a prompt; a chat's messages or a batch's prompts together) is refused
+    before tokenizing; special-token text in it is plain text unless ``parse_special_tokens``
+    (the cluster's setting)."""
     try:
         request = (CompletionRequest if kind == "completion" else ChatRequest).model_validate_json(body)
     except ValidationError as e:

@@ -68,6 +68,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, every chunk's usage so far
 
 
 class _Sampling(_Strict):
@@ -287,6 +288,7 @@ class GenerationRequest:
     tokens_as_ids: bool = False  # log-probabilities show each token as "token_id:<id>"
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's continuous_usage_stats)
     n: int = 1  # choices: each a request of its own, a seed (if any) plus its index
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
@@ -329,10 +331,11 @@ class GenerationRequest:
         logprobs: dict[str, Any] | None = None,
         index: int = 0,
         stop_reason: str | int | None = None,
+        usage: dict[str, int] | None = None,
     ) -> dict[str, Any]:
         """A stream chunk of choice ``index``: ``text`` (None: none, as in chat's last chunk)
         and/or the finish reason, with its ``stop_reason``; ``logprobs``: its tokens'
-        (``LogprobsFormat``)."""
+        (``LogprobsFormat``); ``usage``: the choice's so far, where continuous usage was asked."""
         if self.kind == "completion":
             choice: dict[str, Any] = {
                 "index": index,
@@ -347,7 +350,7 @@ class GenerationRequest:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
-        return {
+        body = {
             "id": self.id,
             "object": self.chunk_object,
             "created": self.created,
@@ -355,6 +358,9 @@ class GenerationRequest:
             "system_fingerprint": None,  # OpenAI's field; null: this server reports no fingerprint
             "choices": [choice],
         }
+        if usage is not None:
+            body["usage"] = usage_body(usage)
+        return body
 
     def usage_chunk(self, usage: dict[str, int], cached_tokens: int | None = None) -> dict[str, Any]:
         return {
@@ -595,7 +601,9 @@ def parse_request(
         "prompt_logprobs": logprobs if isinstance(request, CompletionRequest) and request.echo else None,
         "logit_bias": request.logit_bias or {},
     }
-    include_usage = request.stream_options is not None and bool(request.stream_options.include_usage)
+    options = request.stream_options
+    include_usage = options is not None and bool(options.include_usage)
+    continuous_usage = include_usage and options is not None and bool(options.continuous_usage_stats)
     return GenerationRequest(
         kind,
         served_models[0],
@@ -608,6 +616,7 @@ def parse_request(
         tokens_as_ids=bool(request.return_tokens_as_token_ids),
         stream=bool(request.stream),
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         n=request.n or 1,
     )
 

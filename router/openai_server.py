@@ -524,9 +524,11 @@ class Frontend:
                         logprobs=logprobs,
                         index=index,
                         stop_reason=outcome.stop_reason,
+                        usage=outcome.usage if gen.continuous_usage else None,
                     )
                 )
-            body = gen.chunk(text, first=not started[index], logprobs=logprobs, index=index)
+            usage = runs[index].usage_so_far() if gen.continuous_usage else None
+            body = gen.chunk(text, first=not started[index], logprobs=logprobs, index=index, usage=usage)
             started[index] = True
             return _event(body)
 
@@ -612,13 +614,14 @@ class Frontend:
         usage, ``[DONE]``), so that they leave in one write."""
         sent = False  # chat: the first chunk carries the assistant's role
         delta = _DeltaEvents(gen)
+        usage = run.usage_so_far if gen.continuous_usage else lambda: None
         try:
             if first is not None:
-                yield _event(gen.chunk(first, first=True, logprobs=run.take_logprobs()))
+                yield _event(gen.chunk(first, first=True, logprobs=run.take_logprobs(), usage=usage()))
                 sent = True
             async for text in texts:
-                if run.logprobs_format is not None:
-                    yield _event(gen.chunk(text, first=not sent, logprobs=run.take_logprobs()))
+                if run.logprobs_format is not None or gen.continuous_usage:
+                    yield _event(gen.chunk(text, first=not sent, logprobs=run.take_logprobs(), usage=usage()))
                 else:
                     yield delta(text) if sent else _event(gen.chunk(text, first=True))
                 sent = True
@@ -634,6 +637,7 @@ class Frontend:
                 first=not sent,
                 logprobs=run.pending_logprobs(),
                 stop_reason=outcome.stop_reason,
+                usage=outcome.usage if gen.continuous_usage else None,
             )
         )
         if gen.include_usage:
@@ -664,6 +668,11 @@ class _Run:
         self._pieces: list[tuple[list[int], Logprobs]] = []
         # An echoing request's: its prompt's log-probabilities, until they go with the first piece.
         self._prompt_logprobs: Logprobs | None = None
+        self.generated = 0  # tokens in the chunks so far
+
+    def usage_so_far(self) -> dict[str, int]:
+        """The usage of the tokens come so far (vLLM's ``continuous_usage_stats``)."""
+        return {"prompt_tokens": len(self.prompt.token_ids), "completion_tokens": self.generated}
 
     def ended(self) -> Outcome:
         """How the run ended (once ``texts`` is exhausted)."""
@@ -714,7 +723,6 @@ class _Run:
         ended = False  # the cluster sent the request's terminal message
         failed = False  # answered with an error: counted as that alone
         last: float | None = None
-        generated = 0  # tokens in the chunks so far
         frontend.running.add(self.request_id)
         try:
             stream = client.stream(
@@ -747,7 +755,7 @@ class _Run:
                     last = now
                     if gen.echo_only:
                         continue
-                    generated += len(message.token_ids)
+                    self.generated += len(message.token_ids)
                     if self.logprobs_format is not None and message.logprobs is not None:
                         self._pieces.append((message.token_ids, message.logprobs))
                     # A chunk without text (a stop token's, one held back) sends nothing: its tokens'
@@ -756,7 +764,7 @@ class _Run:
                         if message.text:
                             yield message.text
                         continue
-                    text, stopped = matcher.add(message.text, may_stop=generated > min_tokens)
+                    text, stopped = matcher.add(message.text, may_stop=self.generated > min_tokens)
                     if stopped:  # the cluster only knows stop tokens: end it here, before the client reads on
                         await client.abort(self.request_id)
                     if text:
@@ -769,7 +777,7 @@ class _Run:
                         assert final is not None
                         # What the abort's final counts may include tokens generated after the stop
                         # string, before the abort reached the cluster: the completion ends with it.
-                        self._finish("stop", final, now, generated, matcher.matched)
+                        self._finish("stop", final, now, self.generated, matcher.matched)
                         return
         except ClusterError as e:
             ended = True

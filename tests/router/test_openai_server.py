@@ -459,8 +459,8 @@ def test_an_unknown_field_inside_a_message_is_named_in_full() -> None:
     assert (refused.value.code, refused.value.param) == ("unrecognized_argument", "messages")
     assert refused.value.message == "Unrecognized request argument supplied: messages.0.tool_call_id"
     with pytest.raises(APIError) as refused:
-        parsed("completion", {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}}, None)
-    assert refused.value.message == "Unrecognized request argument supplied: stream_options.continuous_usage_stats"
+        parsed("completion", {"prompt": "hi", "stream": True, "stream_options": {"include_colour": True}}, None)
+    assert refused.value.message == "Unrecognized request argument supplied: stream_options.include_colour"
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
@@ -1391,6 +1391,19 @@ def test_sse_framing_usage_chunk_and_done(served: Served, demo_model_dir: Path) 
         events = sse_events(response)
     assert "usage" not in events[-1] and events[-1]["choices"][0]["text"] == ""
     assert all(e["object"] == "text_completion" for e in events)
+
+    # vLLM's continuous_usage_stats: every chunk carries its choice's usage so far; the last
+    # usage chunk is the whole request's, as without it.
+    for n in (1, 2):
+        options = {"include_usage": True, "continuous_usage_stats": True}
+        with served.http.stream("POST", "/v1/completions", json={**body, "n": n, "stream_options": options}) as r:
+            *chunks, last = [e for e in sse_events(r) if e != "[DONE]"]
+        prompt_tokens = last["usage"]["prompt_tokens"]  # the prompt once, whatever n
+        for index in range(n):
+            counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"][0]["index"] == index]
+            assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 3, (n, counts)
+        assert all(c["usage"]["prompt_tokens"] == prompt_tokens for c in chunks)
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3 * n
 
 
 @pytest.mark.slow

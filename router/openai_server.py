@@ -114,7 +114,11 @@ def _hf_config(model_dir: str) -> dict[str, Any]:
 
 def model_vocab_size(model_dir: str) -> int | None:
     """The vocabulary size in a Hugging Face model directory's config.json (None if it says none)."""
-    value = _hf_config(model_dir).get("vocab_size")
+    return _vocab_size(_hf_config(model_dir))
+
+
+def _vocab_size(hf: dict[str, Any]) -> int | None:
+    value = hf.get("vocab_size")
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -149,9 +153,10 @@ class Frontend:
         self.timeout = timeout
         self.drain_timeout = drain_timeout
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.vocab_size = model_vocab_size(self.model_dir)
+        hf = _hf_config(self.model_dir)
+        self.vocab_size = _vocab_size(hf)
         try:  # the engine's: an EOS that ends a request is no stop_reason
-            self.eos_token_ids = eos_token_ids(_hf_config(self.model_dir))
+            self.eos_token_ids = eos_token_ids(hf)
         except (TypeError, ValueError):
             self.eos_token_ids = ()
         self._mismatch_logged = False

@@ -100,14 +100,21 @@ class _Sampling(_Strict):
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_shape(cls, stop: Any) -> Any:
-        """As ``CompletionRequest.prompt``: not "stop.str: Input should be a valid string"."""
-        if stop is None or isinstance(stop, str):
+        """As ``CompletionRequest.prompt``: not "stop.str: Input should be a valid string". An
+        empty stop string is refused, as vLLM does: it would end every output at once."""
+        if stop is None:
+            return stop
+        if isinstance(stop, str):
+            if not stop:
+                raise ValueError("a stop string must not be empty")
             return stop
         if not isinstance(stop, list):
             raise ValueError(f"expected a string or a list of strings, got {_json_type(stop)}")
         for i, item in enumerate(stop):
             if not isinstance(item, str):
                 raise ValueError(f"item {i} must be a string, got {_json_type(item)}")
+            if not item:
+                raise ValueError(f"item {i} must not be empty")
         return stop
 
 
@@ -609,7 +616,7 @@ def parse_request(
         served_models[0],
         prompts,
         sampling,
-        stop=[s for s in stop if s],
+        stop=stop,
         include_stop=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens,
         echo_only=echo_only,
@@ -656,6 +663,8 @@ def parse_tokenize(
         shape = json.loads(body)
     except ValueError:
         shape = None  # the model's own decode names the fault
+    if isinstance(shape, dict) and "messages" in shape and "prompt" in shape:
+        raise bad_request("give either prompt or messages, not both", "messages")
     model = TokenizeChatRequest if isinstance(shape, dict) and "messages" in shape else TokenizeRequest
     try:
         request = model.model_validate_json(body)

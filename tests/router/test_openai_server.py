@@ -167,6 +167,9 @@ def test_bad_content_is_explained_not_named_by_the_unions_branches(content: Any,
         ({"prompt": None}, "prompt", "expected a string or a list of token ids, got null"),
         ({"prompt": "hi", "stop": [1]}, "stop", "item 0 must be a string, got a number"),
         ({"prompt": "hi", "stop": {"a": 1}}, "stop", "expected a string or a list of strings, got an object"),
+        # An empty stop string would end every output at its first token: vLLM refuses it too.
+        ({"prompt": "hi", "stop": ""}, "stop", "a stop string must not be empty"),
+        ({"prompt": "hi", "stop": ["a", ""]}, "stop", "item 1 must not be empty"),
     ],
 )
 def test_a_bad_prompt_or_stop_is_explained_not_named_by_the_unions_branches(
@@ -1628,6 +1631,7 @@ def test_tokenize_gives_the_ids_generation_sends_and_detokenize_the_text(served:
             ({"model": "other", "prompt": "hi"}, 404, "model_not_found", "model"),
             ({"prompt": "hi", "tokens": [1]}, 400, "unrecognized_argument", "tokens"),
             ({"messages": []}, 400, "invalid_value", "messages"),
+            ({"prompt": "hi", "messages": messages}, 400, "invalid_request", "messages"),
         ],
         "/detokenize": [
             ({"tokens": [len(demo_tokenizer)]}, 400, "invalid_request", "tokens"),

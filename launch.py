@@ -98,7 +98,17 @@ def run_demo(endpoint: str, prompts: tuple[str, ...], max_tokens: int, stopped: 
 
 # A leader reports every fraction of a second between steps: a report older than this is a long step's.
 _STALE_REPORT_S = 5.0
-_SECTIONS = ("Launcher", "Model", "Topology", "Multi-node", "Serving", "Engine", "KV transfer", "GPU")
+_SECTIONS = (
+    "Launcher",
+    "Model",
+    "Topology",
+    "Multi-node",
+    "Serving",
+    "Engine",
+    "KV transfer",
+    "Fault tolerance",
+    "GPU",
+)
 
 
 # What a vLLM user types by habit, and what this command line says instead (added to the error).

@@ -27,7 +27,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.presets import ensure_preset_model
 from pdserve.engine.step_plan import StepPlan, padded_block_tables
 
-# Device-to-device copy ceiling of one H200 (bytes read + written), /work/shared/ENVIRONMENT.md.
+# Device-to-device copy ceiling of one H200 (bytes read + written), measured: docs/benchmarks.md.
 H200_BANDWIDTH = 4.29e12
 
 
@@ -70,8 +70,8 @@ def write_json(result: dict[str, Any], path: Path | None) -> None:
 def to_json(value: Any, indent: int = 0) -> str:
     """JSON text of ``value``, one item a line for dicts and for lists that hold containers,
     indented by two; a list of plain values on one line. A served request's per-token arrival
-    times are hundreds of numbers: at a line each, bench.serve's results for three rates of 400
-    requests of 512 tokens take 24 MB (9 MB so), past what comes back from the GPU host."""
+    times are hundreds of numbers: at a line each, a serving run's results file grows several
+    times over, past what comes back from the GPU host."""
     pad = " " * (indent + 2)
     if isinstance(value, dict) and value:
         # json.dumps of a non-str key gives the key JSON would write ("1", "true", "null")

@@ -13,8 +13,7 @@ batched chunks (one message a worker step for all streams) or not (``--batch-chu
 both, in turn). Reported: the tokens a second the client received (first send to last final),
 the rate the stand-in would have emitted at its step period, and the client-side inter-token
 latency. When the delivered rate falls short of the emitted one, the router or the client is
-the bottleneck (on an H200 the engine's decode step of 64-128 sequences takes 2.0-2.2 ms: 30-60 k
-tokens/s).
+the bottleneck; docs/benchmarks.md gives the rate a GPU's decode steps emit.
 """
 
 from __future__ import annotations

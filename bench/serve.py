@@ -548,8 +548,8 @@ def vllm_keys(rate: float | None, config: BenchConfig, records: Sequence[Request
 
 def _record_json(record: RequestRecord) -> dict[str, Any]:
     """A record for the results file, its times to the microsecond: full float digits make a
-    file that holds every chunk's arrival half as large again (two rates of 400 requests of
-    512 tokens came to more than the 16 MiB a GPU-host file may be to come back)."""
+    file that holds every chunk's arrival half as large again, past what a GPU host's files may
+    be to come back."""
     out = dataclasses.asdict(record)
     for key in ("scheduled", "sent", "finished"):
         if out[key] is not None:

@@ -142,8 +142,8 @@ class ClusterConfig:
     api_key: str | None = setting(
         None,
         help="Require this key of the HTTP API's clients (Authorization: Bearer KEY, as OpenAI's clients send "
-        f"their api_key) on every /v1 route; /health and /metrics stay open. The environment variable "
-        f"{API_KEY_ENV} sets it too, out of sight of other users' ps.",
+        "their api_key) on every /v1 route, /tokenize and /detokenize; /health, /metrics and /version stay "
+        f"open. The environment variable {API_KEY_ENV} sets it too, out of sight of other users' ps.",
         section="Serving",
         default_text="off: no key",
     )

@@ -239,7 +239,8 @@ class TransferBackend(ABC):
 
     def warm_up(self) -> None:
         """Open this rank's connections to its peers now, not on the first request (NCCL builds a
-        communicator per rank pair lazily, which costs ~100 ms). Every rank of both groups calls it."""
+        communicator per rank pair lazily, slowly, at its first use). Every rank of both groups
+        calls it."""
 
     def close(self) -> None:
         """Wait for whatever is still in flight."""

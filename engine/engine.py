@@ -272,7 +272,9 @@ class LLMEngine:
     def admit(self, request_id: str) -> None:
         """Decode role: the reserved request's KV has arrived; decode it from the next step."""
         seq = self.reserved.pop(request_id)
-        seq.num_computed_tokens = seq.num_prompt_tokens
+        # Every token's KV is in place but the first token's, a moved request's output so far
+        # included (it came in the prompt): the first step decodes that token.
+        seq.num_computed_tokens = seq.num_tokens - 1
         self.requests[request_id] = seq
         self._admitted.append(request_id)
         seq.milestones.first_scheduled = seq.milestones.first_token = time.monotonic()

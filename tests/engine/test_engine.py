@@ -338,6 +338,37 @@ def test_hand_off_api_counts_and_frees_every_block(tiny_model_dirs: dict[str, Pa
     assert pool_and_queues(engine) == EngineStats(num_blocks=32, free_blocks=32, running=0, waiting=0, kv_held=0)
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_a_moved_request_handed_to_decode_goes_on_from_its_first_token(
+    tiny_model_dirs: dict[str, Path], overlap: bool
+) -> None:
+    """A request moved after a failure reaches its decode group with its output so far in the
+    prompt (``generated``), all of whose KV moved: decoding goes on from the prefill's first
+    token, a step a token, as on the engine it started on. Re-running the output so far would
+    give the same tokens, a step each later."""
+    model_dir = tiny_model_dirs["tiny-qwen2"]
+    prompt = make_prompts(256, [20], seed=3)[0]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    whole = make_engine(model_dir, overlap=overlap).generate([prompt], params)[0]
+    k = 5
+    moved = prompt + whole[:k]
+    prefill = make_engine(model_dir, overlap=overlap)
+    prefill.add_request("m", moved, params, prefill_only=True, generated=k)
+    [prefilled] = [out for step in prefill.drain() for out in step]
+    assert prefilled.kv_block_ids is not None
+    first = prefilled.new_token_ids[0]
+    decode = make_engine(model_dir, overlap=overlap)
+    reservation = decode.reserve("m", moved, first, params, generated=k)
+    assert reservation is not None and reservation.num_cached_blocks == 0
+    decode.kv_cache[:, :, reservation.block_ids] = prefill.kv_cache[:, :, prefilled.kv_block_ids]
+    decode.admit("m")
+    steps = list(decode.drain())
+    tokens = [token for step in steps for out in step for token in out.new_token_ids]
+    assert whole[:k] + [first] + tokens == whole
+    # A step a token after the first (the overlapped engine reads each step back in the next).
+    assert len(steps) == len(whole) - k - 1 + overlap
+
+
 def test_length_limit_at_max_model_len(tiny_model_dirs: dict[str, Path]) -> None:
     """A request that fills the model length ends there, as without overlap."""
     model_dir = tiny_model_dirs["tiny-qwen2"]

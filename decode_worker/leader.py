@@ -3,7 +3,8 @@
 Lifecycle of a request here:
 1. ``KVAnnounce`` from a prefill leader -> reserve blocks for the prompt's KV, starting with the
    longest prefix of its full blocks that this group's prefix cache holds (the KV of requests
-   it decoded before: a chat's earlier turns). None free, or its receive buffers would take
+   it received or decoded before: a chat's earlier turns, a shared system prompt; a request's
+   received blocks enter the cache at its first decode step). None free, or its receive buffers would take
    the leader's buffers in flight past ``max_staging_bytes``: reply refused (the prefill side
    keeps the KV and retries). Refused announces get room in the order they were first refused,
    across prefill groups: while one waits, a later one goes only if it leaves that one its

@@ -381,6 +381,7 @@ class LLMEngine:
         each sampled sequence's placeholder. ``prompt``: the sequence and position of each of the
         plan's prompt rows. None if no sequence reached its last token and no prompt row ran."""
         plan.kv_ready, self._admitted = self._admitted, []  # their KV must be in place first
+        arrived = set(plan.kv_ready)
         prompt_logprobs = None
         if prompt:
             logits, hidden = self.runner.step_with_prompt_rows(plan, sampled)
@@ -394,9 +395,10 @@ class LLMEngine:
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == seq.num_tokens:
                 sampled_seqs.append(seq)
-                if seq.num_output_tokens == 0:
-                    # Its prompt is done: requests scheduled from now on share its full blocks
-                    # (their steps queue behind this one, which writes them).
+                if seq.num_output_tokens == 0 or seq.request_id in arrived:
+                    # Its prompt is done, or its KV arrived (decode role): requests scheduled from
+                    # now on share its full blocks (their steps queue behind this one, which
+                    # writes them or, on a peer, first waits for them to land).
                     self.block_manager.cache_blocks(seq)
         if not sampled_seqs:
             if not prompt:

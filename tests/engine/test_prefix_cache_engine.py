@@ -269,6 +269,41 @@ def test_decode_role_keeps_finished_requests_kv_and_receives_only_the_rest(
     assert stats.free_blocks == 32 and stats.prefix_cache is not None and stats.prefix_cache.pinned_blocks == 0
 
 
+def test_a_decode_engine_shares_a_received_prompt_from_its_first_step(tiny_model_dirs: dict[str, Path]) -> None:
+    """Requests with one system prompt reach a decode engine while the first still decodes: from
+    the first one's first step, its received blocks are in the prefix cache, so the next one's
+    reservation holds them and only its own blocks move. Greedy tokens stay the single engine's."""
+    model_dir = tiny_model_dirs["tiny-llama-odd"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prefill = make_engine(model_dir, False)
+    decode = make_engine(model_dir, True, num_blocks=32)
+    oracle = make_engine(model_dir, False)
+    system = random_tokens(3 * BLOCK, seed=40)
+    prompts = [system + random_tokens(5, seed=41 + i) for i in range(2)]
+    tokens: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(str(i), prompt, params, prefill_only=True)
+        [prefilled] = [out for step in prefill.drain() for out in step]
+        assert prefilled.kv_block_ids is not None
+        reservation = decode.reserve(str(i), prompt, prefilled.new_token_ids[0], params)
+        assert reservation is not None
+        assert reservation.num_cached_blocks == (0 if i == 0 else 3)  # the first request's, still running
+        cached = reservation.num_cached_blocks
+        dst, src = reservation.block_ids[cached:], prefilled.kv_block_ids[cached:]
+        decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, src]
+        prefill.release(str(i))
+        decode.admit(str(i))
+        tokens[str(i)] = list(prefilled.new_token_ids)
+        for out in decode.step():  # its first step
+            tokens[out.request_id] += out.new_token_ids
+    for step in decode.drain():
+        for out in step:
+            tokens[out.request_id] += out.new_token_ids
+    assert [tokens[str(i)] for i in range(2)] == oracle.generate(prompts, params)
+    stats = decode.stats()
+    assert stats.free_blocks == 32 and stats.prefix_cache is not None and stats.prefix_cache.pinned_blocks == 0
+
+
 def test_a_decode_reservation_given_up_caches_only_what_it_held(tiny_model_dirs: dict[str, Path]) -> None:
     """A reservation refused (too few blocks) or aborted before its KV arrived gives back every
     block, and the prefix cache keeps only the blocks it held before: KV that was still arriving

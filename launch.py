@@ -43,6 +43,7 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 signal.signal(signal.SIGINT, _interrupt)
 try:
     import click
+    import torch
 
     from pdserve.cluster.config import ClusterConfig, cluster_settings, model_names, parse_devices
     from pdserve.cluster.group import name_process
@@ -64,6 +65,16 @@ DEMO_PROMPTS = (
     "Write a haiku about a graphics card.",
     "In one sentence, why do language models cache keys and values?",
 )
+
+
+def _demo_devices(config: ClusterConfig) -> ClusterConfig:
+    """The demo runs on the CPU unless ``--devices`` places it: the README's first command then
+    works alike on every machine, whatever GPUs it has (one cannot hold a TP-2 group)."""
+    if config.devices is not None or config.master_addr is not None:
+        return config
+    if torch.cuda.device_count() > 0:
+        print("the demo runs on the CPU; --devices places it on GPUs", file=sys.stderr)
+    return dataclasses.replace(config, devices=())
 
 
 def run_demo(endpoint: str, prompts: tuple[str, ...], max_tokens: int, stopped: Callable[[], bool]) -> None:
@@ -250,6 +261,8 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
         raise click.UsageError(_as_typed(str(e), given, preset=config_path is not None)) from None
     if demo and "log_stats_interval" not in given:  # its lines would break into the streamed answers
         config = dataclasses.replace(config, log_stats_interval=0.0)
+    if demo:
+        config = _demo_devices(config)
     if config.join is not None:
         if config_path:
             raise click.UsageError("--config applies to the router node: a group node (--join) takes the cluster's")

@@ -95,7 +95,7 @@ class ClusterConfig:
     devices: tuple[int, ...] | None = setting(
         None,
         help="Comma-separated GPU ids, one per rank in group order; a prefill and a decode rank may "
-        "share one (e.g. 0,0 for 1p1d on one GPU).",
+        "share one (e.g. 0,0 for 1p1d on one GPU). cpu: every rank on the CPU, GPUs or not.",
         section="GPU",
         default_text="all visible GPUs; CPU when there are none",
     )
@@ -548,7 +548,7 @@ class ClusterConfig:
     def placement(self, visible_gpus: int) -> list[tuple[int, ...] | None]:
         """CUDA devices of each group's ranks (in ``groups()`` order); None entries run on CPU."""
         groups = self.groups()
-        if visible_gpus == 0:
+        if visible_gpus == 0 or self.devices == ():  # no GPU, or --devices cpu
             if self.devices:
                 raise ValueError(f"--devices {','.join(map(str, self.devices))} given but no GPU is visible")
             return [None] * len(groups)
@@ -559,7 +559,8 @@ class ClusterConfig:
         if len(devices) < self.world_size:
             raise ValueError(
                 f"{self.world_size} ranks need {self.world_size} GPUs, {len(devices)} available: "
-                f"{', '.join(f'{r}{g} x tp{t}' for r, g, t in groups)}"
+                f"{', '.join(f'{r}{g} x tp{t}' for r, g, t in groups)}. One GPU holds a prefill and a decode "
+                "rank (--devices 0,0 with TP 1 each); --devices cpu runs every rank on the CPU"
             )
         out, next_device = [], 0
         for role, group, tp in groups:
@@ -647,9 +648,11 @@ class ClusterConfig:
 
 def parse_devices(value: str | int | Iterable[int]) -> tuple[int, ...]:
     """GPU ids as ``--devices`` takes them (``0,1``), or as a YAML preset may give them: one id
-    (``devices: 0``) or a list (``devices: [0, 1]``)."""
+    (``devices: 0``) or a list (``devices: [0, 1]``). ``cpu`` (or nothing) is no GPU: ``()``."""
     try:
         if isinstance(value, str):
+            if value.strip().lower() == "cpu":
+                return ()
             return tuple(int(d) for d in value.split(",") if d.strip())
         if isinstance(value, int) and not isinstance(value, bool):
             return (value,)
@@ -657,7 +660,7 @@ def parse_devices(value: str | int | Iterable[int]) -> tuple[int, ...]:
             return tuple(value)
     except ValueError:
         pass
-    raise ValueError(f"devices: expected comma-separated GPU ids such as 0,1, got {value!r}")
+    raise ValueError(f"devices: expected comma-separated GPU ids such as 0,1, or cpu, got {value!r}")
 
 
 def cluster_settings() -> list[SettingSpec]:

@@ -209,7 +209,7 @@ class GroupNode:
 
     def _devices(self, config: ClusterConfig) -> tuple[int, ...] | None:
         visible = torch.cuda.device_count()
-        if visible == 0:
+        if visible == 0 or config.devices == ():  # no GPU, or --devices cpu
             if config.devices:
                 raise ValueError(f"--devices {','.join(map(str, config.devices))} given but no GPU is visible")
             return None

@@ -478,6 +478,27 @@ def test_ctrl_c_during_the_demo_stops_it_cleanly(demo_model_dir: Path) -> None:
     assert out.count(">>> ") == 0, out  # the first prompt's line was read above; no other was sent
 
 
+@pytest.mark.parametrize("visible_gpus", [0, 1])
+def test_the_readmes_demo_runs_on_the_cpu_whatever_gpus_the_machine_has(
+    demo_model_dir: Path, visible_gpus: int
+) -> None:
+    """The README's first command on a machine with one GPU (simulated in the launcher, whose
+    ranks then see this machine's) said "3 ranks need 3 GPUs, 1 available" and exited 1."""
+    fake = f"torch.cuda.device_count = lambda: {visible_gpus}; " if visible_gpus else ""
+    run = f"import runpy, sys, torch; {fake}sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    args = ["--model", str(demo_model_dir), "--port", str(free_port()), "--prefill-tp", "2", "--decode-tp", "1"]
+    result = subprocess.run(
+        [sys.executable, "-c", run, "launch.py", *args, "--demo", "--demo-max-tokens", "4"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count(">>> ") == 3 and "every process exited cleanly" in result.stderr
+    assert ("the demo runs on the CPU" in result.stderr) == (visible_gpus > 0), result.stderr[-3000:]
+
+
 def test_ctrl_c_while_the_launcher_imports_is_quiet() -> None:
     """Ctrl-C in the first moments (torch still importing) printed a KeyboardInterrupt traceback."""
     process = subprocess.Popen(

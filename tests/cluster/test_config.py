@@ -233,7 +233,7 @@ def test_a_preset_value_of_the_wrong_type_names_its_setting(tmp_path: Path) -> N
         "prefix_cache: 1\n": "prefix_cache must be true or false, got 1",
         "dtype: 5\n": "dtype must be a string, got 5",
         "drain_timeout: [1]\n": "drain_timeout must be a number, got [1]",
-        "devices: a,b\n": "devices: expected comma-separated GPU ids such as 0,1, got 'a,b'",
+        "devices: a,b\n": "devices: expected comma-separated GPU ids such as 0,1, or cpu, got 'a,b'",
         "max_model_len: [\n": "not valid YAML: expected the node content, but found '<stream end>' (line 2, column 1)",
     }
     for text, message in refused.items():
@@ -243,9 +243,18 @@ def test_a_preset_value_of_the_wrong_type_names_its_setting(tmp_path: Path) -> N
             ClusterConfig.from_yaml(path)
 
 
+def test_devices_cpu_runs_every_rank_on_the_cpu_beside_gpus() -> None:
+    """A machine with fewer GPUs than ranks is told both ways out: sharing one, or the CPU."""
+    assert ClusterConfig(prefill_tp=2, devices=()).placement(visible_gpus=1) == [None, None]
+    assert ClusterConfig.from_settings({"devices": "cpu"}).placement(visible_gpus=8) == [None, None]
+    with pytest.raises(ValueError, match=r"3 ranks need 3 GPUs, 1 available.*--devices 0,0.*--devices cpu"):
+        ClusterConfig(prefill_tp=2).placement(visible_gpus=1)
+
+
 def test_a_preset_spells_devices_as_the_flag_does_or_as_a_list(tmp_path: Path) -> None:
     path = tmp_path / "preset.yaml"
-    for text, devices in {"devices: 0,1\n": (0, 1), "devices: [0, 1]\n": (0, 1), "devices: 3\n": (3,)}.items():
+    spellings = {"devices: 0,1\n": (0, 1), "devices: [0, 1]\n": (0, 1), "devices: 3\n": (3,), "devices: cpu\n": ()}
+    for text, devices in spellings.items():
         path.write_text(text)
         assert ClusterConfig.from_yaml(path).devices == devices
     path.write_text("drain_timeout: 5\nmax_model_len:\n")

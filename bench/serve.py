@@ -81,7 +81,13 @@ from tqdm import tqdm
 
 from pdserve.bench.common import log_axis, pyplot, save_figure, write_json
 from pdserve.bench.metrics import RequestRecord, compute_metrics, duration, e2e, itls, percentile, tpot, ttft
-from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable
+from pdserve.cluster.client import (
+    DEFAULT_ENDPOINT,
+    AsyncClient,
+    ClusterError,
+    ClusterUnavailable,
+    normalize_endpoint,
+)
 from pdserve.cluster.protocol import Chunk
 
 WORKLOADS = ("random", "mixed", "shared-prefix", "multi-turn", "text")
@@ -558,6 +564,30 @@ def _record_json(record: RequestRecord) -> dict[str, Any]:
     return out
 
 
+_CONNECT_S = 5.0  # how long the server has to answer before any request is sent
+
+
+class ServerUnreachable(RuntimeError):
+    """Nothing answered at the benchmark's endpoint or URL."""
+
+
+async def _check_server(client: AsyncClient | OpenAIBackend) -> None:
+    """Say at once that nothing answers, not after every request's timeout."""
+    if isinstance(client, AsyncClient):
+        try:
+            await client.stats(timeout=min(client.timeout, _CONNECT_S))
+        except ClusterUnavailable as e:
+            raise ServerUnreachable(str(e)) from None
+        return
+    try:
+        await asyncio.wait_for(client.model_name(), _CONNECT_S)
+    except (client.aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, ValueError) as e:
+        raise ServerUnreachable(
+            f"no OpenAI-compatible server answered GET {client.base_url}/v1/models within {_CONNECT_S:.0f} s "
+            f"({type(e).__name__}: {e or 'timed out'}); start one with: python launch.py --http-port PORT"
+        ) from None
+
+
 async def run_benchmark(
     config: BenchConfig, endpoint: str, backend: str = "zmq", base_url: str | None = None, model_name: str | None = None
 ) -> dict[str, Any]:
@@ -570,10 +600,10 @@ async def run_benchmark(
     client: AsyncClient | OpenAIBackend
     if backend == "openai":
         client = OpenAIBackend(base_url or DEFAULT_BASE_URL, model_name, config.timeout)
-        await client.model_name()
     else:
         client = AsyncClient(endpoint, timeout=config.timeout)
     try:
+        await _check_server(client)
         warmup_records = await run_requests(
             client,
             warmup,
@@ -817,7 +847,12 @@ def _plot_goodput(plt: Any, series: dict[str, Sequence[dict[str, Any]]], path: P
 
 def parse_rates(text: str) -> tuple[float | None, ...]:
     """``"1,2,inf"`` -> ``(1.0, 2.0, None)``."""
-    rates = [float(part) for part in text.split(",") if part.strip()]
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(
+            f"--rate/--rates {text}: give requests a second, e.g. 4 or 1,2,4 ('inf': all at once)"
+        ) from None
     return tuple(None if math.isinf(r) else r for r in rates)
 
 
@@ -902,6 +937,13 @@ def config_from_options(rate: str | None, rates: str | None, long_len: str, **op
         raise click.UsageError(str(e)) from None
 
 
+def _endpoint_option(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        return normalize_endpoint(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option(
     "--backend",
@@ -909,7 +951,7 @@ def config_from_options(rate: str | None, rates: str | None, long_len: str, **op
     default="zmq",
     help="zmq: the cluster's own protocol at --endpoint; openai: an OpenAI-compatible server at --base-url.",
 )
-@click.option("--endpoint", default=DEFAULT_ENDPOINT, help="The cluster's client endpoint.")
+@click.option("--endpoint", default=DEFAULT_ENDPOINT, callback=_endpoint_option, help="The cluster's client endpoint.")
 @click.option("--base-url", default=DEFAULT_BASE_URL, help="openai: the server's URL (with or without /v1).")
 @click.option(
     "--model-name", default=None, help="openai: the 'model' of each request [default: the first of /v1/models]."
@@ -955,7 +997,10 @@ def main(
     config = config_from_options(vocab_size=vocab_size or vocab_size_of(model_dir), **options)
     if backend == "openai" and config.workload == "multi-turn":
         raise click.UsageError("multi-turn needs --backend zmq: a turn's prompt holds the previous answer's token ids")
-    results = asyncio.run(run_benchmark(config, endpoint, backend, base_url, model_name))
+    try:
+        results = asyncio.run(run_benchmark(config, endpoint, backend, base_url, model_name))
+    except ServerUnreachable as e:
+        raise click.ClickException(str(e)) from None
     click.echo(
         f"{config.workload}, {config.num_requests} requests per rate, latencies in ms, "
         f"goodput in req/s, xfer = mean KV transfer (ms, KiB), hit = prompt tokens the prefix cache "
@@ -971,6 +1016,8 @@ def main(
     if plot_dir is not None:
         for path in write_plots({config.workload: results["points"]}, plot_dir):
             click.echo(f"plot: {path}")
+    if not any(RequestRecord(**r).ok for point in results["points"] for r in point["records"]):
+        raise click.ClickException("every request failed: no result measures the server")  # a script must see it
 
 
 if __name__ == "__main__":

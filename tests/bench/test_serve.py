@@ -9,11 +9,13 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import click
 import pytest
+from click.testing import CliRunner
 
 from pdserve.bench.common import to_json
 from pdserve.bench.compare import LaunchedCluster, required_model_len, system_args, write_report
@@ -45,6 +47,8 @@ from pdserve.bench.serve import (
     workload_requests,
     write_plots,
 )
+from pdserve.bench.serve import main as serve_main
+from pdserve.cluster.group import free_port
 from pdserve.cluster.protocol import Chunk, Final
 
 REPO = Path(__file__).resolve().parents[2]
@@ -341,6 +345,21 @@ def test_plots_are_skipped_with_a_warning_without_matplotlib(monkeypatch: pytest
         assert write_plots({"run": []}, tmp_path) == []
 
 
+@pytest.mark.parametrize("backend", ["zmq", "openai"])
+def test_a_run_that_reaches_no_server_says_so_at_once(backend: str) -> None:
+    """It waited the reply timeout (600 s by default) for each request, or printed aiohttp's
+    traceback; the CLI client says so within seconds, and so does the benchmark now."""
+    port = str(free_port())
+    target = ["--endpoint", port] if backend == "zmq" else ["--base-url", f"http://127.0.0.1:{port}"]
+    started = time.monotonic()
+    result = CliRunner().invoke(serve_main, ["--backend", backend, *target, "--rate", "1", "--num-requests", "1"])
+    assert result.exit_code == 1 and time.monotonic() - started < 60, result.output
+    assert result.output.startswith("Error: no") and "Traceback" not in result.output, result.output
+    for bad in (["--endpoint", "foo"], ["--rate", "abc"]):
+        usage = CliRunner().invoke(serve_main, bad)
+        assert usage.exit_code == 2 and bad[1] in usage.output, usage.output
+
+
 def test_the_openai_backend_without_aiohttp_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     """aiohttp comes with the bench extra, not the plain install: a one-line answer, not a traceback."""
     monkeypatch.setitem(sys.modules, "aiohttp", None)
@@ -428,6 +447,16 @@ def test_load_generator_against_a_cpu_cluster(tmp_path: Path, demo_model_dir: Pa
             timeout=300,
         )
         assert text.returncode == 0, text.stderr[-4000:]
+        # Prompts past the cluster's max_model_len: every request refused, which a script must see.
+        refused = subprocess.run(
+            [sys.executable, "-m", "pdserve.bench.serve", "--endpoint", cluster.endpoint, "--input-len", "2000"]
+            + ["--len-dist", "fixed", "--output-len", "4", "--num-requests", "2", "--warmup", "0"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert refused.returncode == 1 and "every request failed" in refused.stderr, refused.stderr[-4000:]
         assert cluster.stop() == 0, cluster.output()[-4000:]
 
     table = bench.stdout.splitlines()

@@ -50,7 +50,7 @@ from pdserve.cluster.rank import WorkerSpec, worker_main
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.parallel import check_tp_size
 from pdserve.engine.presets import resolve_model
-from pdserve.engine.weights import checkpoint_files
+from pdserve.engine.weights import check_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class GroupNode:
             raise ValueError(f"--role {self.role}: the cluster at {self.join} runs --mode {config.mode}, roles {roles}")
         self.config = config
         model_dir = str(resolve_model(config.engine.model))
-        checkpoint_files(Path(model_dir))  # no weights: one line here, not a traceback from every rank
+        check_checkpoint(Path(model_dir))  # no weights: one line here, not a traceback from every rank
         model = ModelConfig.from_pretrained(model_dir)
         if model_shape(model) != shape:
             raise ValueError(f"--model {config.engine.model}: not the model the cluster at {self.join} serves")

@@ -63,7 +63,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig, flatten_config
 from pdserve.engine.parallel import check_tp_size
 from pdserve.engine.presets import check_model_spec, resolve_model
 from pdserve.engine.tokenization import load_tokenizer
-from pdserve.engine.weights import checkpoint_files
+from pdserve.engine.weights import check_checkpoint
 from pdserve.kvtransfer.base import TransferConfig, backends_for
 from pdserve.router.metrics import MULTIPROC_DIR_ENV
 from pdserve.router.router import Router
@@ -224,7 +224,7 @@ class Cluster:
         visible = torch.cuda.device_count()
         self.placement = c.placement(visible)
         self.model_dir = str(resolve_model(c.engine.model))
-        checkpoint_files(Path(self.model_dir))  # no weights: one line here, not a traceback from every rank
+        check_checkpoint(Path(self.model_dir))  # no weights: one line here, not a traceback from every rank
         model = ModelConfig.from_pretrained(self.model_dir)
         on_gpu = self._on_gpu = any(p is not None for p in self.placement) or (not self.placement and visible > 0)
         c.check_model(model, on_gpu)

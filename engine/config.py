@@ -252,6 +252,17 @@ class RopeConfig:
         return inv_freq
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    """A model directory's JSON file as a dict; ValueError naming the file when it is not one."""
+    try:
+        value = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The shape of a Llama- or Qwen2-family decoder, read from a Hugging Face config.json."""
@@ -333,17 +344,22 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} has no config.json: not a Hugging Face model directory")
-        hf = json.loads(path.read_text())
+        hf = _read_json(path)
         # Chat checkpoints often list extra end-of-turn ids in generation_config.json only.
         gen_path = Path(model_dir) / "generation_config.json"
         if gen_path.is_file():
-            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            gen_eos = _read_json(gen_path).get("eos_token_id")
             if gen_eos is not None:
                 own = hf.get("eos_token_id")
                 own = own if isinstance(own, list) else ([] if own is None else [own])
                 extra = gen_eos if isinstance(gen_eos, list) else [gen_eos]
                 hf["eos_token_id"] = list(dict.fromkeys([*own, *extra]))
-        return cls.from_hf_dict(hf)
+        try:
+            return cls.from_hf_dict(hf)
+        except KeyError as e:
+            raise ValueError(f"{path} has no {e.args[0]!r}, which the model's shape needs") from None
+        except (TypeError, ValueError) as e:  # a value of the wrong type, or a shape that cannot be
+            raise ValueError(f"{path}: {e}") from None
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V per token over all layers and all KV heads (whole model, one copy)."""

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.layers import RotaryEmbedding
@@ -28,6 +28,20 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     return files
+
+
+def check_checkpoint(model_dir: Path) -> None:
+    """Refuse a checkpoint whose files are missing, or whose headers do not parse or do not match
+    the file's length (a truncated download): in the launcher, one line, instead of a traceback
+    from every rank. Reads only the headers."""
+    for path in checkpoint_files(model_dir):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing (named in the checkpoint's index)")
+        try:
+            with safe_open(str(path), framework="pt", device="cpu"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
 
 
 def load_weights(model: CausalLM, model_dir: Path) -> None:

@@ -4,6 +4,7 @@ before any rank starts."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import re
 import signal
@@ -135,6 +136,25 @@ def test_a_model_directory_without_weights(tiny_model_dirs: dict[str, Path], tmp
         (tmp_path / config_file.name).write_bytes(config_file.read_bytes())
     result = launch("--model", str(tmp_path))
     assert_one_line_error(result, f"no *.safetensors files in {tmp_path}")
+
+
+def test_a_broken_checkpoint_is_named_in_one_line(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A truncated download or a hand-edited config.json gave a traceback from every rank (or the
+    launcher's KeyError), or a JSON error that named no file."""
+    source = tiny_model_dirs["tiny-llama"]
+    for path in source.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    [weights] = tmp_path.glob("*.safetensors")
+    weights.write_bytes(weights.read_bytes()[:-100])  # cut short
+    assert_one_line_error(launch("--model", str(tmp_path)), f"{weights} is not a readable safetensors file")
+    weights.write_bytes(next(source.glob("*.safetensors")).read_bytes())
+    config = tmp_path / "config.json"
+    shape = json.loads(config.read_text())
+    del shape["hidden_size"]
+    config.write_text(json.dumps(shape))
+    assert_one_line_error(launch("--model", str(tmp_path)), f"{config} has no 'hidden_size'")
+    config.write_text("{'hidden_size': 64}")
+    assert_one_line_error(launch("--model", str(tmp_path)), f"{config} is not valid JSON")
 
 
 def test_devices_are_checked_before_a_presets_weights_are_written(

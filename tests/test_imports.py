@@ -29,7 +29,7 @@ ENGINE_API = {
     "tokenization",
     "detokenizer",
     "presets",  # resolve_model, check_model_spec
-    "weights",  # checkpoint_files: the launcher checks a checkpoint before any rank loads it
+    "weights",  # check_checkpoint: the launcher checks a checkpoint before any rank loads it
 }
 PRODUCT = ("cluster", "decode_worker", "kvtransfer", "prefill_worker", "router")
 

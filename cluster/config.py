@@ -337,6 +337,11 @@ class ClusterConfig:
             raise ValueError(f"dispatch must be one of {', '.join(DISPATCH_POLICIES)}, got {self.dispatch!r}")
         if self.cache_aware_margin < 0:
             raise ValueError(f"cache_aware_margin must be >= 0, got {self.cache_aware_margin}")
+        if ":" in self.host:  # ZMQ would fail to parse tcp://::1:5555 with "No such device"
+            raise ValueError(
+                f"host must be an IPv4 address or name (0.0.0.0: every interface), got {self.host!r}: "
+                "IPv6 is not supported"
+            )
         for name in (*_DISAGG_ONLY, *_COLOCATED_ONLY):
             # Groups may all live on other machines when they can join.
             least = 0 if name.endswith("_groups") and self.joinable else 1

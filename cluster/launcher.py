@@ -23,6 +23,7 @@ node supervises it.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import ipaddress
 import json
 import logging
@@ -778,6 +779,8 @@ def _check_port_free(host: str, port: int, flag: str = "--port") -> None:
         try:
             probe.bind((host, port))
         except OSError as e:
-            raise ClusterError(
-                f"cannot listen on {host}:{port}: {e.strerror} (another pdserve running? choose another {flag})"
-            ) from None
+            hint = {
+                errno.EADDRINUSE: f" (another pdserve running? choose another {flag})",
+                errno.EADDRNOTAVAIL: f" ({host} is not an address of this machine)",
+            }.get(e.errno or 0, "")
+            raise ClusterError(f"cannot listen on {host}:{port}: {e.strerror}{hint}") from None

@@ -92,10 +92,11 @@ class TransferConfig:
             raise ValueError(
                 f"unknown KV transfer backend {self.backend!r}; available: auto, {', '.join(available_backends())}"
             )
+        # Named by their settings' keys (transfer_...), as the launcher shows a check's message.
         if not 0 < self.staging_mib < math.inf:
-            raise ValueError(f"staging_mib must be a positive finite number, got {self.staging_mib}")
+            raise ValueError(f"transfer_staging_mib must be a positive finite number, got {self.staging_mib}")
         if self.layer_groups < 1:
-            raise ValueError(f"layer_groups must be >= 1, got {self.layer_groups}")
+            raise ValueError(f"transfer_layer_groups must be >= 1, got {self.layer_groups}")
 
     @property
     def traits(self) -> BackendTraits:

@@ -96,6 +96,12 @@ def test_port_in_use(flag: str, busy_port: int, demo_model_dir: Path) -> None:
     assert len(result.stderr.splitlines()) <= 2, result.stderr
 
 
+def test_a_host_not_of_this_machine_is_not_taken_for_a_busy_port(demo_model_dir: Path) -> None:
+    """It was told "another pdserve running? choose another --port"."""
+    error = assert_one_line_error(launch("--model", str(demo_model_dir), "--host", "192.0.2.1"), "192.0.2.1:")
+    assert error.endswith("(192.0.2.1 is not an address of this machine)"), error
+
+
 def test_a_wrong_model_is_named_before_a_busy_port(busy_port: int, tmp_path: Path) -> None:
     """Both mistakes at once: the model's is said first (checked without converting or writing
     anything), not the port's, which would only lead to the second error after a fix."""
@@ -194,6 +200,9 @@ def test_text_serving_needs_a_tokenizer(flag: tuple[str, ...], tiny_model_dirs: 
         # A check names the flag the user typed, not the setting's key.
         (("--max-model-len", "-3"), "--max-model-len must be >= 2, got -3"),
         (("--prefill-tp", "0"), "--prefill-tp must be >= 1, got 0"),
+        (("--transfer-layer-groups", "0"), "--transfer-layer-groups must be >= 1, got 0"),
+        (("--host", "::1"), "--host must be an IPv4 address or name (0.0.0.0: every interface), got '::1'"),
+        (("--transfer-staging-mib", "0"), "--transfer-staging-mib must be a positive finite number"),
         # ... and the flag that changes a default the check weighs it against.
         (("--max-num-batched-tokens", "8"), "--max-num-batched-tokens (8) must be >= --max-num-seqs (256)"),
         (("--transfer", "carrier-pigeon"), "carrier-pigeon"),

@@ -18,6 +18,7 @@ import statistics
 from pathlib import Path
 
 import click
+import torch
 
 from pdserve.bench.common import divergences, write_json
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -45,6 +46,8 @@ def main(
     gpu_memory_utilization: float,
     out: Path | None,
 ) -> None:
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError(f"--device {device} needs a GPU and none is visible; --device cpu runs on the CPU")
     limits = [int(n) for n in max_num_seqs.split(",")]
     if len(limits) != 2:
         raise click.BadParameter("give two batch limits, e.g. 64,8", param_hint="--max-num-seqs")

@@ -344,6 +344,8 @@ def main(
     device_ids = [int(d) for d in devices.split(",") if d.strip()]
     if device_ids and len(device_ids) != 2:
         raise click.UsageError("--devices: the prefill rank's GPU and the decode rank's (e.g. 0,0), or empty")
+    if device_ids and not torch.cuda.is_available():
+        raise click.UsageError(f"--devices {devices} needs a GPU and none is visible; --devices '' runs on the CPU")
     try:
         spin_ms = 1e3 * ClusterConfig(leader_spin_ms=leader_spin_ms).leader_spin_s(bool(device_ids))
     except ValueError as e:

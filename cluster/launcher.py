@@ -224,6 +224,14 @@ class Cluster:
         # Devices first: a preset's random weights (gigabytes) are written only where they can run.
         visible = torch.cuda.device_count()
         self.placement = c.placement(visible)
+        if c.devices and len(c.devices) > c.world_size:
+            logger.warning(
+                "--devices lists %d GPUs; the cluster's %d ranks use the first %d: %s",
+                len(c.devices),
+                c.world_size,
+                c.world_size,
+                ",".join(map(str, c.devices[: c.world_size])),
+            )
         self.model_dir = str(resolve_model(c.engine.model))
         check_checkpoint(Path(self.model_dir))  # no weights: one line here, not a traceback from every rank
         model = ModelConfig.from_pretrained(self.model_dir)

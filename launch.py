@@ -253,6 +253,10 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
     """Serve a disaggregated prefill/decode cluster (or a colocated baseline) until Ctrl-C."""
     given = {k: v for k, v in flags.items() if v is not None}
     if status_endpoint is not None:
+        ignored = sorted(set(given) - {"auth_keys"}) + (["demo"] if demo else []) + (["config"] if config_path else [])
+        if ignored:  # else they would be dropped without a word
+            flags = ", ".join("--" + name.replace("_", "-") for name in ignored)
+            raise click.UsageError(f"--status reads a running cluster and takes only --auth-keys, not {flags}")
         print_status(status_endpoint, given.get("auth_keys"))
         return
     try:
@@ -266,6 +270,8 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
     if config.join is not None:
         if config_path:
             raise click.UsageError("--config applies to the router node: a group node (--join) takes the cluster's")
+        if demo:
+            raise click.UsageError("--demo runs on the router node: a group node (--join) takes no prompts itself")
         sys.exit(run_group_node(given))
     name_process("pdserve-launch")
     # The router's lines (groups ready, joining, leaving, restarting; refused clients) read as the ranks' do.

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """launch.py with ``args``, on a free port unless they name one: a cluster left running on
     the default port must not turn each mistake below into "address already in use"."""
-    port = [] if "--port" in args else ["--port", str(free_port())]
+    port = [] if "--port" in args or "--status" in args else ["--port", str(free_port())]
     return subprocess.run(
         [sys.executable, "launch.py", *args, *port], cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
@@ -209,6 +209,9 @@ def test_text_serving_needs_a_tokenizer(flag: tuple[str, ...], tiny_model_dirs: 
         (("--devices", "zero"), "comma-separated GPU ids"),
         (("--max-model-lenn", "5"), "--max-model-len"),
         (("--demo", "--demo-max-tokens", "0"), "--demo-max-tokens"),  # not after the cluster started
+        # Flags a mode of the command would drop without a word.
+        (("--status", "tcp://127.0.0.1:1", "--prefill-tp", "2"), "takes only --auth-keys, not --prefill-tp"),
+        (("--join", "127.0.0.1:1", "--role", "prefill", "--demo"), "--demo runs on the router node"),
         # vLLM habits: the error says what to type instead.
         (("serve", "demo"), "There is no 'serve' subcommand: pdserve --model MODEL"),
         (("--model", "demo", "--tensor-parallel-size", "2"), "--prefill-tp, --decode-tp, --colocated-tp"),

@@ -835,6 +835,12 @@ def main(
             if mid_line:
                 click.echo(err=True)
             raise click.ClickException(_as_typed(e, sampling)) from None
+        except KeyboardInterrupt:
+            # The shell's status for Ctrl-C, not click's "Aborted!" and 1; leaving the with block
+            # aborts the request in the cluster.
+            if mid_line:
+                click.echo(err=True)
+            raise SystemExit(130) from None
 
 
 def _as_typed(error: ClusterError | ClusterUnavailable, options: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -369,6 +370,44 @@ def test_client_cli_errors_are_readable(busy_port: int) -> None:
         refused = client("hi", "--endpoint", f"localhost:{busy_port}", "--timeout", timeout)
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
         assert "must be a positive number of seconds (inf: no limit)" in refused.stderr, refused.stderr
+
+
+def test_ctrl_c_on_the_client_aborts_its_request_and_exits_130() -> None:
+    """It printed click's "Aborted!" and exited 1. A stand-in router takes the request and never
+    answers, so Ctrl-C comes while the client waits for its first token."""
+    import zmq
+
+    from pdserve.cluster.protocol import decode
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cluster.client", "hi", "--endpoint", str(port)],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal
+    )
+    try:
+        seen: list[str] = []
+
+        def next_message() -> Any:
+            assert router.poll(60_000), f"no message from the client; saw {seen}"
+            message = decode(router.recv_multipart()[-1])
+            seen.append(message.type)
+            return message
+
+        while (sent := next_message()).type != "generate":
+            pass
+        process.send_signal(signal.SIGINT)
+        while (aborted := next_message()).type != "abort":
+            pass
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+        router.close()
+    assert aborted.request_id == sent.request_id
+    assert process.returncode == 130 and "Traceback" not in err and "Aborted" not in err, err
 
 
 def test_a_client_without_the_clusters_keys_is_told_of_them(tmp_path: Path) -> None:

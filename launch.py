@@ -255,24 +255,24 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
     if status_endpoint is not None:
         ignored = sorted(set(given) - {"auth_keys"}) + (["demo"] if demo else []) + (["config"] if config_path else [])
         if ignored:  # else they would be dropped without a word
-            flags = ", ".join("--" + name.replace("_", "-") for name in ignored)
-            raise click.UsageError(f"--status reads a running cluster and takes only --auth-keys, not {flags}")
+            named = ", ".join("--" + name.replace("_", "-") for name in ignored)
+            raise click.UsageError(f"--status reads a running cluster and takes only --auth-keys, not {named}")
         print_status(status_endpoint, given.get("auth_keys"))
         return
     try:
         config = ClusterConfig.from_preset(config_path, **given) if config_path else ClusterConfig.from_settings(given)
     except (TypeError, ValueError) as e:
         raise click.UsageError(_as_typed(str(e), given, preset=config_path is not None)) from None
-    if demo and "log_stats_interval" not in given:  # its lines would break into the streamed answers
-        config = dataclasses.replace(config, log_stats_interval=0.0)
-    if demo:
-        config = _demo_devices(config)
     if config.join is not None:
         if config_path:
             raise click.UsageError("--config applies to the router node: a group node (--join) takes the cluster's")
         if demo:
             raise click.UsageError("--demo runs on the router node: a group node (--join) takes no prompts itself")
         sys.exit(run_group_node(given))
+    if demo:
+        if "log_stats_interval" not in given:  # its lines would break into the streamed answers
+            config = dataclasses.replace(config, log_stats_interval=0.0)
+        config = _demo_devices(config)
     name_process("pdserve-launch")
     # The router's lines (groups ready, joining, leaving, restarting; refused clients) read as the ranks' do.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")

@@ -86,7 +86,7 @@ from pdserve.cluster.client import (
     AsyncClient,
     ClusterError,
     ClusterUnavailable,
-    normalize_endpoint,
+    endpoint_option,
 )
 from pdserve.cluster.protocol import Chunk
 
@@ -937,13 +937,6 @@ def config_from_options(rate: str | None, rates: str | None, long_len: str, **op
         raise click.UsageError(str(e)) from None
 
 
-def _endpoint_option(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    try:
-        return normalize_endpoint(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-
-
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option(
     "--backend",
@@ -951,7 +944,7 @@ def _endpoint_option(ctx: click.Context, param: click.Parameter, value: str) -> 
     default="zmq",
     help="zmq: the cluster's own protocol at --endpoint; openai: an OpenAI-compatible server at --base-url.",
 )
-@click.option("--endpoint", default=DEFAULT_ENDPOINT, callback=_endpoint_option, help="The cluster's client endpoint.")
+@click.option("--endpoint", default=DEFAULT_ENDPOINT, callback=endpoint_option, help="The cluster's client endpoint.")
 @click.option("--base-url", default=DEFAULT_BASE_URL, help="openai: the server's URL (with or without /v1).")
 @click.option(
     "--model-name", default=None, help="openai: the 'model' of each request [default: the first of /v1/models]."

@@ -726,7 +726,8 @@ class AsyncClient:
         self.close()
 
 
-def _endpoint_option(ctx: click.Context, param: click.Parameter, value: str) -> str:
+def endpoint_option(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """A click callback: ``--endpoint`` normalized, or a usage error saying which forms it takes."""
     try:
         return normalize_endpoint(value)
     except ValueError as e:
@@ -760,7 +761,7 @@ class Seconds(click.ParamType):
     "--endpoint",
     default=DEFAULT_ENDPOINT,
     show_default=True,
-    callback=_endpoint_option,
+    callback=endpoint_option,
     help="The cluster's client endpoint: tcp://HOST:PORT, HOST:PORT or PORT.",
 )
 @click.option("--max-tokens", default=64, show_default=True, type=int, help="Most tokens to generate.")

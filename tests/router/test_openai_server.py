@@ -35,10 +35,12 @@ from pdserve.bench.compare import LaunchedCluster
 from pdserve.cluster.client import Client, ClusterError, ClusterUnavailable, Final
 from pdserve.cluster.group import free_port
 from pdserve.cluster.protocol import Chunk, Error, GroupInfo, Stats
+from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.tokenization import encode_chat, encode_prompt
 from pdserve.router.openai_api import APIError, ChatRequest, Prompt, parse_request
 from pdserve.router.openai_server import Frontend, RepeatLimit
 from pdserve.router.stop_strings import StopStringMatcher
+from pdserve.tests.cluster.helpers import oracle
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 512
@@ -1211,10 +1213,22 @@ def test_the_launcher_logs_throughput_and_load_while_the_cluster_works(served: S
 
 
 @pytest.mark.slow
-def test_official_client_gets_the_zmq_clients_greedy_text(served: Served) -> None:
+def test_official_client_gets_the_zmq_clients_greedy_text(served: Served, demo_model_dir: Path) -> None:
+    """The ZMQ client's greedy answers are the single engine's; every HTTP route gives their text."""
     raw = zmq_greedy(served, TEXT_PROMPT, chat=False, max_tokens=8)
     chat = zmq_greedy(served, QUESTION, chat=True, max_tokens=8)
     ids = zmq_greedy(served, token_ids=[1, 504, 3458, 314], max_tokens=8)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    prompts = [
+        encode_prompt(tokenizer, TEXT_PROMPT, chat=False),
+        encode_prompt(tokenizer, QUESTION),
+        [1, 504, 3458, 314],
+    ]
+    expected = oracle(demo_model_dir, prompts, [SamplingParams(max_tokens=8, temperature=0.0)] * 3)
+    assert [raw.token_ids, chat.token_ids, ids.token_ids] == expected
+    assert [f.usage["prompt_tokens"] for f in (raw, chat, ids)] == [len(p) for p in prompts]
     assert raw.text and chat.text and ids.text
     client = served.client
 

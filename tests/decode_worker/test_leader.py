@@ -16,7 +16,7 @@ import zmq
 
 from pdserve.cluster.config import Addresses
 from pdserve.cluster.datagrams import DatagramInbox
-from pdserve.cluster.protocol import Abort, KVAnnounce, KVReply, Message, Sampling, decode
+from pdserve.cluster.protocol import Abort, KVAnnounce, KVReply, Message, Sampling, WorkerError, decode
 from pdserve.decode_worker import leader as leader_module
 from pdserve.decode_worker.leader import DecodeLeader
 from pdserve.engine.config import CacheConfig, EngineConfig
@@ -40,6 +40,7 @@ class StandInTransfers:
         self.sources: dict[str, list[int]] = {}  # the prefill blocks named in each receive
         self.landed: set[str] = set()
         self.unformed: list[int] = []  # prefill groups whose pair is still forming
+        self.dropped: list[int] = []  # prefill groups given up (dead)
 
     def connected(self, peer_group: int) -> bool:
         return True
@@ -72,6 +73,9 @@ class StandInTransfers:
     def discard(self, request_id: str) -> None:
         self.posted.pop(request_id, None)
 
+    def drop(self, peer_group: int) -> None:
+        self.dropped.append(peer_group)
+
     def reconnect(self, peer_group: int, generation: int) -> None:
         pass
 
@@ -85,6 +89,16 @@ class Setup:
     engine: LLMEngine
     transfers: Any  # StandInTransfers, or a real agent
     prefill_inboxes: list[zmq.Socket]  # prefill groups 0 and 1
+    router_inbox: zmq.Socket
+
+    def worker_errors(self) -> list[tuple[str, str]]:
+        """The (request, code) of every ``WorkerError`` the leader sent the router so far."""
+        errors = []
+        while self.router_inbox.poll(200):
+            message = decode(self.router_inbox.recv())
+            if isinstance(message, WorkerError):
+                errors.append((message.request_id, message.code))
+        return errors
 
     def replies(self, prefill_group: int = 0) -> list[Message]:
         """What the leader sent the prefill group so far."""
@@ -143,7 +157,7 @@ def leader_setup(
         inbox.bind(addresses.leader("prefill", group))
     leader = DecodeLeader(0, addresses, engine, transfers, kv_lease_timeout, prefill_generations=[0, 0])
     try:
-        yield Setup(leader, engine, transfers, prefill_inboxes)
+        yield Setup(leader, engine, transfers, prefill_inboxes, router_inbox)
     finally:
         leader.close()
         router_inbox.close(linger=0)
@@ -373,6 +387,8 @@ def test_a_receive_given_up_on_the_leader_lets_go_of_the_peers_parts(
         assert setup.free_blocks() == NUM_BLOCKS and not setup.engine.has_unfinished()
         assert agent.staging_bytes() == 0
         assert peer.staging_bytes() == 0, "the peer still holds its part"
+        # A failed one goes back to the router, which moves it; an aborted one was its own doing.
+        assert setup.worker_errors() == ([] if ending == "abort" else [("r", "kv_transfer_failed")])
 
 
 def test_a_pulled_receive_whose_lease_expires_frees_the_prefill_blocks(
@@ -389,6 +405,7 @@ def test_a_pulled_receive_whose_lease_expires_frees_the_prefill_blocks(
         setup.leader.background()
         assert setup.replies() == [KVReply("r", accepted=True)]
         assert setup.free_blocks() == NUM_BLOCKS and "r" not in transfers.posted
+        assert setup.worker_errors() == [("r", "kv_lease_expired")]
 
 
 def test_an_announce_of_a_dead_prefill_generation_is_dropped(setup: Setup) -> None:
@@ -498,3 +515,34 @@ def test_a_prefill_leader_on_the_node_gets_its_replies_as_datagrams(setup: Setup
         assert setup.replies(1) == [KVReply("s", accepted=True)]
     finally:
         datagrams.close()
+
+
+def test_an_announce_this_group_cannot_serve_is_refused_and_the_router_told(setup: Setup) -> None:
+    """A prompt past this group's own limits (here its model length, which may be shorter than
+    the prefill group's) is refused (the prefill side frees its KV), nothing is reserved, and
+    the router ends the request with the reason."""
+    setup.announce("long", list(range(1, 201)))  # 200 tokens, past max_model_len 128
+    assert setup.replies() == [KVReply("long", accepted=False)]
+    assert setup.worker_errors() == [("long", "invalid_request")]
+    assert setup.free_blocks() == NUM_BLOCKS and setup.transfers.posted == {}
+    setup.announce("fits")
+    assert setup.replies() == [KVReply("fits", accepted=True)]
+
+
+def test_a_dead_prefill_groups_receives_are_freed_and_the_others_go_on(setup: Setup) -> None:
+    """A prefill group fails: the blocks reserved for its receives are freed at once (the KV will
+    never come), a late landing of one changes nothing, and another group's receive is admitted
+    and decoded."""
+    setup.announce("gone", prefill_group=0)
+    setup.announce("kept", prefill_group=1)
+    assert setup.free_blocks() == NUM_BLOCKS - 6
+    setup.leader.peer_failed(0)
+    assert setup.transfers.dropped == [0]
+    assert setup.free_blocks() == NUM_BLOCKS - 3
+    setup.transfers.land("gone")
+    setup.transfers.land("kept")
+    setup.leader.background()
+    assert set(setup.engine.requests) == {"kept"}
+    assert len(setup.decode_all()) == 7  # after the first token, which came from prefill
+    assert setup.free_blocks() == NUM_BLOCKS and not setup.leader.receiving
+    assert setup.worker_errors() == []  # the router moves the dead group's requests itself

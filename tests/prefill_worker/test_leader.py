@@ -8,14 +8,14 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import zmq
 
 from pdserve.cluster import leader as group_leader
 from pdserve.cluster.config import Addresses
-from pdserve.cluster.protocol import KVAnnounce, KVReply, Sampling, Shutdown, WorkRequest, decode
+from pdserve.cluster.protocol import Abort, KVAnnounce, KVReply, Sampling, Shutdown, WorkerError, WorkRequest, decode
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvtransfer.agent import KVTransferAgent
@@ -53,9 +53,15 @@ class FrozenClock:
         return self.now
 
 
+class Rig(NamedTuple):
+    prefill: PrefillLeader
+    inboxes: dict[int, zmq.Socket]  # by decode group
+    router: zmq.Socket  # the router's inbox
+
+
 @pytest.fixture
 def leader(tmp_path: Path, tiny_model_dirs: dict[str, Path]) -> Iterator[tuple[PrefillLeader, zmq.Socket]]:
-    with leader_setup(tmp_path, tiny_model_dirs, StandInTransfers()) as (prefill, inboxes):
+    with leader_setup(tmp_path, tiny_model_dirs, StandInTransfers()) as (prefill, inboxes, _):
         yield prefill, inboxes[0]
 
 
@@ -67,8 +73,9 @@ def leader_setup(
     decode_groups: tuple[int, ...] = (0,),
     num_blocks: int = 32,
     kv_lease_timeout: float = float("inf"),
-) -> Iterator[tuple[PrefillLeader, dict[int, zmq.Socket]]]:
-    """A prefill leader (tiny model, CPU) over ``transfers``, and the inboxes of ``decode_groups``."""
+) -> Iterator[Rig]:
+    """A prefill leader (tiny model, CPU) over ``transfers``, the inboxes of ``decode_groups`` and
+    the router's."""
     engine = LLMEngine(
         EngineConfig(
             model=str(tiny_model_dirs["tiny-llama"]),
@@ -87,7 +94,7 @@ def leader_setup(
         sock.bind(addresses.leader("decode", g))
     prefill = PrefillLeader(0, addresses, engine, transfers, kv_lease_timeout)
     try:
-        yield prefill, inboxes
+        yield Rig(prefill, inboxes, router_inbox)
     finally:
         prefill.close()
         router_inbox.close(linger=0)
@@ -193,6 +200,9 @@ class Backend:
     def connected(self) -> bool:
         return self.up
 
+    def abandon(self) -> None:
+        self.up = False
+
     def close(self) -> None:
         pass
 
@@ -206,7 +216,7 @@ def test_a_handoff_larger_than_the_staging_bound_is_not_starved_by_another_group
     clock = FrozenClock()
     monkeypatch.setattr(prefill_leader, "time", clock)
     backends = {0: Backend(), 1: Backend()}
-    with two_decode_groups(tmp_path, tiny_model_dirs, backends) as (prefill, inboxes):
+    with two_decode_groups(tmp_path, tiny_model_dirs, backends) as (prefill, inboxes, _):
         prefilled(prefill, "s0", 10, 1)
         prefill.background()
         assert _announced(inboxes[1]) == ["s0"]
@@ -232,7 +242,7 @@ def test_a_decode_group_whose_pair_is_forming_holds_back_only_its_own_handoffs(
     """A decode group that just joined (or restarted) is not connected until its pair forms: its
     handoffs wait, and those to the other decode groups go meanwhile."""
     backends = {0: Backend(connected=False), 1: Backend()}
-    with two_decode_groups(tmp_path, tiny_model_dirs, backends) as (prefill, inboxes):
+    with two_decode_groups(tmp_path, tiny_model_dirs, backends) as (prefill, inboxes, _):
         prefilled(prefill, "to-joining", 10, 0)
         prefilled(prefill, "to-ready", 10, 1)
         prefill.background()
@@ -243,9 +253,7 @@ def test_a_decode_group_whose_pair_is_forming_holds_back_only_its_own_handoffs(
 
 
 @contextlib.contextmanager
-def two_decode_groups(
-    tmp_path: Path, tiny_model_dirs: dict[str, Path], backends: dict[int, Backend]
-) -> Iterator[tuple[PrefillLeader, dict[int, zmq.Socket]]]:
+def two_decode_groups(tmp_path: Path, tiny_model_dirs: dict[str, Path], backends: dict[int, Backend]) -> Iterator[Rig]:
     """A prefill leader over a real agent (staging bound 500 bytes) to decode groups 0 and 1."""
     agent = KVTransferAgent(backends, max_staging_bytes=500)  # type: ignore[arg-type]
     with leader_setup(tmp_path, tiny_model_dirs, agent, (0, 1), num_blocks=64, kv_lease_timeout=30.0) as setup:
@@ -264,7 +272,7 @@ def test_a_handed_off_request_leaves_no_state_behind(tmp_path: Path, tiny_model_
     """Once its KV has moved, nothing of a request stays on the prefill leader: a long-running
     group would otherwise grow by an entry per request it served."""
     backends = {0: Backend(), 1: Backend()}
-    with two_decode_groups(tmp_path, tiny_model_dirs, backends) as (prefill, inboxes):
+    with two_decode_groups(tmp_path, tiny_model_dirs, backends) as (prefill, inboxes, _):
         prefilled(prefill, "r", 10, 0)
         prefill.background()
         assert _announced(inboxes[0]) == ["r"]
@@ -282,7 +290,7 @@ def test_handoffs_announced_and_not_yet_sending_count_against_the_staging_bound(
     not both be announced in one go, or once both are accepted 600 bytes are packed against a
     bound of 500. The second goes once the first one's send has drained."""
     backends = {0: Backend(), 1: Backend()}
-    with two_decode_groups(tmp_path, tiny_model_dirs, backends) as (prefill, inboxes):
+    with two_decode_groups(tmp_path, tiny_model_dirs, backends) as (prefill, inboxes, _):
         prefilled(prefill, "a", 40, 0)  # three blocks: 300 bytes
         prefilled(prefill, "b", 40, 1)
         prefill.background()
@@ -293,3 +301,99 @@ def test_handoffs_announced_and_not_yet_sending_count_against_the_staging_bound(
         backends[0].sends[0].landed = True
         prefill.background()
         assert _announced(inboxes[1]) == ["b"]
+
+
+def worker_errors(router: zmq.Socket) -> list[tuple[str, str]]:
+    """The (request, code) of every ``WorkerError`` the leader sent the router so far."""
+    errors = []
+    while router.poll(200):
+        message = decode(router.recv())
+        if isinstance(message, WorkerError):
+            errors.append((message.request_id, message.code))
+    return errors
+
+
+def leaves_nothing(prefill: PrefillLeader) -> bool:
+    return prefill.engine.stats().free_blocks == 64 and not (
+        prefill.work or prefill.to_announce or prefill.announced or prefill.sending or prefill.engine.has_unfinished()
+    )
+
+
+@pytest.mark.parametrize("where", ["prefilling", "queued", "announced-refused", "announced-accepted", "sending"])
+def test_an_abort_frees_the_kv_wherever_the_request_is(
+    tmp_path: Path, tiny_model_dirs: dict[str, Path], where: str
+) -> None:
+    """An abort frees the request's blocks: at once while it is prefilling or waits to be
+    announced; once the decode group's reply comes if it was announced (an accepted one is still
+    sent, as the decode side posted its receive); once its send lands if it was sending. No
+    announce follows an abort, and the router hears no error (the abort was its own)."""
+    backends = {0: Backend(connected=where != "queued"), 1: Backend()}
+    with two_decode_groups(tmp_path, tiny_model_dirs, backends) as (prefill, inboxes, router):
+        if where == "prefilling":
+            prefill.handle(WorkRequest("r", list(range(1, 41)), Sampling(max_tokens=8), 0))
+            prefill.handle(Abort("r"))
+            while prefill.engine.has_unfinished():
+                prefill.send_outputs(prefill.engine.step())
+        else:
+            prefilled(prefill, "r", 40, 0)  # three blocks
+            prefill.background()
+            if where != "queued":
+                assert _announced(inboxes[0]) == ["r"]
+            if where == "sending":
+                prefill.handle(KVReply("r", True))
+            prefill.handle(Abort("r"))
+            if where.startswith("announced"):
+                assert prefill.engine.stats().free_blocks == 61  # the decode group may be pulling them
+                prefill.handle(KVReply("r", where == "announced-accepted"))
+            if backends[0].sends:
+                assert prefill.engine.stats().free_blocks == 61  # still being sent
+                backends[0].sends[0].landed = True
+            assert len(backends[0].sends) == (where in ("announced-accepted", "sending"))
+        prefill.background()
+        assert leaves_nothing(prefill)
+        assert _announced(inboxes[0]) == []
+        assert worker_errors(router) == []
+
+
+def test_a_dead_decode_groups_handoffs_are_freed_and_the_others_go_on(
+    tmp_path: Path, tiny_model_dirs: dict[str, Path]
+) -> None:
+    """A decode group fails: the KV held for it, announced or still queued, is freed at once (no
+    reply will come), a late reply from it changes nothing, and handoffs to other groups go on."""
+    backends = {0: Backend(), 1: Backend()}
+    with two_decode_groups(tmp_path, tiny_model_dirs, backends) as (prefill, inboxes, router):
+        prefilled(prefill, "other", 10, 1)  # one block, 100 bytes
+        prefilled(prefill, "announced", 40, 0)  # three blocks
+        prefilled(prefill, "queued", 40, 0)  # three more would pass the 500-byte bound: it waits
+        prefill.background()
+        assert _announced(inboxes[0]) == ["announced"] and _announced(inboxes[1]) == ["other"]
+        assert [h.announce.request_id for h in prefill.to_announce] == ["queued"]
+        prefill.peer_failed(0)
+        assert prefill.engine.stats().free_blocks == 63  # only "other" holds its block
+        prefill.handle(KVReply("announced", True))  # read after the failure: ignored
+        assert backends[0].sends == []
+        prefill.handle(KVReply("other", True))
+        backends[1].sends[0].landed = True
+        prefill.background()
+        assert leaves_nothing(prefill)
+        assert worker_errors(router) == []  # the router moves the dead group's requests itself
+
+
+def test_kv_no_decode_group_takes_is_freed_when_its_lease_ends(
+    tmp_path: Path, tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KV that waits to be announced (here its decode group's pair never forms) is held for the
+    lease, then freed; the router hears ``kv_lease_expired`` and decides what becomes of it."""
+    clock = FrozenClock()
+    monkeypatch.setattr(prefill_leader, "time", clock)
+    backends = {0: Backend(connected=False), 1: Backend()}
+    with two_decode_groups(tmp_path, tiny_model_dirs, backends) as (prefill, inboxes, router):
+        prefilled(prefill, "r", 40, 0)
+        prefill.background()
+        clock.now += 29.0  # within the 30 s lease
+        prefill.background()
+        assert prefill.engine.stats().free_blocks == 61 and worker_errors(router) == []
+        clock.now += 2.0
+        prefill.background()
+        assert worker_errors(router) == [("r", "kv_lease_expired")]
+        assert leaves_nothing(prefill) and _announced(inboxes[0]) == []

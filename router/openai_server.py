@@ -333,10 +333,17 @@ class Frontend:
         return JSONResponse(error.body(), status_code=status, headers=headers)
 
     def internal_error_response(self, error: Exception) -> JSONResponse:
+        return JSONResponse(self._internal_error(error).body(), status_code=500)
+
+    def _internal_error_event(self, error: Exception) -> bytes:
+        """A stream's last events after a fault of this server's own: its status is sent already."""
+        return _event(self._internal_error(error).body()) + DONE
+
+    def _internal_error(self, error: Exception) -> APIError:
+        """A fault of this server's own (a bug), logged with its traceback and counted."""
         logger.exception("internal error")
         self.metrics.observe_error("internal_error")
-        body = APIError(500, f"internal error: {type(error).__name__}: {error}", "internal_error").body()
-        return JSONResponse(body, status_code=500)
+        return APIError(500, f"internal error: {type(error).__name__}: {error}", "internal_error")
 
     def _model_card(self, name: str) -> dict[str, Any]:
         return {
@@ -546,6 +553,9 @@ class Frontend:
             self.metrics.observe_error(error.code)
             yield _event(error.body()) + DONE
             return
+        except Exception as error:  # the stream still ends with an error and [DONE], not cut off
+            yield self._internal_error_event(error)
+            return
         tail = b""
         if gen.include_usage:
             tail = _event(gen.usage_chunk(*_total_usage(runs, gen.n)))
@@ -633,6 +643,9 @@ class Frontend:
         except APIError as error:  # the status is sent: the error goes in the stream, as OpenAI does
             self.metrics.observe_error(error.code)
             yield _event(error.body()) + DONE
+            return
+        except Exception as error:  # the stream still ends with an error and [DONE], not cut off
+            yield self._internal_error_event(error)
             return
         outcome = run.ended()
         tail = _event(

@@ -607,6 +607,60 @@ def test_a_request_the_cluster_stops_answering_counts_once_as_an_error(demo_mode
     assert counters == {("pdserve:request_error_total", (("reason", "cluster_unavailable"),)): 1.0}, counters
 
 
+class FailingChoiceCluster:
+    """A cluster client whose requests each send a token; then choice 1 of several (or the one
+    request) meets ``fault`` while the others wait for more."""
+
+    def __init__(self, fault: Exception, n: int) -> None:
+        self.fault = fault
+        self.n = n
+        self.cancelled: list[str] = []
+
+    async def stream(self, request_id: str, **_: Any) -> Any:
+        yield Chunk(request_id, [7], "a")
+        if self.n == 1 or request_id.endswith("-1"):
+            raise self.fault
+        await asyncio.Event().wait()
+
+    async def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("fault", ["cluster", "bug"])
+def test_a_choice_that_fails_ends_the_response_with_its_error_and_aborts_the_others(
+    demo_model_dir: Path, fault: str, stream: bool, n: int
+) -> None:
+    """A failure in one choice mid-run (the cluster's error, or a fault of the front end's own):
+    a whole response gets the error's status (500 for the front end's own, with its body); a
+    stream, whose 200 went out with its first chunk, ends with the error event and ``[DONE]``,
+    never cut off. Every other choice is aborted in the cluster (its KV freed), and so is the
+    failing one where the cluster did not end it itself; the error is counted once."""
+    frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), served_model_name=MODEL)
+    frontend.max_model_len = MAX_MODEL_LEN
+    error = ClusterError(Error("x", "worker_failed", "decode group 0 failed")) if fault == "cluster" else KeyError("x")
+    cluster = frontend.client = FailingChoiceCluster(error, n)  # type: ignore[assignment]
+    request = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4, "n": n, "stream": stream}
+    sent = completions_call(frontend, request, client_leaves_after=None)
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
+    code, status = ("worker_failed", 503) if fault == "cluster" else ("internal_error", 500)
+    if stream:
+        assert sent[0]["status"] == 200 and body.endswith("\n\ndata: [DONE]\n\n"), body
+        last = json.loads(body.split("data: ")[-2])
+    else:
+        assert sent[0]["status"] == status
+        last = json.loads(body)
+    assert last["error"]["code"] == code and last["error"]["type"] == "server_error", last
+    # Choices by their index (the request id's suffix); the one request of n=1 as "only".
+    aborted = {c.rsplit("-", 1)[-1] if n > 1 else "only" for c in cluster.cancelled}
+    failing = "1" if n > 1 else "only"
+    assert aborted == ({"0", "2"} if n > 1 else set()) | ({failing} if fault == "bug" else set())
+    assert frontend.in_flight == 0
+    errors = {k: v for k, v in counter_samples(frontend).items() if v and k[0] == "pdserve:request_error_total"}
+    assert errors == {("pdserve:request_error_total", (("reason", code),)): 1.0}, errors
+
+
 class StatsOnlyCluster:
     """A cluster client that answers only ``stats``: ready, of ``vocab_size`` token ids."""
 

@@ -36,13 +36,12 @@ def setting(
     choices: tuple[str, ...] | None = None,
     default_text: str | None = None,
     key: str | None = None,
-    default_factory: Any = dataclasses.MISSING,
 ) -> Any:
     """A user-facing field: its help text, the ``--help`` section it shows in, its choices, how
     to show a default that is not a plain value (``default_text``), and its flat key when that
     is not the subtree's prefix + the field's name."""
     metadata = {"help": help, "section": section, "choices": choices, "default_text": default_text, "key": key}
-    return field(default=default, default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def subtree(factory: Any, prefix: str = "") -> Any:

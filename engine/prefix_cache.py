@@ -97,7 +97,6 @@ class PrefixCacheStats:
     pinned_blocks: int  # cached blocks locked by at least one request
     hit_tokens: int  # tokens of match queries served from the cache
     miss_tokens: int  # tokens of match queries not served
-    inserted_blocks: int
     evicted_blocks: int
 
     @property
@@ -127,7 +126,6 @@ class PrefixCache:
         self._num_pinned = 0
         self._hit_tokens = 0
         self._miss_tokens = 0
-        self._inserted = 0
         self._evicted = 0
 
     # -- queries -------------------------------------------------------------------------------
@@ -152,7 +150,6 @@ class PrefixCache:
             pinned_blocks=self._num_pinned,
             hit_tokens=self._hit_tokens,
             miss_tokens=self._miss_tokens,
-            inserted_blocks=self._inserted,
             evicted_blocks=self._evicted,
         )
 
@@ -306,7 +303,6 @@ class PrefixCache:
         self._owner[block_id] = child
         self._evictable_leaves.discard(parent)
         self._evictable_leaves.add(child)
-        self._inserted += 1
         self._emit("insert", child, parent)
         return child
 

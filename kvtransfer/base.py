@@ -58,10 +58,6 @@ class TransferStats:
         end.synchronize()
         return start.elapsed_time(end) / 1e3
 
-    @property
-    def gbps(self) -> float:
-        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-
 
 @dataclass(frozen=True)
 class TransferConfig:

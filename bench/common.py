@@ -364,6 +364,21 @@ def time_steps(fn: Callable[[], Any], device: torch.device, warmup: int, iters: 
     return [s.elapsed_time(e) for s, e in events]
 
 
+def time_once(fn: Callable[[], Any], device: torch.device) -> float:
+    """Milliseconds of one call of ``fn``: between two events on the current stream on CUDA
+    (its kernels and the launch gaps between them), wall time on CPU."""
+    if device.type != "cuda":
+        started = time.perf_counter()
+        fn()
+        return (time.perf_counter() - started) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def summary(times_ms: Sequence[float]) -> dict[str, float]:
     """Median (the reported number), min and max of per-call times."""
     return {"median_ms": statistics.median(times_ms), "min_ms": min(times_ms), "max_ms": max(times_ms)}
@@ -397,12 +412,15 @@ def metadata(device: torch.device, command: str, **extra: Any) -> dict[str, Any]
     }
 
 
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain-text table, columns right-aligned except the first."""
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool = False, labels: int = 1) -> str:
+    """Plain text or Markdown; the first ``labels`` columns left-aligned, the numbers right-aligned."""
+    if markdown:
+        rule = ["---"] * labels + ["---:"] * (len(headers) - labels)
+        return "\n".join("| " + " | ".join(cells) + " |" for cells in (headers, rule, *rows))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(c.ljust(w) if i < labels else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
     return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 

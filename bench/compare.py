@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 
 import click
 
-from pdserve.bench.common import write_json
+from pdserve.bench.common import format_table, write_json
 from pdserve.bench.metrics import tpot
 from pdserve.bench.serve import (
     TABLE_HEADERS,
@@ -59,7 +59,6 @@ from pdserve.bench.serve import (
     RequestSpec,
     config_from_options,
     failure_summary,
-    format_table,
     load_options,
     metrics_row,
     point_requests,

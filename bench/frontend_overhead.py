@@ -39,14 +39,13 @@ from typing import Any
 
 import click
 
-from pdserve.bench.common import parse_ints, write_json
+from pdserve.bench.common import format_table, parse_ints, write_json
 from pdserve.bench.metrics import compute_metrics
 from pdserve.bench.serve import (
     DEFAULT_BASE_URL,
     BenchConfig,
     OpenAIBackend,
     build_requests,
-    format_table,
     run_requests,
     vocab_size_of,
 )

@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from pdserve.bench.common import bit_pattern, write_json
+from pdserve.bench.common import bit_pattern, time_once, write_json
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.datagrams import DatagramOutbox
 from pdserve.cluster.group import RankProcesses, free_port
@@ -93,19 +93,6 @@ def _pool(model: ModelConfig, num_blocks: int, device: str, dtype: torch.dtype) 
 def _blocks(count: int, num_blocks: int, seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randperm(num_blocks, generator=gen)[:count].tolist()
-
-
-def _event_ms(fn: Any, device: torch.device) -> float:
-    if device.type != "cuda":
-        started = time.perf_counter()
-        fn()
-        return (time.perf_counter() - started) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def _rank(rank: int, port: int, options: dict[str, Any], run_dir: str, result_path: str) -> None:
@@ -183,7 +170,7 @@ def _prompt_stand_in(device: torch.device) -> Callable[[float], None]:
         return compute
     cycles = 10_000_000
     torch.cuda._sleep(cycles)  # the first launch loads the kernel
-    cycles_per_ms = cycles / _event_ms(lambda: torch.cuda._sleep(cycles), device)
+    cycles_per_ms = cycles / time_once(lambda: torch.cuda._sleep(cycles), device)
 
     def run(ms: float) -> None:
         if ms > 0:
@@ -234,7 +221,7 @@ def _decode(
         moved = agent.wait(transfer_id)
         if i == 0 and not torch.equal(bit_pattern(pool[:, :, dst]), bit_pattern(source[:, :, src])):
             raise AssertionError("the pulled blocks differ from the prefill pool's")
-        copy_ms = _event_ms(lambda: b.copy_(a), device)
+        copy_ms = time_once(lambda: b.copy_(a), device)
         if i >= options["warmup"]:
             pulls.append(moved.seconds * 1e3)
             copies.append(copy_ms)

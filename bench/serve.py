@@ -79,7 +79,7 @@ from typing import Any
 import click
 from tqdm import tqdm
 
-from pdserve.bench.common import log_axis, pyplot, save_figure, write_json
+from pdserve.bench.common import format_table, log_axis, pyplot, save_figure, write_json
 from pdserve.bench.metrics import RequestRecord, compute_metrics, duration, e2e, itls, percentile, tpot, ttft
 from pdserve.cluster.client import (
     DEFAULT_ENDPOINT,
@@ -698,19 +698,6 @@ def metrics_row(metrics: dict[str, Any]) -> list[str]:
 
 def point_row(point: dict[str, Any]) -> list[str]:
     return [rate_label(point["rate"], point["concurrency"]), *metrics_row(point["metrics"])]
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool = False, labels: int = 1) -> str:
-    """Plain text or Markdown; the first ``labels`` columns left-aligned, the numbers right-aligned."""
-    if markdown:
-        rule = ["---"] * labels + ["---:"] * (len(headers) - labels)
-        return "\n".join("| " + " | ".join(cells) + " |" for cells in (headers, rule, *rows))
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i < labels else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
 def results_table(points: Sequence[dict[str, Any]]) -> str:

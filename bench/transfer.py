@@ -84,7 +84,7 @@ import torch.distributed as dist
 import zmq
 from tqdm import tqdm
 
-from pdserve.bench.common import bit_pattern
+from pdserve.bench.common import bit_pattern, format_table, parse_ints, time_once
 from pdserve.cluster.group import RankProcesses, free_port, join_world
 from pdserve.cluster.protocol import KVAnnounce, KVReply, Sampling
 from pdserve.cluster.protocol import decode as decode_message
@@ -374,17 +374,9 @@ class _Rank:
 
     def _time_op(self, fn: Any) -> float:
         """Milliseconds of one call of ``fn`` (CUDA events on GPU: kernel time plus launch gaps)."""
-        if self.device.type != "cuda":
-            start = time.perf_counter()
-            fn()
-            return (time.perf_counter() - start) * 1e3
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self.sync()
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end)
+        if self.device.type == "cuda":
+            self.sync()
+        return time_once(fn, self.device)
 
     def pack_times(self, blocks: list[int]) -> dict[str, float]:
         """This rank's share of the backend's extra copies, alone (no transfer running): the
@@ -776,7 +768,7 @@ def evaluate_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
+def results_table(rows: list[dict[str, Any]]) -> str:
     headers = ["case", "bytes", "ms", "GB/s", "raw GB/s", "% of raw"]
     cells = [
         [
@@ -789,12 +781,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         ]
         for r in rows
     ]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-
-    def line(items: Sequence[str]) -> str:
-        return "  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(items, widths)))
-
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(c) for c in cells)])
+    return format_table(headers, cells)
 
 
 # -- command line ---------------------------------------------------------------------------------
@@ -805,10 +792,10 @@ def _fmt(value: float | None) -> str:
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    values = tuple(int(x) for x in text.split(",") if x.strip())
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
-    return values
+    try:
+        return tuple(parse_ints(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _concurrent(text: str) -> tuple[int, int]:
@@ -948,7 +935,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "wall_s": wall_s,
     }
     result = {"metadata": metadata, "cases": rows, "targets": targets, "setup": asdict(setup)}
-    print(format_table(rows))
+    print(results_table(rows))
     sync_rows = [r for r in rows if r["kind"] == "sync"]
     if sync_rows:
         print(

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from pdserve.bench.compare import LaunchedCluster
+from pdserve.bench.soak import rank_pids
 from pdserve.cluster.client import Chunk, Client, ClusterError, ClusterGone, ClusterUnavailable, Error, Final
 from pdserve.cluster.group import free_port
 from pdserve.engine.sampling import SamplingParams
@@ -47,13 +48,7 @@ for i in range(1, len(PROMPTS), 4):
     SAMPLING[i] |= {"min_tokens": MAX_TOKENS, "stop_token_ids": list(range(0, 1000, 2))}
 
 
-def rank_pids(cluster: LaunchedCluster) -> dict[str, int]:
-    """The newest pid of every rank (``prefill0.1`` etc.), from the log lines ranks start with."""
-    found = re.findall(r" (\w+\d+\.\d+) INFO rank up: pid (\d+)", cluster.output())
-    return {name: int(pid) for name, pid in found}
-
-
-def serving(cluster: LaunchedCluster, client: Client, restarts: int) -> dict[str, dict[str, int]]:
+def serving(client: Client, restarts: int) -> dict[str, dict[str, int]]:
     """Wait until ``restarts`` restarts are done, every group is ready and reporting, and every
     block is free; the groups' stats."""
     deadline = time.monotonic() + SERVING_AGAIN_S
@@ -160,12 +155,12 @@ def test_a_failed_group_restarts_and_its_requests_finish_as_if_nothing_happened(
     far: each ends once, with the tokens of an uninterrupted run and no token repeated or
     skipped in its stream; the cluster serves again and every block is free afterwards."""
     before = client.stats().faults
-    pid = rank_pids(cluster)[victim]
+    pid = rank_pids(cluster.output())[victim]
     terminal = run_with_fault(client, lambda: os.kill(pid, getattr(signal, how)))
     errors = {i: m for i, m in terminal.items() if isinstance(m, Error)}
     assert not errors, errors
     assert [terminal[i].token_ids for i in range(len(PROMPTS))] == reference
-    serving(cluster, client, restarts=before["restarts"] + 1)
+    serving(client, restarts=before["restarts"] + 1)
     after = client.stats().faults
     # A stopped rank can hold up its pair in a blocking (gloo) transfer too: then both restart.
     assert after["group_failures"] >= before["group_failures"] + 1, after
@@ -215,7 +210,7 @@ def test_clients_learn_at_once_that_the_router_died_and_nothing_is_left_behind(c
     heartbeat timeout instead of its 120 s reply timeout, every rank exits, and the run directory
     is removed. Runs last: it ends the module's cluster."""
     run_dir = Path(re.search(r"run directory (\S+)", cluster.output()).group(1))
-    pids = list(rank_pids(cluster).values())
+    pids = list(rank_pids(cluster.output()).values())
     assert run_dir.is_dir()
     with Client(cluster.endpoint, timeout=120, heartbeat_timeout=CLIENT_HEARTBEAT_TIMEOUT) as client:
         request_id = client.submit(token_ids=[5, 6, 7], stream=True, max_tokens=400, ignore_eos=True)
@@ -336,12 +331,12 @@ def test_a_rank_whose_loop_hangs_is_ended_by_its_watchdog_and_its_group_restarts
         reference = [client.result(i).token_ids for i in ids]
         assert reference == expected
         before = client.stats().faults
-        stopped = rank_pids(cluster)["decode0.1"]
+        stopped = rank_pids(cluster.output())["decode0.1"]
         terminal = run_with_fault(client, lambda: os.kill(stopped, signal.SIGSTOP))
         errors = {i: m for i, m in terminal.items() if isinstance(m, Error)}
         assert not errors, errors
         assert [terminal[i].token_ids for i in range(len(PROMPTS))] == reference
-        serving(cluster, client, restarts=before["restarts"] + 1)
+        serving(client, restarts=before["restarts"] + 1)
         assert client.stats().faults["migrated"] > before["migrated"]
     log = cluster.output()
     assert re.search(r"decode group 0 \(generation 0\) failed: rank \d was ended by its watchdog", log), log[-4000:]
@@ -374,7 +369,7 @@ def test_a_cluster_that_gives_up_ends_every_request_with_its_error(cluster_facto
         while client.stats().requests_in_flight < 3:  # the plain request too
             assert time.monotonic() < deadline, "the non-streamed request never came in"
             time.sleep(0.1)
-        os.kill(rank_pids(cluster)["decode0.0"], signal.SIGKILL)
+        os.kill(rank_pids(cluster.output())["decode0.0"], signal.SIGKILL)
         with pytest.raises(ClusterError) as failed:
             list(chunks)
         rest = list(events)

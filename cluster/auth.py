@@ -49,17 +49,18 @@ def secure_server(socket: zmq.Socket, directory: str | Path) -> ThreadAuthentica
 
 
 def secure_client(socket: zmq.Socket, directory: str | Path, client: str = "client") -> None:
-    """Give ``socket`` (before it connects) a client's keys and the router's public key."""
+    """Give ``socket`` (before it connects) the key pair of ``client`` and the router's public key."""
     root = Path(directory)
     server_public, _ = zmq.auth.load_certificate(_existing(root / f"{SERVER}.key"))
-    public, secret = zmq.auth.load_certificate(_existing(root / CLIENTS / f"{client}.key_secret"))
+    add = f"python -m pdserve.cluster.auth {root} --client {client}"
+    public, secret = zmq.auth.load_certificate(_existing(root / CLIENTS / f"{client}.key_secret", add))
     socket.curve_serverkey = server_public
     socket.curve_publickey, socket.curve_secretkey = public, secret
 
 
-def _existing(path: Path) -> Path:
+def _existing(path: Path, make: str = "python -m pdserve.cluster.auth DIR") -> Path:
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found (make a key directory with: python -m pdserve.cluster.auth DIR)")
+        raise FileNotFoundError(f"{path} not found (make it with: {make})")
     return path
 
 

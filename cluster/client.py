@@ -191,6 +191,7 @@ class Client:
         timeout: float = 60.0,
         auth_keys: str | None = None,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+        auth_client: str = "client",
     ) -> None:
         self.endpoint = endpoint = normalize_endpoint(endpoint)
         self.timeout = timeout
@@ -200,7 +201,7 @@ class Client:
         # keys): bounded like the wait for a reply (-1: no bound, for a timeout of inf).
         self._socket.setsockopt(zmq.SNDTIMEO, -1 if timeout == math.inf else int(timeout * 1000))
         if auth_keys is not None:
-            secure_client(self._socket, auth_keys)
+            secure_client(self._socket, auth_keys, auth_client)
         self._monitor = _keep_alive(self._socket, heartbeat_timeout)
         self._link = _Link()
         self._poller = zmq.Poller()
@@ -443,6 +444,7 @@ class AsyncClient:
         batch_chunks: bool = True,
         auth_keys: str | None = None,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+        auth_client: str = "client",
     ) -> None:
         self.endpoint = endpoint = normalize_endpoint(endpoint)
         self.timeout = timeout
@@ -450,7 +452,7 @@ class AsyncClient:
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         if auth_keys is not None:
-            secure_client(self._socket, auth_keys)
+            secure_client(self._socket, auth_keys, auth_client)
         self._monitor = _keep_alive(self._socket, heartbeat_timeout)
         self._socket.connect(endpoint)
         self._inboxes: dict[str, _Inbox] = {}
@@ -779,6 +781,12 @@ class Seconds(click.ParamType):
     help="Seconds to wait for each reply (inf: no limit).",
 )
 @click.option("--auth-keys", type=click.Path(file_okay=False), help="The cluster's key directory (--auth-keys there).")
+@click.option(
+    "--auth-client",
+    default="client",
+    show_default=True,
+    help="Whose key pair of --auth-keys DIR to use (python -m pdserve.cluster.auth DIR --client NAME adds one).",
+)
 def main(
     prompt: str,
     endpoint: str,
@@ -791,6 +799,7 @@ def main(
     raw: bool,
     timeout: float,
     auth_keys: str | None,
+    auth_client: str,
 ) -> None:
     """Send PROMPT to a running cluster and print the answer (timings on stderr).
 
@@ -804,7 +813,7 @@ def main(
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
     mid_line = False  # an error after partial output starts on a line of its own
     try:
-        client = Client(endpoint, timeout, auth_keys)
+        client = Client(endpoint, timeout, auth_keys, auth_client=auth_client)
     except FileNotFoundError as e:
         raise click.ClickException(str(e)) from None
     with client:

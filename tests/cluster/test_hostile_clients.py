@@ -324,8 +324,9 @@ def test_demo_cluster_tiny_temperatures_special_tokens_and_queue_time(cluster_fa
 def test_curve_authentication_refuses_keyless_and_unknown_clients(
     cluster_factory, tiny_model_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
-    """--auth-keys: a client holding a key from the directory is served (library and CLI); one
-    without keys, or with a key the router never saw, gets no answer at all."""
+    """--auth-keys: a client holding a key from the directory is served (library and CLI, the
+    default key pair or another added by name); one without keys, or with a key the router never
+    saw, gets no answer at all, and a name with no key pair is a one-line error."""
     keys, stranger = tmp_path / "keys", tmp_path / "stranger"
     for directory in (keys, stranger):
         made = subprocess.run(
@@ -333,16 +334,27 @@ def test_curve_authentication_refuses_keyless_and_unknown_clients(
         )
         assert made.returncode == 0, made.stderr
     (stranger / "server.key").write_bytes((keys / "server.key").read_bytes())  # knows the router, is not known
+    added = subprocess.run([sys.executable, "-m", "pdserve.cluster.auth", str(keys), "--client", "alice"])
+    assert added.returncode == 0
     cluster = cluster_factory("--model", str(tiny_model_dirs["tiny-llama"]), "--auth-keys", str(keys))
     with Client(cluster.endpoint, timeout=30, auth_keys=str(keys)) as client:
         # ignore_eos: a sampled end-of-sequence token would end the answer early, which is not what this tests
         assert len(client.generate(token_ids=[1, 2, 3], max_tokens=3, ignore_eos=True).token_ids) == 3
+    with Client(cluster.endpoint, timeout=30, auth_keys=str(keys), auth_client="alice") as alice:
+        assert alice.stats().ready
     for refused in (Client(cluster.endpoint, timeout=3), Client(cluster.endpoint, timeout=3, auth_keys=str(stranger))):
         with refused, pytest.raises(ClusterUnavailable):
             refused.stats()
     cli = [sys.executable, "-m", "pdserve.cluster.client", "hello", "--endpoint", cluster.endpoint, "--timeout", "3"]
     served = subprocess.run([*cli, "--auth-keys", str(keys)], capture_output=True, text=True)
     assert "no tokenizer" in served.stderr, served.stderr  # the router's answer: it got through
+    as_alice = subprocess.run(
+        [*cli, "--auth-keys", str(keys), "--auth-client", "alice"], capture_output=True, text=True
+    )
+    assert "no tokenizer" in as_alice.stderr, as_alice.stderr
+    nobody = subprocess.run([*cli, "--auth-keys", str(keys), "--auth-client", "bob"], capture_output=True, text=True)
+    assert nobody.returncode == 1 and "Traceback" not in nobody.stderr, nobody.stderr
+    assert "--client bob" in nobody.stderr, nobody.stderr
     keyless = subprocess.run(cli, capture_output=True, text=True)
     assert "no answer from a cluster" in keyless.stderr, keyless.stderr
     assert cluster.stop() == 0, cluster.output()[-4000:]

@@ -31,7 +31,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.bench.compare import LaunchedCluster
+from pdserve.bench.compare import LaunchedCluster, LoggedProcess
 from pdserve.cluster.client import Client, ClusterError, ClusterUnavailable, Final
 from pdserve.cluster.group import free_port
 from pdserve.cluster.protocol import Chunk, Error, GroupInfo, Stats
@@ -1101,7 +1101,7 @@ def test_cors_is_off_unless_origins_are_allowed_and_then_needs_no_key_to_ask(dem
 # -- the cluster and the front end -----------------------------------------------------------
 
 
-class FrontendProcess:
+class FrontendProcess(LoggedProcess):
     """``python -m pdserve.router.openai_server`` on a free port; started on construction."""
 
     def __init__(
@@ -1109,7 +1109,6 @@ class FrontendProcess:
     ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
         command = [
             sys.executable,
             "-m",
@@ -1124,10 +1123,7 @@ class FrontendProcess:
             str(self.port),
             *args,
         ]
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-            )
+        self.start(command, log_path, {**os.environ, **(env or {})})
         deadline = time.monotonic() + timeout
         key = (env or {}).get("PDSERVE_API_KEY")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -1141,15 +1137,6 @@ class FrontendProcess:
                 self.kill()
                 raise RuntimeError(f"the front end did not start:\n{log_path.read_text()[-4000:]}")
             time.sleep(0.2)
-
-    def stop(self, timeout: float = 60.0) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @dataclass

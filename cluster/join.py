@@ -305,9 +305,8 @@ class GroupNode:
         for sig, handler in self._handlers.items():
             signal.signal(sig, handler)
         self._tmp.cleanup()
-        if self._reaper is not None and self._reaper.stdin is not None:
-            self._reaper.stdin.close()
-            self._reaper.wait()
+        if self._reaper is not None:
+            reaper.stop(self._reaper)
 
 
 def _route_to(host: str, port: int) -> str:

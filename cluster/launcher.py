@@ -695,9 +695,8 @@ class Cluster:
         if self.mps is not None:
             self.mps.stop()
         self._tmp.cleanup()
-        if self._reaper is not None and self._reaper.stdin is not None:
-            self._reaper.stdin.close()  # the reaper finds the directory gone, and exits
-            self._reaper.wait()
+        if self._reaper is not None:
+            reaper.stop(self._reaper)
 
     def _abandon(self) -> None:
         for front_end in self._live_front_ends():

@@ -22,6 +22,14 @@ def spawn(run_dir: str) -> subprocess.Popen[bytes]:
     )
 
 
+def stop(reaper: subprocess.Popen[bytes]) -> None:
+    """End the run: the reaper reads the end of its stdin, finds the directory gone (or removes
+    it), and exits."""
+    if reaper.stdin is not None:
+        reaper.stdin.close()
+    reaper.wait()
+
+
 def main() -> None:
     # cluster.group's STOP_SIGNALS, spelled out: importing that module would import torch here.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

@@ -13,19 +13,13 @@ from pdserve.cluster.client import Client, Final
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.sampling import SamplingParams
 from pdserve.tests.cluster.helpers import abort_mid_stream, oracle, run_concurrently, wait_until_idle
+from pdserve.tests.engine.helpers import common_prefix_len
 
 BLOCK = 16  # the clusters' default block size
 MAX_TOKENS = 8
 FIRST_LENS = [2 * BLOCK, 2 * BLOCK + 5, BLOCK + 4]  # one chat each: block-aligned and not
 NEW_LENS = [BLOCK, 5, 11]  # each later turn adds these to the last prompt and its answer
 TURNS = 3
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 @pytest.mark.slow
@@ -88,7 +82,7 @@ def test_later_turns_move_only_the_kv_the_decode_group_lacks(
             finals: list[Final] = run_concurrently(client, prompts, [params] * len(prompts))
             assert [f.token_ids for f in finals] == expected, f"turn {turn}"
             for chat, (prompt, final) in enumerate(zip(prompts, finals)):
-                held = min(_common_prefix(prompt, computed[chat]), len(prompt) - 1) // BLOCK
+                held = min(common_prefix_len(prompt, computed[chat]), len(prompt) - 1) // BLOCK
                 moved = -(-len(prompt) // BLOCK) - (held if cache else 0)
                 if cache:
                     assert final.timings["decode_cached_tokens"] == held * BLOCK, (turn, chat)

@@ -67,3 +67,11 @@ def make_engine(
             scheduler=SchedulerConfig(**sched),  # type: ignore[arg-type]
         )
     )
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

@@ -113,19 +113,12 @@ def test_cached_tokens_are_the_longest_cached_prefix(tiny_model_dirs: dict[str, 
         if prompt is None:  # a second turn: the last conversation, answer included, and more
             prompt = prompts[-1] + answers[-1] + random_tokens(4, seed=9)
         [final] = run(engine, [[prompt]], params)
-        shared = max((_common_prefix(prompt, c) for c in computed), default=0)
+        shared = max((helpers.common_prefix_len(prompt, c) for c in computed), default=0)
         assert final.timings.cached_tokens == min(shared, len(prompt) - 1) // BLOCK * BLOCK
         computed.append(prompt + final.new_token_ids[:-1])
         answers.append(final.new_token_ids)
     stats = engine.stats().prefix_cache
     assert stats is not None and 0 < stats.hit_rate < 1
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 @pytest.mark.parametrize(
@@ -260,7 +253,7 @@ def test_decode_role_keeps_finished_requests_kv_and_receives_only_the_rest(
     for turn in range(4):
         final, cached = _hand_off(prefill, decode, f"t{turn}", prompt, params)
         assert final.new_token_ids == oracle.generate([prompt], params)[0]
-        expected = min(_common_prefix(prompt, computed), len(prompt) - 1) // BLOCK
+        expected = min(helpers.common_prefix_len(prompt, computed), len(prompt) - 1) // BLOCK
         assert cached == expected and (turn == 0 or cached > 0)
         assert final.timings.cached_tokens == cached * BLOCK
         computed = prompt + final.new_token_ids[:-1]

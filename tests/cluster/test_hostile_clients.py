@@ -49,7 +49,9 @@ def test_aborts_right_after_submit_free_every_block_and_decode_nothing(
     )
     with Client(cluster.endpoint, timeout=120) as client:
         busy = [client.submit(token_ids=[7] * 200, max_tokens=100, temperature=0.0, ignore_eos=True) for _ in range(6)]
+        deadline = time.monotonic() + 120
         while client.stats().groups.get("decode0", {}).get("running", 0) < len(busy):
+            assert time.monotonic() < deadline, f"the busy requests never all decoded: {client.stats().groups}"
             time.sleep(0.05)
         # Half are aborted at once (before their prefill ends, mostly), half once their first token
         # is out (their KV is then announced to the decode group, or about to be).

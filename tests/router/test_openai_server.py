@@ -2522,7 +2522,7 @@ def test_sigterm_drains_refuses_new_requests_with_503_and_exits_zero(served: Ser
         thread.start()
         assert first_token.wait(60)
         frontend.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        wait_for(lambda: httpx.get(f"{frontend.base_url}/health").status_code == 503, 10, "no 503 after SIGTERM")
         for method, path in (("GET", "/health"), ("POST", "/v1/completions")):
             response = httpx.request(method, f"{frontend.base_url}{path}", json={"model": MODEL, "prompt": "hi"})
             assert response.status_code == 503 and response.json()["error"]["code"] == "shutting_down", path

@@ -302,6 +302,25 @@ def test_a_killed_http_front_end_is_started_again_and_zmq_clients_never_notice(c
     assert cluster.stop() == 0, cluster.output()[-4000:]
 
 
+def test_an_http_front_end_past_its_restarts_stays_down_and_zmq_serves_on(cluster_factory) -> None:
+    """With --max-restarts 0 a killed HTTP front end is not started again: the launcher says the
+    port has no front end left, the ZMQ endpoint still serves, and the cluster stops cleanly."""
+    port = free_port()
+    cluster = cluster_factory("--model", "demo", "--http-port", str(port), "--max-restarts", "0")
+    (killed,) = front_end_pids(cluster.proc.pid)
+    os.kill(killed, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while f"no HTTP front end is left on port {port}; the ZMQ endpoint serves on" not in cluster.output():
+        assert time.monotonic() < deadline, cluster.output()[-3000:]
+        time.sleep(0.2)
+    assert front_end_pids(cluster.proc.pid) == []
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    with Client(cluster.endpoint, timeout=120) as client:
+        assert len(client.generate(token_ids=[5, 6, 7], max_tokens=4, ignore_eos=True).token_ids) == 4
+    assert cluster.stop() == 0, cluster.output()[-4000:]
+
+
 @pytest.mark.slow
 def test_a_rank_whose_loop_hangs_is_ended_by_its_watchdog_and_its_group_restarts(
     cluster_factory, expected: list[list[int]]

@@ -29,19 +29,21 @@ def hf_model(model_dir: Path) -> torch.nn.Module:
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int, **processors: Any) -> list[int]:
-    """transformers' greedy output, exactly ``max_new_tokens`` long; ``processors``: generate's
-    logits processors (``repetition_penalty=1.2``)."""
+    """transformers' greedy output, exactly ``max_new_tokens`` long, as an engine request with
+    ``ignore_eos`` gives it: EOS may be chosen and does not end it (``min_new_tokens`` would
+    mask EOS instead); ``processors``: generate's logits processors (``repetition_penalty=1.2``)."""
     with torch.no_grad():
         ids = torch.tensor([prompt])
         out = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),  # else generate masks every id 0 as padding
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
             do_sample=False,
+            eos_token_id=None,
             pad_token_id=0,
             **processors,
         )
+    assert out.shape[1] == len(prompt) + max_new_tokens
     return out[0, len(prompt) :].tolist()
 
 

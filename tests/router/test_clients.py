@@ -229,18 +229,19 @@ def test_a_request_id_over_the_limit_is_refused_at_once(rig: RouterRig) -> None:
     match that reply and waited out its timeout, then said the cluster was busy."""
     long_id = "x" * (MAX_REQUEST_ID_CHARS + 1)
     started = time.monotonic()
-    with Client(rig.router.addresses.client, timeout=2.0) as client, pytest.raises(ClusterError) as refused:
+    # At once: well within the clients' timeouts, which a loaded machine cannot reach by chance.
+    with Client(rig.router.addresses.client, timeout=30.0) as client, pytest.raises(ClusterError) as refused:
         client.generate(token_ids=[5, 6, 7], request_id=long_id, max_tokens=1)
     assert refused.value.code == "invalid_field"
 
     async def main() -> None:
-        async with AsyncClient(rig.router.addresses.client, timeout=2.0) as client:
+        async with AsyncClient(rig.router.addresses.client, timeout=30.0) as client:
             await client.generate(token_ids=[5, 6, 7], request_id=long_id, max_tokens=1)
 
     with pytest.raises(ClusterError) as refused:
         asyncio.run(main())
     assert refused.value.code == "invalid_field"
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 10.0
 
 
 def test_a_late_stats_reply_is_not_kept(rig: RouterRig) -> None:

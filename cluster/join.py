@@ -149,8 +149,8 @@ class GroupNode:
             raise ValueError(f"--role {self.role}: the cluster at {self.join} runs --mode {config.mode}, roles {roles}")
         self.config = config
         model_dir = str(resolve_model(config.engine.model))
-        check_checkpoint(Path(model_dir))  # no weights: one line here, not a traceback from every rank
         model = ModelConfig.from_pretrained(model_dir)
+        check_checkpoint(Path(model_dir), model)  # bad weights: one line here, not a traceback from every rank
         if model_shape(model) != shape:
             raise ValueError(f"--model {config.engine.model}: not the model the cluster at {self.join} serves")
         try:

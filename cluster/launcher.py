@@ -233,8 +233,8 @@ class Cluster:
                 ",".join(map(str, c.devices[: c.world_size])),
             )
         self.model_dir = str(resolve_model(c.engine.model))
-        check_checkpoint(Path(self.model_dir))  # no weights: one line here, not a traceback from every rank
         model = ModelConfig.from_pretrained(self.model_dir)
+        check_checkpoint(Path(self.model_dir), model)  # bad weights: one line here, not a traceback from every rank
         on_gpu = self._on_gpu = any(p is not None for p in self.placement) or (not self.placement and visible > 0)
         c.check_model(model, on_gpu)
         self.transfer = resolve_transfer(c.transfer, on_gpu, _peer_access(c, self.placement), c.joinable)

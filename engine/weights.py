@@ -30,18 +30,32 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def check_checkpoint(model_dir: Path) -> None:
-    """Refuse a checkpoint whose files are missing, or whose headers do not parse or do not match
-    the file's length (a truncated download): in the launcher, one line, instead of a traceback
-    from every rank. Reads only the headers."""
+def check_checkpoint(model_dir: Path, config: ModelConfig) -> None:
+    """Refuse a checkpoint whose files are missing, whose headers do not parse or do not match the
+    file's length (a truncated download), or whose tensors are not the model's (one missing, one
+    of another model): in the launcher, one line, instead of a traceback from every rank. Reads
+    only the headers, and builds the model on the meta device for its parameter names."""
+    names: dict[str, Path] = {}
     for path in checkpoint_files(model_dir):
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing (named in the checkpoint's index)")
         try:
-            with safe_open(str(path), framework="pt", device="cpu"):
-                pass
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                names.update(dict.fromkeys(f.keys(), path))  # noqa: SIM118 (a safetensors file, not a dict)
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
+    with torch.device("meta"):
+        model = CausalLM(config, TensorParallel(), torch.float32, max_position=1)
+    params = dict(model.named_parameters())
+    loaded = set()
+    for name, path in names.items():
+        target = _target(model, name)
+        if target is None:
+            continue
+        if target[0] not in params:
+            raise ValueError(f"checkpoint tensor {name!r} in {path} matches no parameter of this model")
+        loaded.add(_loaded_key(*target))
+    _check_complete(params, loaded, model_dir)
 
 
 def load_weights(model: CausalLM, model_dir: Path) -> None:
@@ -51,22 +65,37 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (a safetensors file, not a dict)
-                if "rotary_emb.inv_freq" in name:
-                    continue  # derived from the config, never loaded
-                target, shard_id = name, None
-                for fragment, (packed, shard) in CausalLM.packed_modules.items():
-                    if f".{fragment}." in name:
-                        target, shard_id = name.replace(f".{fragment}.", f".{packed}."), shard
-                        break
-                if target == "lm_head.weight" and model.lm_head is None:
-                    continue  # tied embeddings: some checkpoints still store the copy
-                if target not in params:
+                target = _target(model, name)
+                if target is None:
+                    continue
+                if target[0] not in params:
                     raise ValueError(f"checkpoint tensor {name!r} in {path.name} matches no model parameter")
-                param = params[target]
-                param.weight_loader(param, f.get_slice(name), shard_id)  # type: ignore[attr-defined]
-                loaded.add(target if shard_id is None else f"{target}:{shard_id}")
+                param = params[target[0]]
+                param.weight_loader(param, f.get_slice(name), target[1])  # type: ignore[attr-defined]
+                loaded.add(_loaded_key(*target))
+    _check_complete(params, loaded, model_dir)
+
+
+def _target(model: CausalLM, name: str) -> tuple[str, str | None] | None:
+    """The parameter a checkpoint tensor loads into, and its shard of a packed one (q of qkv);
+    None for a tensor that is not loaded."""
+    if "rotary_emb.inv_freq" in name:
+        return None  # derived from the config, never loaded
+    for fragment, (packed, shard) in CausalLM.packed_modules.items():
+        if f".{fragment}." in name:
+            return name.replace(f".{fragment}.", f".{packed}."), shard
+    if name == "lm_head.weight" and model.lm_head is None:
+        return None  # tied embeddings: some checkpoints still store the copy
+    return name, None
+
+
+def _loaded_key(target: str, shard_id: str | None) -> str:
+    return target if shard_id is None else f"{target}:{shard_id}"
+
+
+def _check_complete(params: dict[str, torch.nn.Parameter], loaded: set[str], model_dir: Path) -> None:
     expected = {
-        f"{name}:{shard}" if shard else name
+        _loaded_key(name, shard)
         for name, param in params.items()
         for shard in (param.shard_ids or (None,))  # type: ignore[attr-defined]
     }

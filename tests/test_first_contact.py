@@ -146,14 +146,25 @@ def test_a_model_directory_without_weights(tiny_model_dirs: dict[str, Path], tmp
 
 
 def test_a_broken_checkpoint_is_named_in_one_line(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
-    """A truncated download or a hand-edited config.json gave a traceback from every rank (or the
-    launcher's KeyError), or a JSON error that named no file."""
+    """A truncated download, a checkpoint missing a tensor or holding another model's, or a
+    hand-edited config.json gave a traceback from every rank (or the launcher's KeyError), or a
+    JSON error that named no file."""
+    from safetensors.torch import load_file, save_file
+
     source = tiny_model_dirs["tiny-llama"]
     for path in source.iterdir():
         (tmp_path / path.name).write_bytes(path.read_bytes())
     [weights] = tmp_path.glob("*.safetensors")
     weights.write_bytes(weights.read_bytes()[:-100])  # cut short
     assert_one_line_error(launch("--model", str(tmp_path)), f"{weights} is not a readable safetensors file")
+    tensors = load_file(next(source.glob("*.safetensors")))
+    down = tensors.pop("model.layers.1.mlp.down_proj.weight")
+    save_file(tensors, weights)
+    assert_one_line_error(launch("--model", str(tmp_path)), "lacks 1 tensors", "model.layers.1.mlp.down_proj.weight")
+    save_file(
+        {**tensors, "model.layers.1.mlp.down_proj.weight": down, "model.vision_tower.proj": down.clone()}, weights
+    )
+    assert_one_line_error(launch("--model", str(tmp_path)), "'model.vision_tower.proj'", "matches no parameter")
     weights.write_bytes(next(source.glob("*.safetensors")).read_bytes())
     config = tmp_path / "config.json"
     shape = json.loads(config.read_text())

@@ -47,14 +47,10 @@ def check_checkpoint(model_dir: Path, config: ModelConfig) -> None:
     with torch.device("meta"):
         model = CausalLM(config, TensorParallel(), torch.float32, max_position=1)
     params = dict(model.named_parameters())
-    loaded = set()
+    loaded: set[str] = set()
     for name, path in names.items():
-        target = _target(model, name)
-        if target is None:
-            continue
-        if target[0] not in params:
-            raise ValueError(f"checkpoint tensor {name!r} in {path} matches no parameter of this model")
-        loaded.add(_loaded_key(*target))
+        if (target := _target(model, params, name, path)) is not None:
+            loaded.add(_loaded_key(*target))
     _check_complete(params, loaded, model_dir)
 
 
@@ -65,28 +61,32 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (a safetensors file, not a dict)
-                target = _target(model, name)
-                if target is None:
+                if (target := _target(model, params, name, path)) is None:
                     continue
-                if target[0] not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} in {path.name} matches no model parameter")
                 param = params[target[0]]
                 param.weight_loader(param, f.get_slice(name), target[1])  # type: ignore[attr-defined]
                 loaded.add(_loaded_key(*target))
     _check_complete(params, loaded, model_dir)
 
 
-def _target(model: CausalLM, name: str) -> tuple[str, str | None] | None:
-    """The parameter a checkpoint tensor loads into, and its shard of a packed one (q of qkv);
-    None for a tensor that is not loaded."""
+def _target(
+    model: CausalLM, params: dict[str, torch.nn.Parameter], name: str, path: Path
+) -> tuple[str, str | None] | None:
+    """The parameter checkpoint tensor ``name`` (of file ``path``) loads into, and its shard of a
+    packed one (q of qkv); None for a tensor that is not loaded; ValueError for one that matches
+    no parameter."""
     if "rotary_emb.inv_freq" in name:
         return None  # derived from the config, never loaded
-    for fragment, (packed, shard) in CausalLM.packed_modules.items():
-        if f".{fragment}." in name:
-            return name.replace(f".{fragment}.", f".{packed}."), shard
     if name == "lm_head.weight" and model.lm_head is None:
         return None  # tied embeddings: some checkpoints still store the copy
-    return name, None
+    target: tuple[str, str | None] = (name, None)
+    for fragment, (packed, shard) in CausalLM.packed_modules.items():
+        if f".{fragment}." in name:
+            target = (name.replace(f".{fragment}.", f".{packed}."), shard)
+            break
+    if target[0] not in params:
+        raise ValueError(f"checkpoint tensor {name!r} in {path} matches no parameter of this model")
+    return target
 
 
 def _loaded_key(target: str, shard_id: str | None) -> str:

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.bench.compare import LaunchedCluster
-from pdserve.cluster.client import Client
+from pdserve.cluster.client import Client, ClusterUnavailable
 
 FRAMES = 10_000
 ERROR_CODES = {
@@ -89,9 +89,12 @@ def fuzz_client(tiny_model_dirs: dict[str, Path], tmp_path_factory: pytest.TempP
     try:
         with Client(cluster.endpoint, timeout=60) as client:
             yield client
-            # Exactly one reply a frame: none is left over for the next message.
-            assert client.stats().type == "stats" and not client._buffered, client._buffered
-            assert not client._socket.poll(500)
+            # Exactly one reply a frame (each test reads only its frame's): none is left over.
+            client.timeout = 1.0
+            with pytest.raises(ClusterUnavailable):
+                leftover = client.receive()
+                pytest.fail(f"a reply no frame was waiting for: {leftover}")
+            assert client.stats().type == "stats"
         assert cluster.stop() == 0, cluster.output()[-4000:]
     finally:
         cluster.kill()

@@ -327,7 +327,9 @@ def write_report(out_dir: Path, results: dict[str, dict[str, Any]], setup: dict[
         "",
         comparison_table(results),
     ]
-    warnings = [f"- {name}, {line}" for name, r in results.items() for line in failure_summary(r["points"])]
+    warnings = [
+        f"- {name}, {line}" for name, r in results.items() for line in failure_summary(r["points"], r.get("warmup", ()))
+    ]
     if warnings:
         lines += ["", "Failed requests:", "", *warnings]
     for kind in next(iter(results.values()))["points"][0]["by_kind"]:

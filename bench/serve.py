@@ -62,6 +62,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -115,6 +116,10 @@ class RequestSpec:
         return self.token_ids is not None
 
 
+def _option(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """What to send and how fast (every field is a CLI option of the same name)."""
@@ -141,10 +146,11 @@ class BenchConfig:
     timeout: float = 600.0  # longest wait for any one reply message
 
     def __post_init__(self) -> None:
+        # Errors name the CLI option (each field's, by the class docstring).
         if self.workload not in WORKLOADS:
-            raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
+            raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
         if self.len_dist not in LEN_DISTS:
-            raise ValueError(f"len_dist must be one of {', '.join(LEN_DISTS)}, got {self.len_dist!r}")
+            raise ValueError(f"--len-dist must be one of {', '.join(LEN_DISTS)}, got {self.len_dist!r}")
         for name in (
             "num_requests",
             "input_len",
@@ -155,20 +161,24 @@ class BenchConfig:
             "vocab_size",
         ):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{_option(name)} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
-            raise ValueError("warmup must be >= 0")
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         if not self.rates or any(r is not None and not r > 0 for r in self.rates):
-            raise ValueError(f"rates must be positive (or inf), got {self.rates}")
+            raise ValueError(f"--rate/--rates must be positive (or inf), got {self.rates}")
         if self.concurrency is not None and self.concurrency < 1:
-            raise ValueError("concurrency must be >= 1")
+            raise ValueError(f"--concurrency must be >= 1, got {self.concurrency}")
         if not 0.0 <= self.long_fraction <= 1.0:
-            raise ValueError("long_fraction must be in [0, 1]")
+            raise ValueError(f"--long-fraction must be in [0, 1], got {self.long_fraction}")
         if not 1 <= self.long_len[0] <= self.long_len[1]:
-            raise ValueError(f"long_len must be LOW-HIGH with 1 <= LOW <= HIGH, got {self.long_len}")
+            raise ValueError(f"--long-len must be LOW-HIGH with 1 <= LOW <= HIGH, got {self.long_len}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms", "timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{_option(name)} must be > 0, got {value}")
         if self.max_model_len is not None and self.max_model_len <= self.max_output_len:
             raise ValueError(
-                f"max_model_len {self.max_model_len} leaves no room for a prompt "
+                f"--max-model-len {self.max_model_len} leaves no room for a prompt "
                 f"before {self.max_output_len} output tokens"
             )
 
@@ -259,12 +269,18 @@ def workload_requests(config: BenchConfig) -> tuple[list[RequestSpec], list[Requ
     from one longer draw, the first rate would differ from every later one (mixed's share of long
     prompts) and find what the warm-up left in the prefix cache (shared-prefix's system prompts;
     a multi-turn session split between the two would lose its history)."""
-    warmup = build_requests(dataclasses.replace(config, seed=config.seed + 1), config.warmup) if config.warmup else []
+    if not config.warmup:
+        return [], build_requests(config, config.num_requests)
+    warmup = build_requests(dataclasses.replace(config, seed=derived_seed(config.seed, "warmup")), config.warmup)
     return warmup, build_requests(config, config.num_requests)
 
 
-# Seed step between the requests of a sweep's rates (the warm-up's take +1).
-_POINT_SEED_STEP = 1000
+def derived_seed(seed: int, purpose: str) -> int:
+    """A seed of its own for ``purpose`` (the warm-up, a sweep's later rate), from a hash: ``seed``
+    plus a small step would be what a user tries next (--seed 1 after --seed 0), replaying the
+    warm-up's prompts into a run meant to find nothing cached."""
+    digest = hashlib.sha256(f"pdserve.bench.serve/{seed}/{purpose}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
 
 
 def point_requests(config: BenchConfig, measured: list[RequestSpec], index: int) -> list[RequestSpec]:
@@ -273,7 +289,7 @@ def point_requests(config: BenchConfig, measured: list[RequestSpec], index: int)
     sessions) an earlier rate left in the prefix caches."""
     if index == 0:
         return measured
-    return build_requests(dataclasses.replace(config, seed=config.seed + _POINT_SEED_STEP * index), len(measured))
+    return build_requests(dataclasses.replace(config, seed=derived_seed(config.seed, f"rate {index}")), len(measured))
 
 
 def arrival_times(count: int, rate: float | None, seed: int) -> list[float]:
@@ -588,14 +604,58 @@ async def _check_server(client: AsyncClient | OpenAIBackend) -> None:
         ) from None
 
 
+@dataclass
+class BenchRun:
+    """What a run has measured so far: all of it once ``run_benchmark`` returns; the warm-up and
+    the rates that finished when it is stopped (Ctrl-C) before the end."""
+
+    config: BenchConfig
+    backend: str
+    target: str  # the endpoint or URL the requests went to
+    warmup: list[RequestRecord] = dataclasses.field(default_factory=list)
+    points: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    model_id: str | None = None  # the openai backend's served model
+
+    @property
+    def complete(self) -> bool:
+        return len(self.points) == len(self.config.rates)
+
+    def document(self) -> dict[str, Any]:
+        """The results document; with one rate, its summary also flat at the top, as vLLM's."""
+        points = self.points
+        flat = {k: v for k, v in points[0].items() if k not in ("rate", "concurrency", "metrics", "by_kind", "records")}
+        return {
+            "meta": {
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "host": platform.node(),
+                "command": shlex.join(sys.orig_argv),
+                "backend": self.backend,
+                "endpoint": self.target,
+                "model_id": self.model_id,
+                "complete": self.complete,
+            },
+            **(flat if len(points) == 1 else {}),
+            "config": dataclasses.asdict(self.config),
+            "warmup": [dataclasses.asdict(r) for r in self.warmup],
+            "points": points,
+        }
+
+
 async def run_benchmark(
-    config: BenchConfig, endpoint: str, backend: str = "zmq", base_url: str | None = None, model_name: str | None = None
+    config: BenchConfig,
+    endpoint: str,
+    backend: str = "zmq",
+    base_url: str | None = None,
+    model_name: str | None = None,
+    run: BenchRun | None = None,
 ) -> dict[str, Any]:
     """Warm-up, then every rate in turn, each on requests of its own (``point_requests``); returns
-    the results document.
+    the results document. ``run``, if given, holds what is measured as it comes.
     ``backend`` "openai" sends them to ``base_url`` (``endpoint`` is then unused)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    target = (base_url or DEFAULT_BASE_URL) if backend == "openai" else endpoint
+    run = run or BenchRun(config, backend, target)
     warmup, measured = workload_requests(config)
     client: AsyncClient | OpenAIBackend
     if backend == "openai":
@@ -604,7 +664,9 @@ async def run_benchmark(
         client = AsyncClient(endpoint, timeout=config.timeout)
     try:
         await _check_server(client)
-        warmup_records = await run_requests(
+        if isinstance(client, OpenAIBackend):
+            run.model_id = client.model
+        run.warmup = await run_requests(
             client,
             warmup,
             None,
@@ -614,7 +676,6 @@ async def run_benchmark(
             warmup=True,
             max_model_len=config.max_model_len,
         )
-        points = []
         for index, rate in enumerate(config.rates):
             records = await run_requests(
                 client,
@@ -625,35 +686,22 @@ async def run_benchmark(
                 f"rate {rate_label(rate, config.concurrency)}",
                 max_model_len=config.max_model_len,
             )
-            points.append(point_result(rate, config, records))
+            run.points.append(point_result(rate, config, records))
     finally:
         if isinstance(client, OpenAIBackend):
             await client.close()
         else:
             client.close()
-    flat = {k: v for k, v in points[0].items() if k not in ("rate", "concurrency", "metrics", "by_kind", "records")}
-    return {
-        "meta": {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host": platform.node(),
-            "command": shlex.join(sys.orig_argv),
-            "backend": backend,
-            "endpoint": (base_url or DEFAULT_BASE_URL) if backend == "openai" else endpoint,
-            "model_id": client.model if isinstance(client, OpenAIBackend) else None,
-        },
-        **(flat if len(points) == 1 else {}),
-        "config": dataclasses.asdict(config),
-        "warmup": [dataclasses.asdict(r) for r in warmup_records],
-        "points": points,
-    }
+    return run.document()
 
 
 # -- reporting ------------------------------------------------------------------------------
 
 TABLE_HEADERS = (
     "rate",
+    "failed",
     "req/s",
-    "tok/s",
+    "out tok/s",
     "TTFT p50",
     "TTFT p99",
     "TPOT p50",
@@ -680,11 +728,13 @@ def _num(value: float | None, digits: int = 1) -> str:
 
 
 def metrics_row(metrics: dict[str, Any]) -> list[str]:
-    """The table cells after the first column: throughputs, latency percentiles (ms), goodput."""
+    """The table cells after the first column: failed requests, throughputs (completed requests,
+    output tokens), latency percentiles (ms), goodput."""
     latencies = [
         _num(metrics[f"{name}_ms"][stat]) for name in ("ttft", "tpot", "itl", "e2e") for stat in ("p50", "p99")
     ]
     return [
+        str(metrics["failed"]),
         _num(metrics["request_throughput"], 2),
         _num(metrics["output_throughput"]),
         *latencies,
@@ -715,17 +765,16 @@ def kinds_table(points: Sequence[dict[str, Any]]) -> str | None:
     return format_table((TABLE_HEADERS[0], "kind", *TABLE_HEADERS[1:]), rows, labels=2) if rows else None
 
 
-def failure_summary(points: Sequence[dict[str, Any]]) -> list[str]:
-    """A line per load point with failed requests, naming the first error."""
+def failure_summary(points: Sequence[dict[str, Any]], warmup: Sequence[dict[str, Any]] = ()) -> list[str]:
+    """A line for the warm-up and for each load point with failed requests, naming the first error."""
+    runs = [("warm-up", warmup)] if warmup else []
+    runs += [(f"rate {rate_label(p['rate'], p['concurrency'])}", p["records"]) for p in points]
     lines = []
-    for point in points:
-        failed = [r for r in point["records"] if not RequestRecord(**r).ok]
+    for name, records in runs:
+        failed = [r for r in records if not RequestRecord(**r).ok]
         if failed:
             example = failed[0]["error"] or failed[0]["finish_reason"]
-            lines.append(
-                f"rate {rate_label(point['rate'], point['concurrency'])}: {len(failed)} of "
-                f"{len(point['records'])} requests failed, e.g. {example}"
-            )
+            lines.append(f"{name}: {len(failed)} of {len(records)} requests failed, e.g. {example}")
     return lines
 
 
@@ -974,28 +1023,39 @@ def main(
 ) -> None:
     """Stream a workload at a cluster (or an OpenAI-compatible server) at one or more request rates
     and report its latencies."""
-    config = config_from_options(vocab_size=vocab_size or vocab_size_of(model_dir), **options)
+    config = config_from_options(vocab_size=vocab_size_of(model_dir) if vocab_size is None else vocab_size, **options)
     if backend == "openai" and config.workload == "multi-turn":
         raise click.UsageError("multi-turn needs --backend zmq: a turn's prompt holds the previous answer's token ids")
+    run = BenchRun(config, backend, base_url if backend == "openai" else endpoint)
     try:
-        results = asyncio.run(run_benchmark(config, endpoint, backend, base_url, model_name))
+        asyncio.run(run_benchmark(config, endpoint, backend, base_url, model_name, run))
     except ServerUnreachable as e:
         raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        # What finished is still a measurement: report it, and exit as an interrupted command does.
+        finished = f"{len(run.points)} of {len(config.rates)} rates finished"
+        click.echo(f"stopped: {finished} (the one running is left out)", err=True)
+        if not run.points:
+            sys.exit(130)
+    results = run.document()
     click.echo(
-        f"{config.workload}, {config.num_requests} requests per rate, latencies in ms, "
-        f"goodput in req/s, xfer = mean KV transfer (ms, KiB), hit = prompt tokens the prefix cache "
-        f"served, dec hit = prompt tokens whose KV the decode group held"
+        f"{config.workload}, {config.num_requests} requests per rate, latencies in ms, req/s = completed "
+        f"requests a second, out tok/s = their output tokens a second, goodput in req/s, xfer = mean KV "
+        f"transfer (ms, KiB), hit = prompt tokens the prefix cache served, dec hit = prompt tokens whose KV "
+        f"the decode group held"
     )
     click.echo(results_table(results["points"]))
     by_kind = kinds_table(results["points"])
     if by_kind is not None:
         click.echo(by_kind)
-    for line in failure_summary(results["points"]):
+    for line in failure_summary(results["points"], results["warmup"]):
         click.echo(f"warning: {line}", err=True)
     write_json(results, out)  # says where
     if plot_dir is not None:
         for path in write_plots({config.workload: results["points"]}, plot_dir):
             click.echo(f"plot: {path}")
+    if not run.complete:
+        sys.exit(130)
     if not any(RequestRecord(**r).ok for point in results["points"] for r in point["records"]):
         raise click.ClickException("every request failed: no result measures the server")  # a script must see it
 

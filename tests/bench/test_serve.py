@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -233,6 +234,36 @@ def test_each_rate_of_a_sweep_gets_requests_of_its_own() -> None:
     assert {tuple(s.token_ids or []) for s in later}.isdisjoint(tuple(s.token_ids or []) for s in measured)
 
 
+def test_the_next_seed_replays_nothing_the_last_run_sent() -> None:
+    """--seed 1 after --seed 0 (or --seed 1000 after a sweep) must find nothing the earlier run's
+    warm-up or later rates left in the prefix cache: they drew from seed + 1 and seed + 1000 once."""
+    config = BenchConfig(workload="shared-prefix", num_prefixes=2, prefix_len=16, input_len=4, num_requests=4)
+
+    def prompts(specs: list[RequestSpec]) -> set[tuple[int, ...]]:
+        return {tuple(s.token_ids or [])[:16] for s in specs}
+
+    warmup, measured = workload_requests(config)
+    later_rate = point_requests(config, measured, 1)
+    for seed in (1, 1000):
+        _, next_run = workload_requests(dataclasses.replace(config, seed=seed))
+        assert prompts(next_run).isdisjoint(prompts(warmup) | prompts(later_rate)), seed
+
+
+def test_a_bad_option_is_named_as_typed() -> None:
+    for fields, option in [
+        ({"timeout": 0.0}, "--timeout must be > 0"),
+        ({"slo_ttft_ms": -5.0}, "--slo-ttft-ms must be > 0"),
+        ({"vocab_size": 0}, "--vocab-size must be >= 1"),
+        ({"rates": (0.0,)}, "--rate/--rates must be positive"),
+        ({"long_len": (9, 3)}, "--long-len must be LOW-HIGH"),
+        ({"max_model_len": 100, "output_len": 128}, "--max-model-len 100 leaves no room"),
+    ]:
+        with pytest.raises(ValueError, match=option):
+            BenchConfig(**fields)  # type: ignore[arg-type]
+    result = CliRunner().invoke(serve_main, ["--vocab-size", "0"])
+    assert result.exit_code == 2 and "--vocab-size must be >= 1" in result.output, result.output
+
+
 def test_openai_backend_reads_what_the_prefix_cache_served_from_the_usage() -> None:
     rec = RequestRecord("r", "random", 4, 0.0, 0.0)
     usage = {"prompt_tokens": 40, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 32}}
@@ -371,6 +402,25 @@ def test_the_openai_backend_without_aiohttp_says_what_to_install(monkeypatch: py
 
 
 @pytest.mark.slow
+def stopped_during_second_rate(endpoint: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """bench.serve on a sweep of two rates, sent SIGINT (Ctrl-C) once the second one's progress
+    shows (its five requests take seconds at 0.5 req/s)."""
+    stderr = tmp_path / "stopped.err"
+    command = [sys.executable, "-m", "pdserve.bench.serve", "--endpoint", endpoint, "--input-len", "8"]
+    command += ["--output-len", "2", "--num-requests", "5", "--warmup", "0", "--rates", "8,0.5"]
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen(
+            [*command, "--out", str(tmp_path / "stopped.json")], cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True
+        )
+        deadline = time.monotonic() + 120
+        while "rate 0.5" not in stderr.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, stderr.read_text()[-4000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr.read_text())
+
+
 def test_load_generator_against_a_cpu_cluster(tmp_path: Path, demo_model_dir: Path) -> None:
     args = [
         "--model",
@@ -453,18 +503,27 @@ def test_load_generator_against_a_cpu_cluster(tmp_path: Path, demo_model_dir: Pa
         # Prompts past the cluster's max_model_len: every request refused, which a script must see.
         refused = subprocess.run(
             [sys.executable, "-m", "pdserve.bench.serve", "--endpoint", cluster.endpoint, "--input-len", "2000"]
-            + ["--len-dist", "fixed", "--output-len", "4", "--num-requests", "2", "--warmup", "0"],
+            + ["--len-dist", "fixed", "--output-len", "4", "--num-requests", "2", "--warmup", "1"],
             cwd=REPO,
             capture_output=True,
             text=True,
             timeout=300,
         )
         assert refused.returncode == 1 and "every request failed" in refused.stderr, refused.stderr[-4000:]
+        assert "warning: warm-up: 1 of 1 requests failed" in refused.stderr, refused.stderr[-4000:]
+        stopped = stopped_during_second_rate(cluster.endpoint, tmp_path)
         assert cluster.stop() == 0, cluster.output()[-4000:]
+    # Ctrl-C in a sweep's second rate: the first is still reported and written, and the run
+    # exits as an interrupted command does.
+    assert stopped.returncode == 130, stopped.stderr[-4000:]
+    assert "stopped: 1 of 2 rates finished" in stopped.stderr, stopped.stderr[-4000:]
+    assert [line.split()[0] for line in stopped.stdout.splitlines()[3:-1]] == ["8"], stopped.stdout  # then "wrote"
+    partial = json.loads((tmp_path / "stopped.json").read_text())
+    assert partial["meta"]["complete"] is False and [p["rate"] for p in partial["points"]] == [8.0]
 
     table = bench.stdout.splitlines()
-    assert table[1].split()[:3] == ["rate", "req/s", "tok/s"]
-    assert [line.split()[0] for line in table[3:5]] == ["8", "inf"]
+    assert table[1].split()[:5] == ["rate", "failed", "req/s", "out", "tok/s"]
+    assert [line.split()[:2] for line in table[3:5]] == [["8", "0"], ["inf", "0"]]
     results = json.loads(out.read_text())
     assert results["config"]["rates"] == [8.0, None] and results["config"]["vocab_size"] == 49152
     assert len(results["warmup"]) == 1 and results["warmup"][0]["warmup"]

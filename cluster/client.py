@@ -139,14 +139,15 @@ class _Link:
 
 def normalize_endpoint(endpoint: str) -> str:
     """``tcp://HOST:PORT`` (or ``ipc://PATH``) from that form, ``HOST:PORT`` or a bare ``PORT``."""
-    if "://" in endpoint:
-        if not endpoint.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"endpoint {endpoint!r}: expected tcp://HOST:PORT, HOST:PORT or PORT")
+    if endpoint.startswith(("tcp://", "ipc://")):
         return endpoint
     host, _, port = endpoint.rpartition(":")
-    if port.isdigit() and 0 < int(port) < 65536:
+    if "://" not in endpoint and port.isdigit() and 0 < int(port) < 65536:
         return f"tcp://{host or '127.0.0.1'}:{port}"
-    raise ValueError(f"endpoint {endpoint!r}: expected tcp://HOST:PORT, HOST:PORT or PORT")
+    expected = "expected tcp://HOST:PORT, HOST:PORT or PORT"
+    if endpoint.startswith(("http://", "https://", "/")):  # vLLM's --endpoint is an HTTP route
+        expected += " (the cluster's ZMQ endpoint, not an HTTP URL or route)"
+    raise ValueError(f"endpoint {endpoint!r}: {expected}")
 
 
 def _request(

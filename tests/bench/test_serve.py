@@ -388,6 +388,7 @@ def test_a_run_that_reaches_no_server_says_so_at_once(backend: str) -> None:
     assert result.output.startswith("Error: no") and "Traceback" not in result.output, result.output
     for bad, why in (
         (["--endpoint", "foo"], "'--endpoint': expected tcp://HOST:PORT, HOST:PORT or PORT"),
+        (["--endpoint", "/v1/chat/completions"], "the cluster's ZMQ endpoint, not an HTTP URL or route"),
         (["--rate", "abc"], "--rate/--rates abc: give requests a second"),
     ):
         usage = CliRunner().invoke(serve_main, bad)

@@ -335,9 +335,14 @@ class Frontend:
     def internal_error_response(self, error: Exception) -> JSONResponse:
         return JSONResponse(self._internal_error(error).body(), status_code=500)
 
-    def _internal_error_event(self, error: Exception) -> bytes:
-        """A stream's last events after a fault of this server's own: its status is sent already."""
-        return _event(self._internal_error(error).body()) + DONE
+    def _stream_error_events(self, error: Exception) -> bytes:
+        """A stream's last events after ``error``: its status is sent already, so the error goes
+        in the stream, as OpenAI does, counted once; a fault of this server's own is an internal one."""
+        if isinstance(error, APIError):
+            self.metrics.observe_error(error.code)
+        else:
+            error = self._internal_error(error)
+        return _event(error.body()) + DONE
 
     def _internal_error(self, error: Exception) -> APIError:
         """A fault of this server's own (a bug), logged with its traceback and counted."""
@@ -549,12 +554,8 @@ class Frontend:
                 yield event(*first)
             async for piece in choices:
                 yield event(*piece)
-        except APIError as error:
-            self.metrics.observe_error(error.code)
-            yield _event(error.body()) + DONE
-            return
-        except Exception as error:  # the stream still ends with an error and [DONE], not cut off
-            yield self._internal_error_event(error)
+        except Exception as error:  # the stream still ends with the error and [DONE], not cut off
+            yield self._stream_error_events(error)
             return
         tail = b""
         if gen.include_usage:
@@ -640,12 +641,8 @@ class Frontend:
                 else:
                     yield delta(text) if sent else _event(gen.chunk(text, first=True))
                 sent = True
-        except APIError as error:  # the status is sent: the error goes in the stream, as OpenAI does
-            self.metrics.observe_error(error.code)
-            yield _event(error.body()) + DONE
-            return
-        except Exception as error:  # the stream still ends with an error and [DONE], not cut off
-            yield self._internal_error_event(error)
+        except Exception as error:  # the stream still ends with the error and [DONE], not cut off
+            yield self._stream_error_events(error)
             return
         outcome = run.ended()
         tail = _event(

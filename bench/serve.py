@@ -616,6 +616,13 @@ class BenchRun:
     points: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     model_id: str | None = None  # the openai backend's served model
 
+    @classmethod
+    def to(cls, config: BenchConfig, backend: str, endpoint: str, base_url: str | None) -> BenchRun:
+        """A run yet to start, of ``config`` to ``base_url`` (openai) or ``endpoint`` (zmq)."""
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        return cls(config, backend, (base_url or DEFAULT_BASE_URL) if backend == "openai" else endpoint)
+
     @property
     def complete(self) -> bool:
         return len(self.points) == len(self.config.rates)
@@ -652,14 +659,11 @@ async def run_benchmark(
     """Warm-up, then every rate in turn, each on requests of its own (``point_requests``); returns
     the results document. ``run``, if given, holds what is measured as it comes.
     ``backend`` "openai" sends them to ``base_url`` (``endpoint`` is then unused)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    target = (base_url or DEFAULT_BASE_URL) if backend == "openai" else endpoint
-    run = run or BenchRun(config, backend, target)
+    run = run or BenchRun.to(config, backend, endpoint, base_url)
     warmup, measured = workload_requests(config)
     client: AsyncClient | OpenAIBackend
     if backend == "openai":
-        client = OpenAIBackend(base_url or DEFAULT_BASE_URL, model_name, config.timeout)
+        client = OpenAIBackend(run.target, model_name, config.timeout)
     else:
         client = AsyncClient(endpoint, timeout=config.timeout)
     try:
@@ -1026,7 +1030,7 @@ def main(
     config = config_from_options(vocab_size=vocab_size_of(model_dir) if vocab_size is None else vocab_size, **options)
     if backend == "openai" and config.workload == "multi-turn":
         raise click.UsageError("multi-turn needs --backend zmq: a turn's prompt holds the previous answer's token ids")
-    run = BenchRun(config, backend, base_url if backend == "openai" else endpoint)
+    run = BenchRun.to(config, backend, endpoint, base_url)
     try:
         asyncio.run(run_benchmark(config, endpoint, backend, base_url, model_name, run))
     except ServerUnreachable as e:

@@ -13,13 +13,24 @@ import pytest
 
 from pdserve.bench.soak import descendants
 from pdserve.cluster.client import Chunk, Client, Final
-from pdserve.cluster.protocol import Logprobs
+from pdserve.cluster.protocol import Logprobs, WorkerError, decode
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 
 # Every test cluster's --max-model-len: short, so that the CPU's KV pools stay small.
 MAX_MODEL_LEN = 512
+
+
+def worker_errors(router_inbox: Any) -> list[tuple[str, str]]:
+    """The (request, code) of every ``WorkerError`` a leader sent the router's inbox (a bound
+    PULL socket) so far."""
+    errors = []
+    while router_inbox.poll(200):
+        message = decode(router_inbox.recv())
+        if isinstance(message, WorkerError):
+            errors.append((message.request_id, message.code))
+    return errors
 
 
 def front_end_pids(launcher_pid: int) -> list[int]:

@@ -16,13 +16,14 @@ import zmq
 
 from pdserve.cluster.config import Addresses
 from pdserve.cluster.datagrams import DatagramInbox
-from pdserve.cluster.protocol import Abort, KVAnnounce, KVReply, Message, Sampling, WorkerError, decode
+from pdserve.cluster.protocol import Abort, KVAnnounce, KVReply, Message, Sampling, decode
 from pdserve.decode_worker import leader as leader_module
 from pdserve.decode_worker.leader import DecodeLeader
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvtransfer.agent import KVTransferAgent
 from pdserve.kvtransfer.base import Transfer, TransferFailed, TransferStats
+from pdserve.tests.cluster.helpers import worker_errors
 
 NUM_BLOCKS = 32
 PROMPT = list(range(1, 41))  # 40 tokens: 3 blocks of 16
@@ -93,12 +94,7 @@ class Setup:
 
     def worker_errors(self) -> list[tuple[str, str]]:
         """The (request, code) of every ``WorkerError`` the leader sent the router so far."""
-        errors = []
-        while self.router_inbox.poll(200):
-            message = decode(self.router_inbox.recv())
-            if isinstance(message, WorkerError):
-                errors.append((message.request_id, message.code))
-        return errors
+        return worker_errors(self.router_inbox)
 
     def replies(self, prefill_group: int = 0) -> list[Message]:
         """What the leader sent the prefill group so far."""

@@ -15,13 +15,14 @@ import zmq
 
 from pdserve.cluster import leader as group_leader
 from pdserve.cluster.config import Addresses
-from pdserve.cluster.protocol import Abort, KVAnnounce, KVReply, Sampling, Shutdown, WorkerError, WorkRequest, decode
+from pdserve.cluster.protocol import Abort, KVAnnounce, KVReply, Sampling, Shutdown, WorkRequest, decode
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvtransfer.agent import KVTransferAgent
 from pdserve.kvtransfer.base import Transfer, TransferStats
 from pdserve.prefill_worker import leader as prefill_leader
 from pdserve.prefill_worker.leader import PrefillLeader
+from pdserve.tests.cluster.helpers import worker_errors
 
 
 class StandInTransfers:
@@ -301,16 +302,6 @@ def test_handoffs_announced_and_not_yet_sending_count_against_the_staging_bound(
         backends[0].sends[0].landed = True
         prefill.background()
         assert _announced(inboxes[1]) == ["b"]
-
-
-def worker_errors(router: zmq.Socket) -> list[tuple[str, str]]:
-    """The (request, code) of every ``WorkerError`` the leader sent the router so far."""
-    errors = []
-    while router.poll(200):
-        message = decode(router.recv())
-        if isinstance(message, WorkerError):
-            errors.append((message.request_id, message.code))
-    return errors
 
 
 def leaves_nothing(prefill: PrefillLeader) -> bool:

@@ -262,6 +262,19 @@ def _read_json(path: Path) -> dict[str, Any]:
     return value
 
 
+def _integer(hf: dict[str, Any], key: str, default: int | None = None) -> int:
+    """``hf[key]`` (``default`` where absent or null), which must be a JSON integer: Hugging
+    Face's own config classes refuse ``"30"`` or ``30.0`` too."""
+    value = hf.get(key)
+    if value is None:
+        if default is None:
+            raise KeyError(key)
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{key} must be an integer, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The shape of a Llama- or Qwen2-family decoder, read from a Hugging Face config.json."""
@@ -315,18 +328,24 @@ class ModelConfig:
                 f"unsupported model: architectures={archs}, model_type={hf.get('model_type')!r}; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
-        num_heads = int(hf["num_attention_heads"])
+        num_heads = _integer(hf, "num_attention_heads")
+        hidden_size = _integer(hf, "hidden_size")
+        if hf.get("head_dim") is None and num_heads > 0 and hidden_size % num_heads:
+            raise ValueError(
+                f"hidden_size ({hidden_size}) is not a multiple of num_attention_heads ({num_heads}), "
+                "and no head_dim is given"
+            )
         attention_bias = bool(hf.get("attention_bias", False))
         return cls(
             architecture=arch,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            vocab_size=_integer(hf, "vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=_integer(hf, "intermediate_size"),
+            num_layers=_integer(hf, "num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            num_kv_heads=_integer(hf, "num_key_value_heads", num_heads),
+            head_dim=_integer(hf, "head_dim", hidden_size // max(num_heads, 1)),
+            max_position_embeddings=_integer(hf, "max_position_embeddings", 2048),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope=RopeConfig.from_hf(hf),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),

@@ -21,17 +21,26 @@ from pdserve.engine.parallel import TensorParallel
 def default_weight_loader(param: nn.Parameter, source: Any, shard_id: str | None = None) -> None:
     if shard_id is not None:
         raise ValueError(f"parameter of shape {tuple(param.shape)} takes no shard id, got {shard_id!r}")
-    loaded = source[:]
-    if tuple(loaded.shape) != tuple(param.shape):
-        raise ValueError(f"checkpoint tensor {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(_checked(source[:], tuple(param.shape)))
 
 
-def _parameter(shape: Sequence[int], dtype: torch.dtype, loader: Any, shard_ids: tuple[str, ...] = ()) -> nn.Parameter:
-    """A parameter with its loader and the checkpoint shard ids it is assembled from (if fused)."""
+def _checked(piece: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``piece`` of a checkpoint tensor, if it has the shape this rank keeps (else the checkpoint
+    is not this config's model)."""
+    if tuple(piece.shape) != shape:
+        raise ValueError(f"checkpoint tensor piece {tuple(piece.shape)} does not fit parameter piece {shape}")
+    return piece
+
+
+def _parameter(
+    shape: Sequence[int], dtype: torch.dtype, loader: Any, shard_shapes: dict[str | None, tuple[int, ...]] | None = None
+) -> nn.Parameter:
+    """A parameter with its loader and ``shard_shapes``: for each checkpoint tensor it is
+    assembled from, by shard id (None: the only one), the shape of this rank's piece of it, on
+    one rank the tensor's whole shape."""
     param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     param.weight_loader = loader  # type: ignore[attr-defined]
-    param.shard_ids = shard_ids  # type: ignore[attr-defined]
+    param.shard_shapes = shard_shapes or {None: tuple(shape)}  # type: ignore[attr-defined]
     return param
 
 
@@ -53,15 +62,18 @@ class ColumnParallelLinear(nn.Module):
             self.offsets[shard_id] = (start, end, offset)
             offset += end - start
         self.out_features = offset
-        shard_ids = tuple(self.offsets)
-        self.weight = _parameter((offset, in_features), dtype, self._load, shard_ids)
-        self.bias = _parameter((offset,), dtype, self._load, shard_ids) if bias else None
+        rows = {shard_id: end - start for shard_id, start, end in pieces}
+        self.weight = _parameter(
+            (offset, in_features), dtype, self._load, {s: (n, in_features) for s, n in rows.items()}
+        )
+        self.bias = _parameter((offset,), dtype, self._load, {s: (n,) for s, n in rows.items()}) if bias else None
 
     def _load(self, param: nn.Parameter, source: Any, shard_id: str | None = None) -> None:
         if shard_id not in self.offsets:
             raise ValueError(f"unknown shard id {shard_id!r}; expected one of {list(self.offsets)}")
         start, end, offset = self.offsets[shard_id]
-        param.data[offset : offset + end - start].copy_(source[start:end])
+        piece = _checked(source[start:end], param.shard_shapes[shard_id])  # type: ignore[attr-defined]
+        param.data[offset : offset + end - start].copy_(piece)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight, self.bias)
@@ -85,7 +97,7 @@ class RowParallelLinear(nn.Module):
         self.bias = _parameter((out_features,), dtype, default_weight_loader) if bias else None
 
     def _load_weight(self, param: nn.Parameter, source: Any, shard_id: str | None = None) -> None:
-        param.data.copy_(source[:, self.in_start : self.in_end])
+        param.data.copy_(_checked(source[:, self.in_start : self.in_end], tuple(param.shape)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[splits, ..., out_features]`` partial sums of y (``ops.linear_partial_sums``): on one

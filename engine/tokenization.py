@@ -22,12 +22,16 @@ def eos_token_ids(hf: Mapping[str, Any]) -> tuple[int, ...]:
 
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:
-    """The model's tokenizer, or None for checkpoints without one (random-weight presets)."""
+    """The model's tokenizer, or None for checkpoints without one (random-weight presets);
+    ValueError naming the directory for one that does not load."""
     if not any((Path(model_dir) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
         return None
     from transformers import AutoTokenizer  # heavy: only where a tokenizer exists
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as e:  # transformers' and huggingface_hub's errors share no base class but this
+        raise ValueError(f"{model_dir}: its tokenizer does not load: {' '.join(str(e).split())}") from e
 
 
 def encode_prompt(

@@ -33,24 +33,33 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 def check_checkpoint(model_dir: Path, config: ModelConfig) -> None:
     """Refuse a checkpoint whose files are missing, whose headers do not parse or do not match the
     file's length (a truncated download), or whose tensors are not the model's (one missing, one
-    of another model): in the launcher, one line, instead of a traceback from every rank. Reads
-    only the headers, and builds the model on the meta device for its parameter names."""
-    names: dict[str, Path] = {}
+    of another model, one of another shape than the config makes it): in the launcher, one line,
+    instead of a traceback from every rank. Reads only the headers, and builds the model on the
+    meta device for its parameters' names and shapes."""
+    shapes: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for path in checkpoint_files(model_dir):
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing (named in the checkpoint's index)")
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                names.update(dict.fromkeys(f.keys(), path))  # noqa: SIM118 (a safetensors file, not a dict)
+                shapes.update((name, (path, tuple(f.get_slice(name).get_shape()))) for name in f.keys())  # noqa: SIM118 (a safetensors file, not a dict)
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
+    # On one rank every parameter's piece of a checkpoint tensor is the whole tensor.
     with torch.device("meta"):
         model = CausalLM(config, TensorParallel(), torch.float32, max_position=1)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for name, path in names.items():
-        if (target := _target(model, params, name, path)) is not None:
-            loaded.add(_loaded_key(*target))
+    for name, (path, shape) in shapes.items():
+        if (target := _target(model, params, name, path)) is None:
+            continue
+        expected = params[target[0]].shard_shapes[target[1]]  # type: ignore[attr-defined]
+        if shape != expected:
+            raise ValueError(
+                f"checkpoint tensor {name!r} in {path} has shape {list(shape)}, but {model_dir / 'config.json'} "
+                f"makes it {list(expected)}: the config is not this checkpoint's"
+            )
+        loaded.add(_loaded_key(*target))
     _check_complete(params, loaded, model_dir)
 
 
@@ -97,7 +106,7 @@ def _check_complete(params: dict[str, torch.nn.Parameter], loaded: set[str], mod
     expected = {
         _loaded_key(name, shard)
         for name, param in params.items()
-        for shard in (param.shard_ids or (None,))  # type: ignore[attr-defined]
+        for shard in param.shard_shapes  # type: ignore[attr-defined]
     }
     missing = sorted(expected - loaded)
     if missing:
@@ -116,10 +125,10 @@ def build_model(
     with torch.device("meta"):
         model = CausalLM(config, tp, dtype, max_position)
     # to_empty makes new Parameter objects: carry the loaders across.
-    loaders = {name: (p.weight_loader, p.shard_ids) for name, p in model.named_parameters()}  # type: ignore[attr-defined]
+    loaders = {name: (p.weight_loader, p.shard_shapes) for name, p in model.named_parameters()}  # type: ignore[attr-defined]
     model.to_empty(device=device)
     for name, param in model.named_parameters():
-        param.weight_loader, param.shard_ids = loaders[name]  # type: ignore[attr-defined]
+        param.weight_loader, param.shard_shapes = loaders[name]  # type: ignore[attr-defined]
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_cache()

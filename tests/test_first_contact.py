@@ -168,11 +168,30 @@ def test_a_broken_checkpoint_is_named_in_one_line(tiny_model_dirs: dict[str, Pat
     weights.write_bytes(next(source.glob("*.safetensors")).read_bytes())
     config = tmp_path / "config.json"
     shape = json.loads(config.read_text())
+    for key, value, tensors in [  # the first of the tensors it changes is named
+        ("vocab_size", shape["vocab_size"] + 8, r"embed_tokens|lm_head"),
+        ("intermediate_size", shape["intermediate_size"] * 2, r"(gate|up|down)_proj"),  # gate and up: fused shards
+        ("num_key_value_heads", shape["num_key_value_heads"] // 2, r"(k|v)_proj"),
+    ]:
+        config.write_text(json.dumps({**shape, key: value}))
+        error = assert_one_line_error(launch("--model", str(tmp_path)), f"{config} makes it", "not this checkpoint's")
+        assert re.search(rf"checkpoint tensor '[\w.]*({tensors})\.weight'", error), error
+    config.write_text(json.dumps({**shape, "num_hidden_layers": str(shape["num_hidden_layers"])}))
+    assert_one_line_error(launch("--model", str(tmp_path)), f"{config}: num_hidden_layers must be an integer")
     del shape["hidden_size"]
     config.write_text(json.dumps(shape))
     assert_one_line_error(launch("--model", str(tmp_path)), f"{config} has no 'hidden_size'")
     config.write_text("{'hidden_size': 64}")
     assert_one_line_error(launch("--model", str(tmp_path)), f"{config} is not valid JSON")
+
+
+def test_a_tokenizer_that_does_not_load_is_named_in_one_line(demo_model_dir: Path, tmp_path: Path) -> None:
+    """transformers' errors (a JSON error here) reached the user as a bare message, or as a
+    traceback where they were not ValueErrors."""
+    for path in demo_model_dir.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    (tmp_path / "tokenizer.json").write_text('{"x": ')
+    assert_one_line_error(launch("--model", str(tmp_path), "--demo"), f"{tmp_path}: its tokenizer does not load")
 
 
 def test_devices_are_checked_before_a_presets_weights_are_written(

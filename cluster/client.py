@@ -17,6 +17,7 @@ import collections
 import itertools
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -779,7 +780,7 @@ class Seconds(click.ParamType):
     default=60.0,
     show_default=True,
     type=Seconds(),
-    help="Seconds to wait for each reply (inf: no limit).",
+    help=f"Seconds to wait for each reply (inf: no limit); for the connection, at most {_CLI_CONNECT_S:.0f}.",
 )
 @click.option("--auth-keys", type=click.Path(file_okay=False), help="The cluster's key directory (--auth-keys there).")
 @click.option(
@@ -860,7 +861,9 @@ def _as_typed(error: ClusterError | ClusterUnavailable, options: dict[str, Any])
     if isinstance(error, ClusterError) and error.code == "invalid_request":
         field, _, why = error.error.message.partition(": ")
         if field in options:
-            return f"{error.code}: --{field.replace('_', '-')} {why}"
+            option = f"--{field.replace('_', '-')}"
+            named = re.sub(rf"\b{field}\b", option, why)  # a reason that names the field itself
+            return f"{error.code}: {named if named != why else f'{option} {why}'}"
     return str(error)
 
 

@@ -346,7 +346,8 @@ class ClusterConfig:
             # Groups may all live on other machines when they can join.
             least = 0 if name.endswith("_groups") and self.joinable else 1
             if getattr(self, name) < least:
-                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
+                joinable = " (0 only where groups may join: with master_addr)" if name.endswith("_groups") else ""
+                raise ValueError(f"{name} must be >= {least}{joinable}, got {getattr(self, name)}")
         self._check_multi_node()
         # A flag of the other mode would be silently ignored: say so instead.
         unused = _COLOCATED_ONLY if self.mode == "disagg" else _DISAGG_ONLY

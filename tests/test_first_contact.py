@@ -231,6 +231,7 @@ def test_text_serving_needs_a_tokenizer(flag: tuple[str, ...], tiny_model_dirs: 
         # A check names the flag the user typed, not the setting's key.
         (("--max-model-len", "-3"), "--max-model-len must be >= 2, got -3"),
         (("--prefill-tp", "0"), "--prefill-tp must be >= 1, got 0"),
+        (("--decode-groups", "0"), "--decode-groups must be >= 1 (0 only where groups may join: with --master-addr)"),
         (("--transfer-layer-groups", "0"), "--transfer-layer-groups must be >= 1, got 0"),
         (("--host", "::1"), "--host must be an IPv4 address or name (0.0.0.0: every interface), got '::1'"),
         (("--transfer-staging-mib", "0"), "--transfer-staging-mib must be a positive finite number"),

@@ -415,7 +415,17 @@ def test_client_cli_ends_the_answer_on_stdout_and_reports_on_stderr() -> None:
     assert result.stderr == "[37 prompt + 1 generated, stop] TTFT 250.0 ms, total 500.0 ms\n"
 
 
-def test_client_cli_names_the_option_behind_a_refused_field() -> None:
+@pytest.mark.parametrize(
+    ("why", "expected"),
+    [
+        ("max_tokens: must be an integer >= 1, got 0", "--max-tokens must be an integer >= 1, got 0"),
+        (  # the field named again in the reason: named as typed there, not glued on before it
+            "max_tokens: prompt (31 tokens) + max_tokens (9000) = 9031 exceeds the maximum model length 8192",
+            "prompt (31 tokens) + --max-tokens (9000) = 9031 exceeds the maximum model length 8192",
+        ),
+    ],
+)
+def test_client_cli_names_the_option_behind_a_refused_field(why: str, expected: str) -> None:
     """The router refuses a request field by its wire name; the user typed the option."""
     import subprocess
     import sys
@@ -430,7 +440,6 @@ def test_client_cli_names_the_option_behind_a_refused_field() -> None:
 
     def refuse() -> None:
         identity, frame = router.recv_multipart()
-        why = "max_tokens: must be an integer >= 1, got 0"
         router.send_multipart([identity, encode(Error(decode(frame).request_id, "invalid_request", why))])
 
     thread = threading.Thread(target=refuse, daemon=True)
@@ -442,7 +451,7 @@ def test_client_cli_names_the_option_behind_a_refused_field() -> None:
         thread.join(10)
         router.close()
     assert result.returncode == 1
-    assert result.stderr == "Error: invalid_request: --max-tokens must be an integer >= 1, got 0\n", result.stderr
+    assert result.stderr == f"Error: invalid_request: {expected}\n", result.stderr
 
 
 def test_async_client_send_that_cannot_queue_times_out() -> None:

@@ -182,8 +182,11 @@ class Frontend:
     @contextlib.asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         self.client = AsyncClient(self.endpoint, timeout=self.timeout, auth_keys=self.auth_keys)
-        with contextlib.suppress(APIError):  # the cluster may come up after us: /health says when
+        try:
             await self._model_len()
+        except APIError as e:  # the cluster may come up after us: /health says when
+            if e.code == "cluster_unavailable":  # (a model mismatch is logged where it is found)
+                logger.warning("%s (yet): requests get %d %s until it does", e.message, e.status, e.code)
         stalls = asyncio.get_running_loop().create_task(self.stalls.watch())
         try:
             yield

@@ -950,6 +950,19 @@ def openai_error(response: httpx.Response, status: int, code: str, param: str | 
     return error["message"]
 
 
+def test_a_server_started_before_its_cluster_says_so(demo_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """It used to start without a word, answering 503 to every request."""
+    from fastapi.testclient import TestClient
+
+    from pdserve.router.openai_server import Frontend
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    with caplog.at_level(logging.WARNING), TestClient(Frontend(endpoint, str(demo_model_dir)).app()) as http:
+        assert http.get("/health").status_code == 503
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"the cluster at {endpoint} does not answer (yet): requests get 503 cluster_unavailable" in warnings[0]
+
+
 def test_unknown_routes_and_methods_get_openais_error_body(demo_model_dir: Path) -> None:
     from fastapi.testclient import TestClient
 

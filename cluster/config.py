@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -494,8 +495,21 @@ class ClusterConfig:
             raise ValueError(f"{path}: not valid YAML: {getattr(e, 'problem', None) or e}{where}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: a cluster preset must be a mapping of settings")
-        data.update({k: v for k, v in overrides.items() if v is not None})
-        return cls.from_settings(data, origin=str(path))
+        given = {k: v for k, v in overrides.items() if v is not None}
+        from_file = {str(k).replace("-", "_") for k in data} - set(given)
+        data.update(given)
+        try:
+            return cls.from_settings(data, origin=str(path))
+        except ValueError as e:
+            # A check names the setting, which the user may never have typed: say where it is set.
+            named = [
+                key
+                for key in sorted(from_file)
+                if re.search(rf"(?<![\w-])({key}|--{key.replace('_', '-')})(?![\w-])", str(e))
+            ]
+            if not named or str(e).startswith(str(path)):
+                raise
+            raise ValueError(f"{e} ({', '.join(named)}: set in {path})") from None
 
     def groups(self) -> list[tuple[str, int, int]]:
         """``(role, group index, tp)`` of every worker group, in global-rank order."""

@@ -241,6 +241,8 @@ def test_text_serving_needs_a_tokenizer(flag: tuple[str, ...], tiny_model_dirs: 
         (("--devices", "zero"), "comma-separated GPU ids"),
         (("--max-model-lenn", "5"), "--max-model-len"),
         (("--demo", "--demo-max-tokens", "0"), "--demo-max-tokens"),  # not after the cluster started
+        # A preset's setting that the user never typed: where it is set.
+        (("--config", "colocated", "--mode", "disagg"), "(colocated_groups: set in "),
         # Flags a mode of the command would drop without a word.
         (("--status", "tcp://127.0.0.1:1", "--prefill-tp", "2"), "takes only --auth-keys, not --prefill-tp"),
         (("--join", "127.0.0.1:1", "--role", "prefill", "--demo"), "--demo runs on the router node"),

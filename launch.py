@@ -209,8 +209,8 @@ def _as_typed(message: str, given: dict[str, Any], preset: bool) -> str:
     # A flag, or a key with an underscore, anywhere as a whole word; a one-word key ("port",
     # "model") only where a check names its setting: leading ("key must ...", "key 7 exceeds")
     # or weighed against ("key (value)"), as other text may use the word.
-    pattern = re.compile(
-        rf"(?<![\w-])({alternation(key_of)}|{alternation(k for k in flag_of if '_' in k)})(?![\w-])"
+    pattern = re.compile(  # (not within a path or file name: ".../generation_config.json")
+        rf"(?<![\w/-])({alternation(key_of)}|{alternation(k for k in flag_of if '_' in k)})(?![\w-]|\.\w)"
         rf"|^({one_word})(?= must | \(| -?\d)|(?<= )({one_word})(?= \()"
     )
 

@@ -37,6 +37,7 @@ CLUSTER_PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
 ROLES = ("prefill", "decode", "colocated")
 MODES = ("disagg", "colocated")
 DISPATCH_POLICIES = ("round-robin", "least-tokens", "cache-aware")
+GENERATION_CONFIGS = ("auto", "none")
 _DISAGG_ONLY = ("prefill_tp", "decode_tp", "prefill_groups", "decode_groups")
 _DISAGG_GPU = (
     "prefill_gpu_memory_utilization",
@@ -213,6 +214,14 @@ class ClusterConfig:
         help="Read special-token text in prompts (e.g. <|im_start|>) as control tokens; off: as plain text.",
         section="Serving",
     )
+    generation_config: str = setting(
+        "auto",
+        help="Defaults of the HTTP API's sampling fields that a request leaves out: auto, those the model's "
+        "generation_config.json recommends (temperature, top_p, top_k, min_p, repetition_penalty; as vLLM's "
+        "default); none, OpenAI's.",
+        section="Serving",
+        choices=GENERATION_CONFIGS,
+    )
     access_log: bool = setting(
         False,
         help="Log each HTTP request of the OpenAI API (uvicorn's access log: client, method, path, status), "
@@ -383,6 +392,12 @@ class ClusterConfig:
             raise ValueError("--served-model-name names the model of the HTTP API: give --http-port too")
         if self.access_log and self.http_port is None:
             raise ValueError("--access-log logs the HTTP API's requests: give --http-port too")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(
+                f"generation_config must be one of {', '.join(GENERATION_CONFIGS)}, got {self.generation_config!r}"
+            )
+        if self.generation_config != "auto" and self.http_port is None:
+            raise ValueError("--generation-config applies to the HTTP API: give --http-port too")
         if self.api_servers > 1 and self.http_port is None:
             raise ValueError(f"--api-servers {self.api_servers} runs HTTP front ends: give --http-port too")
         if self.api_key is not None and (self.http_port is None or not self.api_key.strip()):

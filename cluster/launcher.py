@@ -67,6 +67,7 @@ from pdserve.engine.tokenization import load_tokenizer
 from pdserve.engine.weights import check_checkpoint
 from pdserve.kvtransfer.base import TransferConfig, backends_for
 from pdserve.router.metrics import MULTIPROC_DIR_ENV
+from pdserve.router.openai_api import generation_defaults
 from pdserve.router.router import Router
 from pdserve.router.stats_log import StatsLog
 
@@ -247,6 +248,8 @@ class Cluster:
                 f"{c.engine.model} has no tokenizer (random-weight presets have none), so it cannot "
                 "answer text prompts; use --model demo or a Hugging Face directory with one"
             )
+        if c.http_port is not None and c.generation_config == "auto":
+            generation_defaults(self.model_dir)  # a bad generation_config.json: one line here, not a failed front end
         self._engine = engine
         self._model = model
         self._layout = GroupLayout.of(c)
@@ -472,6 +475,8 @@ class Cluster:
             *(["--allowed-origins", c.allowed_origins] if c.allowed_origins is not None else []),
             *(["--parse-special-tokens"] if c.parse_special_tokens else []),  # prompts read as the router reads them
             *(["--access-log"] if c.access_log else []),
+            "--generation-config",
+            c.generation_config,
             *(["--reuse-port"] if c.api_servers > 1 else []),
             *(["--ready-fd", str(ready_fd)] if ready_fd is not None else []),
         ]

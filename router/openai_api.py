@@ -9,7 +9,8 @@ the output (``user``, ``store``, ``metadata``, ``parallel_tool_calls``) are acce
 ignored. vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens``,
 ``return_tokens_as_token_ids`` and a chat's ``add_generation_prompt``, ``continue_final_message``
-and ``echo`` are accepted, and each choice carries its ``stop_reason``.
+and ``echo`` are accepted, and each choice carries its ``stop_reason``. Sampling fields a
+request leaves out take the model's ``generation_config.json`` values (``generation_defaults``).
 Prompts are tokenized here, the same way the ZMQ client's are
 (``engine.tokenization.encode_prompt``), so the cluster gets token ids.
 """
@@ -19,7 +20,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
@@ -263,6 +266,32 @@ def _neutral(value: Any, neutrals: tuple[Any, ...]) -> bool:
     """``value`` is one of ``neutrals`` as JSON sees it: 0 is 0.0, but false is not 0 (nor
     true 1: ``best_of: true`` is refused)."""
     return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutrals)
+
+
+# The sampling fields a model's generation_config.json may recommend, taken as the defaults of
+# the fields a request leaves out: vLLM's --generation-config auto (its max_new_tokens aside).
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(model_dir: str | Path) -> dict[str, Any]:
+    """The sampling defaults a model directory's ``generation_config.json`` recommends (none
+    without one); ValueError naming the file for one that is not JSON or holds a value a
+    request could not."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    defaults = {name: config[name] for name in GENERATION_CONFIG_FIELDS if config.get(name) is not None}
+    try:
+        _Sampling.model_validate(defaults)  # the bounds a request's own values meet
+    except ValidationError as e:
+        raise ValueError(f"{path}: {_validation_error(e).message}") from None
+    return defaults
 
 
 # The body field that holds the prompt, by route: where an error in the prompt is reported.
@@ -544,11 +573,13 @@ def parse_request(
     max_model_len: int,
     max_prompt_chars: int,
     parse_special_tokens: bool = False,
+    defaults: Mapping[str, Any] | None = None,
 ) -> GenerationRequest:
     """Check a request body (raw JSON) and tokenize its prompts; raises APIError (400). Text over
     ``max_prompt_chars`` (a prompt; a chat's messages or a batch's prompts together) is refused
     before tokenizing; special-token text in it is plain text unless ``parse_special_tokens``
-    (the cluster's setting)."""
+    (the cluster's setting). ``defaults``: sampling fields (``generation_defaults``) for those
+    the request leaves out, in place of OpenAI's."""
     try:
         request = (CompletionRequest if kind == "completion" else ChatRequest).model_validate_json(body)
     except ValidationError as e:
@@ -590,19 +621,23 @@ def parse_request(
         )
 
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    # OpenAI's (and vLLM's) defaults, unless the model's generation config recommends others.
+    given = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+    given.update(defaults or {})
+    given.update({name: getattr(request, name) for name in given if getattr(request, name) is not None})
     sampling = {
         "max_tokens": max_tokens,
-        "temperature": 1.0 if request.temperature is None else request.temperature,
-        "top_p": 1.0 if request.top_p is None else request.top_p,
-        "top_k": -1 if request.top_k in (None, 0) else request.top_k,
+        "temperature": given["temperature"],
+        "top_p": given["top_p"],
+        "top_k": -1 if given["top_k"] == 0 else given["top_k"],
         "seed": request.seed,
         "stop_token_ids": list(request.stop_token_ids or []),
         "ignore_eos": request.ignore_eos,
         "min_tokens": request.min_tokens or 0,
-        "min_p": request.min_p or 0.0,
+        "min_p": given["min_p"],
         "presence_penalty": request.presence_penalty or 0.0,
         "frequency_penalty": request.frequency_penalty or 0.0,
-        "repetition_penalty": 1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        "repetition_penalty": given["repetition_penalty"],
         "logprobs": logprobs,
         # A completion's echo shows the prompt's tokens with their log-probabilities too (vLLM's).
         "prompt_logprobs": logprobs if isinstance(request, CompletionRequest) and request.echo else None,

@@ -61,6 +61,7 @@ from pdserve.router.openai_api import (
     GenerationRequest,
     LogprobsFormat,
     check_model,
+    generation_defaults,
     parse_detokenize,
     parse_request,
     parse_tokenize,
@@ -84,6 +85,7 @@ SHARED = {
         "allowed_origins",
         "send_timeout",
         "parse_special_tokens",
+        "generation_config",
         "access_log",
     )
 }
@@ -139,6 +141,7 @@ class Frontend:
         allowed_origins: str | None = None,
         send_timeout: float = SHARED["send_timeout"].default,
         parse_special_tokens: bool = SHARED["parse_special_tokens"].default,
+        generation_config: str = SHARED["generation_config"].default,
     ) -> None:
         self.endpoint = endpoint
         self.parse_special_tokens = parse_special_tokens
@@ -153,6 +156,13 @@ class Frontend:
         self.timeout = timeout
         self.drain_timeout = drain_timeout
         self.tokenizer = load_tokenizer(self.model_dir)
+        self.sampling_defaults = generation_defaults(self.model_dir) if generation_config == "auto" else {}
+        if self.sampling_defaults:  # a request's output then differs from OpenAI's defaults: say so once
+            logger.warning(
+                "sampling fields a request leaves out take the model's generation_config.json values: %s "
+                "(--generation-config none: OpenAI's defaults)",
+                ", ".join(f"{k}={v}" for k, v in self.sampling_defaults.items()),
+            )
         hf = _hf_config(self.model_dir)
         self.vocab_size = _vocab_size(hf)
         try:  # the engine's: an EOS that ends a request is no stop_reason
@@ -576,6 +586,7 @@ class Frontend:
             max_model_len,
             self.max_prompt_chars,
             self.parse_special_tokens,
+            self.sampling_defaults,
         )
         if len(body) <= INLINE_BODY_BYTES and self._tokenizing.acquire(blocking=False):
             try:
@@ -1169,6 +1180,7 @@ def serve_openai(
     send_timeout: float = SHARED["send_timeout"].default,
     parse_special_tokens: bool = SHARED["parse_special_tokens"].default,
     access_log: bool = SHARED["access_log"].default,
+    generation_config: str = SHARED["generation_config"].default,
 ) -> None:
     """Serve the OpenAI API for the cluster at ``endpoint`` until SIGTERM/SIGINT (blocking; run it
     in its own process: the router's loop and this one should not share an interpreter lock). On
@@ -1187,6 +1199,7 @@ def serve_openai(
         allowed_origins=allowed_origins,
         send_timeout=send_timeout,
         parse_special_tokens=parse_special_tokens,
+        generation_config=generation_config,
     )
     config = uvicorn.Config(
         frontend.app(), host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5
@@ -1276,6 +1289,13 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     help=SHARED["send_timeout"].help,
 )
 @click.option("--parse-special-tokens", is_flag=True, help=SHARED["parse_special_tokens"].help)
+@click.option(
+    "--generation-config",
+    type=click.Choice(SHARED["generation_config"].choices or ()),
+    default=SHARED["generation_config"].default,
+    show_default=True,
+    help=SHARED["generation_config"].help,
+)
 @click.option("--access-log", is_flag=True, help=SHARED["access_log"].help)
 @click.option(
     "--reuse-port",
@@ -1306,6 +1326,7 @@ def main(
     allowed_origins: str | None,
     send_timeout: float,
     parse_special_tokens: bool,
+    generation_config: str,
     access_log: bool,
     reuse_port: bool,
     ready_fd: int | None,
@@ -1358,6 +1379,7 @@ def main(
         send_timeout,
         parse_special_tokens,
         access_log,
+        generation_config,
     )
 
 

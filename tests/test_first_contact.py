@@ -194,6 +194,16 @@ def test_a_tokenizer_that_does_not_load_is_named_in_one_line(demo_model_dir: Pat
     assert_one_line_error(launch("--model", str(tmp_path), "--demo"), f"{tmp_path}: its tokenizer does not load")
 
 
+def test_a_generation_config_the_http_api_cannot_use_is_named_in_one_line(demo_model_dir: Path, tmp_path: Path) -> None:
+    """Its sampling values become the HTTP API's defaults (--generation-config auto): one a
+    request could not ask for would have failed the front end's start."""
+    for path in demo_model_dir.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -0.5}))
+    result = launch("--model", str(tmp_path), "--http-port", str(free_port()))
+    assert_one_line_error(result, f"{tmp_path / 'generation_config.json'}: Invalid value for temperature")
+
+
 def test_devices_are_checked_before_a_presets_weights_are_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -228,6 +238,7 @@ def test_text_serving_needs_a_tokenizer(flag: tuple[str, ...], tiny_model_dirs: 
         (("--served-model-name", "qwen"), "--served-model-name names the model of the HTTP API: give --http-port"),
         (("--served-model-name", "qwen,,gpt", "--http-port", "8000"), "--served-model-name holds an empty name"),
         (("--access-log",), "--access-log logs the HTTP API's requests: give --http-port too"),
+        (("--generation-config", "none"), "--generation-config applies to the HTTP API: give --http-port too"),
         # A check names the flag the user typed, not the setting's key.
         (("--max-model-len", "-3"), "--max-model-len must be >= 2, got -3"),
         (("--prefill-tp", "0"), "--prefill-tp must be >= 1, got 0"),

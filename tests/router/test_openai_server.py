@@ -248,6 +248,46 @@ def test_a_request_that_names_no_model_gets_the_served_one(model: dict[str, Any]
     assert gen.model == MODEL and gen.response("", "stop", {})["model"] == MODEL
 
 
+QWEN_GENERATION_CONFIG = {  # Qwen2.5-Instruct's, as its repository ships it
+    "bos_token_id": 151643,
+    "do_sample": True,
+    "eos_token_id": [151645, 151643],
+    "pad_token_id": 151643,
+    "repetition_penalty": 1.05,
+    "temperature": 0.7,
+    "top_p": 0.8,
+    "top_k": 20,
+    "transformers_version": "4.37.0",
+}
+
+
+def test_a_models_generation_config_gives_the_fields_a_request_leaves_out(tmp_path: Path) -> None:
+    """As vLLM's --generation-config auto: Qwen2.5-Instruct sampled at OpenAI's defaults
+    (temperature 1, no top-k) instead of its own got other, usually worse, text."""
+    from pdserve.router.openai_api import generation_defaults
+
+    assert generation_defaults(tmp_path) == {}
+    (tmp_path / "generation_config.json").write_text(json.dumps(QWEN_GENERATION_CONFIG))
+    defaults = generation_defaults(tmp_path)
+    assert defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+
+    def sampling(body: dict[str, Any]) -> dict[str, Any]:
+        encoded = json.dumps({"prompt": [1, 2], **body}).encode()
+        sampling = parse_request("completion", encoded, [MODEL], None, MAX_MODEL_LEN, 1000, defaults=defaults)
+        return {k: sampling.sampling[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+
+    assert sampling({}) == {**defaults, "min_p": 0.0}
+    # A request's own values win, the ones that turn a field off included.
+    own = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.1, "repetition_penalty": 1.0}
+    assert sampling(own) == own
+    assert sampling({"top_k": 0})["top_k"] == -1  # vLLM's other "off"
+    assert sampling({"temperature": 0.3}) == {**defaults, "temperature": 0.3, "min_p": 0.0}
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({**QWEN_GENERATION_CONFIG, "top_p": 2}))
+    with pytest.raises(ValueError, match=r"generation_config.json: Invalid value for top_p"):
+        generation_defaults(tmp_path)
+
+
 def test_choices_are_requests_of_their_own_with_seeds_one_apart() -> None:
     gen = parsed("completion", {"prompt": [1, 2], "n": 3, "seed": 2**63 - 2, "temperature": 1.0}, None)
     assert gen.n == 3
@@ -804,11 +844,43 @@ class RecordingCluster(LaggingCluster):
 
     def __init__(self) -> None:
         self.prompts: list[list[int]] = []
+        self.requests: list[dict[str, Any]] = []
 
     async def stream(self, request_id: str, **kwargs: Any) -> Any:
         self.prompts.append(kwargs["token_ids"])
+        self.requests.append(kwargs)
         async for message in super().stream(request_id):
             yield message
+
+
+@pytest.mark.parametrize("generation_config", ["auto", "none"])
+def test_the_front_end_samples_as_the_models_generation_config_says(
+    demo_model_dir: Path, tmp_path: Path, generation_config: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--generation-config`` reaches the front end: auto (the default) takes the fields a
+    request leaves out from the model's generation_config.json, and says so; none, OpenAI's."""
+    for path in demo_model_dir.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    (tmp_path / "generation_config.json").write_text(json.dumps(QWEN_GENERATION_CONFIG))
+    with caplog.at_level(logging.WARNING):
+        frontend = Frontend(
+            f"tcp://127.0.0.1:{free_port()}",
+            str(tmp_path),
+            served_model_name=MODEL,
+            generation_config=generation_config,
+        )
+    frontend.max_model_len = MAX_MODEL_LEN
+    cluster = frontend.client = RecordingCluster()  # type: ignore[assignment]
+    completions_call(frontend, {"model": MODEL, "prompt": [1, 2], "top_p": 0.5}, client_leaves_after=None)
+    [sent] = cluster.requests
+    fields = {k: sent[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty")}
+    if generation_config == "auto":
+        assert fields == {"temperature": 0.7, "top_p": 0.5, "top_k": 20, "repetition_penalty": 1.05}
+        [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert "generation_config.json values: temperature=0.7, top_p=0.8, top_k=20" in warning
+    else:
+        assert fields == {"temperature": 1.0, "top_p": 0.5, "top_k": -1, "repetition_penalty": 1.0}
+        assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
 @pytest.mark.parametrize("parse_special_tokens", [True, False])

@@ -55,10 +55,12 @@ def encode_chat(
     parse_special_tokens: bool = False,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` rendered by the chat template, with the generation prompt
     (unless not ``add_generation_prompt``), or ending in the last message, open, for the model
-    to go on with (``continue_final_message``: an assistant's reply begun for it).
+    to go on with (``continue_final_message``: an assistant's reply begun for it);
+    ``template_kwargs``: more variables for the template (``enable_thinking``).
 
     The template is rendered to text and then encoded without extra special tokens, which gives
     the same ids on transformers 4 and 5 (their ``tokenize=True`` return types differ). A content
@@ -66,10 +68,10 @@ def encode_chat(
     """
     contents = [message["content"] for message in messages]
     if parse_special_tokens or not any(_has_special_text(tokenizer, c) for c in contents):
-        rendered = _render(tokenizer, messages, add_generation_prompt, continue_final_message)
+        rendered = _render(tokenizer, messages, add_generation_prompt, continue_final_message, template_kwargs)
         return list(tokenizer.encode(rendered, add_special_tokens=False))
     slotted = [{**message, "content": _SLOT.format(i)} for i, message in enumerate(messages)]
-    rendered = _render(tokenizer, slotted, add_generation_prompt, continue_final_message)
+    rendered = _render(tokenizer, slotted, add_generation_prompt, continue_final_message, template_kwargs)
     parts = _SLOTS.split(rendered)  # template text, slot index, template text, ...
     if sorted(int(i) for i in parts[1::2]) != list(range(len(messages))):
         raise RequestError("prompt", "holds special-token text and this model's chat template alters its contents")
@@ -83,13 +85,18 @@ def encode_chat(
 
 
 def _render(
-    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool, continue_final_message: bool
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    template_kwargs: Mapping[str, Any] | None,
 ) -> str:
     return tokenizer.apply_chat_template(
         messages,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         tokenize=False,
+        **(template_kwargs or {}),
     )
 
 

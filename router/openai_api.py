@@ -2,11 +2,11 @@
 response and stream-chunk bodies, and errors in OpenAI's form.
 
 Requests are decoded strictly (no "5" for 5, no ``true`` for 1): a field of the wrong type or
-out of range, a field this server does not support (``suffix``, tools, ...) and a
-field OpenAI does not have are each a 400 naming the field; an unsupported field with its "not
-used" value (``tools: []``, ``best_of: 1``) passes, and fields that change nothing of
-the output (``user``, ``store``, ``metadata``, ``parallel_tool_calls``) are accepted and
-ignored. vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+out of range, a field of OpenAI's or vLLM's that this server does not support (``suffix``,
+tools, guided decoding, ...) and a field neither has are each a 400 naming the field; an
+unsupported field with its "not used" value (``tools: []``, ``best_of: 1``) passes, and fields
+that change nothing of the output (``user``, ``store``, ``metadata``, ``parallel_tool_calls``,
+``service_tier``, ...) are accepted and ignored. vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens``,
 ``return_tokens_as_token_ids`` and a chat's ``add_generation_prompt``, ``continue_final_message``
 and ``echo`` are accepted, and each choice carries its ``stop_reason``. Sampling fields a
@@ -99,6 +99,22 @@ class _Sampling(_Strict):
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     user: str | None = None  # accepted and ignored, as it only identifies the caller to OpenAI
     logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100], checked with the sampling
+    # vLLM's extensions that this server does not implement: with their "not used" values only
+    # (UNSUPPORTED), so that a client that sends its defaults works and one that needs them is told.
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    priority: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    spaces_between_special_tokens: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    cache_salt: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -161,6 +177,7 @@ class CompletionRequest(_Sampling):
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
+    cache_control: Any = None  # a provider's caching hint (LiteLLM sends it): the prefix cache needs none
 
 
 class ChatMessage(_Strict):
@@ -200,7 +217,7 @@ class ChatMessage(_Strict):
                 raise ValueError(f"part {i} has no text")
             if not isinstance(part["text"], str):
                 raise ValueError(f"part {i} needs its text as a string, got {_json_type(part['text'])}")
-            extra = sorted(set(part) - {"type", "text"})
+            extra = sorted(set(part) - set(TextPart.model_fields))
             if extra:
                 raise ValueError(f"part {i} has the unrecognized key {extra[0]!r} (a text part has type and text)")
         return content
@@ -233,15 +250,28 @@ class ChatRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False  # vLLM's: the reply starts with the last message's content, if the assistant's
-    # Accepted and ignored: they change nothing of the output (no tools run here; nothing is stored).
+    # Accepted and ignored: they change nothing of the output (no tools run here; nothing is
+    # stored; OpenAI's tiers, cache keys and end-user ids mean nothing to this server).
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
     tools: Any = None
     tool_choice: Any = None
     response_format: Any = None
+    modalities: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    audio: Any = None
+    functions: Any = None
+    function_call: Any = None
 
 
 # Each unsupported field and the values that mean "not used" (what SDKs send by default).
@@ -251,6 +281,29 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "audio": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    # vLLM's
+    "prompt_logprobs": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1),
+    "priority": (None, 0),
+    "truncate_prompt_tokens": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "spaces_between_special_tokens": (None, True),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "cache_salt": (None,),
 }
 # A chat message's fields of the same kind.
 MESSAGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -679,6 +732,7 @@ class TokenizeChatRequest(_Strict):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -873,6 +927,35 @@ def _content(message: ChatMessage) -> str:
     return "\n".join(part.text for part in content) if isinstance(content, list) else content or ""
 
 
+# apply_chat_template's own arguments and the variables it gives every template: a request's
+# chat_template_kwargs adds variables, and may not replace these.
+TEMPLATE_RESERVED = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "bos_token",
+        "eos_token",
+        "pad_token",
+        "unk_token",
+        "raise_exception",
+        "strftime_now",
+    }
+)
+
+
 def _chat_prompt(
     request: ChatRequest | TokenizeChatRequest, tokenizer: Any, max_prompt_chars: int, parse_special_tokens: bool
 ) -> list[int]:
@@ -896,9 +979,17 @@ def _chat_prompt(
     chars = sum(len(m["content"]) for m in messages)
     if chars > max_prompt_chars:
         raise _prompt_too_long(chars, max_prompt_chars, "messages")
+    template_kwargs = request.chat_template_kwargs or {}
+    if reserved := sorted(set(template_kwargs) & TEMPLATE_RESERVED):
+        raise bad_request(
+            f"chat_template_kwargs may not set {reserved[0]!r}, which the server's own rendering sets",
+            "chat_template_kwargs",
+        )
     try:
         # As engine.tokenization.encode_prompt does for one user turn: the same ids as the ZMQ client's.
-        return encode_chat(tokenizer, messages, parse_special_tokens, add_generation_prompt, continue_final_message)
+        return encode_chat(
+            tokenizer, messages, parse_special_tokens, add_generation_prompt, continue_final_message, template_kwargs
+        )
     except RequestError as e:
         raise bad_request(str(e), "messages") from None
     except Exception as e:  # noqa: BLE001 (a template's own checks, e.g. alternating roles, raise anything)

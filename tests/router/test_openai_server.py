@@ -144,8 +144,8 @@ def test_a_chat_message_without_content_is_refused_unless_an_assistants(role: st
         ([{"type": "text", "text": "a"}, {"type": "text"}], "part 1 has no text"),
         (["hi"], "part 0 must be an object (a text part), got a string"),
         (
-            [{"type": "text", "text": "a", "cache_control": {}}],
-            "part 0 has the unrecognized key 'cache_control' (a text part has type and text)",
+            [{"type": "text", "text": "a", "colour": "red"}],
+            "part 0 has the unrecognized key 'colour' (a text part has type and text)",
         ),
     ],
 )
@@ -209,6 +209,12 @@ NEUTRAL_FIELDS: dict[str, dict[str, Any]] = {
     "max_tokens null": {"max_tokens": None},
     "stop null": {"stop": None},
     "stop empty": {"stop": []},
+    # vLLM's extensions at their defaults, as a client configured for vLLM sends them.
+    "vLLM's beam search off": {"use_beam_search": False, "length_penalty": 1.0},
+    "vLLM's priority 0": {"priority": 0},
+    "vLLM's nulls": {"truncate_prompt_tokens": None, "guided_json": None, "structured_outputs": None},
+    "vLLM's bad_words empty": {"bad_words": []},
+    "vLLM's spaces_between_special_tokens": {"spaces_between_special_tokens": True},
 }
 CHAT_NEUTRAL_FIELDS: dict[str, dict[str, Any]] = {
     "response_format text": {"response_format": {"type": "text"}},
@@ -220,6 +226,15 @@ CHAT_NEUTRAL_FIELDS: dict[str, dict[str, Any]] = {
     "store true, metadata null": {"store": True, "metadata": None},
     "top_logprobs 0": {"logprobs": False, "top_logprobs": 0},
     "max_completion_tokens null": {"max_completion_tokens": None},
+    # OpenAI's newer fields: a service tier, a cache key and an end-user id mean nothing here.
+    "service_tier": {"service_tier": "auto"},
+    "prompt_cache_key and safety_identifier": {"prompt_cache_key": "tenant-7", "safety_identifier": "u-9"},
+    "modalities text": {"modalities": ["text"]},
+    "null reasoning_effort, verbosity, functions": {"reasoning_effort": None, "verbosity": None, "functions": None},
+    "chat_template_kwargs empty": {"chat_template_kwargs": {}},
+    "a text part's cache_control": {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": QUESTION, "cache_control": {"type": "x"}}]}]
+    },
 }
 COMPLETION_NEUTRAL_FIELDS: dict[str, dict[str, Any]] = {
     "echo false": {"echo": False},
@@ -452,6 +467,13 @@ def test_a_reply_as_the_official_client_dumps_it_is_a_valid_next_turn(demo_token
             "response_format",
             "response_format is not supported by this server",
         ),
+        # Fields OpenAI or vLLM know, which used to be "Unrecognized request argument".
+        ("chat", {"reasoning_effort": "low"}, "reasoning_effort", "reasoning_effort is not supported by this server"),
+        ("chat", {"modalities": ["text", "audio"]}, "modalities", "modalities is not supported by this server"),
+        ("completion", {"guided_json": {}}, "guided_json", "guided_json is not supported by this server"),
+        ("completion", {"use_beam_search": True}, "use_beam_search", "use_beam_search is not supported by this server"),
+        ("completion", {"prompt_logprobs": 1}, "prompt_logprobs", "prompt_logprobs is not supported by this server"),
+        ("chat", {"cache_salt": "tenant-7"}, "cache_salt", "cache_salt is not supported by this server"),
         (
             "chat",
             {
@@ -495,6 +517,26 @@ def test_accepted_fields_are_still_typed(extra: dict[str, Any], why: str) -> Non
     with pytest.raises(APIError) as refused:
         parsed("chat", {"messages": [{"role": "user", "content": "hi"}], **extra}, None)
     assert (refused.value.status, refused.value.code, refused.value.message) == (400, "invalid_value", why)
+
+
+def test_chat_template_kwargs_reach_the_template(demo_model_dir: Path) -> None:
+    """vLLM's ``chat_template_kwargs`` (``enable_thinking``): more variables for the template,
+    none that replaces the server's own rendering."""
+    from pdserve.engine.tokenization import load_tokenizer
+
+    tokenizer = load_tokenizer(str(demo_model_dir))
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}"
+    )
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parsed("chat", base, tokenizer).prompts[0].token_ids == tokenizer.encode("hi", add_special_tokens=False)
+    off = parsed("chat", {**base, "chat_template_kwargs": {"enable_thinking": False}}, tokenizer)
+    assert off.prompts[0].token_ids == tokenizer.encode("hi /no_think", add_special_tokens=False)
+    with pytest.raises(APIError) as refused:
+        parsed("chat", {**base, "chat_template_kwargs": {"messages": []}}, tokenizer)
+    assert (refused.value.code, refused.value.param) == ("invalid_request", "chat_template_kwargs")
+    assert "'messages'" in refused.value.message
 
 
 def test_an_unknown_field_inside_a_message_is_named_in_full() -> None:

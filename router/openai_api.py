@@ -433,7 +433,8 @@ class GenerationRequest:
                 "finish_reason": finish_reason,
             }
         else:
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            # The first always has content ("" before any text), as OpenAI's and vLLM's role chunk.
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text is not None:
                 delta["content"] = text
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -449,6 +450,8 @@ class GenerationRequest:
         }
         if usage is not None:
             body["usage"] = usage_body(usage)
+        elif self.include_usage:  # OpenAI's: every chunk before the usage chunk says it has none
+            body["usage"] = None
         return body
 
     def usage_chunk(self, usage: dict[str, int], cached_tokens: int | None = None) -> dict[str, Any]:

@@ -597,14 +597,14 @@ class StalledCluster:
 
 
 def completions_call(
-    frontend: Frontend, request: dict[str, Any], client_leaves_after: float | None
+    frontend: Frontend, request: dict[str, Any], client_leaves_after: float | None, path: str = "/v1/completions"
 ) -> list[dict[str, Any]]:
-    """``POST /v1/completions`` straight to the front end's ASGI app: the messages it sends. The
-    client disconnects ``client_leaves_after`` seconds after its body was read (None: it stays)."""
+    """``POST path`` straight to the front end's ASGI app: the messages it sends. The client
+    disconnects ``client_leaves_after`` seconds after its body was read (None: it stays)."""
     scope = {
         "type": "http",
         "method": "POST",
-        "path": "/v1/completions",
+        "path": path,
         "headers": [(b"content-type", b"application/json")],
         "query_string": b"",
     }
@@ -879,6 +879,46 @@ def test_a_completion_cut_at_a_stop_string_counts_its_tokens_up_to_it(demo_model
         text, usage = json.loads(body)["choices"][0]["text"], json.loads(body)["usage"]
     assert text == "a "
     assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (3, 2, 5)
+
+
+class ScriptedCluster(LaggingCluster):
+    """A cluster client that answers every request with ``texts``, a token each, then stops."""
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts = texts
+
+    async def stream(self, request_id: str, **_: Any) -> Any:
+        for text in self.texts:
+            yield Chunk(request_id, [7], text)
+        usage = {"prompt_tokens": 3, "completion_tokens": len(self.texts)}
+        yield Final(request_id, "stop", [7] * len(self.texts), "".join(self.texts), usage, {})
+
+
+@pytest.mark.parametrize("texts", [["Hel", "lo", "!"], []], ids=["text", "stopped at once"])
+def test_a_streamed_chats_chunks_have_openais_shape(demo_model_dir: Path, texts: list[str]) -> None:
+    """The first chunk always carries content ("" before any text: a stop string or EOS at the
+    first token left it out), and with include_usage every chunk before the usage chunk says
+    ``usage: null``, as OpenAI's and vLLM's do: clients that read ``delta["content"]`` or
+    ``chunk["usage"]`` raised KeyError."""
+    frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), served_model_name=MODEL)
+    frontend.max_model_len = MAX_MODEL_LEN
+    frontend.client = ScriptedCluster(texts)  # type: ignore[assignment]
+    request = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = completions_call(frontend, request, client_leaves_after=None, path="/v1/chat/completions")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
+    assert body.endswith("data: [DONE]\n\n")
+    events = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+    *chunks, usage = events
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": texts[0] if texts else ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "".join(texts)
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["stop"]
+    assert all("usage" in c and c["usage"] is None for c in chunks), chunks
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(texts)
 
 
 class RecordingCluster(LaggingCluster):

@@ -6,11 +6,12 @@ out of range, a field of OpenAI's or vLLM's that this server does not support (`
 tools, guided decoding, ...) and a field neither has are each a 400 naming the field; an
 unsupported field with its "not used" value (``tools: []``, ``best_of: 1``) passes, and fields
 that change nothing of the output (``user``, ``store``, ``metadata``, ``parallel_tool_calls``,
-``service_tier``, ...) are accepted and ignored. vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens``,
-``return_tokens_as_token_ids`` and a chat's ``add_generation_prompt``, ``continue_final_message``
-and ``echo`` are accepted, and each choice carries its ``stop_reason``. Sampling fields a
-request leaves out take the model's ``generation_config.json`` values (``generation_defaults``).
+``service_tier``, ...) are accepted and ignored. vLLM's extensions ``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
+``include_stop_str_in_output``, ``skip_special_tokens``, ``return_tokens_as_token_ids`` and a
+chat's ``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message`` and
+``echo`` are accepted, and each choice carries its ``stop_reason``. Sampling fields a request
+leaves out take the model's ``generation_config.json`` values (``generation_defaults``).
 Prompts are tokenized here, the same way the ZMQ client's are
 (``engine.tokenization.encode_prompt``), so the cluster gets token ids.
 """
@@ -84,7 +85,7 @@ class _Sampling(_Strict):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32)  # vLLM: -1 and 0 both turn it off
-    seed: int | None = Field(None, ge=0, le=MAX_INT64)
+    seed: int | None = Field(None, ge=-MAX_INT64 - 1, le=MAX_INT64)  # any int64, as vLLM's: -1 is a seed too
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False  # vLLM's
     skip_special_tokens: bool = True  # vLLM's
@@ -686,7 +687,7 @@ def parse_request(
         "temperature": given["temperature"],
         "top_p": given["top_p"],
         "top_k": -1 if given["top_k"] == 0 else given["top_k"],
-        "seed": request.seed,
+        "seed": None if request.seed is None else request.seed % (MAX_INT64 + 1),  # the cluster's [0, 2^63)
         "stop_token_ids": list(request.stop_token_ids or []),
         "ignore_eos": request.ignore_eos,
         "min_tokens": request.min_tokens or 0,

@@ -303,6 +303,12 @@ def test_a_models_generation_config_gives_the_fields_a_request_leaves_out(tmp_pa
         generation_defaults(tmp_path)
 
 
+def test_a_negative_seed_is_a_seed_as_in_vllm() -> None:
+    """Any int64, as vLLM takes it (tools send -1): each one its own seed in the cluster's range."""
+    seeds = [parsed("completion", {"prompt": [1], "seed": seed}, None).sampling["seed"] for seed in (-1, -(2**63), 5)]
+    assert seeds == [2**63 - 1, 0, 5]
+
+
 def test_choices_are_requests_of_their_own_with_seeds_one_apart() -> None:
     gen = parsed("completion", {"prompt": [1, 2], "n": 3, "seed": 2**63 - 2, "temperature": 1.0}, None)
     assert gen.n == 3
@@ -2115,7 +2121,7 @@ BAD_REQUESTS = {
         "max_tokens",
     ),
     "top_k -2": ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "invalid_value", "top_k"),
-    "negative seed": ("/v1/completions", {"prompt": "hi", "seed": -1}, 400, "invalid_value", "seed"),
+    "seed below int64": ("/v1/completions", {"prompt": "hi", "seed": -(2**63) - 1}, 400, "invalid_value", "seed"),
     "presence_penalty above 2": (
         "/v1/chat/completions",
         {"presence_penalty": 2.5},

@@ -200,6 +200,10 @@ class Router:
         # Groups spawned and not yet ready: a ``ready`` from any other is a dead generation's.
         self.starting: set[tuple[str, int]] = set(self.tp_sizes)
         self.last_beat: dict[tuple[str, int, int], float] = {}  # (role, group, tp rank) -> when
+        # When the last poll began and how long it could wait: between polls nothing is read,
+        # and the longest such gap since the last heartbeat check is this process's own stall.
+        self._last_poll: tuple[float, float] | None = None
+        self._unread = 0.0
         # Requests waiting for a ready group of a role -> since when; in that order (dispatch_timeout).
         self.parked: dict[str, float] = {}
         # Requests moved off a group, sent again at the next poll: the launcher's supervision pass
@@ -252,8 +256,22 @@ class Router:
 
     def check_heartbeats(self, timeout: float) -> list[tuple[str, int, str]]:
         """``(role, group, cause)`` of each ready group one of whose ranks sent no heartbeat for
-        ``timeout`` seconds."""
+        ``timeout`` seconds. After this process itself read nothing for half of that (stopped,
+        or starved of CPU), the beats still wait unread in its sockets: every deadline then
+        starts again, as no rank's silence can be told from its own."""
         now = time.monotonic()
+        unread, self._unread = self._unread, 0.0
+        if self._last_poll is not None:  # counted here, not again by the next poll
+            unread = max(unread, now - sum(self._last_poll))
+            self._last_poll = (now, 0.0)
+        if unread > timeout / 2 and self.last_beat:
+            logger.warning(
+                "the router read nothing for %.1f s (this process was stopped or starved of CPU): "
+                "every group's heartbeat deadline starts again",
+                unread,
+            )
+            self.last_beat = dict.fromkeys(self.last_beat, now)
+            return []
         silent = []
         for role, group in sorted(self.ready):
             for rank in range(self.tp_sizes[(role, group)]):
@@ -541,6 +559,10 @@ class Router:
 
     def poll(self, timeout_ms: int) -> None:
         """Handle whatever arrives within ``timeout_ms`` (then everything already queued)."""
+        start = time.monotonic()
+        if self._last_poll is not None:
+            self._unread = max(self._unread, start - sum(self._last_poll))
+        self._last_poll = (start, timeout_ms / 1000)
         moved, self._moved = self._moved, []
         for request_id in moved:  # not ended meanwhile (an abort, its client gone, fail_all)
             if request_id in self.requests:

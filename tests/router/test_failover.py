@@ -145,6 +145,33 @@ def test_a_request_whose_kv_its_prefill_groups_death_cut_off_moves_once(
         assert rig.router.faults["migrated"] == 1 and rig.router.requests
 
 
+def test_a_stall_of_the_router_itself_fails_no_group(rig: Rig) -> None:
+    """Stopped (SIGSTOP, a paused VM) or starved of CPU, the router read no heartbeat, and on
+    waking it failed every healthy group before reading the beats waiting in its sockets; a
+    group joined from another node was removed for good. A rank that stays silent is still
+    reported, a full timeout after the stall."""
+
+    def beat(silent: tuple[str, int, int] | None = None) -> None:
+        for role, group, tp in (("prefill", 0, 1), ("decode", 0, 2), ("decode", 1, 2)):
+            for rank in range(tp):
+                if (role, group, rank) != silent:
+                    rig.to_router.send(encode(Heartbeat(role, group, rank)))
+
+    beat()
+    rig.pump(0.05)
+    assert rig.router.check_heartbeats(0.3) == []
+    for _ in range(6):  # the ranks beat on while the router reads nothing
+        beat()
+        time.sleep(0.1)
+    assert rig.router.check_heartbeats(0.3) == []
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:
+        beat(silent=("decode", 1, 1))
+        rig.pump(0.05)
+    (silent,) = rig.router.check_heartbeats(0.3)
+    assert silent[:2] == ("decode", 1) and "rank 1" in silent[2]
+
+
 def test_a_silent_rank_of_a_ready_group_is_reported_within_the_timeout(rig: Rig) -> None:
     assert rig.router.check_heartbeats(0.3) == []
     deadline = time.monotonic() + 0.6

@@ -45,7 +45,7 @@ from pdserve.cluster.group import (
     stop_signals_held,
 )
 from pdserve.cluster.launcher import ClusterError, model_shape, resolve_transfer
-from pdserve.cluster.protocol import Drain, encode
+from pdserve.cluster.protocol import Drain, GroupFailed, Message, encode
 from pdserve.cluster.rank import WorkerSpec, worker_main
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.parallel import check_tp_size
@@ -237,9 +237,8 @@ class GroupNode:
             while not self._stop_requested:
                 failure = self.processes.failure()
                 if failure is not None:
-                    return self._abandon(
-                        f"{self.name} failed: {failure}; the router removes it when its heartbeats stop"
-                    )
+                    self._tell_router(GroupFailed(self.role, self.index, failure))  # its requests move now
+                    return self._abandon(f"{self.name} failed: {failure}; the router removes it")
                 if not self.processes.alive():  # every rank exited 0: the router shut the cluster down
                     logger.info("%s stopped: the cluster shut down", self.name)
                     return 0
@@ -272,17 +271,20 @@ class GroupNode:
             logger.info("%s stopped before it joined", self.name)
             return 0
         logger.info("%s drains: the router sends it no new requests and stops it once it holds none", self.name)
-        sock = zmq.Context.instance().socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.connect(self._router)
-        sock.send(encode(Drain(self.role, self.index)))
-        sock.close()
+        self._tell_router(Drain(self.role, self.index))
         try:
             self.processes.wait(timeout=self.config.drain_timeout + 60)
         except (TimeoutError, RuntimeError) as e:
             return self._abandon(f"{self.name} did not leave cleanly: {e}")
         logger.info("%s left the cluster", self.name)
         return 0
+
+    def _tell_router(self, message: Message) -> None:
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 1000)  # a router that is gone does not hold this node up
+        sock.connect(self._router)
+        sock.send(encode(message))
+        sock.close()
 
     def _router_gone(self) -> int:
         """The store went away with the router node: if it shut the cluster down, the group was

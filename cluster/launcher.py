@@ -553,7 +553,8 @@ class Cluster:
                 failure = f"not ready {c.start_timeout:.0f} s after its restart"
             if failure is not None:
                 self._group_failed(group, failure)
-        for role, index, cause in self.router.check_heartbeats(c.heartbeat_timeout):
+        failures = self.router.reported_failures() + self.router.check_heartbeats(c.heartbeat_timeout)
+        for role, index, cause in failures:
             group = self.groups.get((role, index))
             if group is None:  # joined from another node, which supervises it: removed, not restarted
                 logger.error("%s group %d (joined at run time) failed: %s; it leaves the cluster", role, index, cause)

@@ -563,6 +563,16 @@ class Drain(Message):
     group: int
 
 
+class GroupFailed(Message):
+    """Group node -> router: a rank of the node's joined group died; the node has ended the
+    others. Remove the group now, rather than once its heartbeats are overdue."""
+
+    type: ClassVar[str] = "group_failed"
+    role: str
+    group: int
+    cause: str
+
+
 class PeerFailed(Message):
     """Router -> leaders of the other role: group ``group`` of ``role`` failed (or left the
     cluster); give up every KV hand-off with it."""

@@ -54,6 +54,7 @@ from pdserve.cluster.protocol import (
     Error,
     Final,
     Generate,
+    GroupFailed,
     GroupInfo,
     Heartbeat,
     Logprobs,
@@ -204,6 +205,7 @@ class Router:
         # and the longest such gap since the last heartbeat check is this process's own stall.
         self._last_poll: tuple[float, float] | None = None
         self._unread = 0.0
+        self._failures: list[tuple[str, int, str]] = []  # joined groups their nodes reported failed
         # Requests waiting for a ready group of a role -> since when; in that order (dispatch_timeout).
         self.parked: dict[str, float] = {}
         # Requests moved off a group, sent again at the next poll: the launcher's supervision pass
@@ -371,6 +373,24 @@ class Router:
         sock = self.leaders.pop(key, None)
         if sock is not None:
             sock.close(linger=1000)  # its shutdown still goes out
+
+    def reported_failures(self) -> list[tuple[str, int, str]]:
+        """``(role, group, cause)`` of each joined group whose node reported it failed since the
+        last call: the supervisor removes them as it removes a group whose heartbeats stopped."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    def _reported_failure(self, message: GroupFailed) -> None:
+        key = (message.role, message.group)
+        if key not in self.joined or not (key in self.ready or key in self.starting):
+            self.rejections.warning(
+                "failure_refused",
+                "router: ignored a failure report of %s group %d: it is not a live group that joined at run time",
+                message.role,
+                message.group,
+            )
+            return
+        self._failures.append((message.role, message.group, f"its node reports: {shorten(message.cause)}"))
 
     def _drain(self, message: Drain) -> None:
         key = (message.role, message.group)
@@ -812,6 +832,8 @@ class Router:
                 self.devices[(*key, message.tp_rank)] = message.device
         elif isinstance(message, Drain):
             self._drain(message)
+        elif isinstance(message, GroupFailed):
+            self._reported_failure(message)
         elif isinstance(message, Ready):
             key = (message.role, message.group)
             if key not in self.tp_sizes:

@@ -385,6 +385,31 @@ def test_a_group_killed_with_sigkill_is_removed_within_the_heartbeat_timeout(
 
 
 @pytest.mark.slow
+def test_a_joined_group_whose_rank_dies_is_removed_at_once(
+    router_node: RouterNode, reference: list[list[int]], nodes: GroupNodes
+) -> None:
+    """kill -9 of a joined group's rank, its node alive: the node tells the router, which
+    removes the group and moves its requests at once; they used to wait for the heartbeat
+    timeout. Every request still gets the single engine's tokens."""
+    node = nodes.start(2)  # on the address of the node the test before killed
+    victim = f"decode{node.index}"
+    with Client(router_node.endpoint, timeout=120) as client, Client(router_node.endpoint, timeout=60) as watcher:
+        wait_for("the new group to be ready", lambda: members(watcher)[victim].state == "ready", 30)
+        (pid,) = [int(p) for p in re.findall(rf" {victim}\.0 INFO rank up: pid (\d+)", node.output())]
+
+        def kill() -> None:
+            wait_for("the group to hold a request", lambda: members(watcher)[victim].requests > 0, 30)
+            os.kill(pid, signal.SIGKILL)
+
+        assert token_ids(stream_all(client, kill)) == reference
+        assert node.proc.wait(timeout=30) == 1, node.output()
+        reported = f"decode group {node.index} (joined at run time) failed: its node reports: rank 0 was killed"
+        assert reported in router_node.output(), router_node.output()[-3000:]
+        assert victim not in members(watcher)
+        assert token_ids(stream_all(client)) == reference
+
+
+@pytest.mark.slow
 def test_a_restarted_group_of_the_router_node_meets_the_joined_groups_again(
     router_node: RouterNode, reference: list[list[int]]
 ) -> None:

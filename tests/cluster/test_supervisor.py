@@ -74,6 +74,9 @@ class _BusyRouter(_Router):
     def check_heartbeats(self, timeout: float) -> list[tuple[str, int, str]]:
         return []
 
+    def reported_failures(self) -> list[tuple[str, int, str]]:
+        return []
+
     def fail_all(self, code: str, message: str) -> None:
         self.failed.append((code, message))
         self.requests = {}

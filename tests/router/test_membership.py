@@ -18,6 +18,7 @@ from pdserve.cluster.protocol import (
     Error,
     Final,
     Generate,
+    GroupFailed,
     GroupInfo,
     PeerFailed,
     PeerRestarted,
@@ -187,6 +188,19 @@ def test_a_stranger_is_refused_with_one_line(rig: Rig, caplog: pytest.LogCapture
     assert "refused decode group 9" in caplog.text and "never handed out" in caplog.text
     assert rig.received("prefill", 0) == [] and rig.received("decode", 9) == []
     assert [m.group for m in rig.router.members() if m.role == "decode"] == []
+
+
+def test_only_a_joined_groups_node_may_report_it_failed(rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    """A group node's report of its own group's failure reaches the supervisor at once; a report
+    of a group of the router's node (its own launcher supervises it) or of none is ignored."""
+    rig.join("decode", 5)
+    rig.worker(GroupFailed("decode", 5, "rank 0 was killed by SIGKILL"))
+    rig.worker(GroupFailed("prefill", 0, "forged"))
+    rig.worker(GroupFailed("decode", 9, "forged"))
+    rig.pump()
+    assert rig.router.reported_failures() == [("decode", 5, "its node reports: rank 0 was killed by SIGKILL")]
+    assert rig.router.reported_failures() == []
+    assert caplog.text.count("ignored a failure report") == 2
 
 
 def test_a_drained_group_takes_no_new_request_and_leaves_once_it_holds_none(rig: Rig) -> None:

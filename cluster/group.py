@@ -43,6 +43,9 @@ _PR_SET_NAME = 15
 # terminal it runs in. Ranks ignore all three: their launcher drives their shutdown, and a stop
 # sent to the whole job (a terminal's, `timeout`'s, systemd's) reaches them too.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# A stop signal this soon after the first is the same stop: timeout(1) signals a process, then
+# its whole process group. A later one is a second stop: end now, without waiting for a drain.
+SAME_STOP_S = 0.5
 
 
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ import zmq
 from pdserve.cluster import reaper
 from pdserve.cluster.config import ROLES, Addresses, ClusterConfig, GroupLayout, split_host_port
 from pdserve.cluster.group import (
+    SAME_STOP_S,
     STOP_SIGNALS,
     RankProcesses,
     connect_store,
@@ -115,6 +116,8 @@ class GroupNode:
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-node-")
         self._reaper: subprocess.Popen[bytes] | None = None
         self._stop_requested = False
+        self._first_stop: float | None = None
+        self._leave_now = False  # stopped again while it drained: the group leaves without waiting
         self._handlers: dict[int, Any] = {}
 
     @property
@@ -221,8 +224,13 @@ class GroupNode:
         return devices[: self.tp]
 
     def request_stop(self, *_: object) -> None:
-        if self._stop_requested:
-            logger.warning("already stopping: the group leaves once the router lets it go")
+        now = time.monotonic()
+        if self._first_stop is None:
+            self._first_stop = now
+        elif now - self._first_stop >= SAME_STOP_S and not self._leave_now:
+            # As the launcher: whoever signals twice will not wait for the drain.
+            logger.warning("stop signal again: the group leaves now, its requests move to other groups")
+            self._leave_now = True
         self._stop_requested = True
 
     def serve(self, joined: Callable[[], None] | None = None) -> int:
@@ -272,10 +280,20 @@ class GroupNode:
             return 0
         logger.info("%s drains: the router sends it no new requests and stops it once it holds none", self.name)
         self._tell_router(Drain(self.role, self.index))
-        try:
-            self.processes.wait(timeout=self.config.drain_timeout + 60)
-        except (TimeoutError, RuntimeError) as e:
-            return self._abandon(f"{self.name} did not leave cleanly: {e}")
+        deadline = time.monotonic() + self.config.drain_timeout + 60
+        while self.processes.alive():
+            if self._leave_now:  # the router moves its requests, as for a failed group
+                self._tell_router(GroupFailed(self.role, self.index, "its node was stopped again while it drained"))
+                self.processes.kill()
+                logger.info("%s left the cluster at once", self.name)
+                return 0
+            if (failure := self.processes.failure()) is not None:
+                return self._abandon(f"{self.name} did not leave cleanly: {failure}")
+            if time.monotonic() > deadline:
+                return self._abandon(f"{self.name} did not leave within --drain-timeout + 60 s")
+            time.sleep(_POLL_S)
+        if (failure := self.processes.failure()) is not None:
+            return self._abandon(f"{self.name} did not leave cleanly: {failure}")
         logger.info("%s left the cluster", self.name)
         return 0
 

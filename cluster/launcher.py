@@ -46,6 +46,7 @@ import zmq
 from pdserve.cluster import reaper
 from pdserve.cluster.config import API_KEY_ENV, Addresses, ClusterConfig, GroupLayout
 from pdserve.cluster.group import (
+    SAME_STOP_S,
     STOP_SIGNALS,
     RankProcesses,
     connect_store,
@@ -80,7 +81,6 @@ class ClusterError(RuntimeError):
 
 _MAX_BACKOFF_S = 30.0
 _STABLE_S = 60.0  # a process that served this long before it fails starts its count afresh
-_SAME_STOP_S = 0.5  # a stop signal this soon after the first is the same stop (request_stop)
 _GIVE_UP_DRAIN_S = 10.0  # for the front ends to pass the error of a cluster that gives up to their clients
 
 
@@ -501,9 +501,9 @@ class Cluster:
         if first is None:
             self._first_stop_signal = now
         # A drain that until() began (the demo's end) says "stop again" too: a signal then cuts it.
-        # A repeat within _SAME_STOP_S is the same stop: timeout(1) signals the launcher, then its
+        # A repeat within SAME_STOP_S is the same stop: timeout(1) signals the launcher, then its
         # whole process group.
-        again = self._stopping if first is None else now - first >= _SAME_STOP_S
+        again = self._stopping if first is None else now - first >= SAME_STOP_S
         if again and not self._cut_drain:
             # As uvicorn does: whoever signals twice will not wait for the drain. The requests
             # still end, each with its one terminal message, and every process still stops.

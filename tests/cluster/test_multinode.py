@@ -27,7 +27,7 @@ import pytest
 
 from pdserve.bench.compare import REPO, LoggedProcess
 from pdserve.cluster.client import Chunk, Client, Error, Final
-from pdserve.cluster.group import free_port
+from pdserve.cluster.group import SAME_STOP_S, free_port
 from pdserve.cluster.protocol import GroupInfo
 from pdserve.engine.sampling import SamplingParams
 from pdserve.tests.cluster.helpers import MAX_MODEL_LEN, mixed_requests, oracle, run_concurrently, wait_until_idle
@@ -407,6 +407,38 @@ def test_a_joined_group_whose_rank_dies_is_removed_at_once(
         assert reported in router_node.output(), router_node.output()[-3000:]
         assert victim not in members(watcher)
         assert token_ids(stream_all(client)) == reference
+
+
+@pytest.mark.slow
+def test_a_group_node_stopped_twice_leaves_at_once(router_node: RouterNode, model_dir: Path, nodes: GroupNodes) -> None:
+    """A second SIGTERM while the group drains (as the launcher takes a second stop): the node
+    leaves now, exit 0, and the router moves what the group held; the node used to ignore it
+    and wait out the drain. The group's rank is stopped (SIGSTOP) first, so that the drain
+    cannot end before the second stop (and the two stops come well within the heartbeat
+    timeout). Each request still gets the single engine's tokens."""
+    prompt, long = PROMPTS[0], 400
+    (expected,) = oracle(model_dir, [prompt], [SamplingParams(max_tokens=long, temperature=0.0, ignore_eos=True)])
+    node = nodes.start(2)  # on the address of the nodes the tests before ended
+    victim = f"decode{node.index}"
+    with Client(router_node.endpoint, timeout=120) as client, Client(router_node.endpoint, timeout=60) as watcher:
+        wait_for("the new group to be ready", lambda: members(watcher)[victim].state == "ready", 30)
+        (pid,) = [int(p) for p in re.findall(rf" {victim}\.0 INFO rank up: pid (\d+)", node.output())]
+        before = watcher.stats().faults
+        ids = [client.submit(token_ids=prompt, max_tokens=long, temperature=0.0, ignore_eos=True) for _ in range(4)]
+        # Decoding (its worker's report), not only dispatched to it: a request whose prefill has
+        # not ended yet goes to another group once this one drains.
+        decoding = lambda: watcher.stats().groups.get(victim, {}).get("running", 0) > 0  # noqa: E731
+        wait_for("the group to decode a request", decoding, 30)
+        os.kill(pid, signal.SIGSTOP)
+        node.proc.send_signal(signal.SIGTERM)
+        wait_for("the drain", lambda: "drains:" in node.output(), 2)
+        time.sleep(SAME_STOP_S + 0.1)  # a second stop, not the same one sent twice
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(timeout=30) == 0, node.output()
+        assert [client.result(i).token_ids for i in ids] == [expected] * len(ids)
+        assert "left the cluster at once" in node.output()
+        assert f"decode group {node.index} (joined at run time) failed: its node reports" in router_node.output()
+        assert victim not in members(watcher) and watcher.stats().faults["migrated"] > before["migrated"]
 
 
 @pytest.mark.slow

@@ -47,7 +47,7 @@ try:
 
     from pdserve.cluster.config import ClusterConfig, cluster_settings, model_names, parse_devices
     from pdserve.cluster.group import name_process
-    from pdserve.cluster.launcher import Cluster, ClusterError
+    from pdserve.cluster.launcher import Cluster, ClusterError, StoppedBeforeReady
     from pdserve.engine.config import SettingSpec
 except (ModuleNotFoundError, KeyboardInterrupt) as e:
     if _interrupted:  # Ctrl-C while torch loads: the shell's exit status, not a traceback
@@ -280,6 +280,9 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
     started = time.monotonic()
     try:
         cluster.start()
+    except StoppedBeforeReady as e:  # as a stop of a ready cluster: exit 0, not an error
+        click.echo(str(e), err=True)
+        return
     except (ClusterError, ValueError, FileNotFoundError, RuntimeError) as e:
         raise click.ClickException(_as_typed(str(e), given, preset=config_path is not None)) from None
     finished = threading.Event()

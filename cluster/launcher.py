@@ -79,6 +79,11 @@ class ClusterError(RuntimeError):
     pass
 
 
+class StoppedBeforeReady(ClusterError):
+    """A stop signal came before the cluster was ready, and every process it started has ended:
+    the stop asked for, not a failure (a service manager's stop during a slow start)."""
+
+
 _MAX_BACKOFF_S = 30.0
 _STABLE_S = 60.0  # a process that served this long before it fails starts its count afresh
 _GIVE_UP_DRAIN_S = 10.0  # for the front ends to pass the error of a cluster that gives up to their clients
@@ -200,7 +205,7 @@ class Cluster:
             started = any(g.processes is not None for g in self.groups.values()) or bool(self._live_front_ends())
             self._abandon()
             ended = ": every process it started has ended" if started else " (no process had started)"
-            raise ClusterError(f"stopped before the cluster was ready{ended}") from None
+            raise StoppedBeforeReady(f"stopped before the cluster was ready{ended}") from None
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

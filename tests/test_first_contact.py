@@ -81,6 +81,13 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: st
     return errors[0]
 
 
+def assert_stopped_before_ready(result: subprocess.CompletedProcess[str], line: str) -> None:
+    """Exit status 0, no traceback, no error, and ``line`` the last of stderr."""
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr and "Error" not in result.stderr, result.stderr
+    assert result.stderr.splitlines()[-1] == line, result.stderr
+
+
 @pytest.fixture
 def busy_port() -> Iterator[int]:
     with socket.socket() as held:
@@ -549,8 +556,10 @@ def test_triton_kernels_on_a_cpu_are_refused_before_any_rank_starts(tiny_model_d
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_stop_while_the_ranks_load_ends_them_and_the_launcher(demo_model_dir: Path, stop: int) -> None:
     """Ctrl-C (or a service manager's SIGTERM) while the model loads: the ranks end and so does
-    the launcher, in one line. Ctrl-C used to print "Aborted!" and then hang, the interpreter
-    waiting at exit for ranks that ignore stop signals; SIGTERM ended the launcher silently."""
+    the launcher, in one line, with exit 0 as a stop of a ready cluster (it used to exit 1 with
+    an error, which a service manager records as a failed unit). Ctrl-C used to print "Aborted!"
+    and then hang, the interpreter waiting at exit for ranks that ignore stop signals; SIGTERM
+    ended the launcher silently."""
     ranks: list[int] = []
 
     def every_rank_loading(line: str) -> bool:
@@ -561,7 +570,7 @@ def test_a_stop_while_the_ranks_load_ends_them_and_the_launcher(demo_model_dir: 
     result = launch_stopped(
         "--model", str(demo_model_dir), "--port", str(free_port()), at=every_rank_loading, stop=stop
     )
-    assert_one_line_error(result, "stopped before the cluster was ready")
+    assert_stopped_before_ready(result, "stopped before the cluster was ready: every process it started has ended")
     for pid in ranks:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), pid
 
@@ -651,4 +660,4 @@ def test_ctrl_c_while_the_demo_model_converts_says_nothing_had_started(tmp_path:
         at=lambda line: "converting the demo model" in line,
         env={**os.environ, "PDSERVE_CACHE": str(tmp_path)},  # nothing converted yet
     )
-    assert_one_line_error(result, "stopped before the cluster was ready (no process had started)")
+    assert_stopped_before_ready(result, "stopped before the cluster was ready (no process had started)")

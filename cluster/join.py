@@ -82,6 +82,7 @@ def _wait_listening(host: str, port: int, timeout: float, stopped: Callable[[], 
     by torch's store, which logs every failed try with a C++ stack and takes two of its timeouts
     to give up."""
     deadline = time.monotonic() + timeout
+    said = False
     while not stopped():
         left = deadline - time.monotonic()
         try:
@@ -90,6 +91,9 @@ def _wait_listening(host: str, port: int, timeout: float, stopped: Callable[[], 
         except OSError:
             if left <= 0:
                 raise TimeoutError(f"nothing accepts connections at {host}:{port}") from None
+            if not said:  # a node started first would otherwise wait without a word
+                logger.info("waiting for the router node at %s:%d (up to %g s, --join-timeout)", host, port, timeout)
+                said = True
             time.sleep(min(0.2, max(0.0, left)))
     return False
 

@@ -533,7 +533,9 @@ class Cluster:
                 now = time.monotonic()
                 if stats_log.due(now):
                     r = self.router
-                    line = stats_log.line(now, r.token_counts, len(r.requests), r.worker_stats, r.entry_role)
+                    line = stats_log.line(
+                        now, r.token_counts, len(r.requests), r.worker_stats, r.entry_role, len(r.parked)
+                    )
                     if line is not None:
                         logger.info("%s", line)
             self.shutdown()

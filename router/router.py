@@ -565,6 +565,7 @@ class Router:
         cluster with no group of a role must not hold its clients forever."""
         timeout = self.config.dispatch_timeout
         now = time.monotonic()
+        ended: Counter[str] = Counter()
         for request_id, since in list(self.parked.items()):
             if now - since <= timeout:
                 break  # the rest began to wait later
@@ -576,6 +577,14 @@ class Router:
                     "no_group",
                     f"no {missing} group was ready to serve it for {timeout:g} s (--dispatch-timeout)",
                 )
+                ended[missing] += 1
+        for missing, count in ended.items():  # the operator's side of the clients' errors
+            logger.warning(
+                "%d request(s) ended with no_group: no %s group was ready for %g s (--dispatch-timeout)",
+                count,
+                missing,
+                timeout,
+            )
 
     def poll(self, timeout_ms: int) -> None:
         """Handle whatever arrives within ``timeout_ms`` (then everything already queued)."""

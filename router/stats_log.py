@@ -27,9 +27,11 @@ class StatsLog:
         in_flight: int,
         groups: Mapping[str, Mapping[str, int]],
         entry_role: str,
+        parked: int = 0,
     ) -> str | None:
         """``tokens``: the router's cumulative ``token_counts``; ``groups``: each group's latest
-        ``worker_stats``; the prefix cache's rate is the entry groups' (prefill or colocated)."""
+        ``worker_stats``; the prefix cache's rate is the entry groups' (prefill or colocated);
+        ``parked``: requests in flight that wait for a group of a role none serves now."""
         if not self.due(now):
             return None
         elapsed = now - self.since
@@ -50,7 +52,7 @@ class StatsLog:
             return None
         parts = [
             f"prompt {prompt / elapsed:.1f} tok/s, generation {generated / elapsed:.1f} tok/s",
-            f"{in_flight} request(s) in flight",
+            f"{in_flight} request(s) in flight" + (f" ({parked} waiting for a group to serve them)" if parked else ""),
         ]
         for name, g in sorted(groups.items(), key=lambda item: (not item[0].startswith(entry_role), item[0])):
             total = g.get("num_blocks", 0)

@@ -2,25 +2,31 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
 import time
 
+import pytest
+
 from pdserve.cluster.group import free_port
 from pdserve.cluster.join import GroupNode
 
 
-def test_a_stop_while_the_node_waits_for_the_router_node_ends_the_wait() -> None:
+def test_a_stop_while_the_node_waits_for_the_router_node_ends_the_wait(caplog: pytest.LogCaptureFixture) -> None:
     """Ctrl-C (or SIGTERM) while the router node is not up yet: nothing was started, so the node
-    stops at once and quietly, not after --join-timeout with an error."""
+    stops at once and quietly, not after --join-timeout with an error. It says what it waits
+    for (it used to wait without a word)."""
     port = free_port()  # nothing listens there
     node = GroupNode({"join": f"127.0.0.1:{port}", "role": "decode", "join_timeout": 60.0})
     timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
     began = time.monotonic()
     timer.start()
     try:
-        node.start()  # raised ClusterError ("no pdserve router node answers") after its join timeout
+        with caplog.at_level(logging.INFO):
+            node.start()  # raised ClusterError ("no pdserve router node answers") after its join timeout
+        assert f"waiting for the router node at 127.0.0.1:{port} (up to 60 s, --join-timeout)" in caplog.text
         assert node.processes is None
         assert node.serve() == 0
     finally:

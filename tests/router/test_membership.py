@@ -257,17 +257,23 @@ def test_a_restarted_group_meets_the_joined_groups_at_its_ready(rig: Rig) -> Non
     assert rig.received("prefill", 0) == [PeerRestarted("decode", 5, 0, address)]
 
 
-def test_a_request_no_group_could_take_ends_after_the_dispatch_timeout(impatient_rig: Rig) -> None:
+def test_a_request_no_group_could_take_ends_after_the_dispatch_timeout(
+    impatient_rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
     """With no decode group at all, a request waits dispatch_timeout, then ends with no_group
-    (once, naming the missing role); one that a group joins in time is served."""
+    (once, naming the missing role, in the router's log too); one that a group joins in time
+    is served."""
     rig = impatient_rig
     rig.generate("early")
     rig.pump(1.2)
     rig.generate("late")
-    rig.pump(1.0)  # "early" has waited 2.2 s, "late" 1 s
+    assert len(rig.router.parked) == 2  # the stats line's "waiting for a group"
+    with caplog.at_level(logging.WARNING):
+        rig.pump(1.0)  # "early" has waited 2.2 s, "late" 1 s
     replies = rig.replies()
     assert [(r.request_id, r.code) for r in replies] == [("early", "no_group")]
     assert isinstance(replies[0], Error) and "no decode group" in replies[0].message
+    assert "1 request(s) ended with no_group: no decode group was ready" in caplog.text
     rig.join("decode", 3)
     (_, work) = rig.received("prefill", 0)  # the introduction, then the request that waited
     assert isinstance(work, WorkRequest) and work.decode_group == 3

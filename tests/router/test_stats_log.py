@@ -26,6 +26,8 @@ def test_a_line_gives_the_rates_since_the_last_one_and_each_groups_load() -> Non
     )
     line = log.line(30.0, {"prompt": 2000, "generated": 900}, 1, GROUPS, "prefill")
     assert line is not None and line.startswith("prompt 0.0 tok/s, generation 20.0 tok/s | 1 request(s)")
+    line = log.line(40.0, {"prompt": 2000, "generated": 900}, 3, {"prefill0": GROUPS["prefill0"]}, "prefill", 2)
+    assert line is not None and "| 3 request(s) in flight (2 waiting for a group to serve them) | prefill0:" in line
 
 
 def test_an_idle_cluster_stays_quiet_and_zero_turns_the_line_off() -> None:

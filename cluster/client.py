@@ -38,6 +38,7 @@ from pdserve.cluster.protocol import (
     Final,
     Generate,
     Message,
+    Ping,
     ProtocolError,
     Sampling,
     Stats,
@@ -274,12 +275,16 @@ class Client:
         deadline = time.monotonic() + self.timeout
         while True:
             if self._socket.poll(0):  # what arrived before a disconnect is still an answer
-                return decode(self._socket.recv())
+                if not isinstance(message := decode(self._socket.recv()), Ping):  # the router's, for itself
+                    return message
+                continue
             self._check_connection()
             left = deadline - time.monotonic()
             ready = dict(self._poller.poll(None if left == math.inf else max(0.0, left) * 1000))
             if self._socket in ready:
-                return decode(self._socket.recv())
+                if not isinstance(message := decode(self._socket.recv()), Ping):
+                    return message
+                continue
             if self._monitor not in ready and time.monotonic() >= deadline:
                 raise ClusterUnavailable(self.endpoint, self.timeout, self._link.up, self._link.refused)
 
@@ -494,6 +499,8 @@ class AsyncClient:
                     waiter.set_result(None)
 
     def _dispatch(self, message: Message) -> None:
+        if isinstance(message, Ping):  # the router's, to learn whether this client is still there
+            return
         if isinstance(message, Stats):  # one whose asker gave up (or without a tag) is dropped
             waiter = self._stats_waiters.pop(message.tag, None) if message.tag is not None else None
             if waiter is not None and not waiter.done():

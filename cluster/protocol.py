@@ -543,6 +543,15 @@ class Shutdown(Message):
     type: ClassVar[str] = "shutdown"
 
 
+class Ping(Message):
+    """Router -> client, while a request of the client waits for a group (``no_group`` pending):
+    nothing to answer; clients drop it. Sent to learn whether the client is still there: the
+    send to one that is gone fails, and the router aborts its requests at once instead of at
+    the dispatch timeout."""
+
+    type: ClassVar[str] = "ping"
+
+
 class Heartbeat(Message):
     """Every worker rank -> router, every ``heartbeat_interval`` from a thread of its own: the
     rank's process is alive and running (neither dead nor stopped)."""

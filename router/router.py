@@ -61,6 +61,7 @@ from pdserve.cluster.protocol import (
     Message,
     PeerFailed,
     PeerRestarted,
+    Ping,
     ProtocolError,
     Ready,
     Sampling,
@@ -84,6 +85,7 @@ from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.rejection_log import RejectionLog, shorten
 
 logger = logging.getLogger(__name__)
+PARKED_PING_S = 1.0
 
 # Messages queued for one client before it counts as gone: far beyond what a reading client
 # lets pile up, small enough that one that never reads cannot grow the router without bound.
@@ -206,6 +208,7 @@ class Router:
         self._last_poll: tuple[float, float] | None = None
         self._unread = 0.0
         self._failures: list[tuple[str, int, str]] = []  # joined groups their nodes reported failed
+        self._next_ping = 0.0  # when the clients of parked requests are next asked whether they are there
         # Requests waiting for a ready group of a role -> since when; in that order (dispatch_timeout).
         self.parked: dict[str, float] = {}
         # Requests moved off a group, sent again at the next poll: the launcher's supervision pass
@@ -586,6 +589,20 @@ class Router:
                 timeout,
             )
 
+    def _ping_parked_clients(self) -> None:
+        """Every ``PARKED_PING_S``, a ping to each client with a request parked that long: nothing
+        else goes to it until a group comes, so only a failed send tells that it is gone (its
+        requests are then aborted: they would hold a drain, and their slots, until the dispatch
+        timeout). A request parked for less (a group about to be ready) costs its client none."""
+        now = time.monotonic()
+        if now < self._next_ping:
+            return
+        self._next_ping = now + PARKED_PING_S
+        waited = now - PARKED_PING_S
+        clients = {client for (client, _), rid in self.by_client.items() if self.parked.get(rid, now) <= waited}
+        for client in clients:
+            self._send(client, encode(Ping()))
+
     def poll(self, timeout_ms: int) -> None:
         """Handle whatever arrives within ``timeout_ms`` (then everything already queued)."""
         start = time.monotonic()
@@ -610,6 +627,7 @@ class Router:
             self._check_drains()
         if self.parked:
             self._expire_parked()
+            self._ping_parked_clients()
 
     def stop_accepting(self) -> None:
         self.accepting = False
@@ -917,6 +935,7 @@ class Router:
     def _release(self, request_id: str) -> RequestState:
         state = self.requests.pop(request_id)
         self.by_client.pop((state.client, state.client_request_id), None)
+        self.parked.pop(request_id, None)
         if self.client_load[state.client] > 1:
             self.client_load[state.client] -= 1
         else:

@@ -13,7 +13,7 @@ from typing import TypeVar
 import zmq
 
 from pdserve.cluster.config import Addresses, ClusterConfig
-from pdserve.cluster.protocol import Message, Ready, decode, encode
+from pdserve.cluster.protocol import Message, Ping, Ready, decode, encode
 from pdserve.router.router import Router
 
 R = TypeVar("R", bound="RouterRig")
@@ -45,12 +45,15 @@ class RouterRig:
         self.to_router.send(encode(message))
         self.pump()
 
-    def replies(self) -> list[Message]:
-        """What the router sent the client since the last call."""
+    def replies(self, pings: bool = False) -> list[Message]:
+        """What the router sent the client since the last call; its pings only if asked for
+        (a client drops them)."""
         self.pump()
         out = []
         while self.client.poll(50):
-            out.append(decode(self.client.recv()))
+            message = decode(self.client.recv())
+            if pings or not isinstance(message, Ping):
+                out.append(message)
         return out
 
     def close(self) -> None:

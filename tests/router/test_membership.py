@@ -22,6 +22,7 @@ from pdserve.cluster.protocol import (
     GroupInfo,
     PeerFailed,
     PeerRestarted,
+    Ping,
     Ready,
     Sampling,
     Shutdown,
@@ -34,7 +35,7 @@ from pdserve.cluster.protocol import (
     encode,
     prefix_hashes,
 )
-from pdserve.router.router import Router
+from pdserve.router.router import PARKED_PING_S, Router
 from pdserve.tests.router.helpers import RouterRig
 
 
@@ -93,6 +94,22 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
 @pytest.fixture
 def impatient_rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     yield from _rig(tmp_path_factory, dispatch_timeout=2.0)
+
+
+def test_a_client_gone_while_its_request_waits_for_a_group_has_it_aborted(rig: Rig) -> None:
+    """Nothing goes to a client while its request waits for a group, so the router pings it: one
+    that is gone had its requests held, a drain waiting on them, until the dispatch timeout."""
+    rig.generate("here")
+    gone = zmq.Context.instance().socket(zmq.DEALER)
+    gone.connect(rig.router.addresses.client)
+    sampling = Sampling(max_tokens=4, temperature=0.0)
+    gone.send(encode(Generate(request_id="gone", token_ids=[5, 6, 7], sampling=sampling)))
+    rig.pump(0.2)
+    assert len(rig.router.parked) == 2
+    gone.close(linger=0)
+    rig.pump(2 * PARKED_PING_S + 0.5)  # parked that long, then pinged
+    assert len(rig.router.parked) == 1 and len(rig.router.requests) == 1  # the one whose client is here
+    assert Ping() in rig.replies(pings=True)
 
 
 def test_a_group_joins_by_its_ready_and_meets_the_other_role(rig: Rig) -> None:

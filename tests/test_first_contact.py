@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -159,8 +160,7 @@ def test_a_broken_checkpoint_is_named_in_one_line(tiny_model_dirs: dict[str, Pat
     from safetensors.torch import load_file, save_file
 
     source = tiny_model_dirs["tiny-llama"]
-    for path in source.iterdir():
-        (tmp_path / path.name).write_bytes(path.read_bytes())
+    shutil.copytree(source, tmp_path, dirs_exist_ok=True)
     [weights] = tmp_path.glob("*.safetensors")
     weights.write_bytes(weights.read_bytes()[:-100])  # cut short
     assert_one_line_error(launch("--model", str(tmp_path)), f"{weights} is not a readable safetensors file")
@@ -195,8 +195,7 @@ def test_a_broken_checkpoint_is_named_in_one_line(tiny_model_dirs: dict[str, Pat
 def test_a_tokenizer_that_does_not_load_is_named_in_one_line(demo_model_dir: Path, tmp_path: Path) -> None:
     """transformers' errors (a JSON error here) reached the user as a bare message, or as a
     traceback where they were not ValueErrors."""
-    for path in demo_model_dir.iterdir():
-        (tmp_path / path.name).write_bytes(path.read_bytes())
+    shutil.copytree(demo_model_dir, tmp_path, dirs_exist_ok=True)
     (tmp_path / "tokenizer.json").write_text('{"x": ')
     assert_one_line_error(launch("--model", str(tmp_path), "--demo"), f"{tmp_path}: its tokenizer does not load")
 
@@ -204,8 +203,7 @@ def test_a_tokenizer_that_does_not_load_is_named_in_one_line(demo_model_dir: Pat
 def test_a_generation_config_the_http_api_cannot_use_is_named_in_one_line(demo_model_dir: Path, tmp_path: Path) -> None:
     """Its sampling values become the HTTP API's defaults (--generation-config auto): one a
     request could not ask for would have failed the front end's start."""
-    for path in demo_model_dir.iterdir():
-        (tmp_path / path.name).write_bytes(path.read_bytes())
+    shutil.copytree(demo_model_dir, tmp_path, dirs_exist_ok=True)
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -0.5}))
     result = launch("--model", str(tmp_path), "--http-port", str(free_port()))
     assert_one_line_error(result, f"{tmp_path / 'generation_config.json'}: Invalid value for temperature")

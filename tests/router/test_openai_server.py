@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -941,24 +942,24 @@ class RecordingCluster(LaggingCluster):
             yield message
 
 
+def recording_frontend(model_dir: Path, **settings: Any) -> tuple[Frontend, RecordingCluster]:
+    """A front end of ``model_dir`` with ``settings``, in front of a ``RecordingCluster``."""
+    frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(model_dir), served_model_name=MODEL, **settings)
+    frontend.max_model_len = MAX_MODEL_LEN
+    cluster = frontend.client = RecordingCluster()  # type: ignore[assignment]
+    return frontend, cluster
+
+
 @pytest.mark.parametrize("generation_config", ["auto", "none"])
 def test_the_front_end_samples_as_the_models_generation_config_says(
     demo_model_dir: Path, tmp_path: Path, generation_config: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """``--generation-config`` reaches the front end: auto (the default) takes the fields a
     request leaves out from the model's generation_config.json, and says so; none, OpenAI's."""
-    for path in demo_model_dir.iterdir():
-        (tmp_path / path.name).write_bytes(path.read_bytes())
+    shutil.copytree(demo_model_dir, tmp_path, dirs_exist_ok=True)
     (tmp_path / "generation_config.json").write_text(json.dumps(QWEN_GENERATION_CONFIG))
     with caplog.at_level(logging.WARNING):
-        frontend = Frontend(
-            f"tcp://127.0.0.1:{free_port()}",
-            str(tmp_path),
-            served_model_name=MODEL,
-            generation_config=generation_config,
-        )
-    frontend.max_model_len = MAX_MODEL_LEN
-    cluster = frontend.client = RecordingCluster()  # type: ignore[assignment]
+        frontend, cluster = recording_frontend(tmp_path, generation_config=generation_config)
     completions_call(frontend, {"model": MODEL, "prompt": [1, 2], "top_p": 0.5}, client_leaves_after=None)
     [sent] = cluster.requests
     fields = {k: sent[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty")}
@@ -977,14 +978,7 @@ def test_special_token_text_is_read_as_the_clusters_setting_says(
 ) -> None:
     """``--parse-special-tokens`` reaches the front end: its prompts get the ids the router gives
     the same text (docs/protocol.md), control tokens with it, plain text without."""
-    frontend = Frontend(
-        f"tcp://127.0.0.1:{free_port()}",
-        str(demo_model_dir),
-        served_model_name=MODEL,
-        parse_special_tokens=parse_special_tokens,
-    )
-    frontend.max_model_len = MAX_MODEL_LEN
-    cluster = frontend.client = RecordingCluster()  # type: ignore[assignment]
+    frontend, cluster = recording_frontend(demo_model_dir, parse_special_tokens=parse_special_tokens)
     prompt = "<|im_start|>user\nHi<|im_end|>\n"
     completions_call(frontend, {"model": MODEL, "prompt": prompt, "max_tokens": 8}, client_leaves_after=None)
     expected = encode_prompt(demo_tokenizer, prompt, chat=False, parse_special_tokens=parse_special_tokens)

@@ -109,6 +109,7 @@ MESSAGES: list[Message] = [
     Heartbeat("decode", 1, 0, device="cuda:1"),
     protocol.Drain("decode", 3),
     protocol.GroupFailed("decode", 3, "rank 0 was killed by SIGKILL"),
+    protocol.Ping(),
     PeerFailed("prefill", 0),
     PeerRestarted("decode", 1, 3),
     PeerRestarted("decode", 4, 0, address="tcp://10.0.0.3:41000"),

@@ -274,19 +274,17 @@ class Client:
             raise ClientClosed(self.endpoint)
         deadline = time.monotonic() + self.timeout
         while True:
-            if self._socket.poll(0):  # what arrived before a disconnect is still an answer
-                if not isinstance(message := decode(self._socket.recv()), Ping):  # the router's, for itself
-                    return message
-                continue
-            self._check_connection()
-            left = deadline - time.monotonic()
-            ready = dict(self._poller.poll(None if left == math.inf else max(0.0, left) * 1000))
-            if self._socket in ready:
-                if not isinstance(message := decode(self._socket.recv()), Ping):
-                    return message
-                continue
-            if self._monitor not in ready and time.monotonic() >= deadline:
-                raise ClusterUnavailable(self.endpoint, self.timeout, self._link.up, self._link.refused)
+            if not self._socket.poll(0):  # what arrived before a disconnect is still an answer
+                self._check_connection()
+                left = deadline - time.monotonic()
+                ready = dict(self._poller.poll(None if left == math.inf else max(0.0, left) * 1000))
+                if self._socket not in ready:
+                    if self._monitor not in ready and time.monotonic() >= deadline:
+                        raise ClusterUnavailable(self.endpoint, self.timeout, self._link.up, self._link.refused)
+                    continue
+            message = decode(self._socket.recv())
+            if not isinstance(message, Ping):  # the router's, to learn whether this client is still there
+                return message
 
     def _read_link_events(self) -> None:
         while self._monitor.poll(0):

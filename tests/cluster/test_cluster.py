@@ -6,6 +6,7 @@ through the client library only, and stops it with SIGTERM, checking that it exi
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import random
@@ -378,6 +379,46 @@ def test_a_client_that_gives_up_aborts_its_request_as_it_closes() -> None:
         assert [type(m) for m in got] == [Generate, Abort], got
         assert got[1].request_id == got[0].request_id
     finally:
+        router.close()
+
+
+def test_the_client_drops_the_routers_pings() -> None:
+    """A ping (the router's, to learn whether a client of a waiting request is still there)
+    never reaches the caller of ``receive``, the blocking client's or the asyncio one's."""
+    import zmq
+
+    from pdserve.cluster.client import AsyncClient
+    from pdserve.cluster.protocol import Generate, Ping, decode, encode
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer() -> None:
+        answered = 0
+        while answered < 2:
+            identity, frame = router.recv_multipart()
+            message = decode(frame)
+            if isinstance(message, Generate):  # not the abort a closing client sends
+                router.send_multipart([identity, encode(Ping())])
+                final = Final(message.request_id, "stop", [7], "Paris.", {}, {})
+                router.send_multipart([identity, encode(final)])
+                answered += 1
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+
+    async def async_result() -> Final:
+        async with AsyncClient(f"tcp://127.0.0.1:{port}", timeout=30) as client:
+            return await client.generate(token_ids=[1, 2], max_tokens=1)
+
+    try:
+        with Client(f"tcp://127.0.0.1:{port}", timeout=30) as client:
+            rid = client.submit(token_ids=[1, 2], max_tokens=1)
+            final = client.receive()
+            assert isinstance(final, Final) and final.request_id == rid
+        assert asyncio.run(async_result()).text == "Paris."
+    finally:
+        thread.join(10)
         router.close()
 
 

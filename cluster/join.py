@@ -285,21 +285,21 @@ class GroupNode:
         logger.info("%s drains: the router sends it no new requests and stops it once it holds none", self.name)
         self._tell_router(Drain(self.role, self.index))
         deadline = time.monotonic() + self.config.drain_timeout + 60
-        while self.processes.alive():
+        while True:
+            ended = not self.processes.alive()  # before the failures: a rank that ends between is among them
+            if (failure := self.processes.failure()) is not None:
+                return self._abandon(f"{self.name} did not leave cleanly: {failure}")
+            if ended:
+                logger.info("%s left the cluster", self.name)
+                return 0
             if self._leave_now:  # the router moves its requests, as for a failed group
                 self._tell_router(GroupFailed(self.role, self.index, "its node was stopped again while it drained"))
                 self.processes.kill()
                 logger.info("%s left the cluster at once", self.name)
                 return 0
-            if (failure := self.processes.failure()) is not None:
-                return self._abandon(f"{self.name} did not leave cleanly: {failure}")
             if time.monotonic() > deadline:
                 return self._abandon(f"{self.name} did not leave within --drain-timeout + 60 s")
             time.sleep(_POLL_S)
-        if (failure := self.processes.failure()) is not None:
-            return self._abandon(f"{self.name} did not leave cleanly: {failure}")
-        logger.info("%s left the cluster", self.name)
-        return 0
 
     def _tell_router(self, message: Message) -> None:
         sock = zmq.Context.instance().socket(zmq.PUSH)

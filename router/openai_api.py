@@ -323,8 +323,15 @@ def _neutral(value: Any, neutrals: tuple[Any, ...]) -> bool:
 
 
 # The sampling fields a model's generation_config.json may recommend, taken as the defaults of
-# the fields a request leaves out: vLLM's --generation-config auto (its max_new_tokens aside).
-GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# the fields a request leaves out (vLLM's --generation-config auto, its max_new_tokens aside), with
+# OpenAI's (and vLLM's) defaults where it names none.
+OPENAI_SAMPLING_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
 
 
 def generation_defaults(model_dir: str | Path) -> dict[str, Any]:
@@ -340,7 +347,7 @@ def generation_defaults(model_dir: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path} must hold a JSON object")
-    defaults = {name: config[name] for name in GENERATION_CONFIG_FIELDS if config.get(name) is not None}
+    defaults = {name: config[name] for name in OPENAI_SAMPLING_DEFAULTS if config.get(name) is not None}
     try:
         _Sampling.model_validate(defaults)  # the bounds a request's own values meet
     except ValidationError as e:
@@ -678,23 +685,21 @@ def parse_request(
         )
 
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
-    # OpenAI's (and vLLM's) defaults, unless the model's generation config recommends others.
-    given = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
-    given.update(defaults or {})
-    given.update({name: getattr(request, name) for name in given if getattr(request, name) is not None})
+    chosen = {**OPENAI_SAMPLING_DEFAULTS, **(defaults or {})}
+    chosen.update({name: getattr(request, name) for name in chosen if getattr(request, name) is not None})
     sampling = {
         "max_tokens": max_tokens,
-        "temperature": given["temperature"],
-        "top_p": given["top_p"],
-        "top_k": -1 if given["top_k"] == 0 else given["top_k"],
+        "temperature": chosen["temperature"],
+        "top_p": chosen["top_p"],
+        "top_k": -1 if chosen["top_k"] == 0 else chosen["top_k"],
         "seed": None if request.seed is None else request.seed % (MAX_INT64 + 1),  # the cluster's [0, 2^63)
         "stop_token_ids": list(request.stop_token_ids or []),
         "ignore_eos": request.ignore_eos,
         "min_tokens": request.min_tokens or 0,
-        "min_p": given["min_p"],
+        "min_p": chosen["min_p"],
         "presence_penalty": request.presence_penalty or 0.0,
         "frequency_penalty": request.frequency_penalty or 0.0,
-        "repetition_penalty": given["repetition_penalty"],
+        "repetition_penalty": chosen["repetition_penalty"],
         "logprobs": logprobs,
         # A completion's echo shows the prompt's tokens with their log-probabilities too (vLLM's).
         "prompt_logprobs": logprobs if isinstance(request, CompletionRequest) and request.echo else None,

@@ -68,7 +68,6 @@ from pdserve.engine.tokenization import load_tokenizer
 from pdserve.engine.weights import check_checkpoint
 from pdserve.kvtransfer.base import TransferConfig, backends_for
 from pdserve.router.metrics import MULTIPROC_DIR_ENV
-from pdserve.router.openai_api import generation_defaults
 from pdserve.router.router import Router
 from pdserve.router.stats_log import StatsLog
 
@@ -254,6 +253,8 @@ class Cluster:
                 "answer text prompts; use --model demo or a Hugging Face directory with one"
             )
         if c.http_port is not None and c.generation_config == "auto":
+            from pdserve.router.openai_api import generation_defaults  # pydantic: only for an HTTP API
+
             generation_defaults(self.model_dir)  # a bad generation_config.json: one line here, not a failed front end
         self._engine = engine
         self._model = model

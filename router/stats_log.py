@@ -28,10 +28,13 @@ class StatsLog:
         groups: Mapping[str, Mapping[str, int]],
         entry_role: str,
         parked: int = 0,
+        states: Mapping[str, str] | None = None,
     ) -> str | None:
         """``tokens``: the router's cumulative ``token_counts``; ``groups``: each group's latest
         ``worker_stats``; the prefix cache's rate is the entry groups' (prefill or colocated);
-        ``parked``: requests in flight that wait for a group of a role none serves now."""
+        ``parked``: requests in flight that wait for a group of a role none serves now;
+        ``states``: every known group's state (``GroupInfo.state``), so that a group that is not
+        ready is named even with no report to show."""
         if not self.due(now):
             return None
         elapsed = now - self.since
@@ -54,10 +57,17 @@ class StatsLog:
             f"prompt {prompt / elapsed:.1f} tok/s, generation {generated / elapsed:.1f} tok/s",
             f"{in_flight} request(s) in flight" + (f" ({parked} waiting for a group to serve them)" if parked else ""),
         ]
-        for name, g in sorted(groups.items(), key=lambda item: (not item[0].startswith(entry_role), item[0])):
+        states = states or {}
+        for name in sorted(groups.keys() | states.keys(), key=lambda name: (not name.startswith(entry_role), name)):
+            state = states.get(name, "ready")
+            g = groups.get(name)
+            if g is None:
+                parts.append(f"{name}: {state}")
+                continue
             total = g.get("num_blocks", 0)
             kv = f"{(total - g.get('free_blocks', 0)) / total:.1%}" if total else "-"
-            parts.append(f"{name}: {g.get('running', 0)} running, {g.get('waiting', 0)} waiting, KV {kv}")
+            load = f"{g.get('running', 0)} running, {g.get('waiting', 0)} waiting, KV {kv}"
+            parts.append(f"{name}: {load}" if state == "ready" else f"{name} ({state}): {load}")
         if queried:
             parts.append(f"prefix cache hit {hit / queried:.0%} of {queried} prompt tokens")
         return " | ".join(parts)

@@ -50,3 +50,14 @@ def test_the_prefix_cache_hit_rate_is_the_entry_groups_over_the_interval() -> No
     assert line is not None and line.endswith(" | prefix cache hit 25% of 200 prompt tokens")
     decode_only = {"decode0": {**GROUPS["decode0"], "prefix_queried_tokens": 999, "prefix_hit_tokens": 999}}
     assert "prefix cache" not in (log.line(5.0, tokens, 1, decode_only, "prefill") or "")
+
+
+def test_a_group_that_is_not_ready_is_named_with_its_state() -> None:
+    log = StatsLog(1.0, now=0.0)
+    tokens = {"prompt": 10, "generated": 10}
+    states = {"prefill0": "draining", "prefill1": "down", "decode0": "ready", "decode1": "starting"}
+    line = log.line(1.0, tokens, 4, GROUPS, "prefill", 0, states)
+    assert line is not None and line.endswith(
+        " | prefill0 (draining): 1 running, 2 waiting, KV 25.0% | prefill1: down"
+        " | decode0: 7 running, 0 waiting, KV 80.0% | decode1: starting"
+    )

@@ -256,6 +256,8 @@ class GroupNode:
                     return 0
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + (_POLL_S if not admitted else _STORE_CHECK_S)
+                    if not self._store_listens():
+                        return self._router_gone()
                     try:
                         state = self.store.get(group_state_key(self.role, self.index))
                     except RuntimeError:
@@ -274,9 +276,12 @@ class GroupNode:
     def _leave(self) -> int:
         """Drain the group through the router, or, if it was never admitted, keep it out."""
         assert self.processes is not None
+        key = group_state_key(self.role, self.index)
         try:
-            state = self.store.compare_set(group_state_key(self.role, self.index), "starting", "left")
+            state = self.store.compare_set(key, "starting", "left") if self._store_listens() else None
         except RuntimeError:
+            state = None
+        if state is None:
             return self._abandon(f"the router node at {self.join} is gone")
         if state != b"joined":
             self.processes.kill()
@@ -300,6 +305,16 @@ class GroupNode:
             if time.monotonic() > deadline:
                 return self._abandon(f"{self.name} did not leave within --drain-timeout + 60 s")
             time.sleep(_POLL_S)
+
+    def _store_listens(self) -> bool:
+        """Whether the router node's store still takes connections. Asked before each use of the
+        store: torch's client logs a C++ stack when its server closed the connection under it."""
+        host, port = split_host_port(self.join, "--join")
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return True
+        except OSError:
+            return False
 
     def _tell_router(self, message: Message) -> None:
         sock = zmq.Context.instance().socket(zmq.PUSH)

@@ -498,3 +498,25 @@ def test_bad_joins_get_one_line_errors_and_change_nothing(
     assert router_node.process.stop() == 0, router_node.output()[-4000:]
     for node in nodes.running():  # the router's shutdown stopped their groups too
         assert node.proc.wait(timeout=60) == 0, node.output()[-3000:]
+
+
+@pytest.mark.slow
+def test_a_group_node_whose_router_node_dies_exits_with_one_line(
+    topology: Topology, model_dir: Path, nodes: GroupNodes, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """SIGKILL on the router node: its group nodes stop their ranks and exit 1 with one line,
+    not torch's C++ stack of a store call on a closed connection. Its own router node: the
+    module's stopped in the test before."""
+    master_port = topology.free_port()
+    args = ["--model", str(model_dir), "--max-model-len", str(MAX_MODEL_LEN), "--host", topology.client_host]
+    port = 5555 if topology.namespaces else free_port(topology.client_host)
+    args += ["--port", str(port), "--master-addr", topology.router_addr]
+    args += ["--master-port", str(master_port), "--decode-groups", "0", "--num-blocks", "100"]
+    log = tmp_path_factory.mktemp("dying-router-node") / "launch.log"
+    with NodeProcess(topology, "router", args, log, r"(?m)^endpoint (tcp://\S+)") as router:
+        nodes.master = f"{topology.router_addr}:{master_port}"
+        node = nodes.start(0)
+        router.proc.kill()
+        assert node.proc.wait(timeout=60) == 1, node.output()[-3000:]
+    assert f"the router node at {nodes.master} is gone" in node.output().strip().splitlines()[-1]
+    assert "frame #" not in node.output(), node.output()[-3000:]

@@ -173,3 +173,33 @@ def test_a_pair_that_never_connects_is_named_when_the_start_times_out(
     cluster = Cluster(ClusterConfig.from_settings(settings))
     with pytest.raises(ClusterError, match=r"^the KV transfer pairs of decode0 did not connect in 1 s$"):
         cluster.start()
+
+
+class _NeverReadyRouter(_Router):
+    def __init__(self, *args: object, **kwargs: object) -> None: ...
+    def is_ready(self, key: tuple[str, int]) -> bool:
+        return False
+
+
+def test_a_rank_that_dies_while_the_cluster_starts_fails_the_start_and_takes_the_others_down(
+    monkeypatch: pytest.MonkeyPatch, tiny_model_dirs: dict[str, Path]
+) -> None:
+    """A rank that exits during the start ends it at once, naming its group and exit, and no
+    other group's rank outlives the launcher's error."""
+    monkeypatch.setattr(launcher, "Router", _NeverReadyRouter)
+    spawned: list[_Group] = []
+
+    def spawn(self: Cluster, group: _Group) -> None:
+        code, after = (3, 0.0) if group.key == ("decode", 0) else (0, 60.0)
+        group.processes = RankProcesses(_exit_with, [(code, after)])
+        spawned.append(group)
+
+    monkeypatch.setattr(Cluster, "_spawn", spawn)
+    settings = {"model": str(tiny_model_dirs["tiny-llama"]), "start_timeout": 30.0, "port": free_port()}
+    cluster = Cluster(ClusterConfig.from_settings(settings))
+    began = time.monotonic()
+    with pytest.raises(ClusterError, match=r"^a worker failed to start: decode group 0: rank 0 exited with code 3"):
+        cluster.start()
+    assert time.monotonic() - began < 20  # not the start timeout
+    assert {g.key for g in spawned} == {("prefill", 0), ("decode", 0)}
+    assert all(g.processes is None for g in spawned)  # killed and reaped

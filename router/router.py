@@ -32,6 +32,7 @@ nothing the dead group still sends is applied, up to ``migration_limit`` moves, 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -705,7 +706,16 @@ class Router:
         except Exception as e:  # a router bug must cost one request, never the cluster
             logger.exception("router: failed on a %s message", message.type)
             request_id = getattr(message, "request_id", None)
-            self._reply(client, Error(request_id, "internal_error", f"{type(e).__name__}: {e}"))
+            why = f"{type(e).__name__}: {e}"
+            registered = self.by_client.get((client, request_id))
+            if registered is None:
+                self._reply(client, Error(request_id, "internal_error", why))
+                return
+            # Registered before the failure: end it here, or it would hold its id and a client
+            # slot and get a second terminal message from a later drop or shutdown.
+            with contextlib.suppress(Exception):
+                self._abort_workers(registered)
+            self._terminal_error(registered, "internal_error", why)
 
     def _handle_client(self, client: bytes, message: Message) -> None:
         if isinstance(message, Generate):

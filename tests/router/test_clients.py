@@ -409,3 +409,25 @@ def test_the_asyncio_client_is_an_async_context_manager(rig: RouterRig) -> None:
     client = asyncio.run(main())
     with pytest.raises(zmq.ZMQError):  # closed: nothing more goes out
         client._socket.send(b"")
+
+
+def test_a_router_bug_while_dispatching_ends_the_request_once_and_frees_its_id(
+    rig: RouterRig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception after the request was registered (in dispatch) answers ``internal_error``
+    and ends the request: its id is free again, and a later drop of the client sends nothing."""
+
+    def broken(request_id: str) -> None:
+        raise RuntimeError("a bug")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(rig.router, "_dispatch", broken)
+        rig.client.send(encode(Generate("x", token_ids=[5, 6, 7], sampling=Sampling(max_tokens=1))))
+        (reply,) = rig.replies()
+    assert isinstance(reply, Error) and (reply.request_id, reply.code) == ("x", "internal_error")
+    assert rig.router.requests == {} and rig.router.client_load == {}
+    rig.client.send(encode(Generate("x", token_ids=[5, 6, 7], sampling=Sampling(max_tokens=1))))
+    rig.pump()
+    rig.worker(TokenOutputs([TokenOutput(_work(rig).request_id, 0, [11], True, "length")]))
+    *_, final = rig.replies()
+    assert isinstance(final, Final) and final.token_ids == [11]

@@ -194,10 +194,6 @@ class DecodeLeader(GroupLeader):
         expired = time.monotonic() - _ABORTED_TTL_S
         while self.aborted and (len(self.aborted) > _ABORTED_MAX or next(iter(self.aborted.values())) < expired):
             self.aborted.popitem(last=False)
-        lease_end = time.monotonic() - self.kv_lease_timeout
-        for request_id in [r for r, t in self.receive_started.items() if t < lease_end]:
-            why = f"its KV did not arrive in {self.kv_lease_timeout:g} s"
-            self._give_up(request_id, self.receiving.pop(request_id), "kv_lease_expired", why)
         for request_id in [r for r in self.receiving if self.transfers.done(r)]:
             announce, cached = receive = self.receiving.pop(request_id)
             self.receive_started.pop(request_id, None)
@@ -216,6 +212,11 @@ class DecodeLeader(GroupLeader):
                 continue
             self.handoffs[request_id] = (announce.timings, stats)
             self.engine.admit(request_id)
+        # After the arrivals: KV that landed during a long step is taken, not thrown away.
+        lease_end = time.monotonic() - self.kv_lease_timeout
+        for request_id in [r for r, t in self.receive_started.items() if t < lease_end]:
+            why = f"its KV did not arrive in {self.kv_lease_timeout:g} s"
+            self._give_up(request_id, self.receiving.pop(request_id), "kv_lease_expired", why)
 
     def _give_up(self, request_id: str, receive: _Receive, code: str, why: str) -> None:
         """A receive that will never be admitted: free its blocks; the router moves the request

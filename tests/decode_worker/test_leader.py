@@ -404,6 +404,21 @@ def test_a_pulled_receive_whose_lease_expires_frees_the_prefill_blocks(
         assert setup.worker_errors() == [("r", "kv_lease_expired")]
 
 
+def test_kv_that_landed_during_a_long_step_is_admitted_though_its_lease_ran_out(
+    tmp_path: Path, tiny_model_dirs: dict[str, Path]
+) -> None:
+    """The leader looks at its receives between steps: one that landed while a step ran past its
+    lease is decoded, not thrown away and moved by the router."""
+    transfers = StandInTransfers()
+    with leader_setup(tmp_path, tiny_model_dirs, transfers, kv_lease_timeout=0.05) as setup:
+        setup.announce("r")
+        transfers.land("r")
+        time.sleep(0.1)  # the step
+        setup.leader.background()
+        assert setup.worker_errors() == []
+        assert len(setup.decode_all()) == 7  # the first of its 8 tokens came from the prefill side
+
+
 def test_an_announce_of_a_dead_prefill_generation_is_dropped(setup: Setup) -> None:
     """A prefill group restarted: an announce its dead generation left in this leader's inbox,
     read after the reconnection, must post no receive (it would take the new pair's next send,

@@ -169,6 +169,7 @@ class GroupLeader:
             prefix_evicted_blocks=0 if cache is None else cache.evicted_blocks,
             kv_transfer_failures=self.kv_transfer_failures,
             pairs_forming=self.pairs_forming(),
+            preemptions=s.preemptions,
         )
 
     @property

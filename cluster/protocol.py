@@ -513,6 +513,7 @@ class WorkerStats(Message):
     prefix_evicted_blocks: int = 0
     kv_transfer_failures: int = 0  # KV transfers that did not deliver a usable KV, cumulative
     pairs_forming: int = 0  # groups of the other role whose KV pair with this one cannot move KV yet
+    preemptions: int = 0  # sequences preempted for want of KV blocks (recomputed later), cumulative
 
 
 class CacheEvents(Message):

@@ -69,8 +69,9 @@ class EngineStats:
     free_blocks: int  # free, or cached with no request using them (evicted when needed)
     running: int
     waiting: int
-    kv_held: int  # prefilled requests keeping their KV, and blocks reserved for KV still arriving
+    kv_held: int  # requests holding blocks outside the queues: prefilled, or reserved for KV arriving
     prefix_cache: PrefixCacheStats | None = None  # None with prefix caching off
+    preemptions: int = 0  # sequences preempted for want of blocks (recomputed later), cumulative
 
 
 @dataclass
@@ -309,6 +310,7 @@ class LLMEngine:
             len(self.scheduler.waiting),
             len(self.held) + len(self.reserved),
             self.block_manager.cache_stats(),
+            self.scheduler.num_preemptions,
         )
 
     def has_unfinished(self) -> bool:

@@ -216,6 +216,11 @@ class ClusterCollector(Collector):
                 "KV blocks a group's prefix cache evicted to make room.",
                 labels=["group"],
             ),
+            "preemptions": CounterMetricFamily(
+                f"{PREFIX}num_preemptions",
+                "Sequences a group preempted for want of KV blocks (their KV is recomputed).",
+                labels=["group"],
+            ),
         }
         for group, g in sorted(stats.groups.items()):
             families["running"].add_metric([group], g.get("running", 0))

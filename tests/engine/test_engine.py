@@ -116,7 +116,7 @@ def test_preemption_keeps_greedy_output_and_frees_every_block(tiny_model_dirs: d
         assert roomy == [hf_greedy(reference, prompt, 40) for prompt in prompts]
     engine = make_engine(model_dir, num_blocks=16, overlap=overlap)  # 256 tokens for 8 requests of up to 90
     tight = engine.generate(prompts, params)
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.stats().preemptions > 0
     assert tight == roomy
     assert engine.block_manager.num_free_blocks == 16
 
@@ -147,7 +147,7 @@ def test_block_accounting_after_finish_abort_and_preemption(tiny_model_dirs: dic
                 assert out is not None and out.finished and out.finish_reason == "abort"
                 finished[request_id] = "abort"
         assert step < 500
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.stats().preemptions > 0
     assert sorted(finished) == [str(i) for i in range(6)]
     assert engine.abort("0") is None  # already gone
     assert engine.block_manager.num_free_blocks == 12

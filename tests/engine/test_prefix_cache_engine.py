@@ -97,7 +97,7 @@ def test_greedy_output_is_identical_with_the_cache_on_and_off(
     assert stats.prefix_cache.pinned_blocks == 0
     assert stats.free_blocks == num_blocks  # cached blocks that no request uses count as free
     if num_blocks == 12:
-        assert stats.prefix_cache.evicted_blocks > 0 and engine.scheduler.num_preemptions > 0
+        assert stats.prefix_cache.evicted_blocks > 0 and engine.stats().preemptions > 0
 
 
 def test_cached_tokens_are_the_longest_cached_prefix(tiny_model_dirs: dict[str, Path]) -> None:

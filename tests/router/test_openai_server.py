@@ -2394,6 +2394,17 @@ def test_metrics_carry_each_groups_kv_transfer_failures() -> None:
     assert ("pdserve:kv_transfer_failures_total", (("group", "prefill0"),)) in samples
 
 
+def test_metrics_carry_each_groups_preemptions() -> None:
+    """vLLM's ``num_preemptions`` counter, per group, from the leaders' worker_stats."""
+    from pdserve.cluster.protocol import WorkerStats, decode, encode
+
+    report = decode(encode(WorkerStats("decode", 0, 64, 60, 1, 0, 0, 0, preemptions=4)))
+    assert isinstance(report, WorkerStats) and report.preemptions == 4
+    samples = collected(Stats(1, {"decode0": {"preemptions": 4}, "prefill0": {}}))
+    assert sample(samples, "pdserve:num_preemptions_total", group="decode0") == 4
+    assert sample(samples, "pdserve:num_preemptions_total", group="prefill0") == 0
+
+
 def test_metrics_carry_the_routers_faults_and_each_groups_readiness() -> None:
     """What an operator alerts on: group failures, restarts and moved requests (the counts
     ``--status`` prints), and a group that is down, which reports no stats of its own."""

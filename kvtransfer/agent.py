@@ -85,8 +85,8 @@ class KVTransferAgent:
         self._issue(KVCommand("connect", "", [], peer_group, generation=generation))
 
     def discard(self, transfer_id: str) -> None:
-        """Leader: give a transfer up on every rank (a lease that expired): a receive never
-        writes into the cache, so its blocks may be reused at once."""
+        """Leader: give a transfer up on every rank (its lease expired, it failed, or its request
+        was aborted): a receive never writes into the cache, so its blocks may be reused at once."""
         self._issue(KVCommand("discard", transfer_id, []))
 
     def connected(self, peer_group: int) -> bool:

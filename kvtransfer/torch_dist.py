@@ -14,9 +14,11 @@ Sync backends wait before returning; async ones return at once and are polled.
 
 With a ``PairRendezvous`` in the topology the backend forms a process group of its own for its
 (prefill group, decode group) pair, in a background thread (the survivors of a restart keep
-serving while the restarted group loads its model); a transfer waits for it. A peer's death
-fails the transfers in flight (``TransferFailed``) instead of hanging them; gloo misses a death
-in the middle of a message, so a wait longer than the pair's ``transfer_timeout_s`` fails too.
+serving while the restarted group loads its model); a transfer waits for it. On gloo a peer's
+death fails the transfers in flight (``TransferFailed``), and since gloo misses a death in the
+middle of a message, so does a wait longer than the pair's ``transfer_timeout_s``. NCCL's works
+never notice a dead peer: there they fail once the leader hears the peer group failed
+(``abandon``).
 """
 
 from __future__ import annotations

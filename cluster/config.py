@@ -666,6 +666,16 @@ class ClusterConfig:
             return self.leader_spin_ms / 1e3
         return _GPU_LEADER_SPIN_MS / 1e3 if on_gpu else 0.0
 
+    def rank_timing(self, on_gpu: bool) -> RankTiming:
+        """The clocks of a rank on GPUs (or CPUs), the same on the router's node and on a group node."""
+        return RankTiming(
+            heartbeat_interval=self.heartbeat_interval,
+            rendezvous_timeout=self.start_timeout,
+            kv_lease_timeout=self.kv_lease_timeout,
+            watchdog_timeout=self.watchdog_timeout,
+            leader_spin_s=self.leader_spin_s(on_gpu),
+        )
+
     def sm_percent(self, role: str) -> int | None:
         """The percent of a GPU's SMs a rank of ``role`` may use (None: no limit)."""
         return {"prefill": self.prefill_sm_percent, "decode": self.decode_sm_percent}.get(role)
@@ -713,6 +723,17 @@ def split_host_port(address: str, what: str) -> tuple[str, int]:
     if url.scheme != "tcp" or not url.hostname or port is None or not 0 < port < 65536:
         raise ValueError(f"{what} {address!r}: expected HOST:PORT, such as 10.0.0.1:29500")
     return url.hostname, port
+
+
+@dataclass(frozen=True)
+class RankTiming:
+    """The clocks a worker rank keeps, from the cluster's settings (``ClusterConfig.rank_timing``)."""
+
+    heartbeat_interval: float
+    rendezvous_timeout: float  # a pair group waits this long for a group that loads its model
+    kv_lease_timeout: float
+    watchdog_timeout: float  # a serve loop stuck this long ends its rank (cluster.watchdog)
+    leader_spin_s: float  # the leader busy-polls this long after its last work (cluster.inbox)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ import torch
 import zmq
 
 from pdserve.cluster import reaper
-from pdserve.cluster.config import ROLES, Addresses, ClusterConfig, GroupLayout, split_host_port
+from pdserve.cluster.config import ROLES, Addresses, ClusterConfig, GroupLayout, cluster_settings, split_host_port
 from pdserve.cluster.group import (
     SAME_STOP_S,
     STOP_SIGNALS,
@@ -113,8 +113,9 @@ class GroupNode:
         self.given = given
         self.join = str(given["join"])
         self.role = str(given["role"])
-        self.tp = int(given.get("tp", 1))
-        self.join_timeout = float(given.get("join_timeout", 60.0))
+        defaults = {spec.key: spec.default for spec in cluster_settings() if spec.key in ("tp", "join_timeout")}
+        self.tp = int(given.get("tp", defaults["tp"]))
+        self.join_timeout = float(given.get("join_timeout", defaults["join_timeout"]))
         self.index = -1
         self.processes: RankProcesses | None = None
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-node-")
@@ -193,11 +194,7 @@ class GroupNode:
                 addresses,
                 GroupLayout({role: [] for role in ROLES}),  # peers come as the router introduces them
                 transfer,
-                heartbeat_interval=config.heartbeat_interval,
-                rendezvous_timeout=config.start_timeout,
-                kv_lease_timeout=config.kv_lease_timeout,
-                watchdog_timeout=config.watchdog_timeout,
-                leader_spin_s=config.leader_spin_s(on_gpu),
+                timing=config.rank_timing(on_gpu),
                 generations={role: [] for role in ROLES},
             )
             for rank_spec in group_specs(

@@ -379,11 +379,7 @@ class Cluster:
                 env=self.mps.rank_env(c.sm_percent(group.role)) if self.mps is not None else {},
                 generation=group.generation,
                 generations=generations,
-                heartbeat_interval=c.heartbeat_interval,
-                rendezvous_timeout=c.start_timeout,
-                kv_lease_timeout=c.kv_lease_timeout,
-                watchdog_timeout=c.watchdog_timeout,
-                leader_spin_s=c.leader_spin_s(bool(group.devices)),
+                timing=c.rank_timing(on_gpu=bool(group.devices)),
             )
             for rank_spec in group_specs(
                 c.rank_engine(self._engine, group.role, sharing) if group.devices else self._engine,

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import zmq
 
 from pdserve.cluster.colocated import ColocatedLeader
-from pdserve.cluster.config import Addresses, GroupLayout
+from pdserve.cluster.config import Addresses, GroupLayout, RankTiming
 from pdserve.cluster.group import (
     RankSpec,
     connect_store,
@@ -55,13 +55,9 @@ class WorkerSpec:
     addresses: Addresses
     layout: GroupLayout
     transfer: TransferConfig
+    timing: RankTiming
     generation: int = 0  # this group's: how often it was restarted
     generations: dict[str, list[int]] = field(default_factory=dict)  # every group's, by role, at spawn
-    heartbeat_interval: float = 0.5
-    rendezvous_timeout: float = 600.0  # a pair group waits this long for a group that loads its model
-    kv_lease_timeout: float = 30.0
-    watchdog_timeout: float = 300.0  # a serve loop stuck this long ends its rank (cluster.watchdog)
-    leader_spin_s: float = 0.0  # the leader busy-polls this long after its last work (cluster.inbox)
     env: dict[str, str] = field(default_factory=dict)  # set before CUDA starts (MPS: its daemon, the SM cap)
 
 
@@ -84,8 +80,8 @@ def _transfers(
             store.hostname or "127.0.0.1",
             store.port or 0,
             f"kv/{pair}/",
-            spec.rendezvous_timeout,
-            spec.kv_lease_timeout,
+            spec.timing.rendezvous_timeout,
+            spec.timing.kv_lease_timeout,
         )
 
     started = [len(ranks) for ranks in spec.layout.ranks[other]]
@@ -125,7 +121,7 @@ def _heartbeats(spec: WorkerSpec) -> None:
     while True:
         with contextlib.suppress(zmq.Again):
             sock.send(beat, zmq.NOBLOCK)
-        time.sleep(spec.heartbeat_interval)
+        time.sleep(spec.timing.heartbeat_interval)
 
 
 def _lead(spec: WorkerSpec, engine: LLMEngine, watchdog: Watchdog) -> None:
@@ -135,13 +131,13 @@ def _lead(spec: WorkerSpec, engine: LLMEngine, watchdog: Watchdog) -> None:
         leader = ColocatedLeader(spec.group, spec.addresses, engine)
     else:
         transfers = _transfers(spec, engine.kv_cache, engine.model_config, engine.step_channel)
-        lease = spec.kv_lease_timeout
+        lease = spec.timing.kv_lease_timeout
         if spec.role == "prefill":
             leader = PrefillLeader(spec.group, spec.addresses, engine, transfers, lease, spec.generation)
         else:
             prefill_generations = spec.generations.get("prefill", [])
             leader = DecodeLeader(spec.group, spec.addresses, engine, transfers, lease, prefill_generations)
-    leader.run(watchdog, spec.leader_spin_s)
+    leader.run(watchdog, spec.timing.leader_spin_s)
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -156,7 +152,7 @@ def worker_main(spec: WorkerSpec) -> None:
     )
     logging.info("rank up: pid %d, generation %d", os.getpid(), spec.generation)  # tests and operators find it here
     threading.Thread(target=_heartbeats, args=(spec,), daemon=True).start()
-    watchdog = Watchdog(spec.watchdog_timeout).start()  # armed by the serve loop's first tick
+    watchdog = Watchdog(spec.timing.watchdog_timeout).start()  # armed by the serve loop's first tick
     tp = init_distributed(spec.rank)
     try:
         config = spec.rank.engine

@@ -5,8 +5,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 
-DEFAULT_CACHE_MARGIN_TOKENS = 4096
-
 
 class DispatchPolicy(ABC):
     """Picks one group index given each group's outstanding tokens (prompt + tokens to come)
@@ -38,7 +36,13 @@ def register_policy(name: str) -> Callable:
     return wrap
 
 
-def create_policy(name: str, cache_margin_tokens: int = DEFAULT_CACHE_MARGIN_TOKENS) -> DispatchPolicy:
+def policy_names() -> list[str]:
+    """The registered policies (``--dispatch`` offers the names ``cluster.config`` lists)."""
+    return sorted(_POLICIES)
+
+
+def create_policy(name: str, cache_margin_tokens: int) -> DispatchPolicy:
+    """Policy ``name``; ``cache_margin_tokens``: the cluster's ``cache_aware_margin``."""
     if name not in _POLICIES:
         raise ValueError(f"unknown dispatch policy {name!r}; available: {sorted(_POLICIES)}")
     return _POLICIES[name](cache_margin_tokens)
@@ -92,7 +96,7 @@ class CacheAware(DispatchPolicy):
 
     uses_cache = True
 
-    def __init__(self, cache_margin_tokens: int = DEFAULT_CACHE_MARGIN_TOKENS) -> None:
+    def __init__(self, cache_margin_tokens: int) -> None:
         if cache_margin_tokens < 0:
             raise ValueError(f"the cache-aware margin must be >= 0 tokens, got {cache_margin_tokens}")
         self.margin = cache_margin_tokens

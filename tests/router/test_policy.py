@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.cluster.config import DISPATCH_POLICIES, ClusterConfig
 from pdserve.cluster.leader import CacheEventHashes
 from pdserve.cluster.protocol import block_hash, prefix_hashes
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
-from pdserve.router.policy import CacheAware, create_policy
+from pdserve.router.policy import CacheAware, create_policy, policy_names
 from pdserve.router.prefix_index import PrefixIndex
 
 BLOCK = 4
@@ -114,15 +115,19 @@ def test_lookup_gives_a_policy_both_mappings_over_the_groups_it_may_pick() -> No
     assert cached == {0: 0, 1: 12} and sizes == {0: 0, 1: 3}
 
 
-@pytest.mark.parametrize("name", ["round-robin", "least-tokens", "cache-aware"])
+def test_the_registry_holds_the_policies_the_config_offers() -> None:
+    assert policy_names() == sorted(DISPATCH_POLICIES)
+
+
+@pytest.mark.parametrize("name", DISPATCH_POLICIES)
 def test_every_policy_picks_a_group_without_cache_information(name: str) -> None:
-    policy = create_policy(name)
+    policy = create_policy(name, ClusterConfig().cache_aware_margin)
     picks = [policy.pick({0: 5, 1: 0}) for _ in range(4)]
     assert set(picks) <= {0, 1}
     if name != "round-robin":
         assert picks == [1, 1, 1, 1]
     with pytest.raises(ValueError, match="unknown dispatch policy"):
-        create_policy("random")
+        create_policy("random", 0)
 
 
 def tree_hashes(engine: LLMEngine) -> set[int]:

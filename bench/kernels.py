@@ -34,6 +34,7 @@ import triton.testing
 
 from pdserve.kernels import (
     activation,
+    attention_common,
     decode_attention,
     embedding,
     kv_copy,
@@ -327,7 +328,7 @@ def bench_prefill(
             group = HQ // HKV
             qs = q.transpose(0, 1)[None]
             ks, vs = (
-                decode_attention.gather_kv(c, tables, context_lens[0])[0]
+                attention_common.gather_kv(c, tables, context_lens[0])[0]
                 .transpose(0, 1)
                 .repeat_interleave(group, 0)[None]
                 .contiguous()

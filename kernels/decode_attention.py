@@ -3,25 +3,15 @@ attends to its whole cached context (the new token included). Tuning figures: do
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from pdserve.kernels import pdl
-from pdserve.kernels.checks import check_float_dtype, dot_precision
+from pdserve.kernels.attention_common import LOG2E, check_paged_cache, gather_kv, num_sms, online_softmax_step
+from pdserve.kernels.checks import dot_precision
 from pdserve.kernels.pdl import prefetch_l2
 from pdserve.kernels.rope import check_new_tokens, rope_and_store_kv_ref
-
-
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """``[B, num_tokens, Hkv, D]``: the first ``num_tokens`` cached tokens of each row."""
-    block_size = cache.shape[1]
-    positions = torch.arange(num_tokens, device=cache.device)
-    blocks = block_tables.long()[:, positions // block_size]
-    slots = blocks * block_size + positions % block_size
-    return cache.view(-1, *cache.shape[2:])[slots]
 
 
 def paged_decode_attention_ref(
@@ -82,8 +72,6 @@ def cached_decode_attention_ref(
 # shapes only (static under CUDA graphs); each sequence splits its live context into at most P
 # partitions of whole tiles. With P > 1 the reduce kernel merges the partials (m, l, acc / l).
 
-_LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def _partition_size(context_len, num_partitions, one_tile_limit, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
@@ -102,19 +90,6 @@ def _rotated(ptrs, d, pair, mask, cos, signed_sin):
         tl.load(ptrs + d, mask=mask, other=0.0).to(tl.float32) * cos
         + tl.load(ptrs + pair, mask=mask, other=0.0).to(tl.float32) * signed_sin
     )
-
-
-@triton.jit
-def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    """Online softmax state (running max m_i, sum l_i, accumulator acc) after one more key tile:
-    scores s ``[M, N]`` in log2 units (-inf where masked; each row's m_i or s must hold a finite
-    value) and values v ``[N, D]``."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
 
 
 # Integers that change between steps are not specialized, so a new shape never triggers a compile.
@@ -243,7 +218,7 @@ def _decode_partition_kernel(
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N], log2 units
             s = tl.where(n_mask[None, :], s, float("-inf"))
             # The first tile holds a valid token, so m_i stays finite and masked tokens weigh 0.
-            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_mask = g_mask[:, None] & d_mask[None, :]
         if SINGLE_PARTITION:
@@ -344,19 +319,12 @@ _MAX_MERGE_CHUNK = 32  # longer merges go in chunks of up to this many partition
 _PREFETCH_MAX_BATCH = 16
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: any small number keeps the partition count small
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _num_partitions(max_context_len: int, batch: int, num_kv_heads: int, device: torch.device) -> int:
     """Partitions per (sequence, KV head): as many as fill one wave of programs (a partly filled
     second wave costs a full one), at least one, at most a max_context_len sequence's tiles.
     Host ints only, so a graph captured for (batch, max_context_len) serves every shorter context.
     """
-    wave = _TARGET_PROGRAMS_PER_SM * _num_sms(device) // (batch * num_kv_heads)
+    wave = _TARGET_PROGRAMS_PER_SM * num_sms(device) // (batch * num_kv_heads)
     return max(1, min(wave, triton.cdiv(max_context_len, _BLOCK_N)))
 
 
@@ -365,7 +333,7 @@ def _reduce_columns(batch: int, num_heads: int, head_dim: int, device: torch.dev
     the batch's programs stay within _REDUCE_PROGRAMS_PER_SM an SM, down to _MIN_REDUCE_COLUMNS."""
     columns = triton.next_power_of_2(head_dim)
     programs = batch * num_heads
-    while columns > _MIN_REDUCE_COLUMNS and 2 * programs <= _REDUCE_PROGRAMS_PER_SM * _num_sms(device):
+    while columns > _MIN_REDUCE_COLUMNS and 2 * programs <= _REDUCE_PROGRAMS_PER_SM * num_sms(device):
         columns //= 2
         programs *= 2
     return columns
@@ -375,49 +343,7 @@ def _one_tile_limit(batch: int, num_kv_heads: int, device: torch.device) -> int:
     """Tiles of context up to which partitions hold one tile each (at least _MIN_PARTITION_TILES):
     while the batch's one-tile programs fit _ONE_TILE_PROGRAMS_PER_SM an SM. Past that, a one-tile
     partition spends as much on its partial and merge as on its keys."""
-    return max(_MIN_PARTITION_TILES, _ONE_TILE_PROGRAMS_PER_SM * _num_sms(device) // (batch * num_kv_heads))
-
-
-def _check_paged_cache(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    batch: int,
-) -> None:
-    """Checks shared by the decode and prefill wrappers (q is [*, Hq, D])."""
-    num_heads, head_dim = q.shape[1:]
-    if k_cache.dim() != 4 or k_cache.shape[3] != head_dim:
-        raise ValueError(f"k_cache must be [num_blocks, block_size, Hkv, {head_dim}], got {tuple(k_cache.shape)}")
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or v_cache.dtype != k_cache.dtype:
-        raise ValueError(
-            f"v_cache {tuple(v_cache.shape)} {v_cache.stride()} {v_cache.dtype} must match "
-            f"k_cache {tuple(k_cache.shape)} {k_cache.stride()} {k_cache.dtype}"
-        )
-    num_kv_heads = k_cache.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
-    for name, t in (("q", q), ("k_cache", k_cache)):
-        check_float_dtype(name, t)
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.dtype != torch.int32:
-        raise ValueError(
-            f"block_tables must be [{batch}, max_blocks] int32, got {tuple(block_tables.shape)} {block_tables.dtype}"
-        )
-    if block_tables.stride(1) != 1:
-        raise ValueError(f"block_tables must be contiguous in its last dim, got strides {block_tables.stride()}")
-    if context_lens.shape != (batch,) or context_lens.dtype != torch.int32:
-        raise ValueError(f"context_lens must be [{batch}] int32, got {tuple(context_lens.shape)} {context_lens.dtype}")
-    for name, t in (
-        ("k_cache", k_cache),
-        ("v_cache", v_cache),
-        ("block_tables", block_tables),
-        ("context_lens", context_lens),
-    ):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    return max(_MIN_PARTITION_TILES, _ONE_TILE_PROGRAMS_PER_SM * num_sms(device) // (batch * num_kv_heads))
 
 
 def paged_decode_attention(
@@ -445,7 +371,7 @@ def paged_decode_attention(
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
     batch, num_heads, head_dim = q.shape
     check_new_tokens(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
-    _check_paged_cache(q, k_cache, v_cache, block_tables, context_lens, batch)
+    check_paged_cache(q, k_cache, v_cache, block_tables, context_lens, batch)
     if max_context_len < 1:
         raise ValueError(f"max_context_len must be >= 1, got {max_context_len}")
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -479,7 +405,7 @@ def paged_decode_attention(
         m,
         l,
         partials,
-        scale * _LOG2E,
+        scale * LOG2E,
         max_len,
         q.stride(0),
         q.stride(1),

@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.attention_common import LOG2E, check_paged_cache, gather_kv, num_sms, online_softmax_step
 from pdserve.kernels.checks import dot_precision
-from pdserve.kernels.decode_attention import _LOG2E, _check_paged_cache, _num_sms, _online_softmax_step, gather_kv
 
 _REF_SCORES = 1 << 24  # score elements the reference holds at once (64 MiB in fp32)
 
@@ -69,7 +69,7 @@ def paged_prefill_attention_ref(
 
 @triton.jit
 def _guarded_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    """:func:`_online_softmax_step` for rows that may have seen no key yet (m_i and s all -inf):
+    """:func:`online_softmax_step` for rows that may have seen no key yet (m_i and s all -inf):
     a partition past a row's position masks every key of that row, which must then stay at
     m -inf, l 0, acc 0 instead of NaN."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -124,7 +124,7 @@ def _attend_tile(
     if GUARDED:
         return _guarded_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
     # Unsplit, every row sees key 0 in the first tile it processes, so m_new is finite from then on.
-    return _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+    return online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
 
 @triton.jit
@@ -351,7 +351,7 @@ def num_splits(num_tokens: int, group: int, num_kv_heads: int, head_dim: int, de
     CUDA graph captured for T tokens splits every context its replays bring."""
     block_m = _tile_config(head_dim)[0]
     busy_programs = (num_tokens * group // block_m + 1) * num_kv_heads
-    return max(1, min(_MAX_SPLITS, _SPLIT_PROGRAMS_PER_SM * _num_sms(device) // busy_programs))
+    return max(1, min(_MAX_SPLITS, _SPLIT_PROGRAMS_PER_SM * num_sms(device) // busy_programs))
 
 
 def paged_prefill_attention(
@@ -376,7 +376,7 @@ def paged_prefill_attention(
     if cu_seqlens_q.device != q.device:
         raise ValueError(f"cu_seqlens_q is on {cu_seqlens_q.device}, q on {q.device}")
     batch = cu_seqlens_q.shape[0] - 1
-    _check_paged_cache(q, k_cache, v_cache, block_tables, context_lens, batch)
+    check_paged_cache(q, k_cache, v_cache, block_tables, context_lens, batch)
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0 or num_tokens == 0:
         return out
@@ -404,7 +404,7 @@ def paged_prefill_attention(
         m,
         l,
         partials,
-        scale * _LOG2E,
+        scale * LOG2E,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

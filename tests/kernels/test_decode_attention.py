@@ -62,7 +62,7 @@ def test_decode_partition_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     partitions than a max_context_len sequence has tiles, and stops growing with max_context_len
     once the wave is full; one-tile partitions stop where the batch's would take more than 132
     programs, but never below two tiles of context."""
-    monkeypatch.setattr(decode_attention, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(decode_attention, "num_sms", lambda device: 132)
     parts = decode_attention._num_partitions
     gpu = torch.device("cuda", 0)
     assert parts(4096, 1, 2, gpu) == 64  # a 64-token tile a partition: 128 programs
@@ -82,7 +82,7 @@ def test_decode_reduce_columns(monkeypatch: pytest.MonkeyPatch) -> None:
     """On an H200 the reduce splits a head's columns while the batch's programs stay within 396
     (3 an SM), never below 16 columns: Qwen2.5-1.5B's 12 heads of 128 take 16 columns at batch
     1-4, 32 at 8, 64 at 16 and whole heads from 32."""
-    monkeypatch.setattr(decode_attention, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(decode_attention, "num_sms", lambda device: 132)
     columns = functools.partial(decode_attention._reduce_columns, device=torch.device("cuda", 0))
     assert [columns(b, 12, 128) for b in (1, 2, 4, 8, 16, 32, 128)] == [16, 16, 16, 32, 64, 128, 128]
     assert columns(1, 6, 128) == 16 and columns(16, 6, 128) == 32  # a rank's heads under TP 2
@@ -96,7 +96,7 @@ def test_decode_reduce_splits_columns_interpreted(
 ) -> None:
     """With an H200's 132 SMs the split kernel's reduce merges each head in 16-column programs
     (4 of them for 64-wide heads; 3 for 40-wide ones, the last masked): the same output."""
-    monkeypatch.setattr(decode_attention, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(decode_attention, "num_sms", lambda device: 132)
     assert decode_attention._reduce_columns(2, 4, head_dim, CPU) == 16
     check_decode(
         [300, 70], 384, num_heads=4, num_kv_heads=2, head_dim=head_dim, block_size=16, dtype=torch.float32, device=CPU
@@ -107,7 +107,7 @@ def test_decode_reduce_merges_in_chunks_interpreted(interpreter: None, monkeypat
     """With an H200's 132 SMs a 2100-token sequence beside a 100-token one splits into 33
     one-tile partitions, which the reduce merges in chunks of 32 (two: 32, then 1), while the
     short one's two partitions take the two-row tile: the reference's output either way."""
-    monkeypatch.setattr(decode_attention, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(decode_attention, "num_sms", lambda device: 132)
     assert decode_attention._num_partitions(2100, 2, 2, CPU) == 33
     assert decode_attention._one_tile_limit(2, 2, CPU) == 33
     check_decode(

@@ -74,6 +74,7 @@ NODE_SETTINGS = frozenset(
 _POLL_S = 0.2
 _STORE_CHECK_S = 2.0
 _SHUTDOWN_GRACE_S = 10.0
+_GREETING_WAIT_S = 0.3  # a ZMQ socket greets at once; the store never does
 
 
 def _wait_listening(host: str, port: int, timeout: float, stopped: Callable[[], bool] = lambda: False) -> bool:
@@ -140,6 +141,11 @@ class GroupNode:
         try:
             if not _wait_listening(host, port, self.join_timeout, lambda: self._stop_requested):
                 return  # stopped while it waited for the router node: nothing to undo
+            if (what := _not_a_store(host, port)) is not None:
+                raise ClusterError(
+                    f"{self.join} is {what}, not a router node's rendezvous: --join takes its "
+                    "--master-addr:--master-port"
+                )
             self.store = connect_store(self._store_address, timeout_s=self.join_timeout)
             settings = json.loads(self.store.get("cluster/settings"))
             shape = json.loads(self.store.get("cluster/model"))
@@ -343,6 +349,23 @@ class GroupNode:
         self._tmp.cleanup()
         if self._reaper is not None:
             reaper.stop(self._reaper)
+
+
+def _not_a_store(host: str, port: int) -> str | None:
+    """What listens at ``host:port`` if it is plainly not torch's store, which waits for its
+    client to speak first; checked before the store's client, which would log a C++ stack for
+    each of its tries."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0) as probe:
+            probe.settimeout(_GREETING_WAIT_S)
+            greeting = probe.recv(16)
+    except TimeoutError:
+        return None  # silent, as the store is
+    except OSError:
+        return None  # gone again: the store's client says so
+    if greeting[:1] == b"\xff" and greeting[9:10] == b"\x7f":
+        return "a ZMQ socket (a cluster's client --port?)"
+    return "a service that speaks first" if greeting else None
 
 
 def _route_to(host: str, port: int) -> str:

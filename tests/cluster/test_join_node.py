@@ -9,9 +9,11 @@ import threading
 import time
 
 import pytest
+import zmq
 
 from pdserve.cluster.group import free_port
 from pdserve.cluster.join import GroupNode
+from pdserve.cluster.launcher import ClusterError
 
 
 def test_a_stop_while_the_node_waits_for_the_router_node_ends_the_wait(caplog: pytest.LogCaptureFixture) -> None:
@@ -33,3 +35,19 @@ def test_a_stop_while_the_node_waits_for_the_router_node_ends_the_wait(caplog: p
         timer.cancel()
         node._cleanup()
     assert time.monotonic() - began < 20.0
+
+
+def test_a_join_at_a_clusters_client_port_is_named_as_such(capfd: pytest.CaptureFixture[str]) -> None:
+    """The client --port and the --master-port are easy to mix up: a join aimed at the client
+    port (a ZMQ socket) says so in one line, without torch's C++ stacks of each failed try."""
+    ctx = zmq.Context.instance()
+    client_port = ctx.socket(zmq.ROUTER)
+    port = client_port.bind_to_random_port("tcp://127.0.0.1")
+    node = GroupNode({"join": f"127.0.0.1:{port}", "role": "decode", "join_timeout": 5.0})
+    try:
+        with pytest.raises(ClusterError, match=r"is a ZMQ socket \(a cluster's client --port\?\), not a router"):
+            node.start()
+    finally:
+        node._cleanup()
+        client_port.close(linger=0)
+    assert "frame #" not in capfd.readouterr().err

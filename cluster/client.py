@@ -67,18 +67,18 @@ class ClusterUnavailable(TimeoutError):
     def __init__(self, endpoint: str, timeout: float, connected: bool = False, refused: bool = False) -> None:
         if connected:
             message = (
-                f"the cluster at {endpoint} is up but sent nothing within {timeout:.0f} s "
+                f"the cluster at {endpoint} is up but sent nothing within {timeout:g} s "
                 "(still busy, e.g. with a long prompt: allow it a longer timeout)"
             )
         elif refused:  # something listens, but its ZMQ handshake failed: CURVE keys, or no cluster
             message = (
-                f"no answer from a cluster at {endpoint} within {timeout:.0f} s: it refused this client's "
+                f"no answer from a cluster at {endpoint} within {timeout:g} s: it refused this client's "
                 "handshake (a cluster started with --auth-keys DIR wants that directory's keys here too: "
                 "--auth-keys DIR; or this is not a cluster's client endpoint)"
             )
         else:
             message = (
-                f"no answer from a cluster at {endpoint} within {timeout:.0f} s "
+                f"no answer from a cluster at {endpoint} within {timeout:g} s "
                 "(is it running? start one with: python launch.py)"
             )
         super().__init__(message)

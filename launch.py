@@ -47,6 +47,7 @@ try:
 
     from pdserve.cluster.config import ClusterConfig, cluster_settings, model_names, parse_devices
     from pdserve.cluster.group import name_process
+    from pdserve.cluster.habits import HintedCommand
     from pdserve.cluster.launcher import Cluster, ClusterError, StoppedBeforeReady
     from pdserve.engine.config import SettingSpec
 except (ModuleNotFoundError, KeyboardInterrupt) as e:
@@ -132,20 +133,11 @@ _VLLM_HABITS = {
 }
 
 
-class SectionedCommand(click.Command):
+class SectionedCommand(HintedCommand):
     """``--help`` lists the options under their sections, GPU-only ones last; a usage error caused
     by a vLLM habit says what to type instead."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        given = list(args)  # the parser consumes ``args``
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as e:
-            words = {arg.split("=", 1)[0] for arg in given if arg.startswith("-")} | set(given[:1])
-            hints = [hint for word, hint in _VLLM_HABITS.items() if word in words]
-            if hints:
-                e.message = f"{e.message.rstrip('.')}. {hints[0]}"
-            raise
+    habits = _VLLM_HABITS
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         sections: dict[str, list[tuple[str, str]]] = {name: [] for name in _SECTIONS}

@@ -85,10 +85,12 @@ from pdserve.bench.metrics import RequestRecord, compute_metrics, duration, e2e,
 from pdserve.cluster.client import (
     DEFAULT_ENDPOINT,
     AsyncClient,
+    Client,
     ClusterError,
     ClusterUnavailable,
     endpoint_option,
 )
+from pdserve.cluster.habits import hinted
 from pdserve.cluster.protocol import Chunk
 
 WORKLOADS = ("random", "mixed", "shared-prefix", "multi-turn", "text")
@@ -905,11 +907,20 @@ def parse_range(text: str) -> tuple[int, int]:
         raise ValueError(f"--long-len {text}: give LOW-HIGH in tokens, e.g. 4096-8192") from None
 
 
-def vocab_size_of(model_dir: Path | None) -> int:
-    """``vocab_size`` of ``model_dir``'s config.json, or the default without a directory."""
-    if model_dir is None:
-        return DEFAULT_VOCAB_SIZE
-    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+def vocab_size_of(model_dir: Path | None, endpoint: str | None = None) -> int:
+    """``vocab_size`` of ``model_dir``'s config.json; without a directory, that of the cluster at
+    ``endpoint`` (its stats say; ServerUnreachable if nothing answers), else the default."""
+    if model_dir is not None:
+        return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    if endpoint is not None:
+        try:
+            with Client(endpoint, timeout=_CONNECT_S) as client:
+                served = client.stats().vocab_size
+        except ClusterUnavailable as e:
+            raise ServerUnreachable(str(e)) from None
+        if served > 0:
+            return served
+    return DEFAULT_VOCAB_SIZE
 
 
 LOAD_OPTIONS = (
@@ -977,7 +988,21 @@ def config_from_options(rate: str | None, rates: str | None, long_len: str, **op
         raise click.UsageError(str(e)) from None
 
 
-@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+# ``vllm bench serve``'s options by habit, and what this command calls them.
+_VLLM_BENCH_HABITS = {
+    "--goodput": "vLLM's --goodput ttft:MS tpot:MS is --slo-ttft-ms MS --slo-tpot-ms MS here.",
+    "--num-prompts": "vLLM's --num-prompts is --num-requests here.",
+    "--request-rate": "vLLM's --request-rate is --rate here (a sweep: --rates 1,2,4).",
+    "--max-concurrency": "vLLM's --max-concurrency is --concurrency here.",
+    "--dataset-name": "The workload is --workload here (random, mixed, shared-prefix, multi-turn, text).",
+    "--random-input-len": "vLLM's --random-input-len is --input-len here.",
+    "--random-output-len": "vLLM's --random-output-len is --output-len here.",
+}
+
+
+@click.command(
+    cls=hinted(_VLLM_BENCH_HABITS), context_settings={"show_default": True, "help_option_names": ["-h", "--help"]}
+)
 @click.option(
     "--backend",
     type=click.Choice(BACKENDS),
@@ -1000,7 +1025,8 @@ def config_from_options(rate: str | None, rates: str | None, long_len: str, **op
     "--vocab-size",
     type=int,
     default=None,
-    help=f"Token ids are drawn below this [default: from --model-dir, else {DEFAULT_VOCAB_SIZE}].",
+    help="Token ids are drawn below this [default: from --model-dir, else the cluster's (zmq), "
+    f"else {DEFAULT_VOCAB_SIZE}].",
 )
 @click.option(
     "--out",
@@ -1027,9 +1053,16 @@ def main(
 ) -> None:
     """Stream a workload at a cluster (or an OpenAI-compatible server) at one or more request rates
     and report its latencies."""
-    config = config_from_options(vocab_size=vocab_size_of(model_dir) if vocab_size is None else vocab_size, **options)
+    given = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size
+    config = config_from_options(vocab_size=given, **options)  # usage errors before the cluster is asked
     if backend == "openai" and config.workload == "multi-turn":
         raise click.UsageError("multi-turn needs --backend zmq: a turn's prompt holds the previous answer's token ids")
+    if vocab_size is None:
+        try:
+            served = vocab_size_of(model_dir, endpoint if backend == "zmq" else None)
+        except ServerUnreachable as e:
+            raise click.ClickException(str(e)) from None
+        config = dataclasses.replace(config, vocab_size=served)
     run = BenchRun.to(config, backend, endpoint, base_url)
     try:
         asyncio.run(run_benchmark(config, endpoint, backend, base_url, model_name, run))

@@ -10,6 +10,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from pdserve.bench.metrics import (
     ttft,
 )
 from pdserve.bench.serve import (
+    DEFAULT_VOCAB_SIZE,
     BenchConfig,
     OpenAIBackend,
     RequestSpec,
@@ -45,6 +47,7 @@ from pdserve.bench.serve import (
     results_table,
     run_requests,
     vllm_keys,
+    vocab_size_of,
     workload_requests,
     write_plots,
 )
@@ -262,6 +265,24 @@ def test_a_bad_option_is_named_as_typed() -> None:
             BenchConfig(**fields)  # type: ignore[arg-type]
     result = CliRunner().invoke(serve_main, ["--vocab-size", "0"])
     assert result.exit_code == 2 and "--vocab-size must be >= 1" in result.output, result.output
+    result = CliRunner().invoke(serve_main, ["--goodput", "ttft:100"])  # vllm bench serve's, by habit
+    assert result.exit_code == 2 and "is --slo-ttft-ms MS --slo-tpot-ms MS here" in result.output, result.output
+    assert "Did you mean" not in result.output
+
+
+def test_token_ids_are_drawn_from_the_clusters_vocabulary_by_default(tmp_path: Path) -> None:
+    """Without --vocab-size or --model-dir the cluster's stats name its vocabulary: a small model's
+    requests used to draw ids past it and every one failed."""
+    from pdserve.tests.router.helpers import RouterRig, router_rig
+
+    with router_rig(tmp_path, {}, RouterRig) as rig:
+        pump = threading.Thread(target=rig.pump, args=(3.0,))
+        pump.start()
+        try:
+            assert vocab_size_of(None, rig.router.addresses.client) == 1000
+        finally:
+            pump.join()
+    assert vocab_size_of(None) == DEFAULT_VOCAB_SIZE
 
 
 def test_openai_backend_reads_what_the_prefix_cache_served_from_the_usage() -> None:

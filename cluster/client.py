@@ -651,6 +651,10 @@ class AsyncClient:
                 sent = True
             except zmq.ZMQError:  # its queue is full, or the client closed: it runs on
                 pass
+            if sent and self._loop is not None:
+                # As in ``_send``: the send may have used up the descriptor's signal of replies
+                # that came meanwhile, and every other stream would wait for the next event.
+                self._loop.call_soon(self._on_events)
         self._left[rid] = sent
 
     def _keep_left_final(self, rid: str, final: Final) -> None:

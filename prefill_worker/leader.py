@@ -19,17 +19,17 @@ Invariant: once a decode group has accepted a transfer it has posted the receive
 always happens, even for a request aborted in between (its blocks are freed afterwards).
 
 Failures: KV not yet announced (the decode side keeps refusing, or is not connected) is held
-for ``kv_lease_timeout`` at most, then freed and the request handed back to the router
-(``kv_lease_expired``). When a decode group dies (``PeerFailed``) every hand-off to it is
-given up and its KV freed at once; an announce never answered can only be one to a dead or
-hung group, which the router's heartbeats catch.
+for ``kv_lease_timeout`` at most from when the loop could first offer it, then freed and the
+request handed back to the router (``kv_lease_expired``). When a decode group dies
+(``PeerFailed``) every hand-off to it is given up and its KV freed at once; an announce never
+answered can only be one to a dead or hung group, which the router's heartbeats catch.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.cluster.config import Addresses
 from pdserve.cluster.leader import GroupLeader
@@ -50,7 +50,9 @@ class _Handoff:
     retry_at: float = 0.0
     backoff: float = _RETRY_FIRST_S
     aborted: bool = False
-    since: float = field(default_factory=time.monotonic)  # when its KV began to be held
+    # When the loop could first offer it: the step that made it may run on long after (the next
+    # batch's prompts), and that time must not count against its lease.
+    since: float | None = None
 
 
 class PrefillLeader(GroupLeader):
@@ -152,7 +154,9 @@ class PrefillLeader(GroupLeader):
         promised = sum(self._staging_need(h) for h in self.announced.values()) if self.to_announce else 0
         for _ in range(len(self.to_announce)):
             handoff = self.to_announce.popleft()
-            if now - handoff.since > self.kv_lease_timeout:
+            if handoff.since is None:
+                handoff.since = now
+            elif now - handoff.since > self.kv_lease_timeout:
                 self._expire(handoff)
                 continue
             held = (

@@ -388,3 +388,19 @@ def test_kv_no_decode_group_takes_is_freed_when_its_lease_ends(
         prefill.background()
         assert worker_errors(router) == [("r", "kv_lease_expired")]
         assert leaves_nothing(prefill) and _announced(inboxes[0]) == []
+
+
+def test_a_long_step_after_the_prefill_does_not_count_against_the_lease(
+    tmp_path: Path, tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step that prefills a request hands off its KV, then may run the next batch's long
+    prompts for longer than the lease: the hand-off is still offered to the decode group, not
+    expired unoffered (a valid long prompt used to make another request fail)."""
+    clock = FrozenClock()
+    monkeypatch.setattr(prefill_leader, "time", clock)
+    with two_decode_groups(tmp_path, tiny_model_dirs, {0: Backend(), 1: Backend()}) as (prefill, inboxes, router):
+        prefilled(prefill, "r", 40, 0)
+        clock.now += 31.0  # the rest of the step: past the 30 s lease
+        prefill.background()
+        assert worker_errors(router) == []
+        assert _announced(inboxes[0]) == ["r"]

@@ -37,6 +37,8 @@ MAX_INT32 = 2**31 - 1
 MAX_CHOICES = 128
 # A completion's prompts times ``n``: the cluster requests one HTTP request may start.
 MAX_BATCH = 2048
+# Stop strings of one request (OpenAI takes 4, vLLM any number): the front end matches each.
+MAX_STOP_STRINGS = 128
 MAX_INT64 = 2**63 - 1
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
@@ -130,6 +132,8 @@ class _Sampling(_Strict):
             return stop
         if not isinstance(stop, list):
             raise ValueError(f"expected a string or a list of strings, got {_json_type(stop)}")
+        if len(stop) > MAX_STOP_STRINGS:  # each one costs every streamed delta some matching
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
         for i, item in enumerate(stop):
             if not isinstance(item, str):
                 raise ValueError(f"item {i} must be a string, got {_json_type(item)}")

@@ -17,6 +17,11 @@ class StopStringMatcher:
         self.include = include
         # A stop string that started in earlier text ends at most this many characters into a delta.
         self.hold = 0 if include else max((len(s) for s in self.stops), default=1) - 1
+        # Per stop string, how much of its start the text ends with: kept up to date a character
+        # at a time (Knuth-Morris-Pratt), so that the held-back tail costs each delta its own
+        # length, not the held text's times the stop strings'.
+        self._borders = [] if include else [_borders(s) for s in self.stops]
+        self._open = [0] * len(self._borders)
         self.text = ""  # the output so far (cut at the stop string once one is found)
         self.sent = 0  # characters of ``text`` already returned
         self.stopped = False
@@ -29,6 +34,7 @@ class StopStringMatcher:
             return "", True
         end_of_old = len(self.text)
         self.text += delta
+        self._advance(delta)
         if may_stop:
             # Only matches that end in the delta: earlier text was searched, or could not stop.
             found = [
@@ -45,14 +51,35 @@ class StopStringMatcher:
         out, self.sent = self.text[self.sent : end], end
         return out, False
 
+    def _advance(self, delta: str) -> None:
+        for i, (stop, borders) in enumerate(zip(self.stops, self._borders)):
+            k = self._open[i]
+            for ch in delta:
+                while k and stop[k] != ch:
+                    k = borders[k - 1]
+                if stop[k] == ch:
+                    k += 1
+                if k == len(stop):  # a whole match (one that may not stop yet): keep its open end
+                    k = borders[k - 1]
+            self._open[i] = k
+
     def _open_tail(self) -> int:
         """Length of the longest end of the text that a stop string starts with."""
-        for k in range(min(self.hold, len(self.text)), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                return k
-        return 0
+        return max(self._open, default=0)
 
     def flush(self) -> str:
         out, self.sent = self.text[self.sent :], len(self.text)
         return out
+
+
+def _borders(s: str) -> list[int]:
+    """``b[i]``: the length of the longest proper prefix of ``s[: i + 1]`` that is also its suffix."""
+    b = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = b[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        b[i] = k
+    return b

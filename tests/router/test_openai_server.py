@@ -30,6 +30,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench.compare import LaunchedCluster, LoggedProcess
@@ -173,6 +175,7 @@ def test_bad_content_is_explained_not_named_by_the_unions_branches(content: Any,
         # An empty stop string would end every output at its first token: vLLM refuses it too.
         ({"prompt": "hi", "stop": ""}, "stop", "a stop string must not be empty"),
         ({"prompt": "hi", "stop": ["a", ""]}, "stop", "item 1 must not be empty"),
+        ({"prompt": "hi", "stop": ["s"] * 129}, "stop", "at most 128 stop strings, got 129"),
     ],
 )
 def test_a_bad_prompt_or_stop_is_explained_not_named_by_the_unions_branches(
@@ -843,6 +846,28 @@ def test_a_repeated_warning_is_logged_once_a_minute_with_a_count() -> None:
     )
     now[0] = 200.0
     assert passes("Invalid HTTP request received.") == "Invalid HTTP request received."
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    stops=st.lists(st.text("ab<", min_size=1, max_size=6), min_size=1, max_size=4),
+    deltas=st.lists(st.text("ab<x", max_size=5), max_size=12),
+)
+def test_stop_strings_hold_back_exactly_the_text_that_could_still_start_one(
+    stops: list[str], deltas: list[str]
+) -> None:
+    """After each delta the matcher has sent all the text but its longest end that a stop string
+    starts with (and does not complete), until a stop string ends the output."""
+    matcher = StopStringMatcher(stops)
+    sent, text = "", ""
+    for delta in deltas:
+        out, stopped = matcher.add(delta)
+        sent, text = sent + out, text + delta
+        if stopped:
+            assert not any(stop in sent for stop in stops)
+            return
+        held = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        assert sent == text[: len(text) - held]
 
 
 def test_stop_strings_never_send_a_character_of_a_stop_string() -> None:

@@ -644,7 +644,7 @@ def parse_request(
     defaults: Mapping[str, Any] | None = None,
 ) -> GenerationRequest:
     """Check a request body (raw JSON) and tokenize its prompts; raises APIError (400). Text over
-    ``max_prompt_chars`` (a prompt; a chat's messages or a batch's prompts together) is refused
+    ``max_prompt_chars`` (a prompt; a chat's messages with their roles, or a batch's prompts, together) is refused
     before tokenizing; special-token text in it is plain text unless ``parse_special_tokens``
     (the cluster's setting). ``defaults``: sampling fields (``generation_defaults``) for those
     the request leaves out, in place of OpenAI's."""
@@ -989,7 +989,9 @@ def _chat_prompt(
         if message.name is not None:
             entry["name"] = message.name
         messages.append(entry)
-    chars = sum(len(m["content"]) for m in messages)
+    # Roles and names count too: the template renders them, and a chat of many empty messages
+    # would otherwise be rendered and tokenized whole before any limit applied.
+    chars = sum(len(m["role"]) + len(m.get("name", "")) + len(m["content"]) for m in messages)
     if chars > max_prompt_chars:
         raise _prompt_too_long(chars, max_prompt_chars, "messages")
     template_kwargs = request.chat_template_kwargs or {}

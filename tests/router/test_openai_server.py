@@ -2210,6 +2210,13 @@ BAD_REQUESTS = {
         "prompt_too_long",
         "messages",
     ),
+    "chat of many empty messages over max-prompt-chars": (  # their roles count: rendered, they are text
+        "/v1/chat/completions",
+        {"messages": [{"role": "assistant"}] * 12_000},
+        400,
+        "prompt_too_long",
+        "messages",
+    ),
     "body over max-message-mib": ("/v1/completions", b" " * (4 * 2**20 + 1), 413, "request_too_large", None),
     "token outside the vocabulary": ("/v1/completions", {"prompt": [1, 2, 10**6]}, 400, "invalid_request", "prompt"),
     "token outside the vocabulary, streamed": (

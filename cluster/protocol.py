@@ -280,9 +280,13 @@ class Sampling(Message):
 
 def _token_id(key: str) -> int:
     """A ``logit_bias`` key: a token id written in decimal digits."""
+    shown = key if len(key) <= 24 else f"{key[:20]}... ({len(key)} characters)"
     if not (key.isascii() and key.isdigit()):
-        raise RequestError("logit_bias", f"keys must be token ids, got {key!r}")
-    return int(key)
+        raise RequestError("logit_bias", f"keys must be token ids, got {shown!r}")
+    digits = key.lstrip("0") or "0"  # int() counts leading zeros against its 4300-digit limit
+    if len(digits) > 19:  # past any vocabulary
+        raise RequestError("logit_bias", f"key {shown!r} is no token id of this model")
+    return int(digits)
 
 
 class Generate(Message):

@@ -627,3 +627,14 @@ def test_non_string_keys_are_malformed(nested: bool) -> None:
 def test_version_must_be_the_integer_1(version: Any) -> None:
     error = decode_error(pack({"type": "abort", "version": version, "request_id": "r1"}))
     assert error.code == "unsupported_version"
+
+
+@pytest.mark.parametrize("key", ["9" * 4400, "0" * 4400 + "5" + "1" * 20])
+def test_a_logit_bias_key_of_thousands_of_digits_is_a_request_error(key: str) -> None:
+    """Python refuses to convert integers of over 4300 digits: such a key was an internal error
+    with a traceback, and its message held the whole key."""
+    with pytest.raises(RequestError) as info:
+        Sampling(logit_bias={key: 1.0}).to_params()
+    assert info.value.field == "logit_bias" and f"({len(key)} characters)" in str(info.value)
+    assert len(str(info.value)) < 200
+    assert Sampling(logit_bias={"0" * 4400 + "17": 1.0}).to_params().logit_bias == ((17, 1.0),)

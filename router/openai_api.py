@@ -763,7 +763,7 @@ def parse_tokenize(
     tokenize them, and whether it asked for each id's token string; raises APIError."""
     try:
         shape = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the stack
         shape = None  # the model's own decode names the fault
     if isinstance(shape, dict) and "messages" in shape and "prompt" in shape:
         raise bad_request("give either prompt or messages, not both", "messages")

@@ -1152,6 +1152,9 @@ def test_unknown_routes_and_methods_get_openais_error_body(demo_model_dir: Path)
     assert message == "Invalid method for URL (GET /v1/chat/completions)" and wrong_method.headers["allow"] == "POST"
     for path in ("/v1/completions/", "/v1/chat/completions/"):  # a trailing slash serves the route too
         openai_error(http.post(path, content=b"{not json"), 400, "malformed_json")
+    deep = b'{"prompt":' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # past the stack of json.loads
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        openai_error(http.post(path, content=deep), 400, "malformed_json")
 
 
 def test_cluster_errors_get_the_status_a_client_retries_on_or_not() -> None:

@@ -26,9 +26,11 @@ GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20
 # OpenAI's bound on a logit bias: -100 bans a token, 100 all but forces it.
 MAX_LOGIT_BIAS = 100.0
-# Past this a repeated token's logit is all but zeroed (or flipped to its most negative): a bound
-# that keeps the division finite rather than a limit any use reaches.
+# Past these a repeated token's logit is all but zeroed, or multiplied past float32's range (a
+# penalty that underflows to 0 divided by it, and the sampler drew from NaNs): bounds that keep
+# the arithmetic finite rather than limits any use reaches.
 MAX_REPETITION_PENALTY = 1e4
+MIN_REPETITION_PENALTY = 1 / MAX_REPETITION_PENALTY
 
 
 @dataclass(frozen=True)
@@ -111,9 +113,12 @@ class SamplingParams:
                 raise RequestError("logit_bias", f"keys must be token ids, got {token!r}")
             if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise RequestError("logit_bias", f"token {token}: the bias must be in [-100, 100], got {bias!r}")
-        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+        if not _is_real(self.repetition_penalty) or not (
+            MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY
+        ):
             raise RequestError(
-                "repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}"
+                "repetition_penalty",
+                f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}",
             )
 
     @property

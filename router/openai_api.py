@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from pdserve.engine.sampling import MAX_LOGPROBS, MAX_REPETITION_PENALTY, RequestError
+from pdserve.engine.sampling import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, RequestError
 from pdserve.engine.tokenization import encode_chat, encode_prompt
 
 MAX_INT32 = 2**31 - 1
@@ -97,7 +97,7 @@ class _Sampling(_Strict):
     min_tokens: int | None = Field(None, ge=0, le=MAX_INT32)  # vLLM's
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)  # vLLM's
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)  # vLLM's
     min_p: float | None = Field(None, ge=0, le=1)  # vLLM's
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     user: str | None = None  # accepted and ignored, as it only identifies the caller to OpenAI

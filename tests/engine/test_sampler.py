@@ -178,6 +178,7 @@ def test_position_seeds_differ_across_seeds_and_positions() -> None:
         ({"frequency_penalty": -2.1}, "frequency_penalty"),
         ({"frequency_penalty": float("nan")}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-38}, "repetition_penalty"),  # 0 in float32: the logits over 0 were NaN
         ({"repetition_penalty": float("inf")}, "repetition_penalty"),
         ({"repetition_penalty": True}, "repetition_penalty"),
         ({"logit_bias": ((5, 100.5),)}, "logit_bias"),

@@ -63,5 +63,7 @@ class RejectionLog:
 
 
 def shorten(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
-    """``text`` cut to ``limit`` characters, saying how long it was."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+    """``text`` cut to ``limit`` characters, saying how long it was, on one line: a client's
+    newlines and control characters are escaped, or its text could forge log lines."""
+    cut = text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+    return cut if cut.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut)

@@ -42,6 +42,9 @@ def test_each_kind_has_its_own_bucket_and_the_count_of_suppressed_lines(caplog: 
 def test_shorten_cuts_long_details_and_says_how_long() -> None:
     assert shorten("abc", 5) == "abc"
     assert shorten("x" * 1000, 5) == "xxxxx... (1000 characters)"
+    forged = "x\n2026-12-07 00:00:00,000 launcher ERROR FORGED\r\x1b[2K"
+    assert shorten(forged) == "x\\n2026-12-07 00:00:00,000 launcher ERROR FORGED\\r\\x1b[2K"
+    assert shorten("日本語 ✓") == "日本語 ✓"  # printable text stays as it is
 
 
 @pytest.fixture

@@ -247,10 +247,15 @@ class Cluster:
         c.check_watchdog(self.transfer)
         engine = c.engine_config(self.model_dir, model)
         tokenizer = load_tokenizer(self.model_dir)
-        if tokenizer is None and (self.require_tokenizer or c.http_port is not None):
+        if tokenizer is None and self.require_tokenizer:
             raise ClusterError(
                 f"{c.engine.model} has no tokenizer (random-weight presets have none), so it cannot "
                 "answer text prompts; use --model demo or a Hugging Face directory with one"
+            )
+        if tokenizer is None and c.http_port is not None:  # as vLLM's --skip-tokenizer-init
+            logger.warning(
+                "%s has no tokenizer: the HTTP API takes prompts of token ids only (text prompts and chats get a 400)",
+                c.engine.model,
             )
         if c.http_port is not None and c.generation_config == "auto":
             from pdserve.router.openai_api import generation_defaults  # pydantic: only for an HTTP API

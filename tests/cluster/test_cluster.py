@@ -514,7 +514,7 @@ def test_async_client_send_that_cannot_queue_times_out() -> None:
 
     async def run() -> None:
         try:
-            with pytest.raises(ClusterUnavailable, match="within 0 s|within 1 s"):
+            with pytest.raises(ClusterUnavailable, match=r"within 0\.5 s"):
                 for i in range(3):
                     await asyncio.wait_for(client.abort(f"r{i}"), 10)  # 10 s: fail, not hang
         finally:

@@ -226,10 +226,30 @@ def test_max_model_len_defaults_to_the_models_own_limit(tiny_model_dirs: dict[st
     assert shorter.max_model_len == 64
 
 
-@pytest.mark.parametrize("flag", [("--demo",), ("--http-port", "8123")])
-def test_text_serving_needs_a_tokenizer(flag: tuple[str, ...], tiny_model_dirs: dict[str, Path]) -> None:
-    result = launch("--model", str(tiny_model_dirs["tiny-llama"]), *flag)
+def test_the_demo_needs_a_tokenizer(tiny_model_dirs: dict[str, Path]) -> None:
+    result = launch("--model", str(tiny_model_dirs["tiny-llama"]), "--demo")
     assert_one_line_error(result, "no tokenizer")
+
+
+@pytest.mark.slow
+def test_the_http_api_of_a_model_without_a_tokenizer_takes_token_ids(
+    tiny_model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """As vLLM's --skip-tokenizer-init: a prompt of token ids is served, text gets a 400 naming
+    the missing tokenizer, and the launcher says so at start."""
+    import httpx
+
+    from pdserve.bench.compare import LaunchedCluster
+
+    http_port = free_port()
+    args = ["--model", str(tiny_model_dirs["tiny-llama"]), "--http-port", str(http_port), "--max-model-len", "64"]
+    with LaunchedCluster(args, tmp_path / "launch.log", start_timeout=300) as cluster:
+        url = f"http://127.0.0.1:{http_port}/v1/completions"
+        ids = httpx.post(url, json={"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0}, timeout=60)
+        assert ids.status_code == 200 and ids.json()["usage"]["completion_tokens"] == 3, ids.text
+        text = httpx.post(url, json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+        assert text.status_code == 400 and "no tokenizer" in text.json()["error"]["message"], text.text
+        assert "has no tokenizer: the HTTP API takes prompts of token ids only" in cluster.output()
 
 
 @pytest.mark.parametrize(

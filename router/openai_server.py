@@ -48,6 +48,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable, Seconds
@@ -257,8 +258,12 @@ class Frontend:
         async def http_error(request: Request, error: HTTPException) -> JSONResponse:
             return self.http_error_response(request, error.status_code, str(error.detail), error.headers)
 
+        @app.exception_handler(ClientDisconnect)  # its own handler: Exception's re-raises after answering
+        async def client_left(_: Request, error: ClientDisconnect) -> Response:
+            return self.internal_error_response(error)
+
         @app.exception_handler(Exception)
-        async def internal_error(_: Request, error: Exception) -> JSONResponse:
+        async def internal_error(_: Request, error: Exception) -> Response:
             return self.internal_error_response(error)
 
         v1 = APIRouter(prefix="/v1", dependencies=[Depends(self.authorize)] if self.api_key else [])
@@ -345,7 +350,9 @@ class Frontend:
         self._log_rejection(request, error)
         return JSONResponse(error.body(), status_code=status, headers=headers)
 
-    def internal_error_response(self, error: Exception) -> JSONResponse:
+    def internal_error_response(self, error: Exception) -> Response:
+        if isinstance(error, ClientDisconnect):  # left while sending its body: not this server's fault
+            return Response(status_code=499)
         return JSONResponse(self._internal_error(error).body(), status_code=500)
 
     def _stream_error_events(self, error: Exception) -> bytes:

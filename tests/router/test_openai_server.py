@@ -1120,6 +1120,42 @@ def frontend_app(demo_model_dir: Path, **kwargs: Any) -> Any:
     return frontend.app()
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+def test_a_client_that_leaves_while_sending_its_body_is_no_internal_error(
+    demo_model_dir: Path, path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Starlette raises ClientDisconnect when the body ends in a disconnect: that is a 499 (the
+    client closed the request), not a 500 logged with a traceback and counted as internal_error."""
+    app = frontend_app(demo_model_dir)
+    incoming = [{"type": "http.request", "body": b'{"prompt": "he', "more_body": True}, {"type": "http.disconnect"}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+        "client": ("127.0.0.1", 5),
+        "server": ("127.0.0.1", 8000),
+    }
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert "internal error" not in caplog.text
+
+
 def openai_error(response: httpx.Response, status: int, code: str, param: str | None = None) -> str:
     """The response's error message, once its status and body are OpenAI's."""
     assert response.status_code == status, response.text

@@ -535,9 +535,14 @@ class Cluster:
                 now = time.monotonic()
                 if stats_log.due(now):
                     r = self.router
-                    states = {f"{g.role}{g.group}": g.state for g in r.members()}
                     line = stats_log.line(
-                        now, r.token_counts, len(r.requests), r.worker_stats, r.entry_role, len(r.parked), states
+                        now,
+                        r.token_counts,
+                        len(r.requests),
+                        r.worker_stats,
+                        r.entry_role,
+                        len(r.parked),
+                        r.group_states(),
                     )
                     if line is not None:
                         logger.info("%s", line)

@@ -429,15 +429,23 @@ class Router:
             self._forget(key)
             logger.info("%s group %d left the cluster", *key)
 
+    def group_state(self, key: tuple[str, int]) -> str:
+        """A known group's ``GroupInfo.state``: starting, ready, draining or down."""
+        if key not in self.ready and key not in self.starting:
+            return "down"
+        return "draining" if key in self.draining else "ready" if key in self.ready else "starting"
+
+    def group_states(self) -> dict[str, str]:
+        """Every known group's state by name (``prefill0``), for the launcher's stats line."""
+        return {f"{role}{group}": self.group_state((role, group)) for role, group in self.tp_sizes}
+
     def members(self) -> list[GroupInfo]:
         """Every group known, for ``stats``."""
         out = []
         now = time.monotonic()
         for (role, group), tp in sorted(self.tp_sizes.items(), key=lambda item: (item[0][0] == "decode", item[0])):
             key = (role, group)
-            state = "draining" if key in self.draining else "ready" if key in self.ready else "starting"
-            if key not in self.ready and key not in self.starting:
-                state = "down"
+            state = self.group_state(key)
             held = [
                 s
                 for s in self.requests.values()

@@ -15,8 +15,6 @@ class StopStringMatcher:
     def __init__(self, stops: list[str], include: bool = False) -> None:
         self.stops = [s for s in stops if s]
         self.include = include
-        # A stop string that started in earlier text ends at most this many characters into a delta.
-        self.hold = 0 if include else max((len(s) for s in self.stops), default=1) - 1
         # Per stop string, how much of its start the text ends with: kept up to date a character
         # at a time (Knuth-Morris-Pratt), so that the held-back tail costs each delta its own
         # length, not the held text's times the stop strings'.

@@ -170,6 +170,7 @@ class GroupLeader:
             kv_transfer_failures=self.kv_transfer_failures,
             pairs_forming=self.pairs_forming(),
             preemptions=s.preemptions,
+            prefix_cached_blocks=0 if cache is None else cache.cached_blocks,
         )
 
     @property

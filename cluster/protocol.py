@@ -518,6 +518,7 @@ class WorkerStats(Message):
     kv_transfer_failures: int = 0  # KV transfers that did not deliver a usable KV, cumulative
     pairs_forming: int = 0  # groups of the other role whose KV pair with this one cannot move KV yet
     preemptions: int = 0  # sequences preempted for want of KV blocks (recomputed later), cumulative
+    prefix_cached_blocks: int = 0  # blocks the prefix cache holds now, used by requests or evictable
 
 
 class CacheEvents(Message):

@@ -193,6 +193,11 @@ class ClusterCollector(Collector):
                 "Prefill: requests holding their KV until it moves; decode: KV receives in flight.",
                 labels=["group"],
             ),
+            "prefix_cached_blocks": GaugeMetricFamily(
+                f"{PREFIX}prefix_cache_blocks",
+                "KV blocks a group's prefix cache holds, used by requests or evictable.",
+                labels=["group"],
+            ),
         }
         refused = CounterMetricFamily(
             f"{PREFIX}kv_transfer_refused",
@@ -228,6 +233,7 @@ class ClusterCollector(Collector):
             total = g.get("num_blocks", 0)
             families["usage"].add_metric([group], 1.0 - g.get("free_blocks", 0) / total if total else 0.0)
             families["kv_held"].add_metric([group], g.get("kv_held", 0))
+            families["prefix_cached_blocks"].add_metric([group], g.get("prefix_cached_blocks", 0))
             refused.add_metric([group], g.get("kv_refused", 0))
             failures.add_metric([group], g.get("kv_transfer_failures", 0))
             for key, counter in counters.items():

@@ -264,6 +264,8 @@ def test_a_later_turn_receives_only_the_blocks_the_cache_lacks(setup: Setup) -> 
     setup.decode_all()
     stats = setup.leader.stats()
     assert stats.prefix_hit_tokens == 2 * 16 and stats.free_blocks == NUM_BLOCKS
+    # 65 computed tokens of "t1" fill four blocks, its first two those of "t0".
+    assert stats.prefix_cached_blocks == 4
 
 
 def test_staging_room_is_asked_for_the_blocks_the_cache_lacks(setup: Setup) -> None:

@@ -2441,11 +2441,18 @@ def test_metrics_carry_each_groups_prefix_cache_counters() -> None:
         Stats(
             1,
             {
-                "prefill0": {"prefix_queried_tokens": 300, "prefix_hit_tokens": 240, "prefix_evicted_blocks": 7},
+                "prefill0": {
+                    "prefix_queried_tokens": 300,
+                    "prefix_hit_tokens": 240,
+                    "prefix_evicted_blocks": 7,
+                    "prefix_cached_blocks": 12,
+                },
                 "decode0": {"num_blocks": 64, "free_blocks": 64},
             },
         )
     )
+    assert sample(samples, "pdserve:prefix_cache_blocks", group="prefill0") == 12
+    assert sample(samples, "pdserve:prefix_cache_blocks", group="decode0") == 0
     assert sample(samples, "pdserve:prefix_cache_queries_total", group="prefill0") == 300
     assert sample(samples, "pdserve:prefix_cache_hits_total", group="prefill0") == 240
     assert sample(samples, "pdserve:prefix_cache_evicted_blocks_total", group="prefill0") == 7

@@ -53,6 +53,18 @@ _MAX_CLIENT_HEARTBEAT_TIMEOUT = 6553.5
 _GPU_LEADER_SPIN_MS = 100.0
 # The environment variable the HTTP front end reads its api_key from (vLLM's is VLLM_API_KEY).
 API_KEY_ENV = "PDSERVE_API_KEY"
+# The default limit on a text prompt's characters: room for a prompt as long as the model takes
+# (English text averages about 4 characters a token, code and CJK fewer), and never below the
+# limit that bounds the router's stall on one prompt at small models' lengths.
+CHARS_PER_TOKEN = 8
+MIN_PROMPT_CHARS = 100_000
+
+
+def prompt_chars_limit(max_prompt_chars: int | None, max_model_len: int) -> int:
+    """The longest text prompt accepted, in characters: ``max_prompt_chars`` where it is set."""
+    if max_prompt_chars is not None:
+        return max_prompt_chars
+    return max(MIN_PROMPT_CHARS, CHARS_PER_TOKEN * max_model_len)
 
 
 def model_names(served_model_name: str) -> list[str]:
@@ -189,10 +201,11 @@ class ClusterConfig:
         "(decoding one at the limit holds up every other client: docs/protocol.md states for how long).",
         section="Serving",
     )
-    max_prompt_chars: int = setting(
-        100_000,
+    max_prompt_chars: int | None = setting(
+        None,
         help="Longest text prompt, in characters (tokenizing one at the limit holds up every other client: "
         "docs/protocol.md states for how long).",
+        default_text=f"{CHARS_PER_TOKEN} a token of the maximum model length, at least {MIN_PROMPT_CHARS:,}",
         section="Serving",
     )
     max_requests_per_client: int = setting(
@@ -407,7 +420,7 @@ class ClusterConfig:
             why = "applies to the HTTP API: give --http-port too" if origins(self.allowed_origins) else "names none"
             raise ValueError(f"--allowed-origins {why}")
         for name in ("max_message_mib", "max_prompt_chars", "max_requests_per_client", "max_requests", "send_timeout"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         # NaN passes every comparison below unnoticed, and infinity fails later, in a conversion to
         # an integer (ZMQ options, timedeltas) with a traceback or in a rank: only the watchdog may be inf.

@@ -454,7 +454,7 @@ class Cluster:
 
     def _spawn_http(self, front_end: _FrontEnd, ready_fd: int | None = None) -> None:
         c = self.config
-        assert c.http_port is not None
+        assert c.http_port is not None and self.router is not None
         command = [
             sys.executable,
             "-m",
@@ -475,7 +475,7 @@ class Cluster:
             "--max-message-mib",
             str(c.max_message_mib),
             "--max-prompt-chars",
-            str(c.max_prompt_chars),
+            str(self.router.max_prompt_chars),
             "--send-timeout",
             str(c.send_timeout),
             *(["--auth-keys", c.auth_keys] if c.auth_keys is not None else []),

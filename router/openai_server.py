@@ -52,7 +52,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.cluster.client import DEFAULT_ENDPOINT, AsyncClient, ClusterError, ClusterUnavailable, Seconds
-from pdserve.cluster.config import API_KEY_ENV, cluster_settings, model_names, origins
+from pdserve.cluster.config import API_KEY_ENV, cluster_settings, model_names, origins, prompt_chars_limit
 from pdserve.cluster.protocol import Chunk, Error, Final, Logprobs, Sampling, Stats
 from pdserve.engine.sampling import RequestError, validate_request
 from pdserve.engine.tokenization import eos_token_ids, load_tokenizer
@@ -137,7 +137,7 @@ class Frontend:
         drain_timeout: float = 30.0,
         auth_keys: str | None = None,
         max_message_mib: float = SHARED["max_message_mib"].default,
-        max_prompt_chars: int = SHARED["max_prompt_chars"].default,
+        max_prompt_chars: int | None = SHARED["max_prompt_chars"].default,
         api_key: str | None = None,
         allowed_origins: str | None = None,
         send_timeout: float = SHARED["send_timeout"].default,
@@ -149,7 +149,7 @@ class Frontend:
         self.api_key = api_key.encode() if api_key else None
         self.allowed_origins = origins(allowed_origins) if allowed_origins else []
         self.max_body_bytes = int(max_message_mib * 2**20)
-        self.max_prompt_chars = max_prompt_chars
+        self.max_prompt_chars = max_prompt_chars  # None: from the cluster's maximum model length
         self.auth_keys = auth_keys
         self.model_dir = str(model_dir)
         # Aliases (vLLM's): a request may name any; responses name the first.
@@ -288,7 +288,12 @@ class Frontend:
             max_model_len = await self._model_len()
             body = await self._body(request)
             ids, token_strs = await self._tokenize(
-                parse_tokenize, body, self.model_names, self.tokenizer, self.max_prompt_chars, self.parse_special_tokens
+                parse_tokenize,
+                body,
+                self.model_names,
+                self.tokenizer,
+                prompt_chars_limit(self.max_prompt_chars, max_model_len),
+                self.parse_special_tokens,
             )
             return JSONResponse(
                 {
@@ -591,7 +596,7 @@ class Frontend:
             self.model_names,
             self.tokenizer,
             max_model_len,
-            self.max_prompt_chars,
+            prompt_chars_limit(self.max_prompt_chars, max_model_len),
             self.parse_special_tokens,
             self.sampling_defaults,
         )
@@ -1179,7 +1184,7 @@ def serve_openai(
     log_level: str = "info",
     auth_keys: str | None = None,
     max_message_mib: float = SHARED["max_message_mib"].default,
-    max_prompt_chars: int = SHARED["max_prompt_chars"].default,
+    max_prompt_chars: int | None = SHARED["max_prompt_chars"].default,
     api_key: str | None = None,
     allowed_origins: str | None = None,
     sock: socket.socket | None = None,
@@ -1279,6 +1284,7 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     "--max-prompt-chars",
     type=click.IntRange(min=1),
     default=SHARED["max_prompt_chars"].default,
+    show_default=SHARED["max_prompt_chars"].default_text,
     help="Longest text prompt (a chat's messages together), in characters (launch.py's setting of that name).",
 )
 @click.option(
@@ -1328,7 +1334,7 @@ def main(
     log_level: str,
     auth_keys: str | None,
     max_message_mib: float,
-    max_prompt_chars: int,
+    max_prompt_chars: int | None,
     api_key: str | None,
     allowed_origins: str | None,
     send_timeout: float,

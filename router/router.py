@@ -45,7 +45,7 @@ import msgspec
 import zmq
 
 from pdserve.cluster.auth import secure_server
-from pdserve.cluster.config import Addresses, ClusterConfig
+from pdserve.cluster.config import Addresses, ClusterConfig, prompt_chars_limit
 from pdserve.cluster.protocol import (
     Abort,
     CacheEvents,
@@ -144,6 +144,7 @@ class Router:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_prompt_chars = prompt_chars_limit(config.max_prompt_chars, max_model_len)
         self.ctx = zmq.Context.instance()
         self.frontend = self.ctx.socket(zmq.ROUTER)
         # Mandatory routing: a send to a gone client, or to one whose queue is full, raises
@@ -823,9 +824,10 @@ class Router:
         if request.prompt is not None:
             if not request.prompt:
                 raise RequestError("prompt", "is empty")
-            if len(request.prompt) > self.config.max_prompt_chars:
+            if len(request.prompt) > self.max_prompt_chars:
                 raise RequestError(
-                    "prompt", f"has {len(request.prompt)} characters, more than {self.config.max_prompt_chars}"
+                    "prompt",
+                    f"has {len(request.prompt)} characters, more than {self.max_prompt_chars} (--max-prompt-chars)",
                 )
             if self.tokenizer is None:
                 raise RequestError("prompt", "this model has no tokenizer: send token_ids")

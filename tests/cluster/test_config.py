@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cluster.config import ClusterConfig, cluster_settings, origins
+from pdserve.cluster.config import MIN_PROMPT_CHARS, ClusterConfig, cluster_settings, origins, prompt_chars_limit
 from pdserve.cluster.launcher import ClusterError, resolve_transfer
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, flatten_config
 from pdserve.kvtransfer.base import TransferConfig
@@ -170,6 +170,17 @@ def test_multi_node_settings_are_checked_before_anything_starts() -> None:
     for message, settings in refused.items():
         with pytest.raises(ValueError, match=re.escape(message)):
             ClusterConfig.from_settings(settings)
+
+
+def test_the_default_prompt_limit_holds_a_prompt_of_the_maximum_model_length() -> None:
+    """A long-context model's text prompt of up to 8 characters a token is not refused before it is
+    tokenized; a small model keeps the floor, and a limit that is set is the limit."""
+    assert ClusterConfig().max_prompt_chars is None
+    assert prompt_chars_limit(None, 131_072) == 8 * 131_072
+    assert prompt_chars_limit(None, 2048) == MIN_PROMPT_CHARS
+    assert prompt_chars_limit(ClusterConfig.from_settings({"max_prompt_chars": 500}).max_prompt_chars, 131_072) == 500
+    with pytest.raises(ValueError, match="max_prompt_chars must be positive, got 0"):
+        ClusterConfig.from_settings({"max_prompt_chars": 0})
 
 
 def test_the_http_apis_key_and_origins_need_it_and_a_value() -> None:

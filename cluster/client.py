@@ -341,8 +341,14 @@ class Client:
         if rid in self._running:
             why = f"request_id {rid!r} is already running, or its end was not read (chunks, result)"
             raise ClusterError(Error(rid, "duplicate_request_id", why))
-        self._send(encode(request))
+        # Counted before it goes: a Ctrl-C may interrupt the send after the message left, and
+        # close() must still abort it (an abort of a request never sent is just unknown_request).
         self._running.add(rid)
+        try:
+            self._send(encode(request))
+        except (ClientClosed, ClusterUnavailable):
+            self._running.discard(rid)
+            raise
         return rid
 
     def chunks(self, request_id: str) -> Iterator[Chunk | Final]:

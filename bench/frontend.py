@@ -55,7 +55,7 @@ def router_main(setup: Setup, stop: Any) -> None:
     die_with_parent()
     from transformers import AutoTokenizer
 
-    from pdserve.router.openai_server import model_vocab_size
+    from pdserve.router.openai_app import model_vocab_size
     from pdserve.router.router import Router
 
     tokenizer = AutoTokenizer.from_pretrained(setup.tokenizer) if setup.tokenizer else None

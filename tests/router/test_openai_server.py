@@ -41,7 +41,8 @@ from pdserve.cluster.protocol import Chunk, Error, GroupInfo, Stats
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.tokenization import encode_chat, encode_prompt
 from pdserve.router.openai_api import APIError, ChatRequest, Prompt, parse_request
-from pdserve.router.openai_server import Frontend, RepeatLimit
+from pdserve.router.openai_app import Frontend
+from pdserve.router.openai_server import RepeatLimit
 from pdserve.router.stop_strings import StopStringMatcher
 from pdserve.tests.cluster.helpers import oracle
 
@@ -95,7 +96,7 @@ def test_stop_strings_kept_in_the_output_or_not_yet_allowed() -> None:
 def test_delta_events_are_the_chunk_bodies_events(kind: str) -> None:
     """The stream's pre-rendered events hold exactly what rendering each chunk's body would."""
     from pdserve.router.openai_api import GenerationRequest
-    from pdserve.router.openai_server import _DeltaEvents, _event
+    from pdserve.router.openai_app import _DeltaEvents, _event
 
     gen = GenerationRequest(kind, 'a "model" \\ é', [Prompt([1, 2])], {"max_tokens": 4})
     delta = _DeltaEvents(gen)
@@ -1113,7 +1114,7 @@ def test_a_request_the_drain_outlasts_is_aborted_and_still_answered(demo_model_d
 
 def frontend_app(demo_model_dir: Path, **kwargs: Any) -> Any:
     """The front end's app on a port no cluster listens on: what it answers by itself."""
-    from pdserve.router.openai_server import Frontend
+    from pdserve.router.openai_app import Frontend
 
     frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), **{"served_model_name": MODEL, **kwargs})
     frontend.max_model_len = MAX_MODEL_LEN  # what the cluster would say
@@ -1169,7 +1170,7 @@ def test_a_server_started_before_its_cluster_says_so(demo_model_dir: Path, caplo
     """It used to start without a word, answering 503 to every request."""
     from fastapi.testclient import TestClient
 
-    from pdserve.router.openai_server import Frontend
+    from pdserve.router.openai_app import Frontend
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     with caplog.at_level(logging.WARNING), TestClient(Frontend(endpoint, str(demo_model_dir)).app()) as http:
@@ -1196,7 +1197,7 @@ def test_unknown_routes_and_methods_get_openais_error_body(demo_model_dir: Path)
 def test_cluster_errors_get_the_status_a_client_retries_on_or_not() -> None:
     """A refusal that a later try may not meet (the cluster busy, restarting or stopping) is a
     503, which OpenAI's clients retry; a request the cluster cannot serve is a 400."""
-    from pdserve.router.openai_server import _cluster_error
+    from pdserve.router.openai_app import _cluster_error
 
     def status(code: str, message: str = "m") -> int:
         return _cluster_error(ClusterError(Error("http-0", code, message))).status
@@ -1269,7 +1270,7 @@ def test_an_api_key_guards_every_v1_and_token_route_and_leaves_health_and_metric
     with TestClient(frontend_app(demo_model_dir, api_key=key)) as http:
         missing = openai_error(http.get("/v1/models"), 401, "invalid_api_key")
         assert "Authorization: Bearer" in missing
-        with caplog.at_level(logging.WARNING, logger="pdserve.router.openai_server"):
+        with caplog.at_level(logging.WARNING, logger="pdserve.router.openai_app"):
             for wrong in ("Bearer sk-guess", f"Basic {key}", f"Bearer {key}x", "Bearer "):
                 response = http.get(f"/v1/models/{MODEL}", headers={"Authorization": wrong.encode()})
                 assert response.status_code == 401, wrong

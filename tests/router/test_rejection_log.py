@@ -127,12 +127,12 @@ def test_the_http_front_end_logs_refused_requests_rate_limited(
     limit per error code; no cluster is needed to refuse them."""
     from fastapi.testclient import TestClient
 
-    from pdserve.router.openai_server import Frontend
+    from pdserve.router.openai_app import Frontend
 
     frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), served_model_name="demo")
     frontend.max_model_len = 512  # what the cluster would say (none runs here)
     http = TestClient(frontend.app())  # no lifespan: nothing here reaches the cluster
-    with caplog.at_level(logging.WARNING, logger="pdserve.router.openai_server"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.router.openai_app"):
         for _ in range(3 * LINES_PER_INTERVAL):
             response = http.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
             assert response.status_code == 400 and response.json()["error"]["code"] == "malformed_json"

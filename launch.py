@@ -265,6 +265,11 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
         if "log_stats_interval" not in given:  # its lines would break into the streamed answers
             config = dataclasses.replace(config, log_stats_interval=0.0)
         config = _demo_devices(config)
+        if config.http_port is not None:
+            print(
+                "the demo stops the cluster, its HTTP API too, once it has answered: drop --demo to keep serving",
+                file=sys.stderr,
+            )
     name_process("pdserve-launch")
     # The router's lines (groups ready, joining, leaving, restarting; refused clients) read as the ranks' do.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s launcher %(levelname)s %(message)s")

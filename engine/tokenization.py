@@ -45,7 +45,7 @@ def encode_prompt(
     """
     if chat and getattr(tokenizer, "chat_template", None):
         return encode_chat(tokenizer, [{"role": "user", "content": text}], parse_special_tokens)
-    literal = not parse_special_tokens and _has_special_text(tokenizer, text)
+    literal = not parse_special_tokens and has_special_text(tokenizer, text)
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=literal))
 
 
@@ -67,7 +67,7 @@ def encode_chat(
     that spells special tokens is encoded as plain text unless ``parse_special_tokens``.
     """
     contents = [message["content"] for message in messages]
-    if parse_special_tokens or not any(_has_special_text(tokenizer, c) for c in contents):
+    if parse_special_tokens or not any(has_special_text(tokenizer, c) for c in contents):
         rendered = _render(tokenizer, messages, add_generation_prompt, continue_final_message, template_kwargs)
         return list(tokenizer.encode(rendered, add_special_tokens=False))
     slotted = [{**message, "content": _SLOT.format(i)} for i, message in enumerate(messages)]
@@ -100,6 +100,6 @@ def _render(
     )
 
 
-def _has_special_text(tokenizer: Any, text: str) -> bool:
+def has_special_text(tokenizer: Any, text: str) -> bool:
     """Whether ``text`` spells one of the tokenizer's special tokens."""
     return any(token.special and token.content in text for token in tokenizer.added_tokens_decoder.values())

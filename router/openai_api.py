@@ -8,9 +8,10 @@ unsupported field with its "not used" value (``tools: []``, ``best_of: 1``) pass
 that change nothing of the output (``user``, ``store``, ``metadata``, ``parallel_tool_calls``,
 ``service_tier``, ...) are accepted and ignored. vLLM's extensions ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``min_tokens``,
-``include_stop_str_in_output``, ``skip_special_tokens``, ``return_tokens_as_token_ids`` and a
-chat's ``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message`` and
-``echo`` are accepted, and each choice carries its ``stop_reason``. Sampling fields a request
+``include_stop_str_in_output``, ``skip_special_tokens``, ``return_tokens_as_token_ids``,
+``request_id``, a completion's ``add_special_tokens`` and a chat's ``chat_template_kwargs``,
+``add_generation_prompt``, ``continue_final_message`` and ``echo`` are accepted, and each choice
+carries its ``stop_reason``. Sampling fields a request
 leaves out take the model's ``generation_config.json`` values (``generation_defaults``).
 Prompts are tokenized here, the same way the ZMQ client's are
 (``engine.tokenization.encode_prompt``), so the cluster gets token ids.
@@ -29,8 +30,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
+from pdserve.cluster.protocol import MAX_REQUEST_ID_CHARS
 from pdserve.engine.sampling import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, RequestError
-from pdserve.engine.tokenization import encode_chat, encode_prompt
+from pdserve.engine.tokenization import encode_chat, encode_prompt, has_special_text
 
 MAX_INT32 = 2**31 - 1
 # OpenAI's bound on ``n``: each choice is a request of its own in the cluster.
@@ -39,6 +41,9 @@ MAX_CHOICES = 128
 MAX_BATCH = 2048
 # Stop strings of one request (OpenAI takes 4, vLLM any number): the front end matches each.
 MAX_STOP_STRINGS = 128
+# A request's own id (vLLM's request_id) within the cluster's limit once it is a response id
+# ("chatcmpl-" before it) and, of several choices, a choice's ("-2047" after it).
+MAX_CLIENT_REQUEST_ID_CHARS = MAX_REQUEST_ID_CHARS - len("chatcmpl-") - len(f"-{MAX_BATCH - 1}")
 MAX_INT64 = 2**63 - 1
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 
@@ -75,6 +80,7 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, every chunk's usage so far
+    include_obfuscation: bool | None = None  # OpenAI's padding against length side channels: ignored
 
 
 class _Sampling(_Strict):
@@ -102,6 +108,16 @@ class _Sampling(_Strict):
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     user: str | None = None  # accepted and ignored, as it only identifies the caller to OpenAI
     logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100], checked with the sampling
+    # vLLM's: the response's id (after "cmpl-" or "chatcmpl-") and the cluster's, in its logs.
+    request_id: str | None = Field(None, min_length=1, max_length=MAX_CLIENT_REQUEST_ID_CHARS)
+    # vLLM's, accepted and ignored: they tune only what this server does not do (guided decoding's
+    # backend, multimodal inputs, logits processors, vLLM's own KV connectors).
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
+    logits_processors: Any = None
+    vllm_xargs: Any = None
     # vLLM's extensions that this server does not implement: with their "not used" values only
     # (UNSUPPORTED), so that a client that sends its defaults works and one that needs them is told.
     prompt_logprobs: Any = None
@@ -118,6 +134,9 @@ class _Sampling(_Strict):
     guided_choice: Any = None
     guided_grammar: Any = None
     cache_salt: Any = None
+    structural_tag: Any = None
+    return_token_ids: Any = None
+    kv_transfer_params: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -147,8 +166,11 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = Field(None, ge=0, le=MAX_INT32)  # 0: only with echo, to score the prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = None
+    add_special_tokens: bool = True  # vLLM's: false tokenizes the text alone (no BOS)
     best_of: Any = None
     suffix: Any = None
+    response_format: Any = None
+    prompt_embeds: Any = None
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -182,7 +204,9 @@ class CompletionRequest(_Sampling):
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
-    cache_control: Any = None  # a provider's caching hint (LiteLLM sends it): the prefix cache needs none
+    # Caching hints (LiteLLM's, OpenAI's): the prefix cache needs none.
+    cache_control: Any = None
+    prompt_cache_breakpoint: Any = None
 
 
 class ChatMessage(_Strict):
@@ -262,7 +286,10 @@ class ChatRequest(_Sampling):
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
+    include_reasoning: bool | None = None  # vLLM's, for its reasoning parsers: no output here has a reasoning part
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
@@ -277,6 +304,11 @@ class ChatRequest(_Sampling):
     audio: Any = None
     functions: Any = None
     function_call: Any = None
+    moderation: Any = None
+    # vLLM's
+    add_special_tokens: Any = None
+    chat_template: Any = None
+    documents: Any = None
 
 
 # Each unsupported field and the values that mean "not used" (what SDKs send by default).
@@ -309,6 +341,17 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "cache_salt": (None,),
+    "structural_tag": (None,),
+    "return_token_ids": (None, False),
+    "kv_transfer_params": (None,),
+    "prompt_embeds": (None,),
+    "moderation": (None,),
+}
+# A chat's alone.
+CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "add_special_tokens": (None, False),  # vLLM's default for a chat: the template has its own
+    "chat_template": (None,),  # the template is the server's: vLLM too refuses one by default
+    "documents": (None, []),
 }
 # A chat message's fields of the same kind.
 MESSAGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -361,6 +404,8 @@ def generation_defaults(model_dir: str | Path) -> dict[str, Any]:
 
 # The body field that holds the prompt, by route: where an error in the prompt is reported.
 PROMPT_PARAMS: dict[str, str] = {"completion": "prompt", "chat": "messages"}
+# A response's id, by route: this, a dash, and the request's own id or a random one.
+ID_PREFIXES: dict[str, str] = {"completion": "cmpl", "chat": "chatcmpl"}
 
 
 @dataclass
@@ -387,6 +432,8 @@ class GenerationRequest:
     skip_special_tokens: bool = True  # the text (and log-probabilities' tokens) leave them out
     echo_only: bool = False  # completions' echo with max_tokens 0: the prompt alone, no output
     tokens_as_ids: bool = False  # log-probabilities show each token as "token_id:<id>"
+    # A completion's text prompt spelled special tokens, read as plain text (not as vLLM reads them).
+    special_text_as_text: bool = False
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's continuous_usage_stats)
@@ -395,7 +442,7 @@ class GenerationRequest:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        self.id = self.id or f"{'cmpl' if self.kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        self.id = self.id or f"{ID_PREFIXES[self.kind]}-{uuid.uuid4().hex}"
 
     @property
     def prompt_param(self) -> str:
@@ -653,7 +700,7 @@ def parse_request(
     except ValidationError as e:
         raise _validation_error(e) from None
     check_model(request.model, served_models)
-    for name, neutral in UNSUPPORTED.items():
+    for name, neutral in (UNSUPPORTED | CHAT_UNSUPPORTED if kind == "chat" else UNSUPPORTED).items():
         if name == "tools" and getattr(request, "tool_choice", None) == "none":
             # Tools the model may not call stay out of the prompt (vLLM's --exclude-tools-when-
             # tool-choice-none; its default renders them): this server renders no tools at all.
@@ -663,7 +710,7 @@ def parse_request(
     _check_messages(getattr(request, "messages", []))
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
-    echo_only = False
+    echo_only = special_text_as_text = False
     if isinstance(request, ChatRequest):
         if request.top_logprobs and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -674,6 +721,10 @@ def parse_request(
     else:
         logprobs = request.logprobs
         prompts = _completion_prompts(request, tokenizer, max_prompt_chars, parse_special_tokens)
+        texts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+        special_text_as_text = not parse_special_tokens and any(
+            isinstance(text, str) and has_special_text(tokenizer, text) for text in texts
+        )
         max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's default
         if max_tokens == 0:
             if not request.echo:
@@ -726,6 +777,8 @@ def parse_request(
         include_usage=include_usage,
         continuous_usage=continuous_usage,
         n=request.n or 1,
+        id="" if request.request_id is None else f"{ID_PREFIXES[kind]}-{request.request_id}",
+        special_text_as_text=special_text_as_text,
     )
 
 
@@ -832,7 +885,9 @@ def _completion_prompts(
         if not prompt:
             raise bad_request(f"{where} is empty", "prompt")
         if isinstance(prompt, str):
-            token_ids = _text_prompt(prompt, tokenizer, max_prompt_chars, parse_special_tokens, where=where)
+            token_ids = _text_prompt(
+                prompt, tokenizer, max_prompt_chars, parse_special_tokens, request.add_special_tokens, where
+            )
         else:
             token_ids = list(prompt)
         echo = _echo_text(prompt, token_ids, tokenizer, request.skip_special_tokens) if request.echo else None

@@ -158,6 +158,7 @@ class Frontend:
         self.client: AsyncClient | None = None
         self.max_model_len: int | None = None
         self.running: set[str] = set()  # ids of the requests in flight
+        self._told_special_text = False
         self.draining_since: float | None = None
         self._drain_aborted = False
         self.created = int(time.time())
@@ -438,6 +439,12 @@ class Frontend:
         max_model_len = await self._model_len()
         body = await self._body(request)
         gen = await self._parse(kind, body, max_model_len)
+        if gen.special_text_as_text and not self._told_special_text:
+            self._told_special_text = True  # a hint for the operator, once
+            logger.warning(
+                "a completion's prompt spells special tokens (such as a chat template's turns), read as plain "
+                "text; --parse-special-tokens reads them as the tokens, as vLLM does"
+            )
         if self.draining:  # began while the body came in: not yet in flight, so the drain won't wait for it
             raise APIError(503, "the server is shutting down", "shutting_down")
         if gen.choices > 1:
@@ -867,6 +874,8 @@ def _cluster_error(error: ClusterError, prompt_param: str = "prompt", where: str
         if field == "token_ids":  # the ids this server made of the request's prompt
             return APIError(400, f"{where or prompt_param}: {why}", "invalid_request", prompt_param)
         return APIError(400, error.error.message, "invalid_request", field)
+    if error.code == "duplicate_request_id":  # a request_id the client gave, still running
+        return APIError(400, error.error.message, error.code, "request_id")
     # The ones a later try may not meet (503, as OpenAI's "engine is currently overloaded").
     if error.code in ("shutting_down", "shutdown", "worker_failed", "no_group", "overloaded"):
         return APIError(503, error.error.message, error.code)

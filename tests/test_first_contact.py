@@ -231,6 +231,12 @@ def test_the_demo_needs_a_tokenizer(tiny_model_dirs: dict[str, Path]) -> None:
     assert_one_line_error(result, "no tokenizer")
 
 
+def test_the_demo_says_it_takes_the_http_api_down_with_it(tiny_model_dirs: dict[str, Path]) -> None:
+    """An HTTP port opened by a demo closes once the demo has answered, seconds later."""
+    result = launch("--model", str(tiny_model_dirs["tiny-llama"]), "--demo", "--http-port", str(free_port()))
+    assert "drop --demo to keep serving" in result.stderr and result.returncode != 0, result.stderr
+
+
 @pytest.mark.slow
 def test_the_http_api_of_a_model_without_a_tokenizer_takes_token_ids(
     tiny_model_dirs: dict[str, Path], tmp_path: Path

@@ -220,6 +220,20 @@ NEUTRAL_FIELDS: dict[str, dict[str, Any]] = {
     "vLLM's nulls": {"truncate_prompt_tokens": None, "guided_json": None, "structured_outputs": None},
     "vLLM's bad_words empty": {"bad_words": []},
     "vLLM's spaces_between_special_tokens": {"spaces_between_special_tokens": True},
+    "vLLM's unused tuning": {
+        "guided_decoding_backend": "xgrammar",
+        "guided_whitespace_pattern": None,
+        "mm_processor_kwargs": {},
+        "media_io_kwargs": None,
+        "logits_processors": None,
+        "vllm_xargs": {},
+    },
+    "vLLM's off switches": {
+        "return_token_ids": False,
+        "structural_tag": None,
+        "kv_transfer_params": None,
+        "cache_salt": None,
+    },
 }
 CHAT_NEUTRAL_FIELDS: dict[str, dict[str, Any]] = {
     "response_format text": {"response_format": {"type": "text"}},
@@ -237,6 +251,18 @@ CHAT_NEUTRAL_FIELDS: dict[str, dict[str, Any]] = {
     "modalities text": {"modalities": ["text"]},
     "null reasoning_effort, verbosity, functions": {"reasoning_effort": None, "verbosity": None, "functions": None},
     "chat_template_kwargs empty": {"chat_template_kwargs": {}},
+    "OpenAI's prompt caching hints": {
+        "prompt_cache_retention": "24h",
+        "prompt_cache_options": {"ttl": "30m"},
+        "messages": [{"role": "user", "content": [{"type": "text", "text": QUESTION, "prompt_cache_breakpoint": {}}]}],
+    },
+    "moderation null": {"moderation": None},
+    "vLLM's chat defaults": {
+        "add_special_tokens": False,
+        "chat_template": None,
+        "documents": None,
+        "include_reasoning": True,
+    },
     "a text part's cache_control": {
         "messages": [{"role": "user", "content": [{"type": "text", "text": QUESTION, "cache_control": {"type": "x"}}]}]
     },
@@ -246,6 +272,7 @@ COMPLETION_NEUTRAL_FIELDS: dict[str, dict[str, Any]] = {
     "suffix null": {"suffix": None},
     "best_of 1": {"best_of": 1},
     "logprobs null": {"logprobs": None},
+    "vLLM's completion defaults": {"add_special_tokens": True, "response_format": None, "prompt_embeds": None},
 }
 
 
@@ -442,9 +469,60 @@ def test_tools_the_model_may_not_call_are_accepted_and_change_nothing(demo_token
     assert same_request(parsed("chat", with_tools, demo_tokenizer), parsed("chat", base, demo_tokenizer))
 
 
+def test_every_field_the_official_client_declares_gets_an_answer_of_its_own() -> None:
+    """Each field of the installed SDK's create parameters (the stream options and a text part
+    too) is one this server reads, ignores or refuses by name: never "Unrecognized request
+    argument", which is for fields neither OpenAI nor vLLM has."""
+    from openai.types import completion_create_params as completion
+    from openai.types.chat import chat_completion_content_part_text_param as text_part
+    from openai.types.chat import chat_completion_stream_options_param as stream_options
+    from openai.types.chat import completion_create_params as chat
+
+    from pdserve.router.openai_api import ChatRequest, CompletionRequest, StreamOptions, TextPart
+
+    def declared(typed_dict: type) -> set[str]:
+        return {name for cls in typed_dict.__mro__ for name in getattr(cls, "__annotations__", {})}
+
+    for sdk, ours in (
+        (completion.CompletionCreateParamsStreaming, CompletionRequest),
+        (chat.CompletionCreateParamsStreaming, ChatRequest),
+        (stream_options.ChatCompletionStreamOptionsParam, StreamOptions),
+        (text_part.ChatCompletionContentPartTextParam, TextPart),
+    ):
+        assert declared(sdk) - set(ours.model_fields) == set(), sdk.__name__
+
+
+def test_a_request_id_names_the_response_as_vllms_does(demo_tokenizer: Any) -> None:
+    """vLLM's ``request_id``: the response's id after its route's prefix, and the cluster's."""
+    chat = parsed("chat", {"messages": [{"role": "user", "content": "hi"}], "request_id": "trace-7"}, demo_tokenizer)
+    assert chat.id == "chatcmpl-trace-7" and chat.response("", "stop", {})["id"] == "chatcmpl-trace-7"
+    assert parsed("completion", {"prompt": [1, 2], "request_id": "trace-7"}, None).id == "cmpl-trace-7"
+    assert parsed("completion", {"prompt": [1, 2]}, None).id.startswith("cmpl-")
+    with pytest.raises(APIError) as refused:
+        parsed("completion", {"prompt": [1, 2], "request_id": "x" * 300}, None)
+    assert (refused.value.code, refused.value.param) == ("invalid_value", "request_id")
+
+
+def test_a_completion_may_leave_the_special_tokens_out(demo_tokenizer: Any) -> None:
+    """vLLM's ``add_special_tokens: false``: the text's tokens alone, as /tokenize gives them."""
+    from pdserve.engine.tokenization import encode_prompt
+
+    bare = parsed("completion", {"prompt": TEXT_PROMPT, "add_special_tokens": False}, demo_tokenizer)
+    assert bare.prompts[0].token_ids == encode_prompt(demo_tokenizer, TEXT_PROMPT, False, add_special_tokens=False)
+    assert same_request(
+        parsed("completion", {"prompt": TEXT_PROMPT, "add_special_tokens": True}, demo_tokenizer),
+        parsed("completion", {"prompt": TEXT_PROMPT}, demo_tokenizer),
+    )
+
+
 def test_stream_options_may_leave_include_usage_null(demo_tokenizer: Any) -> None:
     body = {"prompt": TEXT_PROMPT, "stream": True}
-    for options, usage in (({"include_usage": None}, False), ({}, False), ({"include_usage": True}, True)):
+    for options, usage in (
+        ({"include_usage": None}, False),
+        ({}, False),
+        ({"include_usage": True}, True),
+        ({"include_obfuscation": True}, False),  # OpenAI's padding of each event: ignored
+    ):
         request = parsed("completion", {**body, "stream_options": options}, demo_tokenizer)
         assert request.stream and request.include_usage is usage, options
 
@@ -485,6 +563,21 @@ def test_a_reply_as_the_official_client_dumps_it_is_a_valid_next_turn(demo_token
         ("completion", {"use_beam_search": True}, "use_beam_search", "use_beam_search is not supported by this server"),
         ("completion", {"prompt_logprobs": 1}, "prompt_logprobs", "prompt_logprobs is not supported by this server"),
         ("chat", {"cache_salt": "tenant-7"}, "cache_salt", "cache_salt is not supported by this server"),
+        ("chat", {"return_token_ids": True}, "return_token_ids", "return_token_ids is not supported by this server"),
+        ("chat", {"chat_template": "{{ x }}"}, "chat_template", "chat_template is not supported by this server"),
+        (
+            "chat",
+            {"add_special_tokens": True},
+            "add_special_tokens",
+            "add_special_tokens is not supported by this server",
+        ),
+        ("completion", {"prompt_embeds": "AAAA"}, "prompt_embeds", "prompt_embeds is not supported by this server"),
+        (
+            "completion",
+            {"response_format": {"type": "json_object"}},
+            "response_format",
+            "response_format is not supported by this server",
+        ),
         (
             "chat",
             {
@@ -1000,15 +1093,20 @@ def test_the_front_end_samples_as_the_models_generation_config_says(
 
 @pytest.mark.parametrize("parse_special_tokens", [True, False])
 def test_special_token_text_is_read_as_the_clusters_setting_says(
-    demo_model_dir: Path, demo_tokenizer: Any, parse_special_tokens: bool
+    demo_model_dir: Path, demo_tokenizer: Any, parse_special_tokens: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """``--parse-special-tokens`` reaches the front end: its prompts get the ids the router gives
-    the same text (docs/protocol.md), control tokens with it, plain text without."""
+    the same text (docs/protocol.md), control tokens with it, plain text without. Without it, the
+    first such completion prompt tells the operator, once, that vLLM would read them as tokens."""
     frontend, cluster = recording_frontend(demo_model_dir, parse_special_tokens=parse_special_tokens)
     prompt = "<|im_start|>user\nHi<|im_end|>\n"
-    completions_call(frontend, {"model": MODEL, "prompt": prompt, "max_tokens": 8}, client_leaves_after=None)
+    with caplog.at_level(logging.WARNING, logger="pdserve.router.openai_app"):
+        for _ in range(2):
+            completions_call(frontend, {"model": MODEL, "prompt": prompt, "max_tokens": 8}, client_leaves_after=None)
+    told = [r.getMessage() for r in caplog.records if "--parse-special-tokens" in r.getMessage()]
+    assert len(told) == (0 if parse_special_tokens else 1), told
     expected = encode_prompt(demo_tokenizer, prompt, chat=False, parse_special_tokens=parse_special_tokens)
-    assert cluster.prompts == [expected]
+    assert cluster.prompts == [expected, expected]
     assert (expected != encode_prompt(demo_tokenizer, prompt, chat=False)) == parse_special_tokens
     chat = {"model": MODEL, "messages": [{"role": "user", "content": prompt}]}
     args = ([MODEL], demo_tokenizer, MAX_MODEL_LEN, 1000, parse_special_tokens)
@@ -1206,6 +1304,8 @@ def test_cluster_errors_get_the_status_a_client_retries_on_or_not() -> None:
         assert status(code) == 503, code
     assert status("invalid_request", "max_tokens: too many") == 400
     assert status("internal_error") == 500
+    duplicate = _cluster_error(ClusterError(Error("cmpl-x", "duplicate_request_id", "request_id 'cmpl-x' is running")))
+    assert (duplicate.status, duplicate.code, duplicate.param) == (400, "duplicate_request_id", "request_id")
 
 
 class RefusingCluster(LaggingCluster):

@@ -1,5 +1,6 @@
 """Prometheus metrics of the HTTP front end, named after vLLM's where one exists (``vllm:`` ->
-``pdserve:``).
+``pdserve:``), each labelled with the served model's name (``model_name``), as vLLM's are, so that
+dashboards and alerts that select on it work.
 
 Latencies are measured where the front end sees them (request arrival, each chunk, the end);
 the phases of a request (queue, prefill, KV transfer, decode) come from the ``timings`` of its
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -74,57 +76,47 @@ FAULTS = {
 class FrontendMetrics:
     """The front end's metrics in their own registry; ``exposition()`` is the /metrics body."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram(
-            f"{PREFIX}time_to_first_token_seconds",
-            "Time from the HTTP request's arrival to its first token.",
-            buckets=TTFT_BUCKETS,
-            registry=r,
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(f"{PREFIX}{name}", doc, ["model_name"], buckets=buckets, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"{PREFIX}{name}", doc, ["model_name"], registry=r).labels(model_name)
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time from the HTTP request's arrival to its first token.", TTFT_BUCKETS
         )
-        self.itl = Histogram(
-            f"{PREFIX}inter_token_latency_seconds",
-            "Time between consecutive chunks of tokens of a request.",
-            buckets=ITL_BUCKETS,
-            registry=r,
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between consecutive chunks of tokens of a request.", ITL_BUCKETS
         )
-        self.e2e = Histogram(
-            f"{PREFIX}e2e_request_latency_seconds",
-            "Time from the HTTP request's arrival to its last token.",
-            buckets=REQUEST_BUCKETS,
-            registry=r,
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Time from the HTTP request's arrival to its last token.", REQUEST_BUCKETS
         )
-        self.phases = {
-            key: Histogram(f"{PREFIX}{name}", doc, buckets=REQUEST_BUCKETS, registry=r)
-            for key, (name, doc) in PHASES.items()
-        }
-        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.generation_tokens = Counter(
-            f"{PREFIX}generation_tokens", "Tokens generated for finished requests.", registry=r
+        self.phases = {key: histogram(name, doc, REQUEST_BUCKETS) for key, (name, doc) in PHASES.items()}
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated for finished requests.")
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens a request.", TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens a request.", TOKEN_BUCKETS
         )
-        self.request_prompt_tokens = Histogram(
-            f"{PREFIX}request_prompt_tokens", "Prompt tokens a request.", buckets=TOKEN_BUCKETS, registry=r
-        )
-        self.request_generation_tokens = Histogram(
-            f"{PREFIX}request_generation_tokens", "Generated tokens a request.", buckets=TOKEN_BUCKETS, registry=r
-        )
-        self.kv_transfer_bytes = Counter(
-            f"{PREFIX}kv_transfer_bytes", "Bytes of KV cache moved from prefill to decode groups.", registry=r
-        )
+        self.kv_transfer_bytes = counter("kv_transfer_bytes", "Bytes of KV cache moved from prefill to decode groups.")
         self.success = Counter(
             f"{PREFIX}request_success",
             "Requests that ran to their end, by finish reason (abort: the client went away).",
-            ["finished_reason"],
+            ["model_name", "finished_reason"],
             registry=r,
         )
         self.errors = Counter(
             f"{PREFIX}request_error",
             "Requests answered with an error, by reason (the error code).",
-            ["reason"],
+            ["model_name", "reason"],
             registry=r,
         )
-        self.cluster = ClusterCollector()
+        self.cluster = ClusterCollector(model_name)
         shared = os.environ.get(MULTIPROC_DIR_ENV)
         # In multiprocess mode the metrics above write to the shared files; what is exposed is
         # every process's files summed, not this registry (which would add this process twice).
@@ -135,7 +127,7 @@ class FrontendMetrics:
 
     def observe_final(self, finish_reason: str, usage: Mapping[str, int], timings: Mapping[str, float]) -> None:
         """A request's end: its finish reason, token counts and the cluster's phase timings."""
-        self.success.labels(finish_reason).inc()
+        self.success.labels(self.model_name, finish_reason).inc()
         prompt, generated = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
         self.prompt_tokens.inc(prompt)
         self.generation_tokens.inc(generated)
@@ -148,7 +140,7 @@ class FrontendMetrics:
             self.kv_transfer_bytes.inc(timings["transfer_bytes"])
 
     def observe_error(self, reason: str) -> None:
-        self.errors.labels(reason).inc()
+        self.errors.labels(self.model_name, reason).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.exposed)
@@ -159,85 +151,98 @@ class ClusterCollector(Collector):
     router's faults) from the latest ``stats`` reply, read at scrape time; nothing but
     ``cluster_ready`` while the cluster has not answered."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.stats: Stats | None = None
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.stats
+        stats, m = self.stats, self.model_name
         up = GaugeMetricFamily(
             f"{PREFIX}cluster_ready",
             "1 when the cluster answered the last scrape's stats request with every group ready.",
+            labels=["model_name"],
         )
-        up.add_metric([], float(stats is not None and stats.ready))
+        up.add_metric([m], float(stats is not None and stats.ready))
         yield up
         if stats is None:
             return
         in_flight = GaugeMetricFamily(
             f"{PREFIX}cluster_requests_in_flight",
             "Requests accepted by the cluster and not yet ended, over all its clients.",
+            labels=["model_name"],
         )
-        in_flight.add_metric([], stats.requests_in_flight)
+        in_flight.add_metric([m], stats.requests_in_flight)
         yield in_flight
         families = {
             "running": GaugeMetricFamily(
-                f"{PREFIX}num_requests_running", "Sequences running in a group's scheduler.", labels=["group"]
+                f"{PREFIX}num_requests_running",
+                "Sequences running in a group's scheduler.",
+                labels=["model_name", "group"],
             ),
             "waiting": GaugeMetricFamily(
-                f"{PREFIX}num_requests_waiting", "Sequences waiting in a group's scheduler.", labels=["group"]
+                f"{PREFIX}num_requests_waiting",
+                "Sequences waiting in a group's scheduler.",
+                labels=["model_name", "group"],
             ),
             "usage": GaugeMetricFamily(
-                f"{PREFIX}kv_cache_usage_perc", "Fraction of a group's KV blocks in use (1 = all).", labels=["group"]
+                f"{PREFIX}kv_cache_usage_perc",
+                "Fraction of a group's KV blocks in use (1 = all).",
+                labels=["model_name", "group"],
             ),
             "kv_held": GaugeMetricFamily(
                 f"{PREFIX}kv_transfers_pending",
                 "Prefill: requests holding their KV until it moves; decode: KV receives in flight.",
-                labels=["group"],
+                labels=["model_name", "group"],
             ),
             "prefix_cached_blocks": GaugeMetricFamily(
                 f"{PREFIX}prefix_cache_blocks",
                 "KV blocks a group's prefix cache holds, used by requests or evictable.",
-                labels=["group"],
+                labels=["model_name", "group"],
             ),
         }
         refused = CounterMetricFamily(
             f"{PREFIX}kv_transfer_refused",
             "KV announcements the decode side refused for lack of blocks or buffer room (the prefill side retries).",
-            labels=["group"],
+            labels=["model_name", "group"],
         )
         failures = CounterMetricFamily(
             f"{PREFIX}kv_transfer_failures",
             "KV transfers that failed or were given up, as the group counts them (refusals are not failures).",
-            labels=["group"],
+            labels=["model_name", "group"],
         )
         counters = {
             "prefix_queried_tokens": CounterMetricFamily(
-                f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in a group's prefix cache.", labels=["group"]
+                f"{PREFIX}prefix_cache_queries",
+                "Prompt tokens looked up in a group's prefix cache.",
+                labels=["model_name", "group"],
             ),
             "prefix_hit_tokens": CounterMetricFamily(
-                f"{PREFIX}prefix_cache_hits", "Prompt tokens a group's prefix cache held.", labels=["group"]
+                f"{PREFIX}prefix_cache_hits",
+                "Prompt tokens a group's prefix cache held.",
+                labels=["model_name", "group"],
             ),
             "prefix_evicted_blocks": CounterMetricFamily(
                 f"{PREFIX}prefix_cache_evicted_blocks",
                 "KV blocks a group's prefix cache evicted to make room.",
-                labels=["group"],
+                labels=["model_name", "group"],
             ),
             "preemptions": CounterMetricFamily(
                 f"{PREFIX}num_preemptions",
                 "Sequences a group preempted for want of KV blocks (their KV is recomputed).",
-                labels=["group"],
+                labels=["model_name", "group"],
             ),
         }
         for group, g in sorted(stats.groups.items()):
-            families["running"].add_metric([group], g.get("running", 0))
-            families["waiting"].add_metric([group], g.get("waiting", 0))
+            families["running"].add_metric([m, group], g.get("running", 0))
+            families["waiting"].add_metric([m, group], g.get("waiting", 0))
             total = g.get("num_blocks", 0)
-            families["usage"].add_metric([group], 1.0 - g.get("free_blocks", 0) / total if total else 0.0)
-            families["kv_held"].add_metric([group], g.get("kv_held", 0))
-            families["prefix_cached_blocks"].add_metric([group], g.get("prefix_cached_blocks", 0))
-            refused.add_metric([group], g.get("kv_refused", 0))
-            failures.add_metric([group], g.get("kv_transfer_failures", 0))
+            families["usage"].add_metric([m, group], 1.0 - g.get("free_blocks", 0) / total if total else 0.0)
+            families["kv_held"].add_metric([m, group], g.get("kv_held", 0))
+            families["prefix_cached_blocks"].add_metric([m, group], g.get("prefix_cached_blocks", 0))
+            refused.add_metric([m, group], g.get("kv_refused", 0))
+            failures.add_metric([m, group], g.get("kv_transfer_failures", 0))
             for key, counter in counters.items():
-                counter.add_metric([group], g.get(key, 0))
+                counter.add_metric([m, group], g.get(key, 0))
         yield from families.values()
         yield refused
         yield failures
@@ -245,12 +250,12 @@ class ClusterCollector(Collector):
         ready = GaugeMetricFamily(
             f"{PREFIX}group_ready",
             "1 while a worker group serves; 0 while it starts, drains or is down (a restart, a node gone).",
-            labels=["group"],
+            labels=["model_name", "group"],
         )
         for member in stats.members:
-            ready.add_metric([f"{member.role}{member.group}"], float(member.state == "ready"))
+            ready.add_metric([m, f"{member.role}{member.group}"], float(member.state == "ready"))
         yield ready
         for key, (name, doc) in FAULTS.items():
-            fault = CounterMetricFamily(f"{PREFIX}{name}", doc)
-            fault.add_metric([], stats.faults.get(key, 0))
+            fault = CounterMetricFamily(f"{PREFIX}{name}", doc, labels=["model_name"])
+            fault.add_metric([m], stats.faults.get(key, 0))
             yield fault

@@ -153,7 +153,7 @@ class Frontend:
         except (TypeError, ValueError):
             self.eos_token_ids = ()
         self._mismatch_logged = False
-        self.metrics = FrontendMetrics()
+        self.metrics = FrontendMetrics(self.model_names[0])
         self.rejections = RejectionLog(logger)
         self.client: AsyncClient | None = None
         self.max_model_len: int | None = None

@@ -844,7 +844,7 @@ def test_a_choice_that_fails_ends_the_response_with_its_error_and_aborts_the_oth
     assert aborted == ({"0", "2"} if n > 1 else set()) | ({failing} if fault == "bug" else set())
     assert frontend.in_flight == 0
     errors = {k: v for k, v in counter_samples(frontend).items() if v and k[0] == "pdserve:request_error_total"}
-    assert errors == {("pdserve:request_error_total", (("reason", code),)): 1.0}, errors
+    assert errors == {("pdserve:request_error_total", (("model_name", MODEL), ("reason", code))): 1.0}, errors
 
 
 class StatsOnlyCluster:
@@ -1391,7 +1391,7 @@ def test_an_api_key_guards_every_v1_and_token_route_and_leaves_health_and_metric
         assert http.get("/version").json() == {"version": importlib.metadata.version("pdserve")}
         metrics = http.get("/metrics")
         assert metrics.status_code == 200
-        assert 'pdserve:request_error_total{reason="invalid_api_key"} 9.0' in metrics.text
+        assert f'pdserve:request_error_total{{model_name="{MODEL}",reason="invalid_api_key"}} 9.0' in metrics.text
 
 
 def test_cors_is_off_unless_origins_are_allowed_and_then_needs_no_key_to_ask(demo_model_dir: Path) -> None:
@@ -1556,7 +1556,8 @@ def metric_samples(served: Served) -> dict[tuple[str, tuple[tuple[str, str], ...
 
 
 def sample(samples: dict, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+    """A sample of the served model's (every metric carries its name, as vLLM's do)."""
+    return samples.get((name, tuple(sorted({"model_name": MODEL, **labels}.items()))), 0.0)
 
 
 def idle(stats: Any) -> bool:
@@ -2515,7 +2516,7 @@ def test_metrics_parse_and_move_with_a_request(served: Served) -> None:
     idle_samples = metric_samples(served)
     for group in ("prefill0", "decode0"):
         for gauge in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting", "kv_transfers_pending"):
-            assert (f"pdserve:{gauge}", (("group", group),)) in idle_samples, (gauge, group)
+            assert (f"pdserve:{gauge}", (("group", group), ("model_name", MODEL))) in idle_samples, (gauge, group)
             assert sample(idle_samples, f"pdserve:{gauge}", group=group) == 0, (gauge, group)
         assert sample(idle_samples, "pdserve:kv_transfer_refused_total", group=group) == 0
 
@@ -2526,7 +2527,7 @@ def collected(stats: Stats) -> dict[tuple[str, tuple[tuple[str, str], ...]], flo
 
     from pdserve.router.metrics import ClusterCollector
 
-    collector = ClusterCollector()
+    collector = ClusterCollector(MODEL)
     collector.stats = stats
     registry = CollectorRegistry()
     registry.register(collector)
@@ -2557,7 +2558,7 @@ def test_metrics_carry_each_groups_prefix_cache_counters() -> None:
     assert sample(samples, "pdserve:prefix_cache_queries_total", group="prefill0") == 300
     assert sample(samples, "pdserve:prefix_cache_hits_total", group="prefill0") == 240
     assert sample(samples, "pdserve:prefix_cache_evicted_blocks_total", group="prefill0") == 7
-    assert ("pdserve:prefix_cache_hits_total", (("group", "decode0"),)) in samples
+    assert ("pdserve:prefix_cache_hits_total", (("group", "decode0"), ("model_name", MODEL))) in samples
 
 
 def test_metrics_carry_each_groups_kv_transfer_failures() -> None:
@@ -2570,7 +2571,7 @@ def test_metrics_carry_each_groups_kv_transfer_failures() -> None:
     samples = collected(Stats(1, {"decode0": {"kv_transfer_failures": 3, "kv_refused": 5}, "prefill0": {}}))
     assert sample(samples, "pdserve:kv_transfer_failures_total", group="decode0") == 3
     assert sample(samples, "pdserve:kv_transfer_refused_total", group="decode0") == 5
-    assert ("pdserve:kv_transfer_failures_total", (("group", "prefill0"),)) in samples
+    assert ("pdserve:kv_transfer_failures_total", (("group", "prefill0"), ("model_name", MODEL))) in samples
 
 
 def test_metrics_carry_each_groups_preemptions() -> None:
@@ -2608,7 +2609,7 @@ def test_metrics_of_several_processes_are_summed_whichever_one_exposes_them(tmp_
     script = (
         "import sys\n"
         "from pdserve.router.metrics import FrontendMetrics\n"
-        "m = FrontendMetrics()\n"
+        f"m = FrontendMetrics({MODEL!r})\n"
         "m.observe_final('stop', {'prompt_tokens': int(sys.argv[1]), 'completion_tokens': 3}, {'queue': 0.01})\n"
         "m.ttft.observe(0.003)\n"
         "m.observe_error('invalid_request')\n"
@@ -2639,8 +2640,8 @@ def test_metrics_of_several_processes_are_summed_whichever_one_exposes_them(tmp_
     assert sample(samples, "pdserve:request_error_total", reason="invalid_request") == 3
     lines = text.splitlines()
     for name in ("pdserve:prompt_tokens_total", "pdserve:cluster_ready"):  # no sample twice
-        assert sum(line.startswith(f"{name} ") for line in lines) == 1, name
-    assert "pdserve:prompt_tokens_total 13.0" in exposition(13, alone)
+        assert sum(line.startswith(f"{name}{{") for line in lines) == 1, name
+    assert f'pdserve:prompt_tokens_total{{model_name="{MODEL}"}} 13.0' in exposition(13, alone)
 
 
 @pytest.mark.slow
@@ -2973,7 +2974,7 @@ def test_without_a_cluster_health_and_requests_are_503(tmp_path: Path) -> None:
         response = httpx.post(f"{frontend.base_url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=30)
         assert response.status_code == 503 and response.json()["error"]["code"] == "cluster_unavailable"
         metrics = httpx.get(f"{frontend.base_url}/metrics", timeout=30).text
-        assert "pdserve:cluster_ready 0.0" in metrics
+        assert f'pdserve:cluster_ready{{model_name="{MODEL}"}} 0.0' in metrics
         assert frontend.stop() == 0
         assert "GET /health" not in frontend.log_path.read_text()  # no access log unless asked
     finally:

@@ -726,6 +726,11 @@ class AsyncClient:
         finally:
             self._stats_waiters.pop(tag, None)  # its reply, should it come later, is dropped
 
+    @property
+    def refused(self) -> bool:
+        """Whether a handshake with the endpoint failed (see ``ClusterUnavailable``)."""
+        return self._link.refused
+
     def close(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()

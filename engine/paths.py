@@ -11,6 +11,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+class CacheUnwritable(RuntimeError):
+    """The cache directory cannot be created or written."""
+
+
 def cache_dir() -> Path:
     """``$PDSERVE_CACHE``, else ``$XDG_CACHE_HOME/pdserve``, else ``~/.cache/pdserve`` (not created)."""
     explicit = os.environ.get("PDSERVE_CACHE")
@@ -50,18 +54,6 @@ def atomic_directory(final: Path) -> Iterator[Path]:
         raise
 
 
-@contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    # The lock file stays behind on purpose: deleting it would let a third process lock a new
-    # inode while a second one still holds the old.
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def build_once(final: Path, build: Callable[[Path], object]) -> Path:
     """Return ``final``, first calling ``build(final)`` if it does not exist yet.
 
@@ -71,8 +63,18 @@ def build_once(final: Path, build: Callable[[Path], object]) -> Path:
     final = Path(final)
     if final.is_dir():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(final.parent / f".{final.name}.lock"):
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        # The lock file stays behind on purpose: deleting it would let a third process lock a new
+        # inode while a second one still holds the old.
+        lock = open(final.parent / f".{final.name}.lock", "a")  # noqa: SIM115 (closed below)
+    except OSError as e:
+        raise CacheUnwritable(
+            f"cannot write {final.name} into the cache {final.parent}: {e.strerror} "
+            "(PDSERVE_CACHE names another directory)"
+        ) from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
         if final.is_dir():  # another process built it while this one waited for the lock
             return final
         # Holding the lock, any temporary directory of this target was left by a killed process.

@@ -406,7 +406,12 @@ class Frontend:
             stats = await self.client.stats(timeout=STATS_TIMEOUT)
         except ClusterUnavailable:
             self.metrics.cluster.stats = None
-            raise APIError(503, f"the cluster at {self.endpoint} does not answer", "cluster_unavailable") from None
+            why = "refused this server's handshake: --auth-keys DIR, as the cluster's" if self.client.refused else ""
+            raise APIError(
+                503,
+                f"the cluster at {self.endpoint} does not answer{f' ({why})' if why else ''}",
+                "cluster_unavailable",
+            ) from None
         self.metrics.cluster.stats = stats
         if stats.vocab_size and self.vocab_size and stats.vocab_size != self.vocab_size:
             # Another model's tokenizer would turn every prompt into ids the cluster refuses, or,

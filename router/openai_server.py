@@ -23,6 +23,7 @@ own connection to the router. With ``PROMETHEUS_MULTIPROC_DIR`` naming a directo
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -33,7 +34,7 @@ from types import FrameType
 import click
 import uvicorn
 
-from pdserve.cluster.client import DEFAULT_ENDPOINT, Seconds
+from pdserve.cluster.client import DEFAULT_ENDPOINT, Seconds, normalize_endpoint
 from pdserve.cluster.config import API_KEY_ENV, model_names
 from pdserve.router.metrics import MULTIPROC_DIR_ENV
 from pdserve.router.openai_app import SHARED, Frontend
@@ -127,7 +128,7 @@ def serve_openai(
 ) -> None:
     """Serve the OpenAI API for the cluster at ``endpoint`` until SIGTERM/SIGINT (blocking; run it
     in its own process: the router's loop and this one should not share an interpreter lock). On
-    ``sock`` if given (a listening socket: ``reuse_port_socket``), else on ``host:port``; see
+    ``sock`` if given (a bound socket: ``bound_socket``), else on ``host:port``; see
     ``_Server`` for ``ready_fd``."""
     frontend = Frontend(
         endpoint,
@@ -153,16 +154,18 @@ def serve_openai(
     _Server(config, frontend, ready_fd).run(sockets=None if sock is None else [sock])
 
 
-def reuse_port_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` with ``SO_REUSEPORT``, which other such sockets of this user
-    may share (Linux hands each new connection to one of them that listens); OSError if it cannot.
-    Not listening yet: uvicorn listens once the app has started, so that no connection waits on a
-    server still loading its tokenizer while another could take it."""
+def bound_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A socket bound to ``host:port``; OSError if it cannot (bound here, so that a busy port is
+    one line before the tokenizer loads). With ``reuse_port``, ``SO_REUSEPORT``: other such
+    sockets of this user may share it (Linux hands each new connection to one of them that
+    listens). Not listening yet: uvicorn listens once the app has started, so that no connection
+    waits on a server still loading its tokenizer while another could take it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn binds
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
     except OSError:
         sock.close()
@@ -278,6 +281,10 @@ def main(
     """An OpenAI-compatible HTTP server in front of a running cluster."""
     from pdserve.engine.presets import resolve_model
 
+    try:
+        endpoint = normalize_endpoint(endpoint)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--endpoint") from None
     if api_key is not None and not api_key.strip():
         raise click.BadParameter("must not be empty", param_hint="--api-key")
     if served_model_name is not None:
@@ -291,19 +298,22 @@ def main(
     # Labelled as the launcher's and the ranks' lines are ("launcher", "prefill0.0"), not by module
     # name, which reads "__main__" under ``python -m``.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s http %(levelname)s %(message)s")
-    sock = None
+    try:
+        model_dir = str(resolve_model(model))
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        sock = bound_socket(host, port, reuse_port)
+    except OSError as e:
+        hint = " (another server there? choose another --port)" if e.errno == errno.EADDRINUSE else ""
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror}{hint}") from None
     if reuse_port:
-        try:
-            sock = reuse_port_socket(host, port)
-        except OSError as e:
-            raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror}") from None
         logger.info("process %d bound %s:%d with SO_REUSEPORT", os.getpid(), host, port)
         if not shared:
             logger.warning(
                 "--reuse-port without %s: /metrics counts only the requests of the process a scrape reaches",
                 MULTIPROC_DIR_ENV,
             )
-    model_dir = str(resolve_model(model))
     serve_openai(
         endpoint,
         model_dir,

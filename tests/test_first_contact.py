@@ -337,6 +337,23 @@ def test_help_explains_every_flag() -> None:
     assert out.count("[default: ") >= len(cluster_settings())
 
 
+def test_the_http_front_ends_mistakes_are_one_line(busy_port: int, tmp_path: Path) -> None:
+    """A wrong model, endpoint or busy port, and an unwritable cache, as launch.py says them: one
+    line, before anything listens, not a traceback (or uvicorn's log after "startup complete")."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for args, env, needle in (
+        (["--model", "nosuch"], {}, "model 'nosuch' is neither"),
+        (["--endpoint", "foo"], {}, "endpoint 'foo': expected"),
+        (["--port", str(busy_port)], {}, f"cannot listen on 127.0.0.1:{busy_port}"),
+        ([], {"PDSERVE_CACHE": str(blocker / "cache")}, "(PDSERVE_CACHE names another directory)"),
+    ):
+        command = [sys.executable, "-m", "pdserve.router.openai_server", "--model", "demo", *args]
+        env = {**os.environ, **env}
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+        assert_one_line_error(result, needle)
+
+
 def test_the_http_front_ends_help_explains_every_option() -> None:
     from pdserve.router.openai_server import main
 

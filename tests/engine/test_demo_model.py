@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pdserve.engine import demo
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.demo import demo_model_dir, ensure_demo_model
-from pdserve.engine.paths import atomic_directory
+from pdserve.engine.paths import CacheUnwritable, atomic_directory
 from pdserve.engine.presets import resolve_model
 
 # The GGUF's own metadata: tokenizer.ggml.{bos,eos,unknown,padding}_token_id and their token strings.
@@ -186,6 +186,17 @@ def test_stale_conversions_are_removed_and_rebuilt(tmp_path: Path, monkeypatch: 
     assert converted == [demo_model_dir()] and demo_model_dir().is_dir()
     assert not any(path.exists() for path in stale) and all(path.is_dir() for path in kept)
     assert ensure_demo_model(quiet=True) == demo_model_dir() and len(converted) == 1
+
+
+def test_a_cache_that_cannot_be_written_is_named_with_its_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a PermissionError or NotADirectoryError traceback from deep in the conversion."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("PDSERVE_CACHE", str(blocker / "cache"))
+    with pytest.raises(CacheUnwritable, match=r"into the cache .*a-file/cache/models: Not a directory \(PDSERVE_CACHE"):
+        ensure_demo_model(quiet=True)
 
 
 def _fake_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail: bool = False) -> None:

@@ -790,7 +790,8 @@ def test_a_request_the_cluster_stops_answering_counts_once_as_an_error(demo_mode
     assert "cluster_unavailable" in body
     assert [c[:5] for c in cluster.cancelled] == ["cmpl-"] and frontend.in_flight == 0
     counters = {key: value for key, value in counter_samples(frontend).items() if value}
-    assert counters == {("pdserve:request_error_total", (("reason", "cluster_unavailable"),)): 1.0}, counters
+    expected = {("pdserve:request_error_total", (("model_name", MODEL), ("reason", "cluster_unavailable"))): 1.0}
+    assert counters == expected, counters
 
 
 class FailingChoiceCluster:
@@ -855,6 +856,27 @@ class StatsOnlyCluster:
 
     async def stats(self, timeout: float | None = None) -> Stats:
         return Stats(0, {}, ready=True, max_model_len=MAX_MODEL_LEN, vocab_size=self.vocab_size)
+
+
+class RefusingHandshakeCluster:
+    """A cluster client whose handshakes the router refused (it wants CURVE keys)."""
+
+    refused = True
+
+    async def stats(self, timeout: float | None = None) -> Stats:
+        raise ClusterUnavailable("tcp://127.0.0.1:1", timeout or 0.0, refused=True)
+
+
+def test_a_cluster_that_wants_keys_is_told_from_one_that_is_down(demo_model_dir: Path) -> None:
+    """Both answer 503 cluster_unavailable; the one whose router refused the handshake says which
+    setting is missing, as the ZMQ client does."""
+    from fastapi.testclient import TestClient
+
+    frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), served_model_name=MODEL)
+    frontend.client = RefusingHandshakeCluster()  # type: ignore[assignment]
+    health = TestClient(frontend.app()).get("/health")
+    assert health.status_code == 503 and health.json()["error"]["code"] == "cluster_unavailable"
+    assert "--auth-keys DIR" in health.json()["error"]["message"]
 
 
 class GroupsCluster(StatsOnlyCluster):

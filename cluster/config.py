@@ -25,6 +25,7 @@ from pdserve.engine.config import (
     ModelConfig,
     SettingSpec,
     build_config,
+    flatten_config,
     setting,
     settings_of,
     subtree,
@@ -381,6 +382,10 @@ class ClusterConfig:
                     f"{flag} applies to --mode {'colocated' if self.mode == 'disagg' else 'disagg'}, "
                     f"not --mode {self.mode}"
                 )
+        if self.mode == "colocated" and self.transfer != TransferConfig():
+            given = flatten_config(self)
+            changed = next(s for s in cluster_settings() if s.path[0] == "transfer" and given[s.key] != s.default)
+            raise ValueError(f"{changed.flag} applies to --mode disagg (KV moves between groups), not --mode colocated")
         for name in _DISAGG_GPU:
             value = getattr(self, name)
             if value is None:

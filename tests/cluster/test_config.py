@@ -148,6 +148,18 @@ def test_gpu_sharing_that_cannot_work_is_refused_before_any_rank_starts() -> Non
         ClusterConfig(mode="colocated", prefill_sm_percent=50)
 
 
+def test_kv_transfer_settings_are_refused_where_no_kv_moves() -> None:
+    """A colocated group moves no KV: a transfer setting there would be silently ignored."""
+    for settings, flag in (
+        ({"transfer": "shm"}, "--transfer"),
+        ({"transfer_staging_mib": 64}, "--transfer-staging-mib"),
+        ({"transfer_layer_groups": 2}, "--transfer-layer-groups"),
+    ):
+        with pytest.raises(ValueError, match=f"^{flag} applies to --mode disagg"):
+            ClusterConfig.from_settings({"mode": "colocated", **settings})
+    assert ClusterConfig.from_settings({"mode": "colocated"}).transfer == TransferConfig()
+
+
 def test_multi_node_settings_are_checked_before_anything_starts() -> None:
     router_node = ClusterConfig.from_settings({"master_addr": "10.0.0.1", "decode_groups": 0})
     assert router_node.joinable and router_node.decode_groups == 0 and router_node.groups() == [("prefill", 0, 1)]

@@ -67,6 +67,20 @@ def ignore_stop_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
+# The exit code of a rank whose collective failed because another rank of its group ended
+# (``peer_gone``): a consequence, reported in words, with no traceback.
+PEER_GONE_EXIT_CODE = 76
+
+
+def peer_gone(error: BaseException) -> bool:
+    """Whether ``error`` is a collective's on a connection another rank of the group closed by
+    ending (gloo's transport errors, NCCL's backend errors), not a fault of this rank's."""
+    text = str(error)
+    if isinstance(error, dist.DistBackendError):
+        return any(sign in text for sign in ("remote process exited", "by peer", "was aborted"))
+    return isinstance(error, RuntimeError) and "gloo/transport" in text and "by peer" in text
+
+
 def exit_words(code: int) -> str:
     """A process's exit code in words: "exited with code 3", "was killed by SIGKILL"."""
     if code == WATCHDOG_EXIT_CODE:
@@ -74,6 +88,8 @@ def exit_words(code: int) -> str:
             "was ended by its watchdog: its serve loop made no progress for --watchdog-timeout "
             "(every thread's stack is in the cluster's log)"
         )
+    if code == PEER_GONE_EXIT_CODE:
+        return "ended as another rank of its group did (a collective failed)"
     if code >= 0:
         return f"exited with code {code}"
     try:
@@ -237,7 +253,7 @@ class RankProcesses:
         words = "; ".join(f"rank {i} {exit_words(code)}" for i, code in failed)
         # A rank killed by a signal wrote no traceback; one that exited with a code did (one its
         # watchdog ended wrote its stacks, which its words say).
-        traceback = any(code > 0 and code != WATCHDOG_EXIT_CODE for _, code in failed)
+        traceback = any(code > 0 and code not in (WATCHDOG_EXIT_CODE, PEER_GONE_EXIT_CODE) for _, code in failed)
         return words + " (its traceback is in the cluster's log)" if traceback else words
 
     def alive(self) -> bool:

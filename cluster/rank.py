@@ -24,6 +24,7 @@ import zmq
 from pdserve.cluster.colocated import ColocatedLeader
 from pdserve.cluster.config import Addresses, GroupLayout, RankTiming
 from pdserve.cluster.group import (
+    PEER_GONE_EXIT_CODE,
     RankSpec,
     connect_store,
     die_with_parent,
@@ -32,6 +33,7 @@ from pdserve.cluster.group import (
     init_distributed,
     leave_process,
     name_process,
+    peer_gone,
 )
 from pdserve.cluster.leader import GroupLeader
 from pdserve.cluster.protocol import Heartbeat, encode
@@ -162,6 +164,12 @@ def worker_main(spec: WorkerSpec) -> None:
             model = ModelConfig.from_pretrained(config.model)
             runner = ModelRunner(config, model, tp)
             runner.run_peer(None if spec.role == "colocated" else _transfers(spec, runner.kv_cache, model), watchdog)
+    except Exception as e:
+        if not peer_gone(e):
+            raise
+        # The consequence of another rank's end, which the launcher reports: one line, no traceback.
+        logging.error("a collective failed, a rank of the group is gone: %s", str(e).splitlines()[0][:200])
+        raise SystemExit(PEER_GONE_EXIT_CODE) from None
     finally:
         dist.destroy_process_group()
     logging.info("rank down")

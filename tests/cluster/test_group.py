@@ -9,7 +9,14 @@ import subprocess
 
 import torch.distributed as dist
 
-from pdserve.cluster.group import RankProcesses, exit_words, free_port, join_world
+from pdserve.cluster.group import (
+    PEER_GONE_EXIT_CODE,
+    RankProcesses,
+    exit_words,
+    free_port,
+    join_world,
+    peer_gone,
+)
 from pdserve.cluster.watchdog import WATCHDOG_EXIT_CODE
 
 
@@ -61,3 +68,29 @@ def test_failure_points_at_a_traceback_only_where_one_was_written() -> None:
         "rank 0 was ended by its watchdog: its serve loop made no progress for --watchdog-timeout "
         "(every thread's stack is in the cluster's log)"
     )
+
+
+def _all_reduce_after_the_other_ends(rank: int, address: str) -> None:
+    """Rank 1 ends once the group formed; rank 0's next all-reduce fails on its connection and
+    exits with whether ``peer_gone`` takes that error for the other rank's end."""
+    import torch
+
+    join_world("gloo", address, world_size=2, rank=rank)
+    if rank == 1:
+        os._exit(0)
+    try:
+        for _ in range(100):  # until the closed connection shows
+            dist.all_reduce(torch.ones(1))
+    except RuntimeError as e:
+        os._exit(PEER_GONE_EXIT_CODE if peer_gone(e) else 3)
+    os._exit(4)
+
+
+def test_a_collective_cut_by_another_ranks_end_is_told_from_a_fault() -> None:
+    """Such a rank exits in one line (cluster.rank), and its failure points at no traceback."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    ranks = RankProcesses(_all_reduce_after_the_other_ends, [(0, address), (1, address)])
+    for proc in ranks.processes:
+        proc.join(120)
+    assert ranks.failure() == "rank 0 ended as another rank of its group did (a collective failed)"
+    assert not peer_gone(RuntimeError("CUDA error: an illegal memory access was encountered"))

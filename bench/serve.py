@@ -167,7 +167,8 @@ class BenchConfig:
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         if not self.rates or any(r is not None and not r > 0 for r in self.rates):
-            raise ValueError(f"--rate/--rates must be positive (or inf), got {self.rates}")
+            given = ", ".join("inf" if r is None else f"{r:g}" for r in self.rates)
+            raise ValueError(f"--rate/--rates must be positive (or inf), got {given}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"--concurrency must be >= 1, got {self.concurrency}")
         if not 0.0 <= self.long_fraction <= 1.0:
@@ -924,7 +925,14 @@ def vocab_size_of(model_dir: Path | None, endpoint: str | None = None) -> int:
 
 
 LOAD_OPTIONS = (
-    click.option("--workload", type=click.Choice(WORKLOADS), default="random"),
+    click.option(
+        "--workload",
+        type=click.Choice(WORKLOADS),
+        default="random",
+        help="random: token ids of --input-len/--output-len; mixed: with a --long-fraction of long prompts; "
+        "shared-prefix: --num-prefixes system prompts; multi-turn: chats of --num-turns; text: prompts.txt "
+        "(the module's docstring says more).",
+    ),
     click.option("--num-requests", type=int, default=100, help="Requests per rate (warm-up not included)."),
     click.option("--warmup", type=int, default=2, help="Requests sent before the first rate, not measured."),
     click.option(
@@ -934,7 +942,11 @@ LOAD_OPTIONS = (
         help="Seed of the prompts, lengths and arrivals. The same seed sends the same prompts: a second run "
         "against a server that kept its prefix cache finds them cached (use another seed, or restart it).",
     ),
-    click.option("--rate", default=None, help="Poisson arrivals of this many req/s ('inf': all at once)."),
+    click.option(
+        "--rate",
+        default=None,
+        help="Poisson arrivals of this many req/s ('inf', the default without --rates: all at once).",
+    ),
     click.option("--rates", default=None, help="A sweep: comma-separated rates, run in turn (e.g. 1,2,4,8)."),
     click.option("--concurrency", type=int, default=None, help="Most requests in flight."),
     click.option(

@@ -178,8 +178,10 @@ SUPPORTED_ARCHITECTURES = {
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
+    "float": torch.float32,  # vLLM's
     "float16": torch.float16,
     "fp16": torch.float16,
+    "half": torch.float16,  # vLLM's
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
@@ -476,7 +478,7 @@ class EngineConfig:
     )
     dtype: str = setting(
         "auto",
-        help="Weights and activations: float32, float16 or bfloat16.",
+        help="Weights and activations: float32 (float), float16 (half) or bfloat16.",
         section="Model",
         default_text="auto: bfloat16 on GPUs, float32 on CPU",
     )
@@ -514,8 +516,8 @@ class EngineConfig:
     parallel: ParallelConfig = internal(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto":
-            parse_dtype(self.dtype)
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; expected auto or one of {', '.join(sorted(_DTYPES))}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.kernels not in ("auto", "torch", "triton"):

@@ -343,3 +343,12 @@ def test_a_number_no_part_of_the_cluster_can_use_is_refused_up_front(settings: d
 def test_a_watchdog_may_still_be_infinite() -> None:
     """--watchdog-timeout documents inf as "never"."""
     assert ClusterConfig.from_settings({"watchdog_timeout": float("inf")}).watchdog_timeout == float("inf")
+
+
+def test_dtypes_take_vllms_names_and_a_wrong_one_lists_auto() -> None:
+    import torch
+
+    assert ClusterConfig.from_settings({"dtype": "half"}).engine.resolved_dtype() == torch.float16
+    assert ClusterConfig.from_settings({"dtype": "float"}).engine.resolved_dtype() == torch.float32
+    with pytest.raises(ValueError, match="unknown dtype 'halff'; expected auto or one of bf16, "):
+        ClusterConfig.from_settings({"dtype": "halff"})

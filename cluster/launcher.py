@@ -546,6 +546,7 @@ class Cluster:
                         r.entry_role,
                         len(r.parked),
                         r.group_states(),
+                        {name: now - at for name, at in r.stats_time.items()},
                     )
                     if line is not None:
                         logger.info("%s", line)

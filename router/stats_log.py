@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+# A group's report older than this is said to be: a leader reports between engine steps, so during
+# a long step (a long prompt on a CPU) its queues are those before the step.
+STALE_REPORT_S = 2.0
+
 
 class StatsLog:
     """Call ``line(now, ...)`` once ``due(now)``: a line if the cluster did something since the
@@ -29,12 +33,13 @@ class StatsLog:
         entry_role: str,
         parked: int = 0,
         states: Mapping[str, str] | None = None,
+        ages: Mapping[str, float] | None = None,
     ) -> str | None:
         """``tokens``: the router's cumulative ``token_counts``; ``groups``: each group's latest
         ``worker_stats``; the prefix cache's rate is the entry groups' (prefill or colocated);
         ``parked``: requests in flight that wait for a group of a role none serves now;
         ``states``: every known group's state (``GroupInfo.state``), so that a group that is not
-        ready is named even with no report to show."""
+        ready is named even with no report to show; ``ages``: seconds since each group's report."""
         if not self.due(now):
             return None
         elapsed = now - self.since
@@ -62,11 +67,14 @@ class StatsLog:
             state = states.get(name, "ready")
             g = groups.get(name)
             if g is None:
-                parts.append(f"{name}: {state}")
+                parts.append(f"{name}: {state}" + (", no report yet" if state == "ready" else ""))
                 continue
             total = g.get("num_blocks", 0)
             kv = f"{(total - g.get('free_blocks', 0)) / total:.1%}" if total else "-"
             load = f"{g.get('running', 0)} running, {g.get('waiting', 0)} waiting, KV {kv}"
+            age = (ages or {}).get(name, 0.0)
+            if age > STALE_REPORT_S:
+                load += f" ({age:.0f} s ago: in a long step)"
             parts.append(f"{name}: {load}" if state == "ready" else f"{name} ({state}): {load}")
         if queried:
             parts.append(f"prefix cache hit {hit / queried:.0%} of {queried} prompt tokens")

@@ -61,3 +61,19 @@ def test_a_group_that_is_not_ready_is_named_with_its_state() -> None:
         " | prefill0 (draining): 1 running, 2 waiting, KV 25.0% | prefill1: down"
         " | decode0: 7 running, 0 waiting, KV 80.0% | decode1: starting"
     )
+
+
+def test_a_report_from_before_a_long_step_is_said_to_be_old() -> None:
+    """A leader reports between steps: during a long prefill its queues are those before it, and
+    a group just restarted has none yet; the line says so instead of showing it idle or blank."""
+    log = StatsLog(1.0, now=0.0)
+    tokens = {"prompt": 10, "generated": 10}
+    states = {"prefill0": "ready", "prefill1": "ready", "decode0": "ready"}
+    ages = {"prefill0": 12.4, "decode0": 0.1}
+    line = log.line(
+        1.0, tokens, 7, {"prefill0": GROUPS["prefill0"], "decode0": GROUPS["decode0"]}, "prefill", 0, states, ages
+    )
+    assert line is not None and line.endswith(
+        " | prefill0: 1 running, 2 waiting, KV 25.0% (12 s ago: in a long step) | prefill1: ready, no report yet"
+        " | decode0: 7 running, 0 waiting, KV 80.0%"
+    )

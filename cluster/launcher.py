@@ -296,7 +296,7 @@ class Cluster:
             # Free at the early check, taken since (a first start converting the demo model takes
             # a while): said as that check says it.
             hint = " (another pdserve running? choose another --port)" if e.errno == errno.EADDRINUSE else ""
-            raise ClusterError(f"cannot listen on {c.host}:{c.port}: {os.strerror(e.errno)}{hint}") from None
+            raise ClusterError(f"cannot listen on {c.host}:{c.port}: {zmq.strerror(e.errno)}{hint}") from None
         for group in self.groups.values():
             self._spawn(group)
         deadline = time.monotonic() + c.start_timeout

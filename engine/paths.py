@@ -71,7 +71,7 @@ def build_once(final: Path, build: Callable[[Path], object]) -> Path:
     except OSError as e:
         raise CacheUnwritable(
             f"cannot write {final.name} into the cache {final.parent}: {e.strerror} "
-            "(PDSERVE_CACHE names another directory)"
+            "(set PDSERVE_CACHE to a writable directory)"
         ) from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes

@@ -346,7 +346,7 @@ def test_the_http_front_ends_mistakes_are_one_line(busy_port: int, tmp_path: Pat
         (["--model", "nosuch"], {}, "model 'nosuch' is neither"),
         (["--endpoint", "foo"], {}, "endpoint 'foo': expected"),
         (["--port", str(busy_port)], {}, f"cannot listen on 127.0.0.1:{busy_port}"),
-        ([], {"PDSERVE_CACHE": str(blocker / "cache")}, "(PDSERVE_CACHE names another directory)"),
+        ([], {"PDSERVE_CACHE": str(blocker / "cache")}, "(set PDSERVE_CACHE to a writable directory)"),
     ):
         command = [sys.executable, "-m", "pdserve.router.openai_server", "--model", "demo", *args]
         env = {**os.environ, **env}

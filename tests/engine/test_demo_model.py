@@ -195,7 +195,9 @@ def test_a_cache_that_cannot_be_written_is_named_with_its_variable(
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("PDSERVE_CACHE", str(blocker / "cache"))
-    with pytest.raises(CacheUnwritable, match=r"into the cache .*a-file/cache/models: Not a directory \(PDSERVE_CACHE"):
+    with pytest.raises(
+        CacheUnwritable, match=r"into the cache .*a-file/cache/models: Not a directory \(set PDSERVE_CACHE"
+    ):
         ensure_demo_model(quiet=True)
 
 

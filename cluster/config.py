@@ -509,6 +509,8 @@ class ClusterConfig:
         """A YAML preset by path, or by the name of one shipped in ``configs/`` (``2p1d``), then the
         given overrides."""
         path = Path(name_or_path)
+        if path.is_dir():
+            raise ValueError(f"--config {name_or_path}: a directory, not a YAML file")
         if not path.is_file():
             shipped = CLUSTER_PRESETS_DIR / f"{path.name.removesuffix('.yaml')}.yaml"
             if path.parent != Path(".") or not shipped.is_file():

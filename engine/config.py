@@ -556,6 +556,6 @@ class EngineConfig:
         if self.max_model_len > model.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings {model.max_position_embeddings}"
+                f"max_position_embeddings {model.max_position_embeddings} (leave it out to take the model's)"
             )
         return self.max_model_len

@@ -207,6 +207,8 @@ def check_model_spec(spec: str) -> None:
     written."""
     if spec == "demo" or spec in list_presets():
         return
+    if not spec.strip():
+        raise FileNotFoundError(f"model is empty: 'demo', a preset ({', '.join(list_presets())}) or a directory")
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(

@@ -138,7 +138,12 @@ def test_max_model_len_beyond_the_model(tiny_model_dirs: dict[str, Path]) -> Non
     model_dir = tiny_model_dirs["tiny-llama"]
     limit = ModelConfig.from_pretrained(model_dir).max_position_embeddings
     result = launch("--model", str(model_dir), "--max-model-len", str(limit + 1))
-    assert_one_line_error(result, f"--max-model-len {limit + 1} exceeds", str(limit))
+    assert_one_line_error(result, f"--max-model-len {limit + 1} exceeds", str(limit), "leave it out")
+
+
+def test_an_empty_model_is_named_as_such() -> None:
+    """Not "model directory . has no config.json" ("" is the current directory as a path)."""
+    assert_one_line_error(launch("--model", ""), "model is empty: 'demo', a preset")
 
 
 def test_a_pool_too_small_for_one_sequence(tiny_model_dirs: dict[str, Path]) -> None:
@@ -285,6 +290,7 @@ def test_the_http_api_of_a_model_without_a_tokenizer_takes_token_ids(
         (("--demo", "--demo-max-tokens", "0"), "--demo-max-tokens"),  # not after the cluster started
         # A preset's setting that the user never typed: where it is set.
         (("--config", "colocated", "--mode", "disagg"), "(colocated_groups: set in "),
+        (("--config", "/tmp"), "--config /tmp: a directory, not a YAML file"),
         # Flags a mode of the command would drop without a word.
         (("--status", "tcp://127.0.0.1:1", "--prefill-tp", "2"), "takes only --auth-keys, not --prefill-tp"),
         (("--join", "127.0.0.1:1", "--role", "prefill", "--demo"), "--demo runs on the router node"),

@@ -35,6 +35,20 @@ H200_BANDWIDTH = 4.29e12
 ON_OFF_BOTH: dict[str, tuple[bool, ...]] = {"both": (False, True), "on": (True,), "off": (False,)}
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after each option's help; the description's lines as written."""
+
+
+def bench_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
+    """The command line of ``pdserve.bench.<module>``: its docstring's first paragraph (the
+    summary, whole) as the description, and each option's default in ``--help``."""
+    return argparse.ArgumentParser(
+        prog=f"python -m pdserve.bench.{module}",
+        description=(doc or "").split("\n\n")[0],
+        formatter_class=_HelpFormatter,
+    )
+
+
 def parse_ints(text: str) -> list[int]:
     """``"1,8,32"`` -> ``[1, 8, 32]``."""
     values = [int(part) for part in text.split(",") if part.strip()]

@@ -60,6 +60,7 @@ from transformers import AutoModelForCausalLM, CompileConfig, StaticCache
 from pdserve.bench.common import (
     H200_BANDWIDTH,
     add_step_timing_args,
+    bench_parser,
     block_tables,
     blocks_for,
     command_line,
@@ -423,7 +424,7 @@ def write_plot(result: dict[str, Any], path: Path) -> Path | None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.decode", description=__doc__.split("\n")[0])
+    parser = bench_parser("decode", __doc__)
     parser.add_argument("--preset", default="qwen2.5-1.5b", help="model-shape preset with random weights")
     parser.add_argument("--model", help="a Hugging Face model directory (instead of --preset)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")

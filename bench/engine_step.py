@@ -19,7 +19,6 @@ the same run. On a CPU the forward runs eagerly and the same split holds.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ import torch
 from pdserve.bench.common import (
     ON_OFF_BOTH,
     add_step_timing_args,
+    bench_parser,
     blocks_for,
     command_line,
     fmt,
@@ -111,7 +111,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.engine_step", description=__doc__.split("\n")[0])
+    parser = bench_parser("engine_step", __doc__)
     parser.add_argument("--preset", default="qwen2.5-1.5b", help="model-shape preset with random weights")
     parser.add_argument("--model", help="a Hugging Face model directory (instead of --preset)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")

@@ -18,7 +18,6 @@ the bottleneck; docs/benchmarks.md gives the rate a GPU's decode steps emit.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import multiprocessing as mp
@@ -32,7 +31,16 @@ from typing import Any
 import torch
 import zmq
 
-from pdserve.bench.common import ON_OFF_BOTH, command_line, fmt, format_table, metadata, parse_ints, write_json
+from pdserve.bench.common import (
+    ON_OFF_BOTH,
+    bench_parser,
+    command_line,
+    fmt,
+    format_table,
+    metadata,
+    parse_ints,
+    write_json,
+)
 from pdserve.bench.metrics import percentile
 from pdserve.cluster import reaper
 from pdserve.cluster.client import AsyncClient
@@ -203,7 +211,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.frontend", description=__doc__.split("\n")[0])
+    parser = bench_parser("frontend", __doc__)
     parser.add_argument("--streams", default="64,128", type=parse_ints, help="concurrent streaming requests")
     parser.add_argument("--output-len", default=256, type=int, help="tokens of every request")
     parser.add_argument("--step-ms", default="0,2", help="the stand-in's step period(s), ms; 0: unpaced")

@@ -18,7 +18,6 @@ linear's. Prints a table and writes every row as JSON to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
+from pdserve.bench.common import bench_parser
 from pdserve.kernels import (
     activation,
     attention_common,
@@ -437,7 +437,7 @@ def print_table(rows: list[Row]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser("kernels", __doc__)
     parser.add_argument("--out", type=Path, default=Path("out/kernels.json"), help="JSON results path")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument(

@@ -23,7 +23,6 @@ device time of one replay, and the host's time to launch it.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Sequence
@@ -35,7 +34,16 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from pdserve.bench.common import command_line, fmt, format_table, metadata, model_dir, resolve_device, write_json
+from pdserve.bench.common import (
+    bench_parser,
+    command_line,
+    fmt,
+    format_table,
+    metadata,
+    model_dir,
+    resolve_device,
+    write_json,
+)
 from pdserve.bench.step_profile import KernelSpan, critical_path_rows, kernel_spans, trace_events
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
@@ -213,7 +221,7 @@ def run(
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.prefix_cache", description=__doc__.split("\n")[0])
+    parser = bench_parser("prefix_cache", __doc__)
     parser.add_argument("--preset", default="qwen2.5-1.5b", help="model-shape preset with random weights")
     parser.add_argument("--model", help="a Hugging Face model directory (instead of --preset)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")

@@ -12,7 +12,6 @@ of the tables, and encoding and decoding the plan for TP peers. CPU only; micros
 
 from __future__ import annotations
 
-import argparse
 import gc
 import random
 import statistics
@@ -26,7 +25,7 @@ import msgpack
 import numpy as np
 import torch
 
-from pdserve.bench.common import format_table, write_json
+from pdserve.bench.common import bench_parser, format_table, write_json
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence as Request
@@ -104,7 +103,7 @@ def encode_lists(plan: StepPlan, tables: list[list[int]]) -> bytes:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.step_inputs", description=__doc__.split("\n")[0])
+    parser = bench_parser("step_inputs", __doc__)
     parser.add_argument("--batch-sizes", default="8,32,128", type=lambda s: [int(v) for v in s.split(",")])
     parser.add_argument("--context", default=2048, type=int)
     parser.add_argument("--iters", default=50, type=int)

@@ -18,7 +18,6 @@ kernel (a linear after the norm is qkv, after SiLU-mul it is down).
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from collections import defaultdict
@@ -30,6 +29,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pdserve.bench.common import (
+    bench_parser,
     fill_kv_random,
     format_table,
     model_dir,
@@ -155,7 +155,7 @@ def kernel_spans(events: list[dict[str, Any]]) -> list[KernelSpan]:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.step_profile", description=__doc__.split("\n")[0])
+    parser = bench_parser("step_profile", __doc__)
     parser.add_argument("--preset", default="qwen2.5-1.5b")
     parser.add_argument("--model", help="a Hugging Face model directory (instead of --preset)")
     parser.add_argument("--device", default="auto")

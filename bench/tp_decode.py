@@ -28,6 +28,7 @@ from tqdm import tqdm
 from pdserve.bench.common import (
     H200_BANDWIDTH,
     add_step_timing_args,
+    bench_parser,
     blocks_for,
     command_line,
     fmt,
@@ -96,7 +97,7 @@ def engine_config(
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.bench.tp_decode", description=__doc__.split("\n")[0])
+    parser = bench_parser("tp_decode", __doc__)
     parser.add_argument("--preset", default="qwen2.5-1.5b", help="model-shape preset with random weights")
     parser.add_argument("--model", help="a Hugging Face model directory (instead of --preset)")
     parser.add_argument(

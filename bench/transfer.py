@@ -84,7 +84,7 @@ import torch.distributed as dist
 import zmq
 from tqdm import tqdm
 
-from pdserve.bench.common import bit_pattern, format_table, parse_ints, time_once
+from pdserve.bench.common import bench_parser, bit_pattern, format_table, parse_ints, time_once
 from pdserve.cluster.group import RankProcesses, free_port, join_world
 from pdserve.cluster.protocol import KVAnnounce, KVReply, Sampling
 from pdserve.cluster.protocol import decode as decode_message
@@ -809,7 +809,7 @@ def _concurrent(text: str) -> tuple[int, int]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pdserve.bench.transfer", description=__doc__.split("\n\n")[0])
+    p = bench_parser("transfer", __doc__)
     p.add_argument("--preset", default="qwen2.5-1.5b", help="model-shape preset (configs/models)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="KV dtype (default bfloat16 on cuda, float32 on cpu)")

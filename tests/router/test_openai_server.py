@@ -2984,7 +2984,10 @@ def test_a_port_taken_without_reuse_port_is_one_clear_line() -> None:
         command = [sys.executable, "-m", "pdserve.router.openai_server", "--reuse-port", "--port", str(port)]
         result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
-    assert result.stderr.strip() == f"Error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert result.stderr.strip() == (
+        f"Error: cannot listen on 127.0.0.1:{port}: Address already in use "
+        "(another server there? choose another --port)"
+    )
 
 
 @pytest.mark.slow

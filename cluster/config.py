@@ -361,6 +361,9 @@ class ClusterConfig:
             raise ValueError(f"dispatch must be one of {', '.join(DISPATCH_POLICIES)}, got {self.dispatch!r}")
         if self.cache_aware_margin < 0:
             raise ValueError(f"cache_aware_margin must be >= 0, got {self.cache_aware_margin}")
+        margin_default = {f.name: f.default for f in dataclasses.fields(self)}["cache_aware_margin"]
+        if self.dispatch != "cache-aware" and self.cache_aware_margin != margin_default:
+            raise ValueError(f"--cache-aware-margin applies to --dispatch cache-aware, not --dispatch {self.dispatch}")
         if ":" in self.host:  # ZMQ would fail to parse tcp://::1:5555 with "No such device"
             raise ValueError(
                 f"host must be an IPv4 address or name (0.0.0.0: every interface), got {self.host!r}: "

@@ -352,3 +352,13 @@ def test_dtypes_take_vllms_names_and_a_wrong_one_lists_auto() -> None:
     assert ClusterConfig.from_settings({"dtype": "float"}).engine.resolved_dtype() == torch.float32
     with pytest.raises(ValueError, match="unknown dtype 'halff'; expected auto or one of bf16, "):
         ClusterConfig.from_settings({"dtype": "halff"})
+
+
+def test_the_cache_aware_margin_is_refused_with_another_dispatch() -> None:
+    """It weighs nothing under round-robin or least-tokens: a value given there would be ignored."""
+    assert ClusterConfig.from_settings({"dispatch": "cache-aware", "cache_aware_margin": 10}).cache_aware_margin == 10
+    assert ClusterConfig.from_settings({"dispatch": "round-robin"}).dispatch == "round-robin"  # the default margin
+    with pytest.raises(
+        ValueError, match="^--cache-aware-margin applies to --dispatch cache-aware, not --dispatch round"
+    ):
+        ClusterConfig.from_settings({"dispatch": "round-robin", "cache_aware_margin": 10})

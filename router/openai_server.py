@@ -235,7 +235,11 @@ def bound_socket(host: str, port: int, reuse_port: bool = False) -> socket.socke
     default=SHARED["send_timeout"].default,
     help=SHARED["send_timeout"].help,
 )
-@click.option("--parse-special-tokens", is_flag=True, help=SHARED["parse_special_tokens"].help)
+@click.option(
+    "--parse-special-tokens/--no-parse-special-tokens",
+    default=SHARED["parse_special_tokens"].default,
+    help=SHARED["parse_special_tokens"].help,
+)
 @click.option(
     "--generation-config",
     type=click.Choice(SHARED["generation_config"].choices or ()),
@@ -243,7 +247,11 @@ def bound_socket(host: str, port: int, reuse_port: bool = False) -> socket.socke
     show_default=True,
     help=SHARED["generation_config"].help,
 )
-@click.option("--access-log", is_flag=True, help=SHARED["access_log"].help)
+@click.option(
+    "--access-log/--no-access-log",
+    default=SHARED["access_log"].default,
+    help="Log each HTTP request (uvicorn's access log: client, method, path, status), as vLLM does by default.",
+)
 @click.option(
     "--reuse-port",
     is_flag=True,

@@ -35,7 +35,7 @@ from pathlib import Path
 import click
 import torch
 
-from pdserve.bench.common import divergences, greedy_report
+from pdserve.bench.common import device_list, divergences, greedy_report
 from pdserve.bench.compare import LaunchedCluster
 from pdserve.bench.metrics import percentile
 from pdserve.cluster.client import Chunk, Client
@@ -92,7 +92,7 @@ def agreement(reference: list[list[int]], got: list[list[int]]) -> dict[str, flo
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--model", default="qwen2.5-1.5b")
-@click.option("--devices", default="0,1", show_default=True, help="GPU ids of the ranks; '' (empty): the CPU.")
+@click.option("--devices", default="0,1", show_default=True, help="GPU ids of the ranks; cpu (or empty): the CPU.")
 @click.option("--num-requests", default=64, show_default=True)
 @click.option("--max-tokens", default=64, show_default=True)
 @click.option("--max-model-len", default=4096, show_default=True)
@@ -111,8 +111,9 @@ def main(
     topologies: str | None,
     out: str,
 ) -> None:
+    devices = device_list(devices)
     if devices and not torch.cuda.is_available():
-        raise click.UsageError(f"--devices {devices} needs GPUs and none is visible; --devices '' runs on the CPU")
+        raise click.UsageError(f"--devices {devices} needs GPUs and none is visible; --devices cpu runs on the CPU")
     model_dir = str(resolve_model(model))
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)

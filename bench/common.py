@@ -49,6 +49,12 @@ def bench_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
     )
 
 
+def device_list(devices: str) -> str:
+    """A benchmark's ``--devices`` as launch.py takes it: ``cpu`` (launch.py's word) or empty for
+    the CPU (returned empty), else the GPU ids as given."""
+    return "" if devices.strip().lower() == "cpu" else devices
+
+
 def parse_ints(text: str) -> list[int]:
     """``"1,8,32"`` -> ``[1, 8, 32]``."""
     values = [int(part) for part in text.split(",") if part.strip()]

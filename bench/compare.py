@@ -3,7 +3,7 @@
     python -m pdserve.bench.compare --model qwen2.5-1.5b --devices 0,1 --workload mixed --rates 4,8,16,32 \\
         --num-requests 160 --isolated-decode --slo-ttft-ms 500 --out-dir results/pd-vs-colocated
     python -m pdserve.bench.compare --model qwen2.5-1.5b --devices 0,1,2 --prefill-tp 2 --workload mixed ...  # 2p1d
-    python -m pdserve.bench.compare --model demo --devices "" --workload text --num-requests 6 --rates 2   # CPU
+    python -m pdserve.bench.compare --model demo --devices cpu --workload text --num-requests 6 --rates 2   # CPU
     python -m pdserve.bench.compare --model qwen2.5-1.5b --devices 0,0 --systems disagg,colocated-chunked \\
         --prefill-sm-percent 60 --decode-sm-percent 40 --workload mixed ...           # PD on one GPU, SM split
 
@@ -25,7 +25,7 @@ log in OUT_DIR/<system>.log, stopped with SIGTERM and required to exit 0:
 ``--launch-args '--leader-spin-ms 0'``; not those compare sets itself). Each gets the same
 requests at the same arrival times (``bench.serve``'s options). Written to OUT_DIR:
 ``<system>.json`` (bench.serve's results), ``report.md`` (the three side by side, plots
-embedded) and the PNG plots. ``--devices ""`` runs on CPU (hidden GPUs). With
+embedded) and the PNG plots. ``--devices cpu`` (or empty) runs on CPU (hidden GPUs). With
 ``--isolated-decode`` the first cluster first serves single requests of ``--input-len`` prompt
 tokens alone (one warm-up, then three), and the TPOT SLO of goodput becomes 3x their median
 TPOT: the isolated batch-1 decode step. ``--replot`` rebuilds the report and plots from the JSON
@@ -51,7 +51,7 @@ from typing import Any, TypeVar
 
 import click
 
-from pdserve.bench.common import format_table, write_json
+from pdserve.bench.common import device_list, format_table, write_json
 from pdserve.bench.metrics import tpot
 from pdserve.bench.serve import (
     TABLE_HEADERS,
@@ -346,7 +346,9 @@ def write_report(out_dir: Path, results: dict[str, dict[str, Any]], setup: dict[
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option("--model", default="demo", help="'demo', a shape preset (random weights) or a HF directory.")
 @click.option(
-    "--devices", default="", help="GPU ids, prefill-tp + decode-tp of them (e.g. 0,1, or 0,0 to share one); empty: CPU."
+    "--devices",
+    default="",
+    help="GPU ids, prefill-tp + decode-tp of them (e.g. 0,1, or 0,0 to share one); cpu (or empty): CPU.",
 )
 @click.option("--prefill-tp", type=int, default=1, help="Ranks of the disaggregated prefill group.")
 @click.option("--decode-tp", type=int, default=1, help="Ranks of the disaggregated decode group.")
@@ -400,7 +402,7 @@ def main(
         results = {name: found[name] for name in order + [n for n in found if n not in order]}
         publish(out_dir, results, setup)
         return
-    device_ids = [d.strip() for d in devices.split(",") if d.strip()]
+    device_ids = [d.strip() for d in device_list(devices).split(",") if d.strip()]
     if prefill_tp < 1 or decode_tp < 1:
         raise click.UsageError("--prefill-tp and --decode-tp must be >= 1")
     if device_ids and len(device_ids) != prefill_tp + decode_tp:

@@ -2,7 +2,7 @@
 
     python -m pdserve.bench.ipc_transfer --preset qwen2.5-1.5b --devices 0,0 --out ipc.json   # one GPU
     python -m pdserve.bench.ipc_transfer --preset qwen2.5-1.5b --devices 0,1                  # two GPUs
-    python -m pdserve.bench.ipc_transfer --preset tiny-llama --devices "" --tokens 256 --handoff-tokens 64 \\
+    python -m pdserve.bench.ipc_transfer --preset tiny-llama --devices cpu --tokens 256 --handoff-tokens 64 \\
         --iters 3                                                                          # CPU smoke run
 
 Two processes, as in a cluster with ``--devices 0,0``: a prefill rank and a decode leader, each
@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from pdserve.bench.common import bit_pattern, time_once, write_json
+from pdserve.bench.common import bit_pattern, device_list, time_once, write_json
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.datagrams import DatagramOutbox
 from pdserve.cluster.group import RankProcesses, free_port
@@ -291,7 +291,7 @@ def evaluate(cases: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option("--preset", "model", default="qwen2.5-1.5b", help="A shape preset or a model directory.")
-@click.option("--devices", default="0,0", help="GPUs of the prefill and the decode rank; empty: CPU (shm).")
+@click.option("--devices", default="0,0", help="GPUs of the prefill and the decode rank; cpu (or empty): CPU (shm).")
 @click.option("--tokens", default=16384, help="Tokens of the moved request.")
 @click.option("--handoff-tokens", default=1024, help="Tokens of the handed-off request.")
 @click.option("--iters", default=20)
@@ -328,11 +328,11 @@ def main(
     out: Path | None,
 ) -> None:
     """Pull KV pool to pool between two processes; print a table, write JSON."""
-    device_ids = [int(d) for d in devices.split(",") if d.strip()]
+    device_ids = [int(d) for d in device_list(devices).split(",") if d.strip()]
     if device_ids and len(device_ids) != 2:
         raise click.UsageError("--devices: the prefill rank's GPU and the decode rank's (e.g. 0,0), or empty")
     if device_ids and not torch.cuda.is_available():
-        raise click.UsageError(f"--devices {devices} needs a GPU and none is visible; --devices '' runs on the CPU")
+        raise click.UsageError(f"--devices {devices} needs a GPU and none is visible; --devices cpu runs on the CPU")
     try:
         spin_ms = 1e3 * ClusterConfig(leader_spin_ms=leader_spin_ms).leader_spin_s(bool(device_ids))
     except ValueError as e:

@@ -14,7 +14,7 @@ from pdserve.bench import ipc_transfer
 
 def test_smoke_run_pulls_verified_kv_and_reports_both_cases(tmp_path: Path) -> None:
     out = tmp_path / "ipc.json"
-    args = ["--preset", "tiny-llama", "--devices", "", "--tokens", "256", "--handoff-tokens", "64"]
+    args = ["--preset", "tiny-llama", "--devices", "cpu", "--tokens", "256", "--handoff-tokens", "64"]
     result = CliRunner().invoke(ipc_transfer.main, [*args, "--iters", "3", "--warmup", "1", "--out", str(out)])
     assert result.exit_code == 0, result.output
     cases = json.loads(out.read_text())["cases"]

@@ -436,10 +436,6 @@ def _expire(waiter: asyncio.Future[None]) -> None:
 
 _POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 _LEFT_FINALS_KEPT = 1024
-# How long a send waits for a broken connection to come back (ZMQ reconnects by itself within
-# its reconnect interval once the router is there): a router that dropped this client for a
-# stall of its own (a stopped process, a long pause) should not fail the next requests.
-_RECONNECT_GRACE_S = 2.0
 
 
 class AsyncClient:
@@ -478,7 +474,6 @@ class AsyncClient:
         self._stats_waiters: dict[int, asyncio.Future[Stats]] = {}  # by their request's tag
         self._stats_tags = itertools.count()
         self._send_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._up_waiters: list[asyncio.Future[None]] = []  # sends waiting for the connection to come back
         self._loop: asyncio.AbstractEventLoop | None = None  # where the reader callback runs
         self._fd = -1  # the socket's descriptor, while the loop watches it
         self._watcher: asyncio.Task | None = None
@@ -528,22 +523,14 @@ class AsyncClient:
     async def _send(self, data: bytes, timeout: float | None = None) -> None:
         """Send without blocking the loop: past the socket's queue limit, wait until it takes more,
         at most ``timeout`` (default: the client's; then ClusterUnavailable) or until the
-        connection breaks. A connection known to be broken is waited for ``_RECONNECT_GRACE_S`` at
-        most, then ClusterGone: ZMQ would queue the message for a reconnect that may never come."""
+        connection breaks. A connection already known to be broken raises ClusterGone at once:
+        ZMQ would queue the message for a reconnect that may never come."""
         if self._socket.closed:
             raise ClientClosed(self.endpoint)
         self._start_reader()
         assert self._loop is not None
         if self._link.broken:
-            back = self._loop.create_future()
-            self._up_waiters.append(back)
-            try:
-                await asyncio.wait_for(back, _RECONNECT_GRACE_S)
-            except asyncio.TimeoutError:
-                raise ClusterGone(self.endpoint) from None
-            finally:
-                if back in self._up_waiters:
-                    self._up_waiters.remove(back)
+            raise ClusterGone(self.endpoint)
         while True:
             try:
                 self._socket.send(data, zmq.NOBLOCK)
@@ -569,11 +556,6 @@ class AsyncClient:
             self._link.update(zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart()))
             if self._link.broken:
                 self._fail_waiting(ClusterGone(self.endpoint))
-            elif self._link.up:
-                for waiter in self._up_waiters:
-                    if not waiter.done():
-                        waiter.set_result(None)
-                self._up_waiters.clear()
 
     def _fail_waiting(self, error: BaseException) -> None:
         self._left.clear()  # nothing more comes for what was sent over the broken connection

@@ -295,8 +295,7 @@ class Cluster:
             self._cleanup()
             # Free at the early check, taken since (a first start converting the demo model takes
             # a while): said as that check says it.
-            hint = " (another pdserve running? choose another --port)" if e.errno == errno.EADDRINUSE else ""
-            raise ClusterError(f"cannot listen on {c.host}:{c.port}: {zmq.strerror(e.errno)}{hint}") from None
+            raise _cannot_listen(c.host, c.port, e.errno, zmq.strerror(e.errno)) from None
         for group in self.groups.values():
             self._spawn(group)
         deadline = time.monotonic() + c.start_timeout
@@ -811,8 +810,13 @@ def _check_port_free(host: str, port: int, flag: str = "--port") -> None:
         try:
             probe.bind((host, port))
         except OSError as e:
-            hint = {
-                errno.EADDRINUSE: f" (another pdserve running? choose another {flag})",
-                errno.EADDRNOTAVAIL: f" ({host} is not an address of this machine)",
-            }.get(e.errno or 0, "")
-            raise ClusterError(f"cannot listen on {host}:{port}: {e.strerror}{hint}") from None
+            raise _cannot_listen(host, port, e.errno or 0, e.strerror, flag) from None
+
+
+def _cannot_listen(host: str, port: int, code: int, why: str, flag: str = "--port") -> ClusterError:
+    """A port that cannot be listened on, with what to do where that is known."""
+    hint = {
+        errno.EADDRINUSE: f" (another pdserve running? choose another {flag})",
+        errno.EADDRNOTAVAIL: f" ({host} is not an address of this machine)",
+    }.get(code, "")
+    return ClusterError(f"cannot listen on {host}:{port}: {why}{hint}")

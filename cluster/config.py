@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -354,6 +354,11 @@ class ClusterConfig:
     engine: EngineConfig = subtree(EngineConfig)
     transfer: TransferConfig = subtree(TransferConfig, prefix="transfer_")
 
+    def _changed(self, which: Callable[[SettingSpec], bool]) -> SettingSpec | None:
+        """The first setting ``which`` picks whose value is not its default, if any."""
+        given = flatten_config(self)
+        return next((s for s in cluster_settings() if which(s) and given[s.key] != s.default), None)
+
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
@@ -361,9 +366,8 @@ class ClusterConfig:
             raise ValueError(f"dispatch must be one of {', '.join(DISPATCH_POLICIES)}, got {self.dispatch!r}")
         if self.cache_aware_margin < 0:
             raise ValueError(f"cache_aware_margin must be >= 0, got {self.cache_aware_margin}")
-        margin_default = {f.name: f.default for f in dataclasses.fields(self)}["cache_aware_margin"]
-        if self.dispatch != "cache-aware" and self.cache_aware_margin != margin_default:
-            raise ValueError(f"--cache-aware-margin applies to --dispatch cache-aware, not --dispatch {self.dispatch}")
+        if self.dispatch != "cache-aware" and (margin := self._changed(lambda s: s.key == "cache_aware_margin")):
+            raise ValueError(f"{margin.flag} applies to --dispatch cache-aware, not --dispatch {self.dispatch}")
         if ":" in self.host:  # ZMQ would fail to parse tcp://::1:5555 with "No such device"
             raise ValueError(
                 f"host must be an IPv4 address or name (0.0.0.0: every interface), got {self.host!r}: "
@@ -385,10 +389,10 @@ class ClusterConfig:
                     f"{flag} applies to --mode {'colocated' if self.mode == 'disagg' else 'disagg'}, "
                     f"not --mode {self.mode}"
                 )
-        if self.mode == "colocated" and self.transfer != TransferConfig():
-            given = flatten_config(self)
-            changed = next(s for s in cluster_settings() if s.path[0] == "transfer" and given[s.key] != s.default)
-            raise ValueError(f"{changed.flag} applies to --mode disagg (KV moves between groups), not --mode colocated")
+        if self.mode == "colocated" and (transfer := self._changed(lambda s: s.path[0] == "transfer")):
+            raise ValueError(
+                f"{transfer.flag} applies to --mode disagg (KV moves between groups), not --mode colocated"
+            )
         for name in _DISAGG_GPU:
             value = getattr(self, name)
             if value is None:

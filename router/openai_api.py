@@ -689,12 +689,14 @@ def parse_request(
     max_prompt_chars: int,
     parse_special_tokens: bool = False,
     defaults: Mapping[str, Any] | None = None,
+    look_for_special_text: bool = True,
 ) -> GenerationRequest:
     """Check a request body (raw JSON) and tokenize its prompts; raises APIError (400). Text over
     ``max_prompt_chars`` (a prompt; a chat's messages with their roles, or a batch's prompts, together) is refused
     before tokenizing; special-token text in it is plain text unless ``parse_special_tokens``
     (the cluster's setting). ``defaults``: sampling fields (``generation_defaults``) for those
-    the request leaves out, in place of OpenAI's."""
+    the request leaves out, in place of OpenAI's. ``look_for_special_text``: whether to find
+    out if a completion's text spells special tokens (``special_text_as_text``)."""
     try:
         request = (CompletionRequest if kind == "completion" else ChatRequest).model_validate_json(body)
     except ValidationError as e:
@@ -722,8 +724,11 @@ def parse_request(
         logprobs = request.logprobs
         prompts = _completion_prompts(request, tokenizer, max_prompt_chars, parse_special_tokens)
         texts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
-        special_text_as_text = not parse_special_tokens and any(
-            isinstance(text, str) and has_special_text(tokenizer, text) for text in texts
+        # A second scan of the text for the operator's hint: only while the caller still wants it.
+        special_text_as_text = (
+            look_for_special_text
+            and not parse_special_tokens
+            and any(isinstance(text, str) and has_special_text(tokenizer, text) for text in texts)
         )
         max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's default
         if max_tokens == 0:

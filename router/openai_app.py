@@ -593,6 +593,7 @@ class Frontend:
             prompt_chars_limit(self.max_prompt_chars, max_model_len),
             self.parse_special_tokens,
             self.sampling_defaults,
+            not self._told_special_text,
         )
         if len(body) <= INLINE_BODY_BYTES and self._tokenizing.acquire(blocking=False):
             try:

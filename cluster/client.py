@@ -7,7 +7,9 @@ Requests are multiplexed over one DEALER socket; replies are matched by ``reques
 Liveness: the socket sends ZMQ heartbeats (and the router's own tell it how long to wait), and a
 socket monitor watches the connection: once it breaks (the router died, or went silent past the
 heartbeat timeout) every request waiting on it raises ``ClusterGone`` at once instead of waiting
-out the client's timeout.
+out the client's timeout. ZMQ then connects again by itself; ``AsyncClient`` sends a new request
+once that reconnect takes (a router that dropped the client for a stall of the client's own), and
+raises ``ClusterGone`` at once once one failed (nothing listens there).
 """
 
 from __future__ import annotations
@@ -108,12 +110,13 @@ _ABORT_LINGER_MS = 500  # a closing client's wait for its aborts to leave (the r
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-_WATCHED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+# EVENT_CLOSED, while the connection is down: a reconnect attempt failed (nothing accepted it).
+_WATCHED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | _HANDSHAKE_FAILED
 
 
 def _keep_alive(sock: zmq.Socket, heartbeat_timeout: float) -> zmq.Socket:
     """ZMQ heartbeats on a client socket; the monitor socket that reports its connection's
-    ``handshake_succeeded``/``disconnected`` events."""
+    ``handshake_succeeded``/``disconnected``/``closed`` events."""
     timeout_ms = int(heartbeat_timeout * 1000)
     sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, timeout_ms // 4))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
@@ -122,21 +125,26 @@ def _keep_alive(sock: zmq.Socket, heartbeat_timeout: float) -> zmq.Socket:
 
 class _Link:
     """The connection's state from its monitor events. Broken: an established connection (its
-    handshake done) went down and none came back since. A connection refused at its handshake
-    (wrong keys) never counts as established: its client waits out its timeout, as before."""
+    handshake done) went down and none came back since. Unreachable: broken, and one of ZMQ's
+    attempts to connect again failed since (a live router takes the first one). A connection
+    refused at its handshake (wrong keys) never counts as established: its client waits out its
+    timeout, as before."""
 
     def __init__(self) -> None:
         self.up = False
         self.broken = False
+        self.unreachable = False
         self.refused = False  # a handshake failed (wrong or no CURVE keys, or no ZMQ peer there)
 
     def update(self, event: dict[str, Any]) -> None:
         if event["event"] & _HANDSHAKE_FAILED:
             self.refused = True
         elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self.up, self.broken = True, False
+            self.up, self.broken, self.unreachable = True, False, False
         elif event["event"] == zmq.EVENT_DISCONNECTED and self.up:
             self.up, self.broken = False, True
+        elif event["event"] == zmq.EVENT_CLOSED and self.broken:
+            self.unreachable = True
 
 
 def normalize_endpoint(endpoint: str) -> str:
@@ -436,6 +444,10 @@ def _expire(waiter: asyncio.Future[None]) -> None:
 
 _POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 _LEFT_FINALS_KEPT = 1024
+# How long a send waits for a broken connection's reconnect to take or fail. ZMQ tries within its
+# reconnect interval; a connect that neither takes nor fails (a stopped router, a host gone from
+# the network) must not hold the request for the client's whole timeout.
+_RECONNECT_WAIT_S = 2.0
 
 
 class AsyncClient:
@@ -474,6 +486,7 @@ class AsyncClient:
         self._stats_waiters: dict[int, asyncio.Future[Stats]] = {}  # by their request's tag
         self._stats_tags = itertools.count()
         self._send_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._reconnect_waiters: list[asyncio.Future[None]] = []  # sends on a broken connection
         self._loop: asyncio.AbstractEventLoop | None = None  # where the reader callback runs
         self._fd = -1  # the socket's descriptor, while the loop watches it
         self._watcher: asyncio.Task | None = None
@@ -523,14 +536,14 @@ class AsyncClient:
     async def _send(self, data: bytes, timeout: float | None = None) -> None:
         """Send without blocking the loop: past the socket's queue limit, wait until it takes more,
         at most ``timeout`` (default: the client's; then ClusterUnavailable) or until the
-        connection breaks. A connection already known to be broken raises ClusterGone at once:
-        ZMQ would queue the message for a reconnect that may never come."""
+        connection breaks. On a connection known to be broken it first waits for ZMQ's reconnect
+        (``_reconnected``): ZMQ would queue the message for a reconnect that may never come."""
         if self._socket.closed:
             raise ClientClosed(self.endpoint)
         self._start_reader()
         assert self._loop is not None
         if self._link.broken:
-            raise ClusterGone(self.endpoint)
+            await self._reconnected()
         while True:
             try:
                 self._socket.send(data, zmq.NOBLOCK)
@@ -549,21 +562,54 @@ class AsyncClient:
         # The send may have consumed the descriptor's signal of a message that came meanwhile.
         self._loop.call_soon(self._on_events)
 
+    async def _reconnected(self) -> None:
+        """Return once a broken connection is up again; ClusterGone once a reconnect failed
+        (at once if one did already) or none took within ``_RECONNECT_WAIT_S``. A router that
+        dropped this client (its heartbeats stopped while its process was stopped or stalled)
+        takes ZMQ's first reconnect, and the request goes on the new connection."""
+        assert self._loop is not None
+        if not self._link.unreachable:
+            settled = self._loop.create_future()
+            self._reconnect_waiters.append(settled)
+            try:
+                await asyncio.wait_for(settled, _RECONNECT_WAIT_S)
+            except ClusterUnavailable:  # ClientClosed: a TimeoutError as well, but no timeout
+                raise
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                if settled in self._reconnect_waiters:
+                    self._reconnect_waiters.remove(settled)
+        if not self._link.up:
+            raise ClusterGone(self.endpoint)
+
     async def _watch(self) -> None:
-        """Fail every waiting request once the connection breaks."""
+        """Fail every waiting request once the connection breaks; wake the sends waiting for it
+        once it is up again or a reconnect failed."""
         monitor = zmq.asyncio.Socket.from_socket(self._monitor)
         while True:
+            was_broken = self._link.broken
             self._link.update(zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart()))
-            if self._link.broken:
+            if self._link.broken and not was_broken:
                 self._fail_waiting(ClusterGone(self.endpoint))
+            if self._link.up or self._link.unreachable:
+                for settled in self._reconnect_waiters:
+                    if not settled.done():
+                        settled.set_result(None)
+                self._reconnect_waiters.clear()
 
     def _fail_waiting(self, error: BaseException) -> None:
         self._left.clear()  # nothing more comes for what was sent over the broken connection
         for inbox in self._inboxes.values():
             inbox.put(error)
-        waiting: list[asyncio.Future[Any]] = [*self._stats_waiters.values(), *self._send_waiters]
+        waiting: list[asyncio.Future[Any]] = [
+            *self._stats_waiters.values(),
+            *self._send_waiters,
+            *self._reconnect_waiters,
+        ]
         self._stats_waiters.clear()
         self._send_waiters.clear()
+        self._reconnect_waiters.clear()
         for waiter in waiting:
             if not waiter.done():
                 waiter.set_exception(error)
@@ -725,6 +771,10 @@ class AsyncClient:
                 raise ClusterUnavailable(self.endpoint, wait, self._link.up, self._link.refused) from None
         finally:
             self._stats_waiters.pop(tag, None)  # its reply, should it come later, is dropped
+            if waiter.done() and not waiter.cancelled():
+                waiter.exception()  # read: the broken connection's error, raised by the send already
+            else:
+                waiter.cancel()
 
     @property
     def refused(self) -> bool:

@@ -28,6 +28,8 @@ from pdserve.cluster.protocol import (
     Final,
     Generate,
     Sampling,
+    Stats,
+    StatsRequest,
     TokenOutput,
     TokenOutputs,
     WorkRequest,
@@ -373,6 +375,91 @@ def test_an_async_stats_ask_whose_router_dies_raises_cluster_gone(tmp_path: Path
     with pytest.raises(ClusterGone):
         asyncio.run(main())
     assert time.monotonic() - started < 10
+
+
+def _slowly_reconnecting_client(endpoint: str) -> AsyncClient:
+    """An AsyncClient whose socket tries to connect again 1-2 s after a drop (ZMQ's default:
+    0.1-0.2 s), so that a test's steps fit before the first attempt."""
+    context = zmq.Context.instance()
+    context.setsockopt(zmq.RECONNECT_IVL, 1000)  # the sockets made next: the client's
+    try:
+        return AsyncClient(endpoint, timeout=30.0)
+    finally:
+        context.setsockopt(zmq.RECONNECT_IVL, 100)  # ZMQ's default again
+
+
+def test_an_async_send_after_a_drop_goes_out_once_zmq_reconnects() -> None:
+    """A router that dropped this client (its heartbeats stopped while its process was stopped)
+    takes ZMQ's reconnect at once: a request made while the connection is down waits for it and
+    goes out on it, instead of ClusterGone from a healthy cluster. Once nothing takes the
+    reconnect (the router gone for good), a request raises ClusterGone after that one attempt.
+    Reconnects come 1-2 s apart here, so that the test's own steps fit before the first."""
+    context = zmq.Context.instance()
+    first = context.socket(zmq.ROUTER)
+    first.setsockopt(zmq.LINGER, 0)
+    port = first.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    client = _slowly_reconnecting_client(endpoint)
+    second = context.socket(zmq.ROUTER)
+    second.setsockopt(zmq.LINGER, 0)
+
+    def answer(router: zmq.Socket) -> None:
+        assert router.poll(10_000)
+        identity, frame = router.recv_multipart()
+        request = decode(frame)
+        assert isinstance(request, StatsRequest)
+        router.send_multipart([identity, encode(Stats(3, {}, tag=request.tag))])
+
+    async def main() -> None:
+        try:
+            ask = asyncio.create_task(client.stats())
+            assert await asyncio.to_thread(first.poll, 5000)
+            first.close()  # the client is dropped
+            with pytest.raises(ClusterGone):  # what was in flight is gone with the connection
+                await asyncio.wait_for(ask, 10)
+            for _ in range(100):  # the port frees as the closed socket's I/O thread lets go of it
+                try:
+                    second.bind(endpoint)
+                    break
+                except zmq.ZMQError:
+                    await asyncio.sleep(0.001)
+            again = asyncio.create_task(client.stats(timeout=10))
+            await asyncio.to_thread(answer, second)  # it went out on the new connection
+            assert (await again).requests_in_flight == 3
+            second.close()  # and now nothing comes back
+            await asyncio.sleep(0.05)  # the monitor reports the disconnect
+            started = time.monotonic()
+            with pytest.raises(ClusterGone):
+                await asyncio.wait_for(client.stats(), 10)
+            assert time.monotonic() - started < 5  # one failed reconnect, 1-2 s, not the timeout
+        finally:
+            client.close()
+
+    asyncio.run(main())
+
+
+def test_closing_an_async_client_ends_a_send_waiting_for_its_reconnect() -> None:
+    """A call waiting for the reconnect of a dropped connection ends with ClientClosed when the
+    client closes, not ClusterGone after the wait."""
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    client = _slowly_reconnecting_client(f"tcp://127.0.0.1:{port}")
+
+    async def main() -> None:
+        ask = asyncio.create_task(client.stats())
+        assert await asyncio.to_thread(router.poll, 5000)
+        router.close()
+        with pytest.raises(ClusterGone):
+            await asyncio.wait_for(ask, 10)
+        again = asyncio.create_task(client.stats())
+        await asyncio.sleep(0.1)
+        assert not again.done()  # waiting for the reconnect
+        client.close()
+        with pytest.raises(ClientClosed):
+            await asyncio.wait_for(again, 1)
+
+    asyncio.run(main())
 
 
 def test_an_id_the_router_makes_is_not_one_the_client_is_using(rig: RouterRig) -> None:

@@ -7,9 +7,10 @@ beside its ZMQ inbox, and another leader of its node sends its messages there, f
 ZMQ (which queues until the peer is up) whenever a datagram cannot go: no such socket yet (TCP
 peers, a peer not started or gone), its queue full, or a message over ``MAX_DATAGRAM_BYTES``.
 
-Messages to one peer may then arrive out of order across the two channels. Leaders only send
-each other a request's announce and its reply, each sent after the other was read, so one
-request's messages stay in order.
+Messages to one peer may then arrive out of order across the two channels, so only the KV
+announces go this way: the decode leader takes them in whatever order they come, and its replies
+go over ZMQ, in order. That order matters: a push backend's receives are posted in the order the
+replies were sent, and the prefill side issues the matching sends in the order it reads them.
 """
 
 from __future__ import annotations

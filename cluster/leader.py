@@ -112,11 +112,14 @@ class GroupLeader:
     def send_router(self, message: Message) -> None:
         self.to_router.send(encode(message))
 
-    def send_leader(self, role: str, group: int, message: Message) -> None:
+    def send_leader(self, role: str, group: int, message: Message, any_order: bool = False) -> None:
+        """Send to another group's leader over ZMQ, which keeps the order of this leader's
+        messages to it; with ``any_order`` as a datagram where one can go (``cluster.datagrams``):
+        it may then overtake earlier messages."""
         key = (role, group)
         address = self._peer_addresses.get(key) or self.addresses.leader(role, group)
         data = encode(message)
-        if self._to_leaders.send(address, data):
+        if any_order and self._to_leaders.send(address, data):
             return
         if key not in self._leaders:
             self._leaders[key] = self._push(address)

@@ -173,7 +173,8 @@ class PrefillLeader(GroupLeader):
                 continue
             self.announced[handoff.announce.request_id] = handoff
             promised += self._staging_need(handoff)
-            self.send_leader("decode", handoff.decode_group, handoff.announce)
+            # Announces may arrive in any order: the decode leader's replies carry the one it took.
+            self.send_leader("decode", handoff.decode_group, handoff.announce, any_order=True)
 
     def _staging_room(self, handoff: _Handoff, promised: int) -> bool:
         """Bound the packed KV held for sends in flight or promised (the first one always goes)."""

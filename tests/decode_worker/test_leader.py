@@ -514,18 +514,20 @@ def test_a_later_request_leaves_the_waiting_one_room_for_its_own_headroom_too(se
     assert setup.replies(1) == [KVReply("long", accepted=True)]
 
 
-def test_a_prefill_leader_on_the_node_gets_its_replies_as_datagrams(setup: Setup, tmp_path: Path) -> None:
-    """A prefill leader binds a datagram inbox beside its ZMQ one (``cluster.datagrams``): the
-    replies go there, and nothing over ZMQ. Without one (the other tests' prefill groups), they
-    go over ZMQ."""
+def test_replies_keep_their_order_on_zmq_where_the_prefill_leader_takes_datagrams(setup: Setup, tmp_path: Path) -> None:
+    """A prefill leader of the node binds a datagram inbox beside its ZMQ one (``cluster.datagrams``),
+    but the replies go over ZMQ, in the order the receives were posted: a push backend's sends
+    follow the order the prefill leader reads them. As datagrams, those past the socket's queue
+    fell back to ZMQ and were read before the earlier ones still queued."""
     datagrams = DatagramInbox.beside(f"ipc://{tmp_path}/prefill0")
     assert datagrams is not None
     try:
-        setup.announce("r")
-        assert [decode(data) for data in datagrams.drain()] == [KVReply("r", accepted=True)]
-        assert setup.replies(0) == []
-        setup.announce("s", prefill_group=1)
-        assert setup.replies(1) == [KVReply("s", accepted=True)]
+        ids = [f"r{i}" for i in range(16)]  # past a default Linux datagram queue (10)
+        for request_id in ids:
+            setup.announce(request_id, prompt=[5, 6, 7])
+        assert setup.replies(0) == [KVReply(r, accepted=True) for r in ids]
+        assert list(setup.transfers.posted) == ids
+        assert list(datagrams.drain()) == []
     finally:
         datagrams.close()
 

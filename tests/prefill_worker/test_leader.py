@@ -15,6 +15,7 @@ import zmq
 
 from pdserve.cluster import leader as group_leader
 from pdserve.cluster.config import Addresses
+from pdserve.cluster.datagrams import DatagramInbox
 from pdserve.cluster.protocol import Abort, KVAnnounce, KVReply, Sampling, Shutdown, WorkRequest, decode
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
@@ -116,6 +117,27 @@ def _announced(decode_inbox: zmq.Socket) -> list[str]:
         assert isinstance(message, KVAnnounce)
         out.append(message.request_id)
     return out
+
+
+def test_a_decode_leader_on_the_node_gets_its_announces_as_datagrams(
+    tmp_path: Path, tiny_model_dirs: dict[str, Path]
+) -> None:
+    """A decode leader of the node binds a datagram inbox beside its ZMQ one (``cluster.datagrams``):
+    an announce goes there, which wakes the leader alone; without one it goes over ZMQ."""
+    with leader_setup(tmp_path, tiny_model_dirs, StandInTransfers(), decode_groups=(0, 1)) as rig:
+        datagrams = DatagramInbox.beside(f"ipc://{tmp_path}/decode0")
+        assert datagrams is not None
+        try:
+            rig.prefill.handle(WorkRequest("r", list(range(1, 21)), Sampling(max_tokens=8, temperature=0.0), 0))
+            rig.prefill.handle(WorkRequest("s", list(range(1, 21)), Sampling(max_tokens=8, temperature=0.0), 1))
+            while rig.prefill.engine.has_unfinished():
+                rig.prefill.send_outputs(rig.prefill.engine.step())
+            rig.prefill.background()
+            announces = [decode(data) for data in datagrams.drain()]
+            assert [a.request_id for a in announces if isinstance(a, KVAnnounce)] == ["r"]
+            assert _announced(rig.inboxes[0]) == [] and _announced(rig.inboxes[1]) == ["s"]
+        finally:
+            datagrams.close()
 
 
 def test_a_refused_handoff_is_offered_again_before_any_later_one(

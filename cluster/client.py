@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from pdserve.cluster.auth import secure_client
+from pdserve.cluster.auth import DEFAULT_CLIENT, secure_client
 from pdserve.cluster.protocol import (
     MAX_REQUEST_ID_CHARS,
     Abort,
@@ -202,7 +202,7 @@ class Client:
         timeout: float = 60.0,
         auth_keys: str | None = None,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
-        auth_client: str = "client",
+        auth_client: str = DEFAULT_CLIENT,
     ) -> None:
         self.endpoint = endpoint = normalize_endpoint(endpoint)
         self.timeout = timeout
@@ -467,7 +467,7 @@ class AsyncClient:
         batch_chunks: bool = True,
         auth_keys: str | None = None,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
-        auth_client: str = "client",
+        auth_client: str = DEFAULT_CLIENT,
     ) -> None:
         self.endpoint = endpoint = normalize_endpoint(endpoint)
         self.timeout = timeout
@@ -855,7 +855,7 @@ class Seconds(click.ParamType):
 @click.option("--auth-keys", type=click.Path(file_okay=False), help="The cluster's key directory (--auth-keys there).")
 @click.option(
     "--auth-client",
-    default="client",
+    default=DEFAULT_CLIENT,
     show_default=True,
     help="Whose key pair of --auth-keys DIR to use (python -m pdserve.cluster.auth DIR --client NAME adds one).",
 )

@@ -44,6 +44,7 @@ import torch
 import zmq
 
 from pdserve.cluster import reaper
+from pdserve.cluster.auth import DEFAULT_CLIENT, check_client_keys, check_router_keys
 from pdserve.cluster.config import API_KEY_ENV, Addresses, ClusterConfig, GroupLayout
 from pdserve.cluster.group import (
     SAME_STOP_S,
@@ -215,6 +216,8 @@ class Cluster:
         if warning is not None:
             logger.warning(warning)
         check_model_spec(c.engine.model)  # a mistyped name is the mistake to name, not a busy port
+        if c.auth_keys is not None:
+            _check_keys(c.auth_keys, front_end=c.http_port is not None)
         for port, flag in ((c.port, "--port"), (c.http_port, "--http-port")):
             if port is not None:
                 _check_port_free(c.host, port, flag)
@@ -800,6 +803,21 @@ def exposure_warning(host: str) -> str | None:
         f"--host {host}: the client endpoint (and the HTTP API, if on) can be reached from other machines, "
         "and clients are not authenticated: anyone who reaches it can use and stop requests"
     )
+
+
+def _check_keys(directory: str, front_end: bool) -> None:
+    """One line, before anything starts, for a key the router or its HTTP front end would miss."""
+    try:
+        check_router_keys(directory)
+    except FileNotFoundError as e:
+        raise ClusterError(f"--auth-keys: {e}") from None
+    if front_end:
+        try:
+            check_client_keys(directory)
+        except FileNotFoundError as e:
+            raise ClusterError(
+                f"--auth-keys with --http-port: the HTTP front end connects as {DEFAULT_CLIENT!r}: {e}"
+            ) from None
 
 
 def _check_port_free(host: str, port: int, flag: str = "--port") -> None:

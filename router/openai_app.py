@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdserve.cluster.auth import DEFAULT_CLIENT
 from pdserve.cluster.client import AsyncClient, ClusterError, ClusterUnavailable
 from pdserve.cluster.config import cluster_settings, model_names, origins, prompt_chars_limit
 from pdserve.cluster.protocol import Chunk, Error, Final, Logprobs, Sampling, Stats
@@ -118,6 +119,7 @@ class Frontend:
         timeout: float = 600.0,
         drain_timeout: float = 30.0,
         auth_keys: str | None = None,
+        auth_client: str = DEFAULT_CLIENT,
         max_message_mib: float = SHARED["max_message_mib"].default,
         max_prompt_chars: int | None = SHARED["max_prompt_chars"].default,
         api_key: str | None = None,
@@ -133,6 +135,7 @@ class Frontend:
         self.max_body_bytes = int(max_message_mib * 2**20)
         self.max_prompt_chars = max_prompt_chars  # None: from the cluster's maximum model length
         self.auth_keys = auth_keys
+        self.auth_client = auth_client
         self.model_dir = str(model_dir)
         # Aliases (vLLM's): a request may name any; responses name the first.
         self.model_names = model_names(served_model_name) if served_model_name else [Path(model_dir).name]
@@ -175,7 +178,9 @@ class Frontend:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
-        self.client = AsyncClient(self.endpoint, timeout=self.timeout, auth_keys=self.auth_keys)
+        self.client = AsyncClient(
+            self.endpoint, timeout=self.timeout, auth_keys=self.auth_keys, auth_client=self.auth_client
+        )
         try:
             await self._model_len()
         except APIError as e:  # the cluster may come up after us: /health says when

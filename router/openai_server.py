@@ -34,6 +34,7 @@ from types import FrameType
 import click
 import uvicorn
 
+from pdserve.cluster.auth import DEFAULT_CLIENT, check_client_keys
 from pdserve.cluster.client import DEFAULT_ENDPOINT, Seconds, normalize_endpoint
 from pdserve.cluster.config import API_KEY_ENV, model_names
 from pdserve.router.metrics import MULTIPROC_DIR_ENV
@@ -115,6 +116,7 @@ def serve_openai(
     timeout: float = 600.0,
     log_level: str = "info",
     auth_keys: str | None = None,
+    auth_client: str = DEFAULT_CLIENT,
     max_message_mib: float = SHARED["max_message_mib"].default,
     max_prompt_chars: int | None = SHARED["max_prompt_chars"].default,
     api_key: str | None = None,
@@ -137,6 +139,7 @@ def serve_openai(
         timeout=timeout,
         drain_timeout=drain_timeout,
         auth_keys=auth_keys,
+        auth_client=auth_client,
         max_message_mib=max_message_mib,
         max_prompt_chars=max_prompt_chars,
         api_key=api_key,
@@ -209,6 +212,11 @@ def bound_socket(host: str, port: int, reuse_port: bool = False) -> socket.socke
 )
 @click.option("--auth-keys", default=None, help="The cluster's key directory, when it runs with --auth-keys.")
 @click.option(
+    "--auth-client",
+    default=DEFAULT_CLIENT,
+    help="Whose key pair of --auth-keys DIR to use (python -m pdserve.cluster.auth DIR --client NAME adds one).",
+)
+@click.option(
     "--max-message-mib",
     type=click.FloatRange(min=0, min_open=True),
     default=SHARED["max_message_mib"].default,
@@ -275,6 +283,7 @@ def main(
     timeout: float,
     log_level: str,
     auth_keys: str | None,
+    auth_client: str,
     max_message_mib: float,
     max_prompt_chars: int | None,
     api_key: str | None,
@@ -295,6 +304,11 @@ def main(
         raise click.BadParameter(str(e), param_hint="--endpoint") from None
     if api_key is not None and not api_key.strip():
         raise click.BadParameter("must not be empty", param_hint="--api-key")
+    if auth_keys is not None:
+        try:
+            check_client_keys(auth_keys, auth_client)
+        except FileNotFoundError as e:
+            raise click.BadParameter(str(e), param_hint="--auth-keys") from None
     if served_model_name is not None:
         try:
             model_names(served_model_name)
@@ -332,6 +346,7 @@ def main(
         timeout,
         log_level,
         auth_keys,
+        auth_client,
         max_message_mib,
         max_prompt_chars,
         api_key,

@@ -118,6 +118,33 @@ def test_a_wrong_model_is_named_before_a_busy_port(busy_port: int, tmp_path: Pat
     assert_one_line_error(result, "missing", "nor a directory")
 
 
+def test_missing_keys_are_named_before_anything_starts(demo_model_dir: Path, tmp_path: Path, busy_port: int) -> None:
+    """--auth-keys without the router's keys, or (with --http-port) without the pair the front end
+    connects with: one line naming the file and the command that makes it. The front end used to
+    fail at its start-up with a FileNotFoundError traceback, after the ranks had loaded."""
+    from pdserve.cluster.auth import generate_keys
+
+    keys = generate_keys(tmp_path / "keys", "alice")  # no pair named 'client'
+    missing = tmp_path / "none"
+    for args, needles in (
+        (["--auth-keys", str(missing)], (f"{missing}/server.key_secret not found", "pdserve.cluster.auth")),
+        (["--auth-keys", str(keys)], ()),  # the router needs no client's pair: on to the busy --port
+        (
+            ["--auth-keys", str(keys), "--http-port", "8000"],
+            ("front end connects as 'client'", f"pdserve.cluster.auth {keys} --client client"),
+        ),
+    ):
+        result = launch("--model", str(demo_model_dir), "--port", str(busy_port), *args)
+        assert_one_line_error(result, *(needles or (f"cannot listen on 127.0.0.1:{busy_port}",)))
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.router.openai_server", "--auth-keys", str(keys)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert_one_line_error(result, f"{keys}/clients/client.key_secret not found", "--client client")
+
+
 def test_the_launchers_log_lines_carry_a_time_as_the_ranks_do(tmp_path: Path) -> None:
     """The router node's own lines (here: the warning that the endpoint is open to the network)
     are stamped like the ranks' lines, not bare text between them."""

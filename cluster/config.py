@@ -259,7 +259,9 @@ class ClusterConfig:
     )
     start_timeout: float = setting(600.0, help="Seconds the groups may take to become ready.", section="Serving")
     heartbeat_interval: float = setting(
-        0.5, help="Seconds between the heartbeats each TP peer sends the router.", section="Fault tolerance"
+        0.5,
+        help="Seconds between the heartbeats each rank (leader or peer) sends the router.",
+        section="Fault tolerance",
     )
     heartbeat_timeout: float = setting(
         10.0,

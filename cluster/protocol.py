@@ -410,7 +410,7 @@ class GroupInfo(Message):
     joined: bool  # joined at run time from a group node (not started by the router's node)
     requests: int  # requests it holds now
     load: int  # tokens those requests may still occupy it with (the dispatch policies' load)
-    dispatched: int  # requests sent to it since it became ready, cumulative
+    dispatched: int  # requests sent to it since the router started, cumulative
     # Seconds since its last ``worker_stats`` (None before the first): a leader reports between
     # engine steps, so during a long step its report in ``stats.groups`` is this old.
     stats_age: float | None = None

@@ -67,7 +67,8 @@ class TransferConfig:
         "auto",
         help="KV transfer backend: a name in the registry (cuda-ipc, nccl, nccl-async, shm, gloo, gloo-async).",
         section="KV transfer",
-        default_text="auto: cuda-ipc on GPUs of one host, gloo on CPU",
+        default_text="auto: cuda-ipc on GPUs of one host with peer access, nccl-async otherwise or once groups "
+        "may join (--master-addr), gloo on CPU",
         key="transfer",
     )
     # Beyond the bound the prefill side holds its announce and the decode side refuses one.

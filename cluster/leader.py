@@ -48,6 +48,10 @@ from pdserve.engine.timings import RequestTimings
 logger = logging.getLogger(__name__)
 
 _STATS_INTERVAL_S = 0.2
+# How often a leader whose engine is idle looks at its KV hand-offs in flight (a send or copy that
+# completes, a retry that is due); a message wakes it at once. Not 0: on CPUs, where the leader
+# does not spin, a busy loop would take a core from the ranks' compute.
+_HANDOFF_POLL_MS = 1
 # Seconds a stopping leader waits for its KV hand-offs to settle. The router stops every group at
 # once, so a peer that has not answered by then has exited (a hand-off announced to a decode
 # leader that left first is never answered); the exit frees what the hand-off held.
@@ -139,8 +143,10 @@ class GroupLeader:
             while not self.stopping or (self.transfers_pending() and not self._stop_overdue()):
                 if watchdog is not None:
                     watchdog.tick()  # an idle leader comes round every 20 ms too
-                if self.busy():
+                if self.engine.has_unfinished():
                     timeout, spin_until = 0, time.monotonic() + idle_spin_s
+                elif self.handoffs_waiting():
+                    timeout, spin_until = _HANDOFF_POLL_MS, time.monotonic() + idle_spin_s
                 else:
                     timeout = 20
                 for data in self.inbox.receive(timeout, spin_until):
@@ -192,8 +198,9 @@ class GroupLeader:
         )
         return True
 
-    def busy(self) -> bool:
-        return self.engine.has_unfinished() or self.transfers_pending()
+    def handoffs_waiting(self) -> bool:
+        """KV hand-offs this leader looks at between steps: those in flight, and any it retries."""
+        return self.transfers_pending()
 
     def transfers_pending(self) -> bool:
         """KV handed to or from another group and not yet settled (must finish before exit)."""

@@ -76,8 +76,8 @@ class PrefillLeader(GroupLeader):
         self.announced: dict[str, _Handoff] = {}  # waiting for the decode group's reply
         self.sending: dict[str, Transfer] = {}  # sends in flight
 
-    def busy(self) -> bool:
-        return super().busy() or bool(self.to_announce)
+    def handoffs_waiting(self) -> bool:
+        return super().handoffs_waiting() or bool(self.to_announce)
 
     def transfers_pending(self) -> bool:
         # Announced requests await a reply: an accepted one has a receive posted on the other side.

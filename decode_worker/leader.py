@@ -73,7 +73,8 @@ class _RoomWait(NamedTuple):
     """An announce refused for want of free blocks or staging room, to be retried."""
 
     prefill_group: int
-    num_blocks: int
+    num_blocks: int  # its prompt's: the free blocks a later request must leave it
+    moving_blocks: int  # those that move (its prompt's, less any this group caches): the staging room
     refused_at: float
 
 
@@ -135,15 +136,15 @@ class DecodeLeader(GroupLeader):
         # Room goes to announces in the order they were first refused, across prefill groups:
         # a later one goes only if it leaves the first waiting one its room, else a steady flow
         # from one prefill group starves a large request from another.
-        num_blocks = self.engine.blocks_for(len(announce.token_ids))
+        num_blocks = moving = self.engine.blocks_for(len(announce.token_ids))
         ahead = self._first_room_wait(request_id)
-        keep = None if ahead is None else (ahead.prefill_group, ahead.num_blocks)
-        if not self.transfers.has_staging_room(announce.prefill_group, num_blocks, keep):
+        keep = None if ahead is None else (ahead.prefill_group, ahead.moving_blocks)
+        if not self.transfers.has_staging_room(announce.prefill_group, moving, keep):
             # Only the blocks this group's prefix cache lacks move: count them only now, since
             # matching a long prompt costs the loop more than this check.
-            num_blocks -= self.engine.cached_blocks(announce.token_ids)
-            if not self.transfers.has_staging_room(announce.prefill_group, num_blocks, keep):
-                self._wait_for_room(announce, num_blocks)
+            moving -= self.engine.cached_blocks(announce.token_ids)
+            if not self.transfers.has_staging_room(announce.prefill_group, moving, keep):
+                self._wait_for_room(announce, num_blocks, moving)
                 return
         try:
             reservation = self.engine.reserve(
@@ -160,7 +161,7 @@ class DecodeLeader(GroupLeader):
             self.send_router(WorkerError(request_id, "invalid_request", str(e)))
             return
         if reservation is None:
-            self._wait_for_room(announce, num_blocks)
+            self._wait_for_room(announce, num_blocks, moving)
             return
         self.room_waits.pop(request_id, None)
         # Only the blocks after those this group's prefix cache already holds move.
@@ -184,9 +185,9 @@ class DecodeLeader(GroupLeader):
         first = next(iter(self.room_waits), None)
         return None if first in (None, request_id) else self.room_waits[first]
 
-    def _wait_for_room(self, announce: KVAnnounce, num_blocks: int) -> None:
+    def _wait_for_room(self, announce: KVAnnounce, num_blocks: int, moving_blocks: int) -> None:
         """Refuse for now; the prefill side keeps the KV and asks again (in its first place here)."""
-        wait = _RoomWait(announce.prefill_group, num_blocks, time.monotonic())
+        wait = _RoomWait(announce.prefill_group, num_blocks, moving_blocks, time.monotonic())
         self.room_waits[announce.request_id] = wait  # an existing key keeps its place
         self.send_leader("prefill", announce.prefill_group, KVReply(announce.request_id, accepted=False))
 

@@ -37,6 +37,7 @@ class StandInTransfers:
         self.pulling = pulling
         self.staging_room: int | None = None  # blocks a staging backend has room for; None: any
         self.room_asked: list[int] = []  # the block counts ``has_staging_room`` was asked about
+        self.kept: list[tuple[int, int] | None] = []  # and the room it was asked to keep
         self.posted: dict[str, list[int]] = {}
         self.sources: dict[str, list[int]] = {}  # the prefill blocks named in each receive
         self.landed: set[str] = set()
@@ -51,6 +52,7 @@ class StandInTransfers:
 
     def has_staging_room(self, peer_group: int, num_blocks: int, keep: tuple[int, int] | None = None) -> bool:
         self.room_asked.append(num_blocks)
+        self.kept.append(keep)
         return self.staging_room is None or num_blocks <= self.staging_room
 
     def pulls(self, peer_group: int) -> bool:
@@ -283,6 +285,36 @@ def test_staging_room_is_asked_for_the_blocks_the_cache_lacks(setup: Setup) -> N
     assert setup.replies() == [KVReply("t1", accepted=True, cached_blocks=2)]
     assert len(setup.transfers.posted["t1"]) == 2
     assert setup.transfers.room_asked[-2:] == [4, 2]  # the cache is matched only when room is short
+
+
+def test_a_request_waiting_for_staging_room_keeps_its_whole_prompts_blocks_free(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "t1" (4 blocks, 2 of them cached here) waits for staging room. A later request from
+    another prefill group must leave it staging room for the 2 that move, and free blocks for its
+    whole prompt (the cached two may be evicted meanwhile) plus the headroom block: before, both
+    were the 2 blocks that move."""
+    setup.announce("t0")
+    setup.transfers.land("t0")
+    setup.leader.background()
+    answer = [7, *setup.decode_all()]
+    setup.replies()
+    setup.transfers.staging_room = 1
+    setup.announce("t1", PROMPT + answer + list(range(200, 210)))  # 4 blocks, 2 cached: 2 move
+    assert setup.replies() == [KVReply("t1", accepted=False)]
+    kept_free = []
+    reserve = setup.engine.reserve
+
+    def recording_reserve(*args: Any, **kwargs: Any) -> Any:
+        kept_free.append(kwargs["keep_free"])
+        return reserve(*args, **kwargs)
+
+    monkeypatch.setattr(setup.engine, "reserve", recording_reserve)
+    setup.transfers.staging_room = None
+    setup.announce("x", [5, 6, 7], prefill_group=1)
+    assert setup.replies(1) == [KVReply("x", accepted=True)]
+    assert setup.transfers.kept[-1] == (0, 2)
+    assert kept_free == [4 + 1]
 
 
 def test_an_abort_during_a_partial_receive_caches_nothing_that_was_arriving(setup: Setup) -> None:

@@ -487,7 +487,8 @@ class KVAnnounce(Message):
 
 
 class KVReply(Message):
-    """Decode leader -> prefill leader: ``accepted`` or refused (no blocks). Accepted means the
+    """Decode leader -> prefill leader: ``accepted`` or refused (no room yet, a pair still
+    forming, an aborted or stale announce: the prefill side asks again or frees). Accepted means the
     receive is posted (push backends) or, where the decode side pulls the KV, that the pull is
     complete: the prefill side may then free the blocks. The decode group's prefix cache held
     the KV of the announce's first ``cached_blocks`` blocks already: only the others move."""
@@ -509,7 +510,7 @@ class WorkerStats(Message):
     running: int
     waiting: int
     kv_held: int  # prefill: prefilled requests keeping their KV; decode: receives in flight
-    kv_refused: int  # prefill: announcements the decode side refused (back-pressure), cumulative
+    kv_refused: int  # prefill: announcements the decode side refused (back-pressure, a pair forming), cumulative
     # The prefix cache, cumulative (0 without one): prompt tokens looked up, those it held, and
     # blocks it evicted.
     prefix_queried_tokens: int = 0

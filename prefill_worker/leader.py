@@ -9,8 +9,8 @@ Lifecycle of a request here:
    this rank's send completes (sync: at once; async: polled between steps). Where the decode
    side pulls the KV (``TransferBackend.pulls``), it replies only once its copy is complete:
    the send has nothing left to do and the blocks are freed at once.
-   ``KVReply`` refused (the decode group has no free blocks) -> the announcement is retried
-   later with back-off; the KV stays here meanwhile (back-pressure, never a drop), and the later
+   ``KVReply`` refused (the decode group has no room yet, or its pair is still forming) -> the
+   announcement is retried later with back-off; the KV stays here meanwhile (back-pressure, never a drop), and the later
    requests to that decode group wait behind it (first prefilled, first offered). One waiting
    for staging room (the buffers of sends in flight or announced, shared by every decode group)
    holds back every later one.
@@ -36,7 +36,7 @@ from pdserve.cluster.leader import GroupLeader
 from pdserve.cluster.protocol import KVAnnounce, KVReply, Message, WorkerError, WorkRequest
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.kvtransfer.agent import KVTransferAgent
-from pdserve.kvtransfer.base import Transfer
+from pdserve.kvtransfer.base import Transfer, TransferFailed
 
 _RETRY_FIRST_S = 0.002
 _RETRY_MAX_S = 0.05
@@ -140,6 +140,10 @@ class PrefillLeader(GroupLeader):
 
     def background(self) -> None:
         for request_id in [r for r, transfer in self.sending.items() if transfer.done()]:
+            try:
+                self.sending[request_id].wait()
+            except TransferFailed:  # its decode group died: the router moves the request
+                self.kv_transfer_failures += 1
             self._release(request_id)
         now = time.monotonic()
         # A decode group is offered KV in prefill order: one handoff that must wait holds back

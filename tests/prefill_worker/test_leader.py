@@ -20,7 +20,7 @@ from pdserve.cluster.protocol import Abort, KVAnnounce, KVReply, Sampling, Shutd
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvtransfer.agent import KVTransferAgent
-from pdserve.kvtransfer.base import Transfer, TransferStats
+from pdserve.kvtransfer.base import Transfer, TransferFailed, TransferStats
 from pdserve.prefill_worker import leader as prefill_leader
 from pdserve.prefill_worker.leader import PrefillLeader
 from pdserve.tests.cluster.helpers import worker_errors
@@ -187,6 +187,7 @@ class Send(Transfer):
 
     def __init__(self, backend: Backend, nbytes: int) -> None:
         self.backend, self.nbytes, self.landed = backend, nbytes, False
+        self.cut = False  # ends as a send whose decode group died
         backend.staging += nbytes
 
     def done(self) -> bool:
@@ -195,6 +196,8 @@ class Send(Transfer):
         return self.landed
 
     def wait(self) -> TransferStats:
+        if self.cut:
+            raise TransferFailed("the decode group died")
         return TransferStats(0, 0.0)
 
 
@@ -304,6 +307,25 @@ def test_a_handed_off_request_leaves_no_state_behind(tmp_path: Path, tiny_model_
         prefill.background()
         assert prefill.engine.stats().free_blocks == 64
         assert not (prefill.next_index or prefill.work or prefill.announced or prefill.sending)
+
+
+def test_a_send_cut_off_frees_its_blocks_and_counts_as_a_failure(
+    tmp_path: Path, tiny_model_dirs: dict[str, Path]
+) -> None:
+    """A send whose decode group died ends like one that landed (its blocks freed), and the
+    group's ``kv_transfer_failures`` counts it, as the decode side counts its own."""
+    backends = {0: Backend(), 1: Backend()}
+    with two_decode_groups(tmp_path, tiny_model_dirs, backends) as (prefill, inboxes, _):
+        for request_id, group in (("cut", 0), ("kept", 1)):
+            prefilled(prefill, request_id, 10, group)
+        prefill.background()
+        for request_id in ("cut", "kept"):
+            prefill.handle(KVReply(request_id, True))
+        backends[0].sends[0].landed = backends[0].sends[0].cut = True
+        backends[1].sends[0].landed = True
+        prefill.background()
+        assert prefill.stats().kv_transfer_failures == 1
+        assert prefill.engine.stats().free_blocks == 64 and not prefill.sending
 
 
 def test_handoffs_announced_and_not_yet_sending_count_against_the_staging_bound(

@@ -239,7 +239,9 @@ class GroupLeader:
                 "left the cluster" if message.left else "failed",
             )
             sock = self._leaders.pop((message.role, message.group), None)
-            if sock is not None:  # what was queued for the dead group must not reach its successor
+            # What was queued for the dead group must not reach its successor. A reply sent before
+            # its restart is known may: the successor ignores replies to announces it never made.
+            if sock is not None:
                 sock.close(linger=0)
             self.peer_failed(message.group)
         elif isinstance(message, PeerRestarted):

@@ -137,8 +137,7 @@ def _lead(spec: WorkerSpec, engine: LLMEngine, watchdog: Watchdog) -> None:
         if spec.role == "prefill":
             leader = PrefillLeader(spec.group, spec.addresses, engine, transfers, lease, spec.generation)
         else:
-            prefill_generations = spec.generations.get("prefill", [])
-            leader = DecodeLeader(spec.group, spec.addresses, engine, transfers, lease, prefill_generations)
+            leader = DecodeLeader(spec.group, spec.addresses, engine, transfers, lease, spec.generations["prefill"])
     leader.run(watchdog, spec.timing.leader_spin_s)
 
 

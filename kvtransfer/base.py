@@ -202,7 +202,6 @@ class Transfer(ABC):
 class TransferBackend(ABC):
     """Moves KV blocks of ``kv_cache`` (``[layers, 2, blocks, block_size, kv_heads, head_dim]``)."""
 
-    is_async: bool = False
     pulls: bool = False  # the decode side copies from the prefill pool (see the module docstring)
 
     def __init__(self, config: TransferConfig, topology: TransferTopology, kv_cache: torch.Tensor) -> None:

@@ -127,7 +127,6 @@ def open_pool(store: dist.Store, global_rank: int) -> torch.Tensor:
 class IpcBackend(TransferBackend):
     """The decode leader pulls; see the module docstring."""
 
-    is_async = True
     pulls = True
 
     def __init__(self, config: TransferConfig, topology: TransferTopology, kv_cache: torch.Tensor) -> None:

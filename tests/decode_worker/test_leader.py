@@ -362,7 +362,6 @@ class PushBackend:
     """What the agent uses of a push backend (nccl-async, gloo-async) on one rank."""
 
     pulls = False
-    is_async = True
 
     def __init__(self) -> None:
         self.parts: list[Part] = []

@@ -205,7 +205,6 @@ class Backend:
     """What the agent uses of a push backend to one decode group: blocks of 100 bytes."""
 
     pulls = False
-    is_async = True
 
     def __init__(self, connected: bool = True) -> None:
         self.staging = 0

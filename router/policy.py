@@ -7,10 +7,11 @@ from collections.abc import Callable, Mapping
 
 
 class DispatchPolicy(ABC):
-    """Picks one group index given each group's outstanding tokens (prompt + tokens to come)
-    and, for policies that use them, how many leading tokens of the prompt each group's prefix
-    cache holds (``cached``) and how many blocks it holds in all (``cache_sizes``); groups
-    absent from either hold none."""
+    """Picks one group index given each group's outstanding tokens (prompt + tokens to come of
+    the requests it holds; a prefill group holds one until its first token) and, for policies
+    that use them, how many leading tokens of the prompt each group's prefix cache holds
+    (``cached``) and how many blocks it holds in all (``cache_sizes``); groups absent from
+    either hold none."""
 
     uses_cache: bool = False  # whether ``pick`` reads the cache mappings: the router skips them otherwise
 

@@ -110,6 +110,7 @@ class RequestState:
     include_stop_str_in_output: bool = False  # the text keeps the stopping token's
     entry_group: tuple[str, int] | None = None  # prefill (or colocated) group; None until dispatched
     decode_group: int | None = None
+    entry_charge: int = 0  # tokens it adds to its entry group's load: none once a prefill group is done with it
     base_id: str = ""  # the internal id of its first attempt; a move adds ".N"
     migrations: int = 0
     offset: int = 0  # tokens streamed before the current attempt (its output index 0 is this one)
@@ -515,12 +516,16 @@ class Router:
         computing in its entry group's cache view drop it."""
         if self.prefix_index is not None:
             self.prefix_index.settled(request_id)
-        # A group that left the cluster has no load to take back.
-        if state.entry_group is not None and state.entry_group[1] in self.entry_load:
-            self.entry_load[state.entry_group[1]] -= state.outstanding_tokens
+        self._release_entry_load(state)
         if state.decode_group is not None and state.decode_group in self.decode_load:
             self.decode_load[state.decode_group] -= state.outstanding_tokens
         state.entry_group, state.decode_group = None, None
+
+    def _release_entry_load(self, state: RequestState) -> None:
+        """Its entry group's load drops it (a group that left the cluster has none to take back)."""
+        if state.entry_group is not None and state.entry_group[1] in self.entry_load:
+            self.entry_load[state.entry_group[1]] -= state.entry_charge
+        state.entry_charge = 0
 
     def _taking(self, role: str) -> dict[int, int]:
         """The groups of ``role`` that take new requests (ready, not draining), with their loads."""
@@ -552,7 +557,8 @@ class Router:
             decode_cached, decode_sizes = self.decode_prefix_index.lookup(hashes, len(prompt), decodes)
         decode_group = self.decode_policy.pick(decodes, decode_cached, decode_sizes) if decodes else None
         state.entry_group, state.decode_group = (self.entry_role, entry), decode_group
-        self.entry_load[entry] += state.outstanding_tokens
+        state.entry_charge = state.outstanding_tokens
+        self.entry_load[entry] += state.entry_charge
         self.dispatched[state.entry_group] += 1
         if decode_group is not None:
             self.decode_load[decode_group] += state.outstanding_tokens
@@ -925,6 +931,8 @@ class Router:
                 state.entry_timings = current.timings
                 if self.prefix_index is not None:  # this attempt's first token: its prompt is in
                     self.prefix_index.settled(output.request_id)
+                if self.entry_role == "prefill":  # and the prefill group is done with it
+                    self._release_entry_load(state)
             if state.first_token is None:
                 state.first_token = time.monotonic()
             state.token_ids.extend(current.token_ids)

@@ -10,12 +10,22 @@ import pytest
 
 from pdserve.cluster.config import DISPATCH_POLICIES, ClusterConfig
 from pdserve.cluster.leader import CacheEventHashes
-from pdserve.cluster.protocol import block_hash, prefix_hashes
+from pdserve.cluster.protocol import (
+    Generate,
+    Sampling,
+    TokenOutput,
+    TokenOutputs,
+    WorkRequest,
+    block_hash,
+    encode,
+    prefix_hashes,
+)
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling import SamplingParams
 from pdserve.router.policy import CacheAware, create_policy, policy_names
 from pdserve.router.prefix_index import PrefixIndex
+from pdserve.tests.router.helpers import RouterRig, router_rig
 
 BLOCK = 4
 
@@ -186,3 +196,23 @@ def test_the_router_index_stays_in_step_with_an_engine_under_eviction_pressure(
             assert index.matched_tokens(prefix_hashes(system, block)) == {0: expected}
     stats = engine.stats().prefix_cache
     assert stats is not None and stats.evicted_blocks > 0 and evicted_prefixes > 0  # the pressure was real
+
+
+@pytest.mark.parametrize("mode", ["disagg", "colocated"])
+def test_a_prefill_group_is_idle_again_once_it_returned_the_first_token(tmp_path: Path, mode: str) -> None:
+    """Least-tokens over two entry groups: a request with a long output whose first token came
+    back leaves its prefill group idle (it decodes elsewhere), so the next request goes there; a
+    colocated group still decodes it, so the next one goes to the other group. The prefill
+    group used to carry every request's whole output budget until the request ended."""
+    entry = "prefill" if mode == "disagg" else "colocated"
+    settings: dict[str, object] = {"mode": mode, "dispatch": "least-tokens", f"{entry}_groups": 2}
+    with router_rig(tmp_path, settings, RouterRig) as rig:
+        rig.client.send(encode(Generate(request_id="long", token_ids=[5, 6, 7], sampling=Sampling(max_tokens=250))))
+        (work,) = rig.received(entry, 0)
+        assert isinstance(work, WorkRequest)
+        rig.worker(TokenOutputs([TokenOutput(work.request_id, 0, [11])]))
+        rig.client.send(encode(Generate(request_id="next", token_ids=list(range(1, 201)), sampling=Sampling())))
+        expected = 0 if mode == "disagg" else 1
+        assert [type(m) for m in rig.received(entry, expected)] == [WorkRequest]
+        loads = {g.group: g.load for g in rig.router.members() if g.role == entry}
+        assert loads[1 - expected] == (0 if mode == "disagg" else 3 + 250)

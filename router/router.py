@@ -775,6 +775,7 @@ class Router:
         if not client_id:  # made here: never one this client is using
             while not client_id or (client, client_id) in self.by_client:
                 client_id = f"req-{next(self._ids)}"
+            request.request_id = client_id  # its name from now on, also for ``_on_client``'s guard
         if not self.accepting:
             self._reply(client, Error(client_id, "shutting_down", "the cluster is shutting down"))
             return

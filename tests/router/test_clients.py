@@ -498,20 +498,25 @@ def test_the_asyncio_client_is_an_async_context_manager(rig: RouterRig) -> None:
         client._socket.send(b"")
 
 
+@pytest.mark.parametrize("named", [True, False])
 def test_a_router_bug_while_dispatching_ends_the_request_once_and_frees_its_id(
-    rig: RouterRig, monkeypatch: pytest.MonkeyPatch
+    rig: RouterRig, monkeypatch: pytest.MonkeyPatch, named: bool
 ) -> None:
     """An exception after the request was registered (in dispatch) answers ``internal_error``
-    and ends the request: its id is free again, and a later drop of the client sends nothing."""
+    and ends the request: its id is free again, and a later drop of the client sends nothing.
+    Also for a request the router named (no request_id given), which used to stay registered
+    and get an error without its id."""
 
     def broken(request_id: str) -> None:
         raise RuntimeError("a bug")
 
     with monkeypatch.context() as patch:
         patch.setattr(rig.router, "_dispatch", broken)
-        rig.client.send(encode(Generate("x", token_ids=[5, 6, 7], sampling=Sampling(max_tokens=1))))
+        request_id = "x" if named else None
+        rig.client.send(encode(Generate(request_id, token_ids=[5, 6, 7], sampling=Sampling(max_tokens=1))))
         (reply,) = rig.replies()
-    assert isinstance(reply, Error) and (reply.request_id, reply.code) == ("x", "internal_error")
+    assert isinstance(reply, Error) and reply.code == "internal_error"
+    assert reply.request_id == "x" if named else reply.request_id.startswith("req-")
     assert rig.router.requests == {} and rig.router.client_load == {}
     rig.client.send(encode(Generate("x", token_ids=[5, 6, 7], sampling=Sampling(max_tokens=1))))
     rig.pump()

@@ -93,6 +93,9 @@ PARKED_PING_S = 1.0
 _CLIENT_SEND_HWM = 100_000
 # Worker errors that mean "this attempt lost its KV", not "this request is wrong": it moves.
 _MIGRATE_CODES = ("kv_lease_expired", "kv_transfer_failed")
+# How long one ``poll`` goes on reading while messages keep coming, before it returns the loop
+# to the launcher (which fails dead groups, moves their requests and expires parked ones).
+_READ_BUDGET_S = 0.05
 _OTHER_ROLE = {"prefill": "decode", "decode": "prefill"}
 
 
@@ -620,7 +623,8 @@ class Router:
             self._send(client, encode(Ping()))
 
     def poll(self, timeout_ms: int) -> None:
-        """Handle whatever arrives within ``timeout_ms`` (then everything already queued)."""
+        """Handle whatever arrives within ``timeout_ms``, then what is already queued for up to
+        ``_READ_BUDGET_S`` (the rest waits for the next call)."""
         start = time.monotonic()
         if self._last_poll is not None:
             self._unread = max(self._unread, start - sum(self._last_poll))
@@ -630,7 +634,8 @@ class Router:
             if request_id in self.requests:
                 self._dispatch(request_id)
         events = dict(self._poller.poll(timeout_ms))
-        while self.inbox in events or self.frontend in events:
+        budget_end = time.monotonic() + _READ_BUDGET_S
+        while (self.inbox in events or self.frontend in events) and time.monotonic() < budget_end:
             if self.inbox in events:
                 self._on_worker(self.inbox.recv())
             if self.frontend in events:
@@ -639,6 +644,8 @@ class Router:
                     self._peer = _peer_address(frames[1])
                     self._on_client(frames[0].bytes, frames[1].bytes)
             events = dict(self._poller.poll(0))
+        # Reading counts as reading: a stall is only time between polls (``check_heartbeats``).
+        self._last_poll = (start, max(timeout_ms / 1000, time.monotonic() - start))
         if self.draining:
             self._check_drains()
         if self.parked:

@@ -172,6 +172,37 @@ def test_a_stall_of_the_router_itself_fails_no_group(rig: Rig) -> None:
     assert silent[:2] == ("decode", 1) and "rank 1" in silent[2]
 
 
+def test_a_long_queue_is_read_in_slices_and_reading_is_no_stall(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Messages that keep coming (here slow to handle, as the longest text prompts are to
+    tokenize) no longer hold one ``poll`` until the queue is empty: it returns once past its read
+    budget, so the launcher's loop goes round (it fails dead groups and moves their requests).
+    The time spent reading is no stall of the router: a rank silent throughout is still
+    reported, where the heartbeat check used to take the busy poll for the router stopped and
+    start every deadline again."""
+    handled = []
+
+    def slow(client: bytes, data: bytes) -> None:
+        handled.append(data)
+        time.sleep(0.4)
+
+    monkeypatch.setattr(rig.router, "_on_client", slow)
+    deadline = time.monotonic() + 0.9
+    while time.monotonic() < deadline:  # decode1's rank 1 silent past the timeout below
+        for role, group, tp in (("prefill", 0, 1), ("decode", 0, 2), ("decode", 1, 2)):
+            for rank in range(tp):
+                if (role, group, rank) != ("decode", 1, 1):
+                    rig.to_router.send(encode(Heartbeat(role, group, rank)))
+        rig.pump(0.05)
+    for i in range(10):
+        rig.client.send(b"%d" % i)
+    time.sleep(0.02)  # queued
+    started = time.monotonic()
+    rig.router.poll(0)
+    assert time.monotonic() - started < 1.2 and len(handled) == 1
+    (silent,) = rig.router.check_heartbeats(0.7)  # the poll read for 0.4 s: past half of it
+    assert silent[:2] == ("decode", 1) and "rank 1" in silent[2]
+
+
 def test_a_silent_rank_of_a_ready_group_is_reported_within_the_timeout(rig: Rig) -> None:
     assert rig.router.check_heartbeats(0.3) == []
     deadline = time.monotonic() + 0.6

@@ -86,7 +86,7 @@ from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.rejection_log import RejectionLog, shorten
 
 logger = logging.getLogger(__name__)
-PARKED_PING_S = 1.0
+PING_S = 1.0
 
 # Messages queued for one client before it counts as gone: far beyond what a reading client
 # lets pile up, small enough that one that never reads cannot grow the router without bound.
@@ -205,6 +205,7 @@ class Router:
         self.requests: dict[str, RequestState] = {}
         self.by_client: dict[tuple[bytes, str], str] = {}
         self.client_load: dict[bytes, int] = {}  # requests in flight by client
+        self._last_sent: dict[bytes, float] = {}  # when each client with requests in flight last got a message
         self.ready: set[tuple[str, int]] = set()
         # Groups spawned and not yet ready: a ``ready`` from any other is a dead generation's.
         self.starting: set[tuple[str, int]] = set(self.tp_sizes)
@@ -214,7 +215,7 @@ class Router:
         self._last_poll: tuple[float, float] | None = None
         self._unread = 0.0
         self._failures: list[tuple[str, int, str]] = []  # joined groups their nodes reported failed
-        self._next_ping = 0.0  # when the clients of parked requests are next asked whether they are there
+        self._next_ping = 0.0  # when quiet clients are next asked whether they are there
         # Requests waiting for a ready group of a role -> since when; in that order (dispatch_timeout).
         self.parked: dict[str, float] = {}
         # Requests moved off a group, sent again at the next poll: the launcher's supervision pass
@@ -608,18 +609,16 @@ class Router:
                 timeout,
             )
 
-    def _ping_parked_clients(self) -> None:
-        """Every ``PARKED_PING_S``, a ping to each client with a request parked that long: nothing
-        else goes to it until a group comes, so only a failed send tells that it is gone (its
-        requests are then aborted: they would hold a drain, and their slots, until the dispatch
-        timeout). A request parked for less (a group about to be ready) costs its client none."""
+    def _ping_quiet_clients(self) -> None:
+        """Every ``PING_S``, a ping to each client with a request in flight that got nothing for
+        that long (a request parked until a group comes, or one that streams nothing until its
+        final): only a failed send tells that a client is gone, and its requests are then aborted,
+        not run to their end (a drain waiting on them) or held until the dispatch timeout."""
         now = time.monotonic()
         if now < self._next_ping:
             return
-        self._next_ping = now + PARKED_PING_S
-        waited = now - PARKED_PING_S
-        clients = {client for (client, _), rid in self.by_client.items() if self.parked.get(rid, now) <= waited}
-        for client in clients:
+        self._next_ping = now + PING_S
+        for client in [c for c, sent in self._last_sent.items() if now - sent >= PING_S]:
             self._send(client, encode(Ping()))
 
     def poll(self, timeout_ms: int) -> None:
@@ -650,7 +649,8 @@ class Router:
             self._check_drains()
         if self.parked:
             self._expire_parked()
-            self._ping_parked_clients()
+        if self._last_sent:
+            self._ping_quiet_clients()
 
     def stop_accepting(self) -> None:
         self.accepting = False
@@ -698,6 +698,8 @@ class Router:
     def _send(self, client: bytes, data: bytes) -> None:
         try:
             self.frontend.send_multipart([client, data], flags=zmq.NOBLOCK)
+            if client in self._last_sent:
+                self._last_sent[client] = time.monotonic()
         except zmq.Again:
             self._drop_client(client, "stopped reading (its send queue is full)")
         except zmq.ZMQError as e:
@@ -830,6 +832,7 @@ class Router:
         self.requests[request_id] = state
         self.by_client[(client, client_id)] = request_id
         self.client_load[client] = self.client_load.get(client, 0) + 1
+        self._last_sent.setdefault(client, time.monotonic())
         self._dispatch(request_id)
 
     def _prompt_tokens(self, request: Generate) -> list[int]:
@@ -976,6 +979,7 @@ class Router:
             self.client_load[state.client] -= 1
         else:
             del self.client_load[state.client]
+            self._last_sent.pop(state.client, None)
         self._unassign(request_id, state)
         return state
 

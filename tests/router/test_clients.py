@@ -36,6 +36,7 @@ from pdserve.cluster.protocol import (
     decode,
     encode,
 )
+from pdserve.router.router import PING_S
 from pdserve.tests.router.helpers import RouterRig, router_rig
 
 
@@ -48,6 +49,29 @@ def rig(tmp_path: Path) -> Iterator[RouterRig]:
 def _work(rig: RouterRig) -> WorkRequest:
     (work,) = [m for m in rig.received("prefill", 0) if isinstance(m, WorkRequest)]
     return work
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_while_its_request_sends_it_nothing_has_it_aborted(rig: RouterRig, stream: bool) -> None:
+    """A request that streams nothing until its final sends its client nothing while it runs, so
+    the router pings a client quiet for a second: one that is gone has the request aborted on
+    the workers, where it used to run to its end (its KV held, a drain waiting on it). A
+    streaming request's next chunk tells the same."""
+    gone = zmq.Context.instance().socket(zmq.DEALER)
+    gone.connect(rig.router.addresses.client)
+    sampling = Sampling(max_tokens=200, temperature=0.0)
+    gone.send(encode(Generate(request_id="gone", token_ids=[5, 6, 7], sampling=sampling, stream=stream)))
+    rig.pump(0.2)
+    work = _work(rig)
+    rig.worker(TokenOutputs([TokenOutput(work.request_id, 0, [11])]))  # the first token, from prefill
+    gone.close(linger=0)
+    rig.pump(0.2)
+    if stream:
+        rig.worker(TokenOutputs([TokenOutput(work.request_id, 1, [12])]))
+    else:
+        rig.pump(2 * PING_S + 0.5)
+    assert rig.router.requests == {} and rig.router.client_load == {}
+    assert Abort(work.request_id) in rig.received("decode", work.decode_group)
 
 
 def test_an_abort_that_crossed_its_final_does_not_end_the_ids_next_request(rig: RouterRig) -> None:

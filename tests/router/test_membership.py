@@ -35,7 +35,7 @@ from pdserve.cluster.protocol import (
     encode,
     prefix_hashes,
 )
-from pdserve.router.router import PARKED_PING_S, Router
+from pdserve.router.router import PING_S, Router
 from pdserve.tests.router.helpers import RouterRig
 
 
@@ -107,7 +107,7 @@ def test_a_client_gone_while_its_request_waits_for_a_group_has_it_aborted(rig: R
     rig.pump(0.2)
     assert len(rig.router.parked) == 2
     gone.close(linger=0)
-    rig.pump(2 * PARKED_PING_S + 0.5)  # parked that long, then pinged
+    rig.pump(2 * PING_S + 0.5)  # parked that long, then pinged
     assert len(rig.router.parked) == 1 and len(rig.router.requests) == 1  # the one whose client is here
     assert Ping() in rig.replies(pings=True)
 

@@ -863,9 +863,22 @@ class Router:
         except ProtocolError as e:
             logger.error("router: dropped a bad worker message: %s", e)
             return
+        try:
+            self._handle_worker(message)
+        except Exception:  # a bug (here or in a worker) must cost its request, never the cluster
+            logger.exception("router: failed on a %s message from a worker", message.type)
+
+    def _handle_worker(self, message: Message) -> None:
         if isinstance(message, TokenOutputs):
             for output in message.outputs:
-                self._on_tokens(output)
+                try:
+                    self._on_tokens(output)
+                except Exception as e:
+                    logger.exception("router: failed on the tokens of request %s", output.request_id)
+                    if output.request_id in self.requests:
+                        with contextlib.suppress(Exception):
+                            self._abort_workers(output.request_id)
+                        self._terminal_error(output.request_id, "internal_error", f"{type(e).__name__}: {e}")
             for client in list(self._chunks):  # one message a client for the step's batched chunks
                 self._flush_chunks(client)
         elif isinstance(message, WorkerError):

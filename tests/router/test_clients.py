@@ -51,6 +51,36 @@ def _work(rig: RouterRig) -> WorkRequest:
     return work
 
 
+def test_a_worker_message_the_router_fails_on_ends_only_its_request(
+    rig: RouterRig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception while the router applies one request's tokens (a router bug, or a worker's:
+    a token id its tokenizer cannot decode) ends that request with ``internal_error`` and its
+    workers' part; the other request of the same message goes on. It used to leave the router's
+    loop and take the launcher, every group and every client down."""
+    with Client(rig.router.addresses.client, timeout=5.0) as client:
+        client.submit(token_ids=[5, 6, 7], request_id="bad", max_tokens=4)
+        client.submit(token_ids=[5, 6, 7], request_id="good", max_tokens=4)
+        rig.pump(0.2)
+        works = {w.request_id: w for w in rig.received("prefill", 0) if isinstance(w, WorkRequest)}
+        bad_id, good_id = sorted(works)  # the router's ids, in arrival order
+        on_tokens = rig.router._on_tokens
+
+        def failing(output: TokenOutput) -> None:
+            if output.request_id == bad_id:
+                raise OverflowError("out of range integral type conversion attempted")
+            on_tokens(output)
+
+        monkeypatch.setattr(rig.router, "_on_tokens", failing)
+        rig.worker(TokenOutputs([TokenOutput(bad_id, 0, [-1]), TokenOutput(good_id, 0, [11], True, "length")]))
+        with pytest.raises(ClusterError) as failed:
+            client.result("bad")
+        assert failed.value.code == "internal_error"
+        assert client.result("good").token_ids == [11]
+    assert Abort(bad_id) in rig.received("decode", works[bad_id].decode_group)
+    assert rig.router.requests == {}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_gone_while_its_request_sends_it_nothing_has_it_aborted(rig: RouterRig, stream: bool) -> None:
     """A request that streams nothing until its final sends its client nothing while it runs, so

@@ -575,8 +575,14 @@ class Cluster:
             if failure is not None:
                 self._group_failed(group, failure)
         failures = self.router.reported_failures() + self.router.check_heartbeats(c.heartbeat_timeout)
+        seen: set[tuple[str, int]] = set()
         for role, index, cause in failures:
+            if (role, index) in seen:  # reported by its node and overdue in one pass: one failure
+                continue
+            seen.add((role, index))
             group = self.groups.get((role, index))
+            if group is None and self.router.group_state((role, index)) == "down":
+                continue  # a joined group gone already (drained, or removed earlier in this pass)
             if group is None:  # joined from another node, which supervises it: removed, not restarted
                 logger.error("%s group %d (joined at run time) failed: %s; it leaves the cluster", role, index, cause)
                 self.router.group_failed(role, index, cause)

@@ -12,7 +12,7 @@ import pytest
 
 from pdserve.cluster import launcher
 from pdserve.cluster.config import ClusterConfig
-from pdserve.cluster.group import RankProcesses, free_port
+from pdserve.cluster.group import RankProcesses, free_port, group_state_key
 from pdserve.cluster.launcher import Cluster, ClusterError, RestartBudget, _Group
 
 
@@ -80,6 +80,53 @@ class _BusyRouter(_Router):
     def fail_all(self, code: str, message: str) -> None:
         self.failed.append((code, message))
         self.requests = {}
+
+
+class _FailingRouter(_Router):
+    """A joined group whose node reports its failure in the pass in which its heartbeats are
+    overdue too; ``state``: what the router knows of it."""
+
+    def __init__(self, state: str) -> None:
+        self.state = state
+        self.failed: list[tuple[str, int, str]] = []
+
+    def reported_failures(self) -> list[tuple[str, int, str]]:
+        return [("decode", 5, "its node reports: rank 0 was killed by SIGKILL")]
+
+    def check_heartbeats(self, timeout: float) -> list[tuple[str, int, str]]:
+        return [("decode", 5, "rank 0 sent no heartbeat for 10.2 s")]
+
+    def group_state(self, key: tuple[str, int]) -> str:
+        return self.state
+
+    def group_failed(self, role: str, group: int, cause: str) -> None:
+        self.failed.append((role, group, cause))
+        self.state = "down"
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.keys: dict[str, str] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.keys[key] = value
+
+
+@pytest.mark.parametrize("state", ["ready", "down"])
+def test_a_joined_groups_failure_is_handled_once(state: str) -> None:
+    """Reported by its node and overdue in the same pass, a joined group failed twice: its
+    requests' failures and the other role's ``peer_failed`` counted twice, and the store's
+    ``left`` of a group that had drained overwritten with ``removed``. Now once, and not at all
+    for a group the router has forgotten (drained and left)."""
+    cluster = Cluster(ClusterConfig.from_settings({}))
+    router = _FailingRouter(state)
+    cluster.router = router  # type: ignore[assignment]
+    cluster._store = _Store()  # type: ignore[assignment]
+    cluster._check_workers()
+    assert [cause for *_, cause in router.failed] == (
+        ["its node reports: rank 0 was killed by SIGKILL"] if state == "ready" else []
+    )
+    assert cluster._store.keys == ({group_state_key("decode", 5): "removed"} if state == "ready" else {})  # type: ignore[attr-defined]
 
 
 def test_a_stop_signal_during_a_drain_that_until_began_ends_it() -> None:

@@ -152,7 +152,7 @@ class DecodeLeader(GroupLeader):
                 announce.token_ids,
                 announce.first_token,
                 announce.sampling.to_params(),
-                keep_free=0 if ahead is None else ahead.num_blocks + 1,  # and the headroom block this one adds
+                keep_free=0 if ahead is None else ahead.num_blocks + 1,  # and its own headroom block
                 generated=announce.generated,
             )
         except RequestError as e:

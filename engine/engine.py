@@ -255,9 +255,11 @@ class LLMEngine:
         # Counted once it is granted: the prefill side retries a refused one every few ms.
         self.block_manager.match_prefix(seq, len(prompt_token_ids) - 1, count=False)
         seq.num_cached_tokens = seq.num_computed_tokens
-        # Keep one free block per running or arriving sequence for its next tokens: admitting work
-        # that would force a preemption right away is worse than asking the prefill side to wait.
-        headroom = len(self.scheduler.running) + len(self.reserved)
+        # Keep one free block per running or arriving sequence for its next tokens, this one's
+        # included (a prompt that fills its last block needs a new one at its first step):
+        # admitting work that would force a preemption right away is worse than asking the
+        # prefill side to wait.
+        headroom = len(self.scheduler.running) + len(self.reserved) + 1
         needed = self.block_manager.blocks_needed(seq, len(prompt_token_ids))
         if needed + headroom + keep_free > self.block_manager.num_free_blocks:
             self.block_manager.free(seq)  # unlocks the matched prefix

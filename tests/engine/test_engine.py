@@ -342,6 +342,23 @@ def test_hand_off_api_counts_and_frees_every_block(tiny_model_dirs: dict[str, Pa
     assert pool_and_queues(engine) == EngineStats(num_blocks=32, free_blocks=32, running=0, waiting=0, kv_held=0)
 
 
+def test_a_reservation_keeps_a_free_block_for_its_own_first_step(tiny_model_dirs: dict[str, Path]) -> None:
+    """A prompt that fills its last block needs a new one at its first step. ``reserve`` keeps a
+    free block for each running or reserved sequence, the new one included: without its own,
+    "b" was granted the last free blocks and the first step after both were admitted preempted
+    one of them, its KV moved for nothing (review)."""
+    engine = make_engine(tiny_model_dirs["tiny-qwen2"], num_blocks=4, max_model_len=64)
+    block_size = engine.config.cache.block_size
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    a, b = make_prompts(engine.model_config.vocab_size, [2 * block_size, block_size], seed=12)
+    assert engine.reserve("a", a, 1, params) is not None  # 2 blocks, and a free one for each of a's next tokens
+    assert engine.reserve("b", b, 1, params) is None  # 1 block, and one free for a and one for b: 3 > 2
+    engine.admit("a")
+    outputs = [out for step in engine.drain() for out in step]
+    assert engine.stats().preemptions == 0 and [o.finish_reason for o in outputs if o.finished] == ["length"]
+    assert engine.reserve("b", b, 1, params) is not None  # once "a" is done
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_a_moved_request_handed_to_decode_goes_on_from_its_first_token(
     tiny_model_dirs: dict[str, Path], overlap: bool

@@ -236,8 +236,9 @@ class LLMEngine:
         keep_free: int = 0,
         generated: int = 0,
     ) -> Reservation | None:
-        """Decode role: blocks for the prompt's KV, or None if too few are free (try later);
-        ``keep_free`` more blocks stay free (for a request waiting ahead of this one).
+        """Decode role: blocks for the prompt's KV, or None if too few are free or the group holds
+        ``max_num_seqs`` sequences already (try later); ``keep_free`` more blocks stay free (for a
+        request waiting ahead of this one).
 
         With a prefix cache the reservation starts with the longest cached prefix of the
         prompt's full blocks (leaving its last token, as a prompt's own match does), locked:
@@ -246,6 +247,9 @@ class LLMEngine:
         """
         self._check_new_id(request_id)
         self.validate(prompt_token_ids, params, generated)
+        sched = self.scheduler
+        if len(sched.running) + len(sched.waiting) + len(self.reserved) >= self.config.scheduler.max_num_seqs:
+            return None  # the batch is full: its steps (and the graphs captured for them) stay in bounds
         seq = Sequence(
             request_id,
             [*prompt_token_ids, first_token],

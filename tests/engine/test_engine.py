@@ -359,6 +359,24 @@ def test_a_reservation_keeps_a_free_block_for_its_own_first_step(tiny_model_dirs
     assert engine.reserve("b", b, 1, params) is not None  # once "a" is done
 
 
+def test_reservations_stop_at_max_num_seqs(tiny_model_dirs: dict[str, Path]) -> None:
+    """A decode group holds at most ``max_num_seqs`` sequences, running, waiting (preempted) or
+    reserved: a reservation past that is refused (the prefill side asks again), as a prompt past
+    it waits in the scheduler. Reservations were granted without bound, and a step then ran more
+    sequences than the batch its memory and CUDA graphs were sized for (review)."""
+    engine = make_engine(tiny_model_dirs["tiny-qwen2"], num_blocks=64, max_num_seqs=2, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompts = make_prompts(engine.model_config.vocab_size, [5, 6, 7], seed=13)
+    assert engine.reserve("a", prompts[0], 1, params) is not None
+    engine.admit("a")
+    assert engine.reserve("b", prompts[1], 1, params) is not None
+    assert engine.reserve("c", prompts[2], 1, params) is None
+    engine.admit("b")
+    for step in engine.drain():
+        assert len(step) <= 2
+    assert engine.reserve("c", prompts[2], 1, params) is not None
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_a_moved_request_handed_to_decode_goes_on_from_its_first_token(
     tiny_model_dirs: dict[str, Path], overlap: bool

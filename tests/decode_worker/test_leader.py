@@ -126,6 +126,14 @@ class Setup:
     def free_blocks(self) -> int:
         return self.engine.stats().free_blocks
 
+    def first_turn(self) -> list[int]:
+        """Chat turn "t0" (``PROMPT``) received and decoded to its end, its blocks left in this
+        group's prefix cache: its answer, the first token included."""
+        self.announce("t0")
+        self.transfers.land("t0")
+        self.leader.background()
+        return [7, *self.decode_all()]
+
 
 @pytest.fixture
 def setup(request: pytest.FixtureRequest, tmp_path: Path, tiny_model_dirs: dict[str, Path]) -> Iterator[Setup]:
@@ -273,10 +281,7 @@ def test_a_later_turn_receives_only_the_blocks_the_cache_lacks(setup: Setup) -> 
 def test_staging_room_is_asked_for_the_blocks_the_cache_lacks(setup: Setup) -> None:
     """A staging backend's room bounds the blocks that move: a later turn whose first two of
     four blocks this group caches fits in room for two; a cold prompt of four blocks does not."""
-    setup.announce("t0")
-    setup.transfers.land("t0")
-    setup.leader.background()
-    answer = [7, *setup.decode_all()]
+    answer = setup.first_turn()
     setup.replies()
     setup.transfers.staging_room = 2
     setup.announce("cold", list(range(300, 358)))  # 58 tokens: 4 blocks, none cached
@@ -294,10 +299,7 @@ def test_a_request_waiting_for_staging_room_keeps_its_whole_prompts_blocks_free(
     another prefill group must leave it staging room for the 2 that move, and free blocks for its
     whole prompt (the cached two may be evicted meanwhile) plus the headroom block: before, both
     were the 2 blocks that move."""
-    setup.announce("t0")
-    setup.transfers.land("t0")
-    setup.leader.background()
-    answer = [7, *setup.decode_all()]
+    answer = setup.first_turn()
     setup.replies()
     setup.transfers.staging_room = 1
     setup.announce("t1", PROMPT + answer + list(range(200, 210)))  # 4 blocks, 2 cached: 2 move
@@ -320,10 +322,7 @@ def test_a_request_waiting_for_staging_room_keeps_its_whole_prompts_blocks_free(
 def test_an_abort_during_a_partial_receive_caches_nothing_that_was_arriving(setup: Setup) -> None:
     """Aborted while the blocks after its cached prefix are still arriving: once they land every
     block is free again, and the cache holds only what it held before."""
-    setup.announce("t0")
-    setup.transfers.land("t0")
-    setup.leader.background()
-    answer = [7, *setup.decode_all()]
+    answer = setup.first_turn()
     cached_before = setup.engine.stats().prefix_cache.cached_blocks  # type: ignore[union-attr]
     setup.replies()
     setup.announce("t1", PROMPT + answer + list(range(200, 230)))

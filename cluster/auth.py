@@ -24,6 +24,10 @@ from zmq.auth.thread import ThreadAuthenticator
 SERVER = "server"
 CLIENTS = "clients"
 DEFAULT_CLIENT = "client"
+# The --auth-client option of the client and the HTTP front end.
+AUTH_CLIENT_HELP = (
+    "Whose key pair of --auth-keys DIR to use (python -m pdserve.cluster.auth DIR --client NAME adds one)."
+)
 
 
 def generate_keys(directory: str | Path, client: str = DEFAULT_CLIENT) -> Path:

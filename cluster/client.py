@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from pdserve.cluster.auth import DEFAULT_CLIENT, secure_client
+from pdserve.cluster.auth import AUTH_CLIENT_HELP, DEFAULT_CLIENT, secure_client
 from pdserve.cluster.protocol import (
     MAX_REQUEST_ID_CHARS,
     Abort,
@@ -857,7 +857,7 @@ class Seconds(click.ParamType):
     "--auth-client",
     default=DEFAULT_CLIENT,
     show_default=True,
-    help="Whose key pair of --auth-keys DIR to use (python -m pdserve.cluster.auth DIR --client NAME adds one).",
+    help=AUTH_CLIENT_HELP,
 )
 def main(
     prompt: str,

@@ -581,9 +581,9 @@ class Cluster:
                 continue
             seen.add((role, index))
             group = self.groups.get((role, index))
-            if group is None and self.router.group_state((role, index)) == "down":
-                continue  # a joined group gone already (drained, or removed earlier in this pass)
             if group is None:  # joined from another node, which supervises it: removed, not restarted
+                if self.router.group_state((role, index)) == "down":
+                    continue  # gone already (drained, or removed earlier in this pass)
                 logger.error("%s group %d (joined at run time) failed: %s; it leaves the cluster", role, index, cause)
                 self.router.group_failed(role, index, cause)
                 self._store.set(group_state_key(role, index), "removed")  # if its node still runs, it stops it

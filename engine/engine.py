@@ -247,8 +247,8 @@ class LLMEngine:
         """
         self._check_new_id(request_id)
         self.validate(prompt_token_ids, params, generated)
-        sched = self.scheduler
-        if len(sched.running) + len(sched.waiting) + len(self.reserved) >= self.config.scheduler.max_num_seqs:
+        running_or_reserved = len(self.scheduler.running) + len(self.reserved)
+        if running_or_reserved + len(self.scheduler.waiting) >= self.config.scheduler.max_num_seqs:
             return None  # the batch is full: its steps (and the graphs captured for them) stay in bounds
         seq = Sequence(
             request_id,
@@ -263,7 +263,7 @@ class LLMEngine:
         # included (a prompt that fills its last block needs a new one at its first step):
         # admitting work that would force a preemption right away is worse than asking the
         # prefill side to wait.
-        headroom = len(self.scheduler.running) + len(self.reserved) + 1
+        headroom = running_or_reserved + 1
         needed = self.block_manager.blocks_needed(seq, len(prompt_token_ids))
         if needed + headroom + keep_free > self.block_manager.num_free_blocks:
             self.block_manager.free(seq)  # unlocks the matched prefix

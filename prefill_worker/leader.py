@@ -10,8 +10,9 @@ Lifecycle of a request here:
    side pulls the KV (``TransferBackend.pulls``), it replies only once its copy is complete:
    the send has nothing left to do and the blocks are freed at once.
    ``KVReply`` refused (the decode group has no room yet, or its pair is still forming) -> the
-   announcement is retried later with back-off; the KV stays here meanwhile (back-pressure, never a drop), and the later
-   requests to that decode group wait behind it (first prefilled, first offered). One waiting
+   announcement is retried later with back-off; the KV stays here meanwhile (back-pressure,
+   never a drop), and the later requests to that decode group wait behind it (first
+   prefilled, first offered). One waiting
    for staging room (the buffers of sends in flight or announced, shared by every decode group)
    holds back every later one.
 

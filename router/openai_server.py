@@ -34,7 +34,7 @@ from types import FrameType
 import click
 import uvicorn
 
-from pdserve.cluster.auth import DEFAULT_CLIENT, check_client_keys
+from pdserve.cluster.auth import AUTH_CLIENT_HELP, DEFAULT_CLIENT, check_client_keys
 from pdserve.cluster.client import DEFAULT_ENDPOINT, Seconds, normalize_endpoint
 from pdserve.cluster.config import API_KEY_ENV, model_names
 from pdserve.router.metrics import MULTIPROC_DIR_ENV
@@ -214,7 +214,7 @@ def bound_socket(host: str, port: int, reuse_port: bool = False) -> socket.socke
 @click.option(
     "--auth-client",
     default=DEFAULT_CLIENT,
-    help="Whose key pair of --auth-keys DIR to use (python -m pdserve.cluster.auth DIR --client NAME adds one).",
+    help=AUTH_CLIENT_HELP,
 )
 @click.option(
     "--max-message-mib",

@@ -63,21 +63,27 @@ class BlockManager:
         new = np.fromiter((self._free.popleft() for _ in range(needed)), dtype=np.int32, count=needed)
         seq.block_table = np.concatenate([seq.block_table, new])
 
-    def match_prefix(self, seq: Sequence, num_tokens: int | None = None, count: bool = True) -> None:
+    def match_prefix(self, seq: Sequence, num_tokens: int | None = None) -> None:
         """Start ``seq`` (no blocks yet) after the longest cached prefix of full blocks of its
         first ``num_tokens`` tokens: those blocks, locked, become the head of its block table
         and count as computed. By default the last token is left to compute: its logits give
-        the next token. ``count``: in the cache's hit and miss counts (``count_query``)."""
+        the next token. Counted nowhere: see ``count_match``."""
         if self.prefix_cache is None:
             return
         assert len(seq.block_table) == 0 and seq.cache_node is None, f"{seq.request_id} already has blocks"
         limit = seq.num_tokens - 1 if num_tokens is None else num_tokens
-        block_ids, node = self.prefix_cache.match(seq.token_ids[:limit], count)
+        block_ids, node = self.prefix_cache.match(seq.token_ids[:limit], count=False)
         self.prefix_cache.lock(node)
         seq.cache_node = node
         seq.num_shared_blocks = len(block_ids)
         seq.block_table = np.array(block_ids, dtype=np.int32)
         seq.num_computed_tokens = len(block_ids) * self.block_size
+
+    def count_match(self, seq: Sequence) -> None:
+        """``seq``'s match of its prompt (all but its last token), once, in the cache's hit and
+        miss counts."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.count_query(seq.num_shared_blocks * self.block_size, seq.num_tokens - 1)
 
     def cache_blocks(self, seq: Sequence) -> None:
         """Hand ``seq``'s full computed blocks to the prefix cache, which keeps them locked for

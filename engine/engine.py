@@ -257,7 +257,7 @@ class LLMEngine:
             num_prompt_tokens=len(prompt_token_ids) - generated,
         )
         # Counted once it is granted: the prefill side retries a refused one every few ms.
-        self.block_manager.match_prefix(seq, len(prompt_token_ids) - 1, count=False)
+        self.block_manager.match_prefix(seq, len(prompt_token_ids) - 1)
         seq.num_cached_tokens = seq.num_computed_tokens
         # Keep one free block per running or arriving sequence for its next tokens, this one's
         # included (a prompt that fills its last block needs a new one at its first step):

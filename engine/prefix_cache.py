@@ -124,6 +124,7 @@ class PrefixCache:
         self._lru: list[tuple[int, int, int, CacheNode]] = []  # (last access, node id, entry number, node)
         self._entries = itertools.count()  # so that equal entries never compare their nodes
         self._num_pinned = 0
+        self.num_inserts = 0  # blocks ever cached: a match made before this changed may be shorter than one now
         self._hit_tokens = 0
         self._miss_tokens = 0
         self._evicted = 0
@@ -299,6 +300,7 @@ class PrefixCache:
 
     def _add_child(self, parent: CacheNode, key: tuple[int, ...], block_id: int) -> CacheNode:
         child = CacheNode(next(self._node_ids), key, block_id, parent)
+        self.num_inserts += 1
         parent.children[key] = child
         self._owner[block_id] = child
         self._evictable_leaves.discard(parent)

@@ -12,10 +12,12 @@ When a running sequence needs a block and none is free, the most recently admitt
 sequence is preempted: its blocks are freed and it goes back to waiting to be recomputed
 later. Memory pressure therefore slows requests down; it never crashes the engine.
 
-With prefix caching, a waiting sequence starts after its longest cached prefix when it first
-gets to the head of the queue (``BlockManager.match_prefix``): its prompt work, chunked or not,
-covers only the rest. A preempted sequence's computed blocks stay cached until evicted, so it
-usually resumes where it stopped.
+With prefix caching, a waiting sequence starts after its longest cached prefix when it gets to
+the head of the queue (``BlockManager.match_prefix``), matched again while it waits there with no
+blocks of its own if more blocks were cached meanwhile: its prompt work, chunked or not, covers
+only the rest. A preempted sequence's computed blocks stay cached until evicted, so it usually
+resumes where it stopped. A sequence that wants its prompt's log-probabilities computes its
+whole prompt, and caches it like any other.
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order, oldest first
         self.num_preemptions = 0
+        # The head's last prefix match and the cache's insert count then: matched again only
+        # once the cache has grown.
+        self._matched: Sequence | None = None
+        self._matched_at = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -122,13 +128,10 @@ class Scheduler:
         scheduled: list[tuple[Sequence, int]] = []
         while self.waiting and budget > 0 and free_seq_slots > 0:
             seq = self.waiting[0]
-            if seq.cache_node is None and not seq.wants_prompt_logprobs:  # not matched since it last held blocks
-                # A preempted sequence's return is not another request, in the cache's counts
-                # nor in its own cached tokens.
-                first = seq.milestones.first_scheduled is None
-                self.block_manager.match_prefix(seq, count=first)
-                if first:
-                    seq.num_cached_tokens = seq.num_computed_tokens
+            # A preempted sequence's return is not another request, in the cache's counts nor in
+            # its own cached tokens.
+            first = seq.milestones.first_scheduled is None
+            self._match_prefix(seq, first)
             remaining = seq.num_tokens - seq.num_computed_tokens
             chunk = min(remaining, budget) if chunked else remaining
             if chunk > budget:
@@ -144,6 +147,8 @@ class Scheduler:
                 if chunk <= 0:
                     break
             self.block_manager.allocate(seq, seq.num_computed_tokens + chunk)
+            if first and not seq.wants_prompt_logprobs:
+                self.block_manager.count_match(seq)
             scheduled.append((seq, chunk))
             budget -= chunk
             if chunk < remaining:
@@ -153,6 +158,30 @@ class Scheduler:
             self.running.append(seq)
             free_seq_slots -= 1
         return scheduled
+
+    def _match_prefix(self, seq: Sequence, first: bool) -> None:
+        """Start the head of the queue after its longest cached prefix: when it has no blocks
+        (new, or preempted), and again while it holds only a match made before the cache grew
+        (it waited for blocks or a slot, and the requests ahead may have cached its prefix)."""
+        manager = self.block_manager
+        cache = manager.prefix_cache
+        if cache is None:
+            return
+        if seq.cache_node is not None:
+            shared = seq.num_shared_blocks
+            holds_only_its_match = (
+                len(seq.block_table) == shared and seq.num_computed_tokens == shared * manager.block_size
+            )
+            unchanged = self._matched is seq and self._matched_at == cache.num_inserts
+            if not holds_only_its_match or seq.wants_prompt_logprobs or unchanged:
+                return
+            manager.free(seq)  # unlocks the old match
+        # Every prompt position's logits are needed: none of its KV may come from the cache, but
+        # its own prompt goes there (a match of no tokens ties it to the root).
+        manager.match_prefix(seq, 0 if seq.wants_prompt_logprobs else None)
+        self._matched, self._matched_at = seq, cache.num_inserts
+        if first:
+            seq.num_cached_tokens = seq.num_computed_tokens
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and queue it for recomputation, behind a partial prompt if any.

@@ -161,6 +161,54 @@ def test_a_request_whose_prefix_is_evicted_while_it_waits_completes(
     assert results[True] == results[False]
 
 
+def test_a_request_stuck_at_the_head_uses_blocks_cached_while_it_waited(tiny_model_dirs: dict[str, Path]) -> None:
+    """Two requests share a 64-token prefix and arrive together; the first takes all 8 blocks of
+    the pool, so the second reaches the head of the queue before the first's prompt is cached
+    and waits there for blocks. When it runs it starts after the prefix cached meanwhile, and
+    decodes as without the cache."""
+    model_dir = tiny_model_dirs["tiny-llama"]
+    prefix = random_tokens(4 * BLOCK, seed=11)
+    prompts = {"first": prefix + random_tokens(57, seed=12), "second": prefix + random_tokens(5, seed=13)}
+    max_tokens = {"first": 7, "second": 8}  # the first fills its 8 blocks, 128 tokens
+    results = {}
+    for prefix_cache in (False, True):
+        engine = make_engine(model_dir, prefix_cache, num_blocks=8)
+        for request_id, prompt in prompts.items():
+            params = SamplingParams(max_tokens=max_tokens[request_id], temperature=0.0, ignore_eos=True)
+            engine.add_request(request_id, prompt, params)
+        tokens: dict[str, list[int]] = {r: [] for r in prompts}
+        finals = {}
+        for step in engine.drain():
+            for out in step:
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    finals[out.request_id] = out
+        results[prefix_cache] = tokens
+        if prefix_cache:
+            assert finals["second"].timings.cached_tokens == 4 * BLOCK
+            stats = engine.stats().prefix_cache
+            assert stats is not None and stats.hit_tokens == 4 * BLOCK
+            assert stats.hit_tokens + stats.miss_tokens == sum(len(p) - 1 for p in prompts.values())
+    assert results[True] == results[False]
+
+
+def test_a_request_for_prompt_logprobs_leaves_its_prompt_cached(tiny_model_dirs: dict[str, Path]) -> None:
+    """A request that asks for its prompt's log-probabilities computes every prompt token (none
+    come from the cache), and its prompt's blocks serve the next request that shares them."""
+    engine = make_engine(tiny_model_dirs["tiny-qwen2"], True)
+    prompt = random_tokens(3 * BLOCK + 2, seed=13)
+    engine.add_request("a", prompt, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1))
+    [a] = [o for step in engine.drain() for o in step if o.finished]
+    assert not a.timings.cached_tokens
+    engine.add_request("b", prompt, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1))
+    [b] = [o for step in engine.drain() for o in step if o.finished]
+    assert not b.timings.cached_tokens
+    [c] = run(engine, [[prompt]], SamplingParams(max_tokens=2, temperature=0.0))
+    assert c.timings.cached_tokens == 3 * BLOCK
+    stats = engine.stats().prefix_cache
+    assert stats is not None and stats.pinned_blocks == 0 and stats.cached_blocks == 3
+
+
 def test_prefilled_requests_hand_over_cached_blocks(tiny_model_dirs: dict[str, Path]) -> None:
     """Prefill role: a prefilled request's KV blocks start with the cached ones it shares, which
     stay locked (never evicted) until ``release``; released, they stay cached for the next."""

@@ -7,7 +7,7 @@ Requests are multiplexed over one DEALER socket; replies are matched by ``reques
 Liveness: the socket sends ZMQ heartbeats (and the router's own tell it how long to wait), and a
 socket monitor watches the connection: once it breaks (the router died, or went silent past the
 heartbeat timeout) every request waiting on it raises ``ClusterGone`` at once instead of waiting
-out the client's timeout. ZMQ then connects again by itself; ``AsyncClient`` sends a new request
+out the client's timeout. ZMQ then connects again by itself; either client sends a new request
 once that reconnect takes (a router that dropped the client for a stall of the client's own), and
 raises ``ClusterGone`` at once once one failed (nothing listens there).
 """
@@ -107,6 +107,10 @@ class ClientClosed(ClusterGone):
 _ids = itertools.count()
 _CLI_CONNECT_S = 5.0  # pdserve-client: how long a connection may take before "is it running?"
 _ABORT_LINGER_MS = 500  # a closing client's wait for its aborts to leave (the router is up: short)
+# How long a send waits for a broken connection's reconnect to take or fail. ZMQ tries within its
+# reconnect interval; a connect that neither takes nor fails (a stopped router, a host gone from
+# the network) must not hold the request for the client's whole timeout.
+_RECONNECT_WAIT_S = 2.0
 _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
@@ -270,10 +274,27 @@ class Client:
     def _send(self, data: bytes) -> None:
         if self._socket.closed:
             raise ClientClosed(self.endpoint)
+        self._read_link_events()
+        if self._link.broken:
+            self._reconnected()
         try:
             self._socket.send(data)
         except zmq.Again:
             raise ClusterUnavailable(self.endpoint, self.timeout) from None
+
+    def _reconnected(self) -> None:
+        """Return once a broken connection is up again; ClusterGone once a reconnect failed (at
+        once if one did already) or none took within ``_RECONNECT_WAIT_S``. Else the message
+        would wait in ZMQ's queue for a reconnect that may never come, and the reply's wait
+        would raise ClusterGone for a request that goes out later (as ``AsyncClient._reconnected``)."""
+        deadline = time.monotonic() + _RECONNECT_WAIT_S
+        while self._link.broken and not self._link.unreachable:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._monitor.poll(left * 1000):
+                break
+            self._link.update(zmq.utils.monitor.recv_monitor_message(self._monitor))
+        if not self._link.up:
+            raise ClusterGone(self.endpoint)
 
     def receive(self) -> Message:
         """The next reply, whatever request it belongs to. ``ClusterGone`` as soon as the
@@ -444,10 +465,6 @@ def _expire(waiter: asyncio.Future[None]) -> None:
 
 _POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 _LEFT_FINALS_KEPT = 1024
-# How long a send waits for a broken connection's reconnect to take or fail. ZMQ tries within its
-# reconnect interval; a connect that neither takes nor fails (a stopped router, a host gone from
-# the network) must not hold the request for the client's whole timeout.
-_RECONNECT_WAIT_S = 2.0
 
 
 class AsyncClient:

@@ -5,9 +5,11 @@ cross, ids used again, a router that goes away after answering; the ids the rout
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import zmq
@@ -38,6 +40,8 @@ from pdserve.cluster.protocol import (
 )
 from pdserve.router.router import PING_S
 from pdserve.tests.router.helpers import RouterRig, router_rig
+
+_C = TypeVar("_C", Client, AsyncClient)
 
 
 @pytest.fixture
@@ -431,15 +435,64 @@ def test_an_async_stats_ask_whose_router_dies_raises_cluster_gone(tmp_path: Path
     assert time.monotonic() - started < 10
 
 
-def _slowly_reconnecting_client(endpoint: str) -> AsyncClient:
-    """An AsyncClient whose socket tries to connect again 1-2 s after a drop (ZMQ's default:
-    0.1-0.2 s), so that a test's steps fit before the first attempt."""
+def _slowly_reconnecting_client(endpoint: str, kind: type[_C]) -> _C:
+    """A client whose socket tries to connect again 1-2 s after a drop (ZMQ's default: 0.1-0.2
+    s), so that a test's steps fit before the first attempt."""
     context = zmq.Context.instance()
     context.setsockopt(zmq.RECONNECT_IVL, 1000)  # the sockets made next: the client's
     try:
-        return AsyncClient(endpoint, timeout=30.0)
+        return kind(endpoint, timeout=30.0)
     finally:
         context.setsockopt(zmq.RECONNECT_IVL, 100)  # ZMQ's default again
+
+
+def _answer_stats(router: zmq.Socket) -> None:
+    """Answer one stats request on ``router``, with 3 requests in flight."""
+    assert router.poll(10_000)
+    identity, frame = router.recv_multipart()
+    request = decode(frame)
+    assert isinstance(request, StatsRequest)
+    router.send_multipart([identity, encode(Stats(3, {}, tag=request.tag))])
+
+
+def _rebind(router: zmq.Socket, endpoint: str) -> None:
+    for _ in range(100):  # the port frees as the closed socket's I/O thread lets go of it
+        try:
+            router.bind(endpoint)
+            return
+        except zmq.ZMQError:
+            time.sleep(0.001)
+    router.bind(endpoint)
+
+
+def test_a_blocking_send_after_a_drop_goes_out_once_zmq_reconnects() -> None:
+    """The blocking client as the async one below: a request made while the dropped connection
+    is down waits for ZMQ's reconnect and is answered on it; once a reconnect fails (the router
+    gone for good), a request raises ClusterGone after that one attempt."""
+    context = zmq.Context.instance()
+    first = context.socket(zmq.ROUTER)
+    first.setsockopt(zmq.LINGER, 0)
+    port = first.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    second = context.socket(zmq.ROUTER)
+    second.setsockopt(zmq.LINGER, 0)
+    with _slowly_reconnecting_client(endpoint, Client) as client:
+        client.send_raw(encode(StatsRequest(0)))
+        assert first.poll(5000)
+        first.close()  # the client is dropped
+        with pytest.raises(ClusterGone):  # what was in flight is gone with the connection
+            client.receive()
+        _rebind(second, endpoint)
+        answering = threading.Thread(target=_answer_stats, args=(second,))
+        answering.start()
+        assert client.stats().requests_in_flight == 3  # it went out on the new connection
+        answering.join()
+        second.close()  # and now nothing comes back
+        time.sleep(0.05)  # the monitor reports the disconnect
+        started = time.monotonic()
+        with pytest.raises(ClusterGone):
+            client.stats()
+        assert time.monotonic() - started < 5  # one failed reconnect, 1-2 s, not the timeout
 
 
 def test_an_async_send_after_a_drop_goes_out_once_zmq_reconnects() -> None:
@@ -453,16 +506,9 @@ def test_an_async_send_after_a_drop_goes_out_once_zmq_reconnects() -> None:
     first.setsockopt(zmq.LINGER, 0)
     port = first.bind_to_random_port("tcp://127.0.0.1")
     endpoint = f"tcp://127.0.0.1:{port}"
-    client = _slowly_reconnecting_client(endpoint)
+    client = _slowly_reconnecting_client(endpoint, AsyncClient)
     second = context.socket(zmq.ROUTER)
     second.setsockopt(zmq.LINGER, 0)
-
-    def answer(router: zmq.Socket) -> None:
-        assert router.poll(10_000)
-        identity, frame = router.recv_multipart()
-        request = decode(frame)
-        assert isinstance(request, StatsRequest)
-        router.send_multipart([identity, encode(Stats(3, {}, tag=request.tag))])
 
     async def main() -> None:
         try:
@@ -471,14 +517,9 @@ def test_an_async_send_after_a_drop_goes_out_once_zmq_reconnects() -> None:
             first.close()  # the client is dropped
             with pytest.raises(ClusterGone):  # what was in flight is gone with the connection
                 await asyncio.wait_for(ask, 10)
-            for _ in range(100):  # the port frees as the closed socket's I/O thread lets go of it
-                try:
-                    second.bind(endpoint)
-                    break
-                except zmq.ZMQError:
-                    await asyncio.sleep(0.001)
+            _rebind(second, endpoint)
             again = asyncio.create_task(client.stats(timeout=10))
-            await asyncio.to_thread(answer, second)  # it went out on the new connection
+            await asyncio.to_thread(_answer_stats, second)  # it went out on the new connection
             assert (await again).requests_in_flight == 3
             second.close()  # and now nothing comes back
             await asyncio.sleep(0.05)  # the monitor reports the disconnect
@@ -498,7 +539,7 @@ def test_closing_an_async_client_ends_a_send_waiting_for_its_reconnect() -> None
     router = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    client = _slowly_reconnecting_client(f"tcp://127.0.0.1:{port}")
+    client = _slowly_reconnecting_client(f"tcp://127.0.0.1:{port}", AsyncClient)
 
     async def main() -> None:
         ask = asyncio.create_task(client.stats())

@@ -101,9 +101,10 @@ class DecodeLeader(GroupLeader):
         self.aborted_in_flight: set[str] = set()
         self.aborted: OrderedDict[str, float] = OrderedDict()  # request -> when its abort came, oldest first
         self.room_waits: OrderedDict[str, _RoomWait] = OrderedDict()  # first refused first
-        # Prefill's timings and the transfer's stats, read when the request finishes (on CUDA the
-        # transfer time comes from events: reading it earlier would stall the loop).
+        # Prefill's timings and the transfer's stats, read once the request's first step is back
+        # (on CUDA the transfer time comes from events: reading it earlier could stall the loop).
         self.handoffs: dict[str, tuple[RequestTimings, TransferStats]] = {}
+        self.first_output_due: set[str] = set()  # admitted, no output yet: it carries the transfer
 
     def transfers_pending(self) -> bool:
         return bool(self.receiving)
@@ -212,6 +213,7 @@ class DecodeLeader(GroupLeader):
                 self.next_index.pop(request_id, None)
                 continue
             self.handoffs[request_id] = (announce.timings, stats)
+            self.first_output_due.add(request_id)
             self.engine.admit(request_id)
         # After the arrivals: KV that landed during a long step is taken, not thrown away.
         lease_end = time.monotonic() - self.kv_lease_timeout
@@ -262,9 +264,12 @@ class DecodeLeader(GroupLeader):
             self.aborted_in_flight.add(request_id)  # free after the receive lands
             return
         self.handoffs.pop(request_id, None)
+        self.first_output_due.discard(request_id)
         super().abort(request_id)
 
     def on_output(self, out: RequestOutput) -> None:
+        first = out.request_id in self.first_output_due
+        self.first_output_due.discard(out.request_id)
         if out.finished:
             # Queue and prefill times come from the prefill group; this group adds the rest.
             prefill_timings, stats = self.handoffs.pop(out.request_id, (RequestTimings(), None))
@@ -276,6 +281,12 @@ class DecodeLeader(GroupLeader):
                     timings, transfer=stats.seconds, transfer_bytes=float(stats.num_bytes)
                 )
             out = dataclasses.replace(out, timings=timings)
+        elif first and out.request_id in self.handoffs:
+            # The transfer goes to the router with the first tokens too: a request ended by an
+            # abort (a stop string the HTTP front end matched), whose final the router writes, counts it.
+            stats = self.handoffs[out.request_id][1]
+            moved = RequestTimings(transfer=stats.seconds, transfer_bytes=float(stats.num_bytes))
+            out = dataclasses.replace(out, timings=moved)
         self.emit(out)
 
     def close(self) -> None:

@@ -122,9 +122,10 @@ class RequestState:
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     pending: dict[int, TokenOutput] = field(default_factory=dict)  # out-of-order outputs by index
-    # The entry group's timings with the current attempt's first token (queue, prefill, cached
-    # tokens): the worker timings of a final the router writes itself (an abort).
-    entry_timings: RequestTimings | None = None
+    # The current attempt's worker timings so far: the entry group's with its first token (queue,
+    # prefill, cached tokens), the KV transfer's with the first decoded tokens. A final the router
+    # writes itself (an abort) carries them.
+    worker_timings: RequestTimings | None = None
     detokenizer: IncrementalDetokenizer | None = None
     logprobs: Logprobs | None = None  # of every token so far, where the request asked for them
     prompt_logprobs: Logprobs | None = None  # from its first attempt's first token
@@ -752,7 +753,7 @@ class Router:
                 self._reply(client, Error(message.request_id, "unknown_request", why))
                 return
             self._abort_workers(request_id)
-            self._final(request_id, "abort", self.requests[request_id].entry_timings)
+            self._final(request_id, "abort", self.requests[request_id].worker_timings)
         elif isinstance(message, StatsRequest):
             self._reply(
                 client,
@@ -952,11 +953,16 @@ class Router:
                 self.token_counts["prompt"] += len(state.prompt_ids) + state.offset
                 if state.offset == 0:  # a moved request's new attempt has a longer "prompt"
                     prompt_logprobs = state.prompt_logprobs = current.prompt_logprobs
-                state.entry_timings = current.timings
+                state.worker_timings = current.timings
                 if self.prefix_index is not None:  # this attempt's first token: its prompt is in
                     self.prefix_index.settled(output.request_id)
                 if self.entry_role == "prefill":  # and the prefill group is done with it
                     self._release_entry_load(state)
+            elif current.timings.transfer_bytes is not None and state.worker_timings is not None:
+                moved = current.timings  # the decode group's first tokens: its KV is in
+                state.worker_timings = msgspec.structs.replace(
+                    state.worker_timings, transfer=moved.transfer, transfer_bytes=moved.transfer_bytes
+                )
             if state.first_token is None:
                 state.first_token = time.monotonic()
             state.token_ids.extend(current.token_ids)

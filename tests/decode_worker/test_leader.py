@@ -16,11 +16,12 @@ import zmq
 
 from pdserve.cluster.config import Addresses
 from pdserve.cluster.datagrams import DatagramInbox
-from pdserve.cluster.protocol import Abort, KVAnnounce, KVReply, Message, Sampling, decode
+from pdserve.cluster.protocol import Abort, KVAnnounce, KVReply, Message, Sampling, TokenOutputs, decode
 from pdserve.decode_worker import leader as leader_module
 from pdserve.decode_worker.leader import DecodeLeader
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.timings import RequestTimings
 from pdserve.kvtransfer.agent import KVTransferAgent
 from pdserve.kvtransfer.base import Transfer, TransferFailed, TransferStats
 from pdserve.tests.cluster.helpers import worker_errors
@@ -213,6 +214,27 @@ def test_an_abort_after_admission_frees_the_running_request(setup: Setup) -> Non
     assert not setup.engine.has_unfinished() and setup.free_blocks() == NUM_BLOCKS
     setup.announce("r")  # a stray second announce of an aborted id is refused too
     assert setup.replies()[-1] == KVReply("r", accepted=False)
+
+
+def test_the_first_decoded_tokens_carry_the_transfer(setup: Setup) -> None:
+    """The transfer's size and time go to the router with the request's first decoded tokens, not
+    only with its last: a request that ends by an abort, whose final the router writes, counts
+    them too. Later outputs carry no timings until the last."""
+    setup.announce("r")
+    setup.transfers.land("r")
+    setup.leader.background()
+    sent = []
+    while setup.engine.has_unfinished():
+        setup.leader.send_outputs(setup.engine.step())
+    while setup.router_inbox.poll(200):
+        message = decode(setup.router_inbox.recv())
+        if isinstance(message, TokenOutputs):
+            sent += message.outputs
+    assert [o.index for o in sent] == list(range(1, 8))
+    first, *middle, last = sent
+    assert first.timings.transfer_bytes == 3.0 and first.timings.transfer is not None  # the stand-in's 3 blocks
+    assert all(o.timings == RequestTimings() for o in middle)
+    assert last.finished and last.timings.transfer_bytes == 3.0
 
 
 def test_stats_report_the_groups_transfer_failures(setup: Setup) -> None:

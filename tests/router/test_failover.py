@@ -272,6 +272,21 @@ def test_an_aborted_requests_final_counts_its_decoding_so_far(rig: Rig) -> None:
     assert 0.05 <= final.timings["decode"] <= final.timings["total"]
 
 
+def test_an_aborted_requests_final_counts_its_kv_transfer(rig: Rig) -> None:
+    """A request ended by an abort after its KV moved (a stop string the HTTP front end matched,
+    a client gone): the router's final carries the transfer the decode group reported with its
+    first tokens, beside the entry group's timings, for the KV-transfer metrics."""
+    work = _start(rig)
+    rig.worker(TokenOutputs([TokenOutput(work.request_id, 0, [11], timings=RequestTimings(prefill=0.01))]))
+    moved = RequestTimings(transfer=0.002, transfer_bytes=4096.0)
+    rig.worker(TokenOutputs([TokenOutput(work.request_id, 1, [12, 13], timings=moved)]))
+    rig.client.send(encode(Abort("c1")))
+    final = rig.replies()[-1]
+    assert isinstance(final, Final) and final.finish_reason == "abort"
+    assert final.timings["transfer_bytes"] == 4096.0 and final.timings["transfer"] == 0.002
+    assert final.timings["prefill"] == 0.01
+
+
 def test_a_request_moved_after_its_first_token_settles_at_its_new_first_token(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:

@@ -764,6 +764,9 @@ class _Run:
         ended = False  # the cluster sent the request's terminal message
         failed = False  # answered with an error: counted as that alone
         last: float | None = None
+        # A request_id of the client's that is running already is the cluster's to refuse
+        # (duplicate_request_id): the running one stays counted.
+        counted = self.request_id not in frontend.running
         frontend.running.add(self.request_id)
         try:
             stream = client.stream(
@@ -781,12 +784,13 @@ class _Run:
                         self._prompt_logprobs = message.prompt_logprobs
                     if isinstance(message, Final):
                         ended = True
-                        if matcher is not None and (tail := matcher.flush()):
-                            yield tail
                         if gen.echo_only:  # the token run for the prompt's log-probabilities is no output
                             self._finish("length", message, now, completion_tokens=0)
                         else:
                             self._finish(message.finish_reason, message, now)
+                        # Counted first: a client that leaves while the tail goes out ends this here.
+                        if matcher is not None and (tail := matcher.flush()):
+                            yield tail
                         return
                     assert isinstance(message, Chunk)
                     if last is None:
@@ -829,7 +833,8 @@ class _Run:
                 503, f"the cluster at {frontend.endpoint} stopped answering", "cluster_unavailable"
             ) from None
         finally:
-            frontend.running.discard(self.request_id)
+            if counted:
+                frontend.running.discard(self.request_id)
             if not ended:
                 frontend._spawn(self._abandoned(time.perf_counter(), counted=failed))
 

@@ -5,8 +5,8 @@
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events ending
 ``data: [DONE]``, or whole), ``GET /v1/models`` and ``/v1/models/{id}``, vLLM's ``POST /tokenize``
-and ``/detokenize``, ``GET /health`` (200 only while every worker group is ready and the cluster
-accepts requests) and ``GET /metrics`` (Prometheus). With an API key (``--api-key`` or
+and ``/detokenize``, ``GET /health`` (200 while each role has a ready group and the cluster
+accepts requests: one group of several restarting leaves it 200) and ``GET /metrics`` (Prometheus). With an API key (``--api-key`` or
 ``PDSERVE_API_KEY``, as vLLM's), every ``/v1`` route and the two token routes want it as
 ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open. Browser
 pages may call it from the origins ``--allowed-origins`` names (CORS; none by default). Requests go to

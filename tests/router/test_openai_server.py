@@ -1184,6 +1184,104 @@ class EndlessCluster:
         self._abort.set()
 
 
+class OneAtATimeCluster(EndlessCluster):
+    """An ``EndlessCluster`` that, as ``AsyncClient`` does, refuses a request whose id is running."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: set[str] = set()
+
+    async def stream(self, request_id: str, **kwargs: Any) -> Any:
+        if request_id in self.live:
+            raise ClusterError(Error(request_id, "duplicate_request_id", f"request_id {request_id!r} is running"))
+        self.live.add(request_id)
+        try:
+            async for message in super().stream(request_id, **kwargs):
+                yield message
+        finally:
+            self.live.discard(request_id)
+
+
+def test_a_duplicate_request_id_refused_leaves_the_running_request_counted(demo_model_dir: Path) -> None:
+    """A second request with the request_id of one still running gets 400 duplicate_request_id,
+    and the first still counts as in flight: a drain waits for it (its refusal used to take the
+    first's place in the front end's running set, and SIGTERM then exited under it)."""
+    frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), served_model_name=MODEL)
+    frontend.max_model_len = MAX_MODEL_LEN
+    frontend.client = OneAtATimeCluster()  # type: ignore[assignment]
+    request = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 8, "stream": True, "request_id": "same"}
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+
+    async def call(leave: asyncio.Event | None, sent: list[dict[str, Any]]) -> None:
+        messages = [{"type": "http.request", "body": json.dumps(request).encode(), "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop()
+            await (leave or asyncio.Event()).wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await frontend.app()(scope, receive, send)
+
+    async def main() -> None:
+        first: list[dict[str, Any]] = []
+        second: list[dict[str, Any]] = []
+        leave = asyncio.Event()
+        running = asyncio.ensure_future(call(leave, first))
+        while not frontend.in_flight:
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(call(None, second), 10)
+        assert second[0]["status"] == 400 and json.loads(second[1]["body"])["error"]["code"] == "duplicate_request_id"
+        assert frontend.in_flight == 1 and not running.done()
+        frontend.start_draining()
+        assert not frontend.drained()
+        leave.set()  # the first request's client leaves: it is aborted and ends
+        await asyncio.wait_for(running, 10)
+        assert frontend.in_flight == 0
+
+    asyncio.run(main())
+
+
+class TailCluster(LaggingCluster):
+    """A cluster client whose request ends (length) with text a stop string might still have
+    begun: the front end holds it back until the final."""
+
+    async def stream(self, request_id: str, **_: Any) -> Any:
+        yield Chunk(request_id, [5], "a")
+        yield Chunk(request_id, [6], "\n")
+        yield Final(request_id, "length", [5, 6], "a\n", {"prompt_tokens": 3, "completion_tokens": 2}, {})
+
+
+def test_a_stream_whose_client_leaves_during_its_held_back_tail_is_counted(demo_model_dir: Path) -> None:
+    """The request ran to its end: it counts as finished in the metrics though its client left
+    while its last text (held back for a stop string) was being sent, and nothing is aborted."""
+    frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), served_model_name=MODEL)
+    frontend.max_model_len = MAX_MODEL_LEN
+    frontend.client = TailCluster()  # type: ignore[assignment]
+    request = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2, "stream": True, "stop": ["\n\n"]}
+    messages = [{"type": "http.request", "body": json.dumps(request).encode(), "more_body": False}]
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop()
+        await asyncio.sleep(0.3)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and b"\\n" in message.get("body", b""):
+            await asyncio.sleep(5)  # the client stops reading as the tail goes out
+
+    asyncio.run(asyncio.wait_for(frontend.app()(scope, receive, send), 10))
+    counters = {key: value for key, value in counter_samples(frontend).items() if value}
+    finished = ("pdserve:request_success_total", (("finished_reason", "length"), ("model_name", MODEL)))
+    assert counters.get(finished) == 1.0, counters
+    assert counters.get(("pdserve:generation_tokens_total", (("model_name", MODEL),))) == 2.0, counters
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_request_the_drain_outlasts_is_aborted_and_still_answered(demo_model_dir: Path, stream: bool) -> None:
     """Past --drain-timeout a running request is aborted in the cluster (its KV freed there) and

@@ -107,7 +107,8 @@ class RestartBudget:
         self.failures_in_row = 1 if stable else self.failures_in_row + 1
         if self.failures_in_row > self.max_restarts:
             return None
-        return min(self.backoff * 2 ** (self.failures_in_row - 1), _MAX_BACKOFF_S)
+        doublings = min(self.failures_in_row - 1, 64)  # past the cap long before; 2**1024 is no float
+        return min(self.backoff * 2**doublings, _MAX_BACKOFF_S)
 
 
 @dataclass
@@ -191,6 +192,8 @@ class Cluster:
 
         def interrupt(signum: int, frame: object) -> None:
             nonlocal interrupted
+            if interrupted:  # the same stop (timeout(1) signals the process group too): being undone
+                return
             interrupted = True
             raise KeyboardInterrupt
 
@@ -553,6 +556,11 @@ class Cluster:
                     if line is not None:
                         logger.info("%s", line)
             self.shutdown()
+        except BaseException:
+            # A fault of the launcher's own: its ranks, left running with no router, would hold
+            # their GPUs, and the interpreter would wait for them at exit for ever.
+            self._abandon()
+            raise
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -24,3 +24,11 @@ def test_a_part_that_served_a_minute_starts_its_count_afresh() -> None:
         assert budget.failed(86_400.0) == 1.0
     assert budget.failed(2.0) == 2.0  # failed again at once after its restart
     assert budget.failed(2.0) is None  # the third in a row: down
+
+
+def test_a_group_that_fails_for_ever_waits_the_cap_and_never_overflows() -> None:
+    """With a large ``--max-restarts``, the 1025th failure in a row doubled the back-off past
+    a float (OverflowError), which took the launcher down with its ranks left running."""
+    budget = RestartBudget(max_restarts=10**6, backoff=1.0)
+    assert {budget.failed(None) for _ in range(2000)} >= {30.0}
+    assert budget.failed(None) == 30.0

@@ -250,3 +250,49 @@ def test_a_rank_that_dies_while_the_cluster_starts_fails_the_start_and_takes_the
     assert time.monotonic() - began < 20  # not the start timeout
     assert {g.key for g in spawned} == {("prefill", 0), ("decode", 0)}
     assert all(g.processes is None for g in spawned)  # killed and reaped
+
+
+def test_an_unexpected_fault_while_serving_ends_every_process_it_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launcher bug while serving (an OSError starting a restarted group's ranks, say) raises,
+    but first ends the ranks: left running with no router, they would hold their GPUs, and the
+    interpreter would wait for them at exit, for ever."""
+    cluster = Cluster(ClusterConfig.from_settings({}))
+    cluster.router = _Router()  # type: ignore[assignment]
+    group = _Group("prefill", 0, 1, None, RestartBudget(1, 1.0))
+    group.processes = RankProcesses(_exit_with, [(0, 60.0)])
+    (rank,) = group.processes.processes
+    cluster.groups = {group.key: group}
+
+    def fault() -> None:
+        raise OSError("cannot start a process")
+
+    monkeypatch.setattr(cluster, "_check_workers", fault)
+    try:
+        with pytest.raises(OSError, match="cannot start"):
+            cluster.serve()
+        assert not rank.is_alive() and group.processes is None
+    finally:
+        rank.kill()
+
+
+def test_a_second_stop_signal_while_the_start_is_undone_is_the_same_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """timeout(1) signals the launcher and then its process group: the second signal, while the
+    first one's clean-up runs, came out as KeyboardInterrupt ("Aborted!", exit 1) instead of the
+    one-line "stopped before the cluster was ready"."""
+
+    def start_interrupted() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler runs before this ends
+
+    cluster = Cluster(ClusterConfig.from_settings({}))
+    abandon = cluster._abandon
+
+    def abandon_signalled_again() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        abandon()
+
+    monkeypatch.setattr(cluster, "_start", start_interrupted)
+    monkeypatch.setattr(cluster, "_abandon", abandon_signalled_again)
+    with pytest.raises(ClusterError, match="stopped before the cluster was ready"):
+        cluster.start()

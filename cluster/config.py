@@ -370,11 +370,13 @@ class ClusterConfig:
             raise ValueError(f"cache_aware_margin must be >= 0, got {self.cache_aware_margin}")
         if self.dispatch != "cache-aware" and (margin := self._changed(lambda s: s.key == "cache_aware_margin")):
             raise ValueError(f"{margin.flag} applies to --dispatch cache-aware, not --dispatch {self.dispatch}")
-        if ":" in self.host:  # ZMQ would fail to parse tcp://::1:5555 with "No such device"
-            raise ValueError(
-                f"host must be an IPv4 address or name (0.0.0.0: every interface), got {self.host!r}: "
-                "IPv6 is not supported"
-            )
+        # ZMQ would fail to parse tcp://::1:5555 with "No such device", blamed on --host:--port.
+        for name, where in (("host", " (0.0.0.0: every interface)"), ("master_addr", ""), ("advertise_addr", "")):
+            address = getattr(self, name)
+            if address is not None and ":" in address:
+                raise ValueError(
+                    f"{name} must be an IPv4 address or name{where}, got {address!r}: IPv6 is not supported"
+                )
         for name in (*_DISAGG_ONLY, *_COLOCATED_ONLY):
             # Groups may all live on other machines when they can join.
             least = 0 if name.endswith("_groups") and self.joinable else 1
@@ -433,6 +435,8 @@ class ClusterConfig:
         if self.allowed_origins is not None and (self.http_port is None or not origins(self.allowed_origins)):
             why = "applies to the HTTP API: give --http-port too" if origins(self.allowed_origins) else "names none"
             raise ValueError(f"--allowed-origins {why}")
+        if self.http_port is None and (timeout := self._changed(lambda s: s.key == "send_timeout")):
+            raise ValueError(f"{timeout.flag} applies to the HTTP API: give --http-port too")
         for name in ("max_message_mib", "max_prompt_chars", "max_requests_per_client", "max_requests", "send_timeout"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -487,6 +491,8 @@ class ClusterConfig:
             raise ValueError("--master-addr (a router node) and --join (a group node) exclude each other")
         if not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be in 1..65535, got {self.master_port}")
+        if self.master_addr is None and (port := self._changed(lambda s: s.key == "master_port")):
+            raise ValueError(f"{port.flag} applies to a router node (--master-addr)")
         if self.join is None:
             for flag, value, default in (
                 ("--role", self.join_role, None),
@@ -539,6 +545,8 @@ class ClusterConfig:
             raise ValueError(f"{path}: not valid YAML: {getattr(e, 'problem', None) or e}{where}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: a cluster preset must be a mapping of settings")
+        if named_otherwise := [k for k in data if not isinstance(k, str)]:  # YAML reads `on:` as True
+            raise ValueError(f"{path}: setting names are strings, got {named_otherwise[0]!r}")
         given = {k: v for k, v in overrides.items() if v is not None}
         from_file = {str(k).replace("-", "_") for k in data} - set(given)
         data.update(given)

@@ -178,6 +178,13 @@ def test_multi_node_settings_are_checked_before_anything_starts() -> None:
         "--join-timeout must be positive": {"join": "10.0.0.1:29500", "role": "decode", "join_timeout": 0},
         "--join-timeout applies to a group node": {"join_timeout": 5},
         "master_port must be in 1..65535": {"master_addr": "10.0.0.1", "master_port": 0},
+        "--master-port applies to a router node (--master-addr)": {"master_port": 30000},
+        "master_addr must be an IPv4 address or name": {"master_addr": "::1"},
+        "advertise_addr must be an IPv4 address or name": {
+            "join": "10.0.0.1:29500",
+            "role": "decode",
+            "advertise_addr": "fe80::1",
+        },
     }
     for message, settings in refused.items():
         with pytest.raises(ValueError, match=re.escape(message)):
@@ -208,6 +215,7 @@ def test_the_http_apis_key_and_origins_need_it_and_a_value() -> None:
         ({"http_port": 8000, "api_key": " "}, "--api-key must not be empty"),
         ({"allowed_origins": "*"}, "--allowed-origins applies to the HTTP API: give --http-port too"),
         ({"http_port": 8000, "allowed_origins": " , "}, "--allowed-origins names none"),
+        ({"send_timeout": 5.0}, "--send-timeout applies to the HTTP API: give --http-port too"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             ClusterConfig.from_settings(settings)
@@ -258,6 +266,8 @@ def test_a_preset_value_of_the_wrong_type_names_its_setting(tmp_path: Path) -> N
         "drain_timeout: [1]\n": "drain_timeout must be a number, got [1]",
         "devices: a,b\n": "devices: expected comma-separated GPU ids such as 0,1, or cpu, got 'a,b'",
         "max_model_len: [\n": "not valid YAML: expected the node content, but found '<stream end>' (line 2, column 1)",
+        "1: 2\n": "setting names are strings, got 1",
+        "on: true\n": "setting names are strings, got True",
     }
     for text, message in refused.items():
         path = tmp_path / "preset.yaml"
@@ -330,7 +340,7 @@ def test_a_registered_backend_is_checked_by_the_traits_it_declares(monkeypatch: 
         ({"client_heartbeat_timeout": 7000.0}, "client_heartbeat_timeout"),  # past ZMQ's TTL: "cannot listen"
         ({"transfer_staging_mib": float("inf")}, "staging_mib"),  # ranks abort at start
         ({"start_timeout": float("inf")}, "start_timeout"),  # KV pair groups' threads die after "ready"
-        ({"send_timeout": float("nan")}, "send_timeout"),
+        ({"http_port": 8000, "send_timeout": float("nan")}, "send_timeout"),
         ({"drain_timeout": float("nan")}, "drain_timeout"),
         ({"join": "127.0.0.1:29500", "role": "decode", "join_timeout": float("inf")}, "join_timeout"),
     ],

@@ -150,6 +150,8 @@ class GroupNode:
             settings = json.loads(self.store.get("cluster/settings"))
             shape = json.loads(self.store.get("cluster/model"))
             router = self.store.get("cluster/router").decode()
+        except ClusterError:  # a RuntimeError too, but its own one line
+            raise
         except (RuntimeError, ValueError, TimeoutError) as e:  # torch's store errors are RuntimeErrors
             raise ClusterError(
                 f"no pdserve router node answers at {self.join} within {self.join_timeout:g} s "
@@ -179,6 +181,10 @@ class GroupNode:
         if on_gpu:
             engine = config.rank_engine(engine, self.role, 1)
         advertise = config.advertise_addr or _route_to(host, port)
+        try:  # before an index is taken: a refusal here leaves the cluster as it was
+            leader_port = free_port(advertise)
+        except OSError as e:
+            raise ClusterError(f"--advertise-addr {advertise}: not an address of this machine ({e.strerror})") from None
         if self._stop_requested:  # stopped while it waited for the router node: nothing to undo
             return
         self.index = int(self.store.add(f"next/{self.role}", 1)) - 1
@@ -186,9 +192,7 @@ class GroupNode:
         self.store.set(group_state_key(self.role, self.index), "starting")
         name = f"{self.role}{self.index}"
         endpoint_host = f"[{advertise}]" if ":" in advertise else advertise
-        addresses = Addresses(
-            self._tmp.name, "", {"router": router, name: f"tcp://{endpoint_host}:{free_port(advertise)}"}
-        )
+        addresses = Addresses(self._tmp.name, "", {"router": router, name: f"tcp://{endpoint_host}:{leader_port}"})
         self.address = addresses.leader(self.role, self.index)
         self._reaper = reaper.spawn(self._tmp.name)
         self._router = router

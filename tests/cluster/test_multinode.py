@@ -489,6 +489,12 @@ def test_bad_joins_get_one_line_errors_and_change_nothing(
     assert too_wide.stderr.strip().splitlines()[-1].startswith("Error: --tp 16:"), too_wide.stderr
     wrong_role = on_group_node("launch.py", "--join", router_node.master, "--role", "colocated")
     assert "runs --mode disagg" in wrong_role.stderr.strip().splitlines()[-1], wrong_role.stderr
+    elsewhere = on_group_node(
+        "launch.py", "--join", router_node.master, "--role", "decode", "--advertise-addr", "10.255.255.1"
+    )
+    assert elsewhere.returncode != 0
+    last = elsewhere.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: --advertise-addr 10.255.255.1: not an address of this machine"), elsewhere.stderr
     stranger = on_group_node("-c", STRANGER.format(master=router_node.master, address=topology.group_addrs[0]))
     assert stranger.returncode == 0, stranger.stderr
     with Client(router_node.endpoint, timeout=120) as client:

@@ -60,6 +60,7 @@ from pdserve.bench.serve import (
     config_from_options,
     failure_summary,
     load_options,
+    longest,
     metrics_row,
     point_requests,
     rate_label,
@@ -266,13 +267,19 @@ async def measure_isolated_tpot(endpoint: str, config: BenchConfig) -> list[floa
 
 def describe_workload(config: BenchConfig) -> str:
     lengths = f"{config.input_len} in / {config.output_len} out ({config.len_dist})"
+    text_most = (
+        f"{config.output_len} tokens"
+        if config.len_dist == "fixed"
+        else f"a {config.len_dist} draw of mean {config.output_len} tokens (at most "
+        f"{longest(config.output_len, config.len_dist)})"
+    )
     detail = {
         "random": lengths,
         "mixed": f"short {lengths}; {config.long_fraction:.0%} long prompts of {config.long_len[0]}-"
         f"{config.long_len[1]} tokens",
         "shared-prefix": f"{config.num_prefixes} prefixes of {config.prefix_len} tokens + questions of {lengths}",
         "multi-turn": f"sessions of {config.num_turns} turns: {config.prefix_len} tokens, then the answer + {lengths}",
-        "text": f"prompts of {Path(config.prompts_file).name}, at most {config.output_len} tokens out",
+        "text": f"prompts of {Path(config.prompts_file).name}, out until EOS or {text_most}",
     }[config.workload]
     load = f"rates {', '.join(rate_label(r) for r in config.rates)} req/s"
     if config.concurrency is not None:

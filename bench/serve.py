@@ -40,7 +40,8 @@ Workloads (token ids drawn uniformly from ``[0, --vocab-size)``):
   ``i % S``); a turn is sent at its arrival time or when its session's previous turn ends,
   whichever is later (ZMQ backend only: it needs the answers' token ids).
 * ``text``: prompts from ``--prompts-file`` (``bench/prompts.txt``), sent as text (chat
-  template applied by the router), stopping at the model's end of sequence or ``--output-len``.
+  template applied by the router), stopping at the model's end of sequence or after a length
+  drawn as ``random``'s output lengths are (``--output-len``, ``--len-dist``).
 
 Metric definitions are in ``bench/metrics.py``; ``xfer KiB`` is the mean KV a request moved
 from its prefill group to its decode group, ``hit %`` the share of prompt tokens the prefill
@@ -459,7 +460,8 @@ async def run_requests(
 ) -> list[RequestRecord]:
     """Send ``specs`` at ``rate`` (at most ``concurrency`` in flight); wait for every one to end.
     A multi-turn request waits for its session's previous turn and is sent after its history
-    (the previous prompt and answer), cut to ``max_model_len`` if given."""
+    (the previous prompt and answer), the history's end cut so that its own new tokens and its
+    output fit ``max_model_len`` if given."""
     slots: Any = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
     history: dict[int, list[int]] = {}  # session -> its last prompt and answer
     turn_done: list[asyncio.Event] = [asyncio.Event() for _ in specs]
@@ -490,9 +492,11 @@ async def run_requests(
             if before is not None:
                 await turn_done[before].wait()
             if spec.session is not None:
-                prompt = history.get(spec.session, []) + (spec.token_ids or [])
-                if max_model_len is not None:
-                    prompt = prompt[: max_model_len - spec.max_tokens]
+                new = spec.token_ids or []
+                history_kept = history.get(spec.session, [])
+                if max_model_len is not None:  # the history's end goes: a turn always asks its own question
+                    history_kept = history_kept[: max(0, max_model_len - spec.max_tokens - len(new))]
+                prompt = (history_kept + new)[: None if max_model_len is None else max_model_len - spec.max_tokens]
                 spec = dataclasses.replace(spec, token_ids=prompt)
                 record.prompt_len = len(prompt)
             async with slots:
@@ -956,7 +960,9 @@ LOAD_OPTIONS = (
         help="Prompt tokens (mean) of random/short requests; shared-prefix: the question after the prefix; "
         "multi-turn: each later turn's new tokens.",
     ),
-    click.option("--output-len", type=int, default=128, help="Output tokens (mean; text: the most)."),
+    click.option(
+        "--output-len", type=int, default=128, help="Output tokens (mean; text: the mean of each request's most)."
+    ),
     click.option(
         "--len-dist",
         type=click.Choice(LEN_DISTS),

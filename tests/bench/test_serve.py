@@ -383,12 +383,29 @@ def test_multi_turn_sessions_carry_their_history() -> None:
         if spec.session in last:
             before, finished = last[spec.session]
             history = before + EchoCluster.answer(before, spec.max_tokens)
-            assert prompt == (history + (spec.token_ids or []))[: 40 - spec.max_tokens]  # cut to fit 40
+            new = spec.token_ids or []
+            # Cut to fit 40: the history's end goes, the turn's own tokens stay (cutting the end
+            # of the whole prompt sent the previous prompt again once a session reached the limit).
+            assert prompt == history[: 40 - spec.max_tokens - len(new)] + new
+            assert prompt != before
             assert rec.sent >= finished  # a turn waits for the one before
         else:
             assert prompt == spec.token_ids
         last[spec.session] = (prompt, rec.finished or 0.0)
     assert max(len(p) for p in cluster.prompts.values()) == 36  # the third turns were cut
+
+
+def test_a_multi_turn_session_at_the_length_limit_still_sends_each_turns_question() -> None:
+    """Past the limit every turn keeps its own new tokens: it used to resend the previous prompt
+    (the new tokens cut off), and the cache served the repeat."""
+    config = BenchConfig(workload="multi-turn", num_turns=4, prefix_len=20, input_len=5, output_len=4)
+    specs = build_requests(config, 4)  # one session
+    cluster = EchoCluster()
+    records = asyncio.run(run_requests(cluster, specs, None, None, 0, "t", max_model_len=30))  # type: ignore[arg-type]
+    prompts = [cluster.prompts[r.request_id] for r in records]
+    assert [len(p) for p in prompts] == [20, 26, 26, 26]
+    assert all(p[-5:] == s.token_ids for p, s in zip(prompts[1:], specs[1:]))
+    assert len({tuple(p) for p in prompts}) == 4
 
 
 def test_plots_are_skipped_with_a_warning_without_matplotlib(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -814,3 +831,14 @@ def test_the_first_rate_is_drawn_as_every_later_one() -> None:
     )
     warmup, measured = workload_requests(shared)
     assert not {tuple((s.token_ids or [])[:32]) for s in warmup} & {tuple((s.token_ids or [])[:32]) for s in measured}
+
+
+def test_the_text_workloads_report_names_the_most_a_request_asks_for() -> None:
+    """bench.compare's report said "at most 64 tokens out" while uniform draws asked up to 96."""
+    from pdserve.bench.compare import describe_workload
+
+    config = BenchConfig(workload="text", len_dist="uniform", output_len=64)
+    most = max(s.max_tokens for s in build_requests(config, 200))
+    assert 64 < most <= 96
+    assert "a uniform draw of mean 64 tokens (at most 96)" in describe_workload(config)
+    assert "out until EOS or 64 tokens;" in describe_workload(BenchConfig(workload="text", output_len=64))

@@ -62,6 +62,18 @@ def run(engine: LLMEngine, waves: list[list[list[int]]], params: SamplingParams)
     return finals
 
 
+def drain_all(engine: LLMEngine) -> tuple[dict[str, list[int]], dict[str, RequestOutput]]:
+    """Step ``engine`` until idle: each request's tokens, and its final output."""
+    tokens: dict[str, list[int]] = {}
+    finals: dict[str, RequestOutput] = {}
+    for step in engine.drain():
+        for out in step:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finals[out.request_id] = out
+    return tokens, finals
+
+
 @pytest.mark.parametrize(
     ("name", "overlap", "num_blocks", "sched"),
     [
@@ -145,13 +157,7 @@ def test_a_request_whose_prefix_is_evicted_while_it_waits_completes(
             assert engine.stats().prefix_cache.cached_blocks == 4  # type: ignore[union-attr]
         engine.add_request("other", other, long)
         engine.add_request("waiting", waiting, short)
-        outputs = {r: [] for r in ("other", "waiting")}
-        finals = {}
-        for step in engine.drain():
-            for out in step:
-                outputs[out.request_id] += out.new_token_ids
-                if out.finished:
-                    finals[out.request_id] = out
+        outputs, finals = drain_all(engine)
         assert [finals[r].finish_reason for r in ("other", "waiting")] == ["length", "length"]
         results[prefix_cache] = outputs
         if prefix_cache:
@@ -176,14 +182,7 @@ def test_a_request_stuck_at_the_head_uses_blocks_cached_while_it_waited(tiny_mod
         for request_id, prompt in prompts.items():
             params = SamplingParams(max_tokens=max_tokens[request_id], temperature=0.0, ignore_eos=True)
             engine.add_request(request_id, prompt, params)
-        tokens: dict[str, list[int]] = {r: [] for r in prompts}
-        finals = {}
-        for step in engine.drain():
-            for out in step:
-                tokens[out.request_id] += out.new_token_ids
-                if out.finished:
-                    finals[out.request_id] = out
-        results[prefix_cache] = tokens
+        results[prefix_cache], finals = drain_all(engine)
         if prefix_cache:
             assert finals["second"].timings.cached_tokens == 4 * BLOCK
             stats = engine.stats().prefix_cache

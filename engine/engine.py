@@ -360,7 +360,8 @@ class LLMEngine:
             plan = build_plan(batch, self.runner.block_size)
             prompt = [] if batch.is_decode else prompt_logprob_positions(batch, plan.cu_seqlens_q)
             plan.prompt_rows = [row for row, _, _ in prompt]
-            sampled = previous.tokens if previous is not None else None
+            # A step that sampled nothing (only part of a prompt ran) names no placeholder.
+            sampled = previous.tokens if previous is not None and previous.seqs else None
             if previous is not None and not self.runner.replays(plan):
                 # The host is about to launch every kernel itself, which outlasts the GPU's work:
                 # nothing to overlap, and the finished step's tokens need not wait behind it.

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.penalties import History, penalize
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.step_plan import pending_token
@@ -107,6 +108,33 @@ def test_frequency_and_presence_penalties_match_the_rules(tiny_model_dirs: dict[
     expected = [reference_greedy(reference, prompt, p) for prompt, p in zip(prompts, params)]
     assert got == expected
     assert expected[:2] != [reference_greedy(reference, prompt, greedy()) for prompt in prompts[:2]]
+
+
+def test_a_penalized_request_after_a_step_that_sampled_nothing_decodes_as_alone(
+    tiny_model_dirs: dict[str, Path],
+) -> None:
+    """A step that runs only part of a prompt asking for its log-probabilities samples nothing;
+    the next step's penalized row with output so far (a moved request) looked its tokens up in
+    that empty sample and raised IndexError (a device assert on a GPU: the group dies)."""
+    model_dir = tiny_model_dirs["tiny-llama"]
+    penalized = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, frequency_penalty=1.0)
+    moved = [5, 6, 7, 8, 9]  # three prompt tokens and two of output so far
+
+    def run(engine: LLMEngine) -> dict[str, list[int]]:
+        engine.add_request("moved", moved, penalized, generated=2)
+        tokens: dict[str, list[int]] = {"long": [], "moved": []}
+        for outputs in engine.drain():
+            for out in outputs:
+                tokens[out.request_id] += out.new_token_ids
+        return tokens
+
+    alone = run(make_engine(model_dir))["moved"]
+    engine = make_engine(model_dir, max_num_batched_tokens=32, max_num_seqs=8)
+    prompt_logprobs = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    engine.add_request("long", list(range(1, 41)), prompt_logprobs)
+    assert engine.step() == []  # its first 32 tokens: nothing sampled
+    beside = run(engine)
+    assert len(beside["long"]) == 4 and beside["moved"] == alone and len(alone) == 4  # 6 less the 2 it had
 
 
 @pytest.mark.slow

@@ -480,9 +480,9 @@ class LLMEngine:
         return num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= self.max_model_len
 
     def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
-        """The ids that end a request of ``params``: what ``min_tokens`` holds back."""
-        eos = () if params.ignore_eos else self.model_config.eos_token_ids
-        return (*eos, *params.stop_token_ids)
+        """What ``min_tokens`` holds back: the stop ids, and the end-of-sequence ids even under
+        ``ignore_eos`` (vLLM's), which only keeps them from ending the request."""
+        return (*self.model_config.eos_token_ids, *params.stop_token_ids)
 
     def _stop_reason(self, seq: Sequence, token: int, num_tokens: int) -> str | None:
         """Why ``seq`` ends with ``token`` as its ``num_tokens``-th token, or None."""

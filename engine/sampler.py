@@ -19,16 +19,20 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     """Set to -inf every logit outside the row's top-k and outside its top-p nucleus.
 
     logits ``[B, V]`` fp32; top_k ``[B]`` int (``>= V`` disables); top_p ``[B]`` fp32 (1 disables).
-    The nucleus keeps the smallest set of most likely tokens whose mass reaches ``top_p``
-    (the token that crosses the threshold is kept); at least one token always survives.
+    Top-k keeps every token as likely as the k-th (ties included, as vLLM's). The nucleus keeps
+    the smallest set of most likely tokens whose mass reaches ``top_p`` (the token that crosses
+    the threshold is kept); at least one token always survives.
     """
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1], device=logits.device)
-    drop = ranks[None, :] >= top_k[:, None]
+    kth = sorted_logits.gather(-1, (top_k.clamp(1, logits.shape[-1]) - 1)[:, None])
+    drop = sorted_logits < kth
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop = drop | (mass_before >= top_p[:, None])
+    # A token goes when it and every less likely one hold at most 1 - top_p, summed from the
+    # least likely up, as vLLM does: a running sum from the top reaches 1.0 in float32 before
+    # the end of a large vocabulary, and top_p 1 would cut the tail.
+    tail_mass = probs.flip(-1).cumsum(dim=-1).flip(-1)
+    drop = drop | (tail_mass <= 1 - top_p[:, None])
     drop[:, 0] = False
     masked = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, masked)
@@ -222,13 +226,14 @@ class Sampler:
             min_p = [params[i].min_p for i in sampled_rows]
             if any(min_p):
                 scaled = min_p_mask(scaled, device_tensor(min_p, torch.float32, device))
-            top_k = device_tensor(  # -1 (off) and anything past the vocabulary keep every token
-                [min(params[i].top_k, vocab) if params[i].top_k > 0 else vocab for i in sampled_rows],
-                torch.int64,
-                device,
-            )
-            top_p = device_tensor([params[i].top_p for i in sampled_rows], torch.float32, device)
-            probs = top_k_top_p_mask(scaled, top_k, top_p).softmax(dim=-1)
+            # -1 (off) and anything past the vocabulary keep every token.
+            top_k = [min(params[i].top_k, vocab) if params[i].top_k > 0 else vocab for i in sampled_rows]
+            top_p = [params[i].top_p for i in sampled_rows]
+            if min(top_k) < vocab or min(top_p) < 1.0:  # else no row needs the sort of its vocabulary
+                scaled = top_k_top_p_mask(
+                    scaled, device_tensor(top_k, torch.int64, device), device_tensor(top_p, torch.float32, device)
+                )
+            probs = scaled.softmax(dim=-1)
             # Exponential race (Gumbel-max in disguise): argmax(p / E) with E ~ Exp(1) samples
             # from p; each seeded row draws its noise from its seed and position.
             noise = torch.empty_like(probs).exponential_()

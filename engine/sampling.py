@@ -46,7 +46,7 @@ class SamplingParams:
     ``logit_bias``: (token id, bias) pairs added to those tokens' logits before anything else,
     greedy requests included (OpenAI's).
 
-    ``min_tokens``: the end-of-sequence tokens (unless ``ignore_eos``) and ``stop_token_ids``
+    ``min_tokens``: the end-of-sequence tokens (with ``ignore_eos`` too) and ``stop_token_ids``
     cannot be sampled before the output holds this many tokens (vLLM's).
 
     ``logprobs`` (not None) asks for each generated token's log-probability and those of the

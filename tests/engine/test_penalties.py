@@ -160,6 +160,16 @@ def test_min_tokens_holds_back_the_end_of_sequence_as_transformers_does(demo_mod
     assert len(got[2]) == 20 and got[2][-1] not in engine.model_config.eos_token_ids
 
 
+def test_min_tokens_holds_back_the_end_of_sequence_under_ignore_eos_too(tiny_model_dirs: dict[str, Path]) -> None:
+    """As vLLM's: ``ignore_eos`` lets an end-of-sequence token be drawn without ending the
+    request, but not before ``min_tokens`` (a bias that makes it the argmax shows it)."""
+    engine = make_engine(tiny_model_dirs["tiny-qwen2"])
+    eos = engine.model_config.eos_token_ids[0]
+    params = SamplingParams(max_tokens=6, min_tokens=3, temperature=0.0, ignore_eos=True, logit_bias=((eos, 100.0),))
+    [tokens] = engine.generate([[5, 6, 7]], params)
+    assert len(tokens) == 6 and eos not in tokens[:3] and tokens[3:] == [eos] * 3
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_min_tokens_holds_back_stop_token_ids(tiny_model_dirs: dict[str, Path], overlap: bool) -> None:
     """A stop id greedy would draw second may not come before ``min_tokens``; once allowed it

@@ -20,6 +20,22 @@ def test_top_k_keeps_exactly_the_k_largest() -> None:
     torch.testing.assert_close(masked[0, [1, 4]], logits[0, [1, 4]])
 
 
+def test_top_k_keeps_every_token_as_likely_as_the_kth() -> None:
+    """As vLLM's: a tie with the k-th token is kept, not broken by the sort's order (bf16 LM
+    heads tie often)."""
+    logits = torch.tensor([[2.0, 1.5, 1.5, 0.0]])
+    masked = top_k_top_p_mask(logits, torch.tensor([2]), torch.tensor([1.0]))
+    assert torch.isfinite(masked[0]).tolist() == [True, True, True, False]
+
+
+def test_top_p_of_one_keeps_the_whole_vocabulary() -> None:
+    """``top_p`` 1 is off: float32's running sum reached 1 before the end of a 151936-token
+    vocabulary, and the tail (half the tokens here) was cut."""
+    logits = torch.randn(2, 151_936, generator=torch.Generator().manual_seed(0)) * 4
+    masked = top_k_top_p_mask(logits, torch.tensor([151_936, 151_936]), torch.tensor([1.0, 1.0]))
+    assert torch.isfinite(masked).all()
+
+
 def test_top_p_keeps_the_smallest_nucleus_reaching_p() -> None:
     probs = torch.tensor([[0.5, 0.25, 0.15, 0.1], [0.1, 0.6, 0.2, 0.1]])
     logits = probs.log()

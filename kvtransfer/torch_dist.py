@@ -5,7 +5,8 @@ per destination rank (one message per request per destination, never one per blo
 layer range with ``layer_groups > 1``, so that gathering, wire and scattering overlap), then
 ``isend``. The gather runs on the compute stream, so a later step that reuses those blocks is
 ordered after it: the engine may free the blocks as soon as ``send`` returns. The buffer lives
-until the send completes (counted in ``staging_bytes``).
+until the send completes (counted in ``staging_bytes``, as the rank of the side that packs the
+most would count it: the leader checks the bound for all).
 
 Receiver: ``irecv`` one buffer per piece, then scatter it into the rank's own, differently
 numbered blocks when the receive completes. The buffers count in ``staging_bytes`` until then.
@@ -149,9 +150,18 @@ class TorchDistributedBackend(TransferBackend):
     ) -> None:
         super().__init__(config, topology, kv_cache)
         self.is_async = is_async
-        self._staging = 0
+        self._staged_blocks = 0
         me = topology.tp_rank
         plan = topology.plan()
+        # Every rank of a side moves the same blocks, one buffer per piece of the plan, but where
+        # the TP degree does not divide the KV heads they hold different numbers of them. The
+        # leader checks the staging bound for the whole group, so it counts the rank that packs
+        # the most (with a replicated head packed once per piece).
+        heads_per_rank: dict[int, int] = {}
+        for piece in plan:
+            side_rank = piece.src_rank if topology.is_prefill else piece.dst_rank
+            heads_per_rank[side_rank] = heads_per_rank.get(side_rank, 0) + piece.num_heads
+        self._most_heads = max(heads_per_rank.values(), default=0)
         if topology.is_prefill:
             shard = topology.src_shard(me)
             self._pieces = [
@@ -190,7 +200,7 @@ class TorchDistributedBackend(TransferBackend):
             else:
                 self._group = dist.ProcessGroupGloo(store, rank, size, timeout)
             self._probe()
-        except RuntimeError as e:
+        except Exception as e:  # whatever it is (torch's store errors are RuntimeErrors), the pair is down
             self._group_error = e
 
     def _await_group(self) -> None:
@@ -220,15 +230,20 @@ class TorchDistributedBackend(TransferBackend):
         for transfer in self._pending:  # discarded transfers release their buffers once the wire is done
             if transfer.discarded:
                 transfer.done()
-        return self._staging
+        return self._staged_blocks * self.staged_block_bytes()
 
     def staged_block_bytes(self) -> int:
-        """One buffer per piece: a head sent to several decode ranks is packed once for each."""
-        heads = sum(num_heads for _, _, num_heads in self._pieces)
-        return self.block_bytes() // self.kv_cache.shape[4] * heads
+        """The most any rank of this side packs for one block: one buffer per piece, so a head
+        sent to several decode ranks is packed once for each."""
+        return self.block_bytes() // self.kv_cache.shape[4] * self._most_heads
 
-    def _release(self, num_bytes: int) -> None:
-        self._staging -= num_bytes
+    def _releaser(self, num_blocks: int) -> Callable[[int], None]:
+        """What a transfer of ``num_blocks`` blocks calls once its buffers are gone."""
+
+        def release(_num_bytes: int) -> None:
+            self._staged_blocks -= num_blocks
+
+        return release
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.int64).to(self.kv_cache.device, non_blocking=True)
@@ -253,7 +268,10 @@ class TorchDistributedBackend(TransferBackend):
                     works.append(self._isend(packed, peer))
         except RuntimeError as e:
             return self._cut_off(e)
-        return self._finish(_TorchTransfer(works, buffers, [], self.kv_cache, self._release, start, self._timeout_s))
+        transfer = _TorchTransfer(
+            works, buffers, [], self.kv_cache, self._releaser(len(block_ids)), start, self._timeout_s
+        )
+        return self._finish(transfer, len(block_ids))
 
     def recv(self, block_ids: list[int], src_block_ids: list[int]) -> Transfer:
         self._await_group()
@@ -279,19 +297,19 @@ class TorchDistributedBackend(TransferBackend):
                     scatters.append((buffer, layer_range, heads, blocks))
         except RuntimeError as e:
             return self._cut_off(e)
-        return self._finish(
-            _TorchTransfer(works, buffers, scatters, self.kv_cache, self._release, start, self._timeout_s)
-        )
+        release = self._releaser(len(block_ids))
+        transfer = _TorchTransfer(works, buffers, scatters, self.kv_cache, release, start, self._timeout_s)
+        return self._finish(transfer, len(block_ids))
 
     def _cut_off(self, error: RuntimeError) -> Transfer:
         """A transfer whose post failed (gloo: the peer's connection is already reset, before the
         router's ``peer_failed`` got here): failed at once, like one cut off in flight."""
-        transfer = _TorchTransfer([], [], [], self.kv_cache, self._release, None)
+        transfer = _TorchTransfer([], [], [], self.kv_cache, self._releaser(0), None)
         transfer.fail(f"KV transfer cut off: {error}")
         return transfer
 
-    def _finish(self, transfer: _TorchTransfer) -> Transfer:
-        self._staging += transfer.num_bytes  # released by the transfer's wait()
+    def _finish(self, transfer: _TorchTransfer, num_blocks: int) -> Transfer:
+        self._staged_blocks += num_blocks  # released by the transfer's wait()
         if not self.is_async:
             with contextlib.suppress(TransferFailed):  # the handle reports it: done, and its wait raises
                 transfer.wait()

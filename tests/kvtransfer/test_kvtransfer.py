@@ -27,7 +27,7 @@ from pdserve.engine.parallel import head_shard
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.step_channel import KVCommand
 from pdserve.kvtransfer.agent import KVTransferAgent
-from pdserve.kvtransfer.base import PairRendezvous, TransferConfig, TransferTopology, create_backend
+from pdserve.kvtransfer.base import PairRendezvous, TransferConfig, TransferFailed, TransferTopology, create_backend
 
 NUM_BLOCKS = 96
 MAX_P, MAX_D = 3, 4  # one world of 7 ranks serves every pair: prefill 0..2, decode 3..6
@@ -347,3 +347,42 @@ def test_staging_room_asks_for_the_bytes_a_send_stages(p: int, d: int, kv_heads:
                 assert not agent.has_staging_room(0, 3), (p, d, kv_heads, rank)
     finally:
         gate.set()
+
+
+@pytest.mark.parametrize(("p", "d", "kv_heads"), [(1, 3, 4), (3, 1, 4), (3, 4, 2), (2, 3, 8)])
+def test_the_leaders_staging_figures_bound_every_ranks_buffers(p: int, d: int, kv_heads: int) -> None:
+    """Only a group's leader checks the bound on buffers in flight, for all its ranks. Where the
+    TP degree does not divide the KV heads, rank 0 holds the fewest: it counted its own bytes,
+    and the others staged up to twice the bound."""
+    num_heads, layers, block_size, head_dim, blocks = 8, 2, 4, 8, [1, 2, 3]
+    gate = threading.Event()
+    try:
+        for prefill in (True, False):
+            staged, leader = [], None
+            for rank in range(p if prefill else d):
+                global_rank = rank if prefill else p + rank
+                topology = TransferTopology(num_heads, kv_heads, tuple(range(p)), tuple(range(p, p + d)), global_rank)
+                shard = topology.src_shard(rank) if prefill else topology.dst_shard(rank)
+                cache = torch.zeros(layers, 2, 9, block_size, shard.num_kv_heads, head_dim)
+                backend = create_backend(TransferConfig("gloo-async"), topology, cache)
+                backend._isend = backend._irecv = lambda tensor, peer: _HeldWork(gate)  # type: ignore[attr-defined]
+                transfer = backend.send(blocks) if prefill else backend.recv(blocks, blocks)
+                staged.append(transfer.num_bytes)  # type: ignore[attr-defined]
+                leader = leader or backend
+            assert leader is not None
+            assert leader.staged_block_bytes() * len(blocks) >= max(staged), (prefill, staged)
+            assert leader.staging_bytes >= max(staged), (prefill, staged)
+    finally:
+        gate.set()
+
+
+def test_a_pair_group_that_fails_to_form_in_any_way_is_not_connected() -> None:
+    """Forming the pair's group caught RuntimeError only: anything else (here a timeout too long
+    for a timedelta) ended its thread silently, the pair counted as connected, and transfers
+    went to the default process group."""
+    rendezvous = PairRendezvous("127.0.0.1", free_port(), "kv/x/", 1e14)
+    topology = TransferTopology(2, 2, (0,), (1,), 1, rendezvous)
+    backend = create_backend(TransferConfig("gloo-async"), topology, torch.zeros(1, 2, 2, 1, 2, 1))
+    with pytest.raises(TransferFailed, match="no KV connection to the peer group"):
+        backend.recv([0], [0])
+    assert not backend.connected()

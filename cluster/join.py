@@ -175,6 +175,7 @@ class GroupNode:
             raise ValueError(f"--tp {self.tp}: {e}") from None
         devices = self._devices(config)
         on_gpu = devices is not None
+        config.check_model(model, on_gpu)  # this node's own --num-blocks, the cluster's --kernels on its devices
         transfer = resolve_transfer(config.transfer, on_gpu, peer_access=False, joinable=True)
         config.check_watchdog(transfer)
         engine = config.engine_config(model_dir, model)

@@ -495,6 +495,9 @@ def test_bad_joins_get_one_line_errors_and_change_nothing(
     assert elsewhere.returncode != 0
     last = elsewhere.stderr.strip().splitlines()[-1]
     assert last.startswith("Error: --advertise-addr 10.255.255.1: not an address of this machine"), elsewhere.stderr
+    too_few = on_group_node("launch.py", "--join", router_node.master, "--role", "decode", "--num-blocks", "1")
+    assert too_few.returncode != 0
+    assert too_few.stderr.strip().splitlines()[-1].startswith("Error: --num-blocks 1 holds 16 tokens"), too_few.stderr
     stranger = on_group_node("-c", STRANGER.format(master=router_node.master, address=topology.group_addrs[0]))
     assert stranger.returncode == 0, stranger.stderr
     with Client(router_node.endpoint, timeout=120) as client:

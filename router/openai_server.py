@@ -5,15 +5,15 @@
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events ending
 ``data: [DONE]``, or whole), ``GET /v1/models`` and ``/v1/models/{id}``, vLLM's ``POST /tokenize``
-and ``/detokenize``, ``GET /health`` (200 while each role has a ready group and the cluster
-accepts requests: one group of several restarting leaves it 200) and ``GET /metrics`` (Prometheus). With an API key (``--api-key`` or
-``PDSERVE_API_KEY``, as vLLM's), every ``/v1`` route and the two token routes want it as
-``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open. Browser
-pages may call it from the origins ``--allowed-origins`` names (CORS; none by default). Requests go to
-the router through one ``AsyncClient`` (ZMQ); a client that goes away mid-request has its
-request aborted, which frees its KV on both sides. SIGTERM or SIGINT drains: new requests get
-503 while the running ones finish (up to ``drain_timeout``: those still running then are aborted
-and end with ``finish_reason`` "abort"), then the process exits 0; a second signal stops at once.
+and ``/detokenize``, ``GET /health`` (200 while each role has a ready group and the cluster accepts
+requests: one group of several restarting leaves it 200) and ``GET /metrics`` (Prometheus). With an
+API key (``--api-key`` or ``PDSERVE_API_KEY``, as vLLM's), every ``/v1`` route and the two token
+routes want it as ``Authorization: Bearer KEY``; ``/health`` and ``/metrics`` stay open. Browser
+pages may call it from the origins ``--allowed-origins`` names (CORS; none by default). Requests go
+to the router through one ``AsyncClient`` (ZMQ); a client that goes away mid-request has its
+request aborted, which frees its KV on both sides. SIGTERM or SIGINT drains: new requests get 503
+while the running ones finish (up to ``drain_timeout``: those still running then are aborted and
+end with ``finish_reason`` "abort"), then the process exits 0; a second signal stops at once.
 
 Several of them may serve one port (``--reuse-port``, what ``launch.py --api-servers N`` starts):
 each binds it with ``SO_REUSEPORT``, and Linux spreads new connections among them; each has its

@@ -436,8 +436,10 @@ class LLMEngine:
         """The launched step's tokens, in place of their placeholders: stop checks and outputs."""
         tokens, logprobs, prompt_logprobs = step.read()
         for (seq, position), entry in zip(step.prompt, prompt_logprobs):
+            if seq.status is SequenceStatus.FINISHED:  # aborted meanwhile: its id may name a new request
+                continue
             wanted = self._prompt_logprobs.get(seq.request_id)
-            if wanted is not None:  # else it ended meanwhile
+            if wanted is not None:
                 wanted[position] = entry
         now = time.monotonic()
         outputs = []

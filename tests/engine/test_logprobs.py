@@ -127,3 +127,20 @@ def test_prompt_logprobs_match_transformers(
             assert entry.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4)
     # The request with the cached prefix computed all of it: nothing was served from the cache.
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_reused_id_gets_none_of_the_aborted_requests_prompt_logprobs(tiny_model_dirs: dict[str, Path]) -> None:
+    """A request aborted while a prompt chunk of its was in flight, and a new one under the same
+    id: that chunk's read-back wrote its positions into the new request's prompt log-probabilities
+    (IndexError for a shorter prompt)."""
+    engine = make_engine(
+        tiny_model_dirs["tiny-llama"], enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=8
+    )
+    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)
+    engine.add_request("a", list(range(10, 40)), params)
+    engine.step()  # a 16-token chunk with its prompt rows in flight
+    engine.abort("a")
+    engine.add_request("a", [7, 8, 9], params)
+    outputs = [out for step in engine.drain() for out in step]
+    [first] = [out for out in outputs if out.prompt_logprobs is not None]
+    assert len(first.prompt_logprobs or []) == 2 and outputs[-1].finish_reason == "length"

@@ -71,6 +71,8 @@ NODE_SETTINGS = frozenset(
         "decode_gpu_memory_utilization",
     }
 )
+# The router node's own GPUs: the devices, and the memory shares of its roles where they share one.
+_ROUTER_NODE_GPUS = frozenset({"devices", "prefill_gpu_memory_utilization", "decode_gpu_memory_utilization"})
 _POLL_S = 0.2
 _STORE_CHECK_S = 2.0
 _SHUTDOWN_GRACE_S = 10.0
@@ -97,6 +99,15 @@ def _wait_listening(host: str, port: int, timeout: float, stopped: Callable[[], 
                 said = True
             time.sleep(min(0.2, max(0.0, left)))
     return False
+
+
+def node_settings(cluster: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """The settings a group node runs with: the cluster's (as its router node publishes them),
+    less those of the router node's own GPUs (this machine has its own, which its group does not
+    share with the other role), then those typed on this node."""
+    settings = {key: value for key, value in cluster.items() if key not in _ROUTER_NODE_GPUS}
+    settings.update(given)
+    return settings
 
 
 class GroupNode:
@@ -157,9 +168,7 @@ class GroupNode:
                 f"no pdserve router node answers at {self.join} within {self.join_timeout:g} s "
                 f"(its --master-addr:--master-port?): {str(e).splitlines()[0]}"
             ) from None
-        settings.pop("devices")  # the router node's GPUs: this machine has its own
-        settings.update(self.given)
-        config = ClusterConfig.from_settings(settings, origin=f"the cluster at {self.join}")
+        config = ClusterConfig.from_settings(node_settings(settings, self.given), origin=f"the cluster at {self.join}")
         roles = ("colocated",) if config.mode == "colocated" else ("prefill", "decode")
         if self.role not in roles:
             raise ValueError(f"--role {self.role}: the cluster at {self.join} runs --mode {config.mode}, roles {roles}")

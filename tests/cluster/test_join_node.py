@@ -11,8 +11,9 @@ import time
 import pytest
 import zmq
 
+from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.group import free_port
-from pdserve.cluster.join import GroupNode
+from pdserve.cluster.join import GroupNode, node_settings
 from pdserve.cluster.launcher import ClusterError
 
 
@@ -54,3 +55,20 @@ def test_a_join_at_a_clusters_client_port_is_named_as_such(capfd: pytest.Capture
         node._cleanup()
         client_port.close(linger=0)
     assert "frame #" not in capfd.readouterr().err
+
+
+def test_a_group_node_takes_none_of_the_router_nodes_gpu_split() -> None:
+    """A router node whose roles share one GPU publishes their memory shares; a group node, whose
+    GPUs are its group's own, took them over its own budget (0.3 of its GPU for 0.9)."""
+    cluster = {
+        "model": "demo",
+        "devices": "0,0",
+        "gpu_memory_utilization": 0.9,
+        "prefill_gpu_memory_utilization": 0.5,
+        "decode_gpu_memory_utilization": 0.3,
+    }
+    node = {"join": "10.0.0.1:29500", "role": "decode"}
+    plain = ClusterConfig.from_settings(node_settings(cluster, node))
+    assert plain.devices is None and plain.memory_utilization("decode", 1) == 0.9
+    own = ClusterConfig.from_settings(node_settings(cluster, {**node, "decode_gpu_memory_utilization": 0.6}))
+    assert own.memory_utilization("decode", 1) == 0.6

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import math
 import threading
 import time
@@ -55,7 +56,7 @@ class _TorchTransfer(Transfer):
         buffers: list[torch.Tensor],
         on_complete: list[tuple[torch.Tensor, slice, slice, torch.Tensor]],
         kv_cache: torch.Tensor,
-        release: Callable[[int], None],
+        release: Callable[[], None],  # once: the buffers stop counting as staged
         start_event: torch.cuda.Event | None,
         timeout_s: float = math.inf,
     ) -> None:
@@ -102,7 +103,7 @@ class _TorchTransfer(Transfer):
         """Cut off: never scatter; the buffers stop counting now (the works keep them alive)."""
         if self.stats is None and self.error is None:
             self.error = TransferFailed(reason)
-            self.release(self.num_bytes)
+            self.release()
             self.on_complete = []
 
     @property
@@ -139,7 +140,7 @@ class _TorchTransfer(Transfer):
                 end.record()  # after the scatter (receiver) or the send (the stream waited for it)
                 events = (self.start_event, end)
             self.stats = TransferStats(self.num_bytes, time.perf_counter() - self.started, events)
-            self.release(self.num_bytes)
+            self.release()
             self.buffers, self.on_complete = [], []
         return self.stats
 
@@ -237,13 +238,8 @@ class TorchDistributedBackend(TransferBackend):
         sent to several decode ranks is packed once for each."""
         return self.block_bytes() // self.kv_cache.shape[4] * self._most_heads
 
-    def _releaser(self, num_blocks: int) -> Callable[[int], None]:
-        """What a transfer of ``num_blocks`` blocks calls once its buffers are gone."""
-
-        def release(_num_bytes: int) -> None:
-            self._staged_blocks -= num_blocks
-
-        return release
+    def _release(self, num_blocks: int) -> None:
+        self._staged_blocks -= num_blocks
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.int64).to(self.kv_cache.device, non_blocking=True)
@@ -269,7 +265,7 @@ class TorchDistributedBackend(TransferBackend):
         except RuntimeError as e:
             return self._cut_off(e)
         transfer = _TorchTransfer(
-            works, buffers, [], self.kv_cache, self._releaser(len(block_ids)), start, self._timeout_s
+            works, buffers, [], self.kv_cache, functools.partial(self._release, len(block_ids)), start, self._timeout_s
         )
         return self._finish(transfer, len(block_ids))
 
@@ -297,14 +293,14 @@ class TorchDistributedBackend(TransferBackend):
                     scatters.append((buffer, layer_range, heads, blocks))
         except RuntimeError as e:
             return self._cut_off(e)
-        release = self._releaser(len(block_ids))
+        release = functools.partial(self._release, len(block_ids))
         transfer = _TorchTransfer(works, buffers, scatters, self.kv_cache, release, start, self._timeout_s)
         return self._finish(transfer, len(block_ids))
 
     def _cut_off(self, error: RuntimeError) -> Transfer:
         """A transfer whose post failed (gloo: the peer's connection is already reset, before the
         router's ``peer_failed`` got here): failed at once, like one cut off in flight."""
-        transfer = _TorchTransfer([], [], [], self.kv_cache, self._releaser(0), None)
+        transfer = _TorchTransfer([], [], [], self.kv_cache, functools.partial(self._release, 0), None)
         transfer.fail(f"KV transfer cut off: {error}")
         return transfer
 

@@ -203,6 +203,6 @@ def test_a_transfer_timeout_beyond_what_a_wait_takes_means_no_timeout() -> None:
     """--kv-lease-timeout is any positive number: one past the longest wait Python's locks
     take must not make every transfer fail."""
     work = _HeldWork()
-    transfer = _TorchTransfer([work], [], [], torch.zeros(1), lambda _: None, None, timeout_s=1e12)
+    transfer = _TorchTransfer([work], [], [], torch.zeros(1), lambda: None, None, timeout_s=1e12)
     threading.Timer(0.2, work.released.set).start()
     assert transfer.wait().num_bytes == 0

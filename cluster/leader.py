@@ -58,7 +58,7 @@ _HANDOFF_POLL_MS = 1
 _STOP_TRANSFER_WAIT_S = 10.0
 _NO_TIMINGS = RequestTimings()
 # A decode group's first output: with it go the KV transfer's timings (index 0 is the prefill group's).
-_FIRST_DECODED = 1
+FIRST_DECODED = 1
 
 
 class CacheEventHashes:
@@ -299,7 +299,7 @@ class GroupLeader:
                 out.new_token_ids,
                 out.finished,
                 out.finish_reason,
-                out.timings if out.finished or index <= _FIRST_DECODED else _NO_TIMINGS,
+                out.timings if out.finished or index <= FIRST_DECODED else _NO_TIMINGS,
                 None if out.logprobs is None else Logprobs.of(out.logprobs),
                 None if out.prompt_logprobs is None else Logprobs.of(out.prompt_logprobs),
             )

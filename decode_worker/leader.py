@@ -45,7 +45,7 @@ from typing import NamedTuple
 import msgspec
 
 from pdserve.cluster.config import Addresses
-from pdserve.cluster.leader import GroupLeader
+from pdserve.cluster.leader import FIRST_DECODED, GroupLeader
 from pdserve.cluster.protocol import KVAnnounce, KVReply, Message, WorkerError
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.sampling import RequestError
@@ -104,7 +104,6 @@ class DecodeLeader(GroupLeader):
         # Prefill's timings and the transfer's stats, read once the request's first step is back
         # (on CUDA the transfer time comes from events: reading it earlier could stall the loop).
         self.handoffs: dict[str, tuple[RequestTimings, TransferStats]] = {}
-        self.first_output_due: set[str] = set()  # admitted, no output yet: it carries the transfer
 
     def transfers_pending(self) -> bool:
         return bool(self.receiving)
@@ -176,7 +175,7 @@ class DecodeLeader(GroupLeader):
         )
         self.receiving[request_id] = _Receive(announce, cached)
         self.receive_started[request_id] = time.monotonic()
-        self.next_index[request_id] = 1
+        self.next_index[request_id] = FIRST_DECODED
 
     def _first_room_wait(self, request_id: str) -> _RoomWait | None:
         """The announce first refused for want of room and still retried, unless that is this one."""
@@ -213,7 +212,6 @@ class DecodeLeader(GroupLeader):
                 self.next_index.pop(request_id, None)
                 continue
             self.handoffs[request_id] = (announce.timings, stats)
-            self.first_output_due.add(request_id)
             self.engine.admit(request_id)
         # After the arrivals: KV that landed during a long step is taken, not thrown away.
         lease_end = time.monotonic() - self.kv_lease_timeout
@@ -264,12 +262,9 @@ class DecodeLeader(GroupLeader):
             self.aborted_in_flight.add(request_id)  # free after the receive lands
             return
         self.handoffs.pop(request_id, None)
-        self.first_output_due.discard(request_id)
         super().abort(request_id)
 
     def on_output(self, out: RequestOutput) -> None:
-        first = out.request_id in self.first_output_due
-        self.first_output_due.discard(out.request_id)
         if out.finished:
             # Queue and prefill times come from the prefill group; this group adds the rest.
             prefill_timings, stats = self.handoffs.pop(out.request_id, (RequestTimings(), None))
@@ -281,7 +276,7 @@ class DecodeLeader(GroupLeader):
                     timings, transfer=stats.seconds, transfer_bytes=float(stats.num_bytes)
                 )
             out = dataclasses.replace(out, timings=timings)
-        elif first and out.request_id in self.handoffs:
+        elif self.next_index.get(out.request_id) == FIRST_DECODED and out.request_id in self.handoffs:
             # The transfer goes to the router with the first tokens too: a request ended by an
             # abort (a stop string the HTTP front end matched), whose final the router writes, counts it.
             stats = self.handoffs[out.request_id][1]

@@ -439,6 +439,7 @@ class GenerationRequest:
     continuous_usage: bool = False  # every chunk carries the usage so far (vLLM's continuous_usage_stats)
     n: int = 1  # choices: each a request of its own, a seed (if any) plus its index
     id: str = ""
+    request_id: str | None = None  # the client's own, which ``id`` is made of (errors name it)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -783,6 +784,7 @@ def parse_request(
         continuous_usage=continuous_usage,
         n=request.n or 1,
         id="" if request.request_id is None else f"{ID_PREFIXES[kind]}-{request.request_id}",
+        request_id=request.request_id,
         special_text_as_text=special_text_as_text,
     )
 

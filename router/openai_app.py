@@ -826,7 +826,7 @@ class _Run:
                         return
         except ClusterError as e:
             ended = True
-            raise _cluster_error(e, gen.prompt_param) from None
+            raise _cluster_error(e, gen.prompt_param, request_id=gen.request_id) from None
         except ClusterUnavailable:
             failed = True
             raise APIError(
@@ -881,17 +881,21 @@ class _Run:
         self.frontend.metrics.observe_final(reason, usage, final.timings)
 
 
-def _cluster_error(error: ClusterError, prompt_param: str = "prompt", where: str | None = None) -> APIError:
+def _cluster_error(
+    error: ClusterError, prompt_param: str = "prompt", where: str | None = None, request_id: str | None = None
+) -> APIError:
     """The cluster's error reply as an HTTP error (docs/protocol.md lists the codes); a fault
     the cluster finds in the prompt's ids is the request's ``prompt_param`` (a chat's messages),
-    named as ``where`` (a batch's prompt.i) in the message."""
+    named as ``where`` (a batch's prompt.i) in the message; a duplicate, as the client's
+    ``request_id`` (the cluster knows it prefixed: ``cmpl-<request_id>``)."""
     if error.code == "invalid_request":
         field, _, why = error.error.message.partition(": ")
         if field == "token_ids":  # the ids this server made of the request's prompt
             return APIError(400, f"{where or prompt_param}: {why}", "invalid_request", prompt_param)
         return APIError(400, error.error.message, "invalid_request", field)
     if error.code == "duplicate_request_id":  # a request_id the client gave, still running
-        return APIError(400, error.error.message, error.code, "request_id")
+        message = error.error.message if request_id is None else f"request_id {request_id!r} is already running"
+        return APIError(400, message, error.code, "request_id")
     # The ones a later try may not meet (503, as OpenAI's "engine is currently overloaded").
     if error.code in ("shutting_down", "shutdown", "worker_failed", "no_group", "overloaded"):
         return APIError(503, error.error.message, error.code)

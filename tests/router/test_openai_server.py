@@ -1234,7 +1234,9 @@ def test_a_duplicate_request_id_refused_leaves_the_running_request_counted(demo_
         while not frontend.in_flight:
             await asyncio.sleep(0.01)
         await asyncio.wait_for(call(None, second), 10)
-        assert second[0]["status"] == 400 and json.loads(second[1]["body"])["error"]["code"] == "duplicate_request_id"
+        error = json.loads(second[1]["body"])["error"]
+        assert second[0]["status"] == 400 and error["code"] == "duplicate_request_id"
+        assert error["message"] == "request_id 'same' is already running"  # the client's id, not the cluster's
         assert frontend.in_flight == 1 and not running.done()
         frontend.start_draining()
         assert not frontend.drained()

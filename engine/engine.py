@@ -260,10 +260,12 @@ class LLMEngine:
         self.block_manager.match_prefix(seq, len(prompt_token_ids) - 1)
         seq.num_cached_tokens = seq.num_computed_tokens
         # Keep one free block per running or arriving sequence for its next tokens, this one's
-        # included (a prompt that fills its last block needs a new one at its first step):
-        # admitting work that would force a preemption right away is worse than asking the
-        # prefill side to wait.
-        headroom = running_or_reserved + 1
+        # included if it will grow into another (a prompt that fills its last block needs a new
+        # one at its first step): admitting work that would force a preemption right away is
+        # worse than asking the prefill side to wait. One that never grows must fit an idle pool.
+        final_kv_tokens = seq.num_prompt_tokens + params.max_tokens - 1  # the last token is never fed
+        grows = self.blocks_for(final_kv_tokens) > self.blocks_for(len(prompt_token_ids))
+        headroom = running_or_reserved + int(grows)
         needed = self.block_manager.blocks_needed(seq, len(prompt_token_ids))
         if needed + headroom + keep_free > self.block_manager.num_free_blocks:
             self.block_manager.free(seq)  # unlocks the matched prefix

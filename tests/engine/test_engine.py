@@ -359,6 +359,22 @@ def test_a_reservation_keeps_a_free_block_for_its_own_first_step(tiny_model_dirs
     assert engine.reserve("b", b, 1, params) is not None  # once "a" is done
 
 
+def test_a_prompt_that_fills_an_idle_pool_is_reserved(tiny_model_dirs: dict[str, Path]) -> None:
+    """A request whose whole KV (prompt and output) fills the pool exactly fits an idle decode
+    group, as it fits the colocated engine: its own headroom block is kept only if it will grow
+    into another block. It was refused for ever, and the decode leader held every later request
+    behind it until the prefill side's lease ran out (review)."""
+    engine = make_engine(tiny_model_dirs["tiny-qwen2"], num_blocks=4, max_model_len=64)
+    block_size = engine.config.cache.block_size
+    prompt = make_prompts(engine.model_config.vocab_size, [4 * block_size - 4], seed=14)[0]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)  # 64 tokens: max_model_len
+    assert engine.reserve("a", prompt, 1, params) is not None
+    engine.admit("a")
+    outputs = [out for step in engine.drain() for out in step]
+    assert [o.finish_reason for o in outputs if o.finished] == ["length"] and engine.stats().preemptions == 0
+    assert pool_and_queues(engine) == EngineStats(num_blocks=4, free_blocks=4, running=0, waiting=0, kv_held=0)
+
+
 def test_reservations_stop_at_max_num_seqs(tiny_model_dirs: dict[str, Path]) -> None:
     """A decode group holds at most ``max_num_seqs`` sequences, running, waiting (preempted) or
     reserved: a reservation past that is refused (the prefill side asks again), as a prompt past

@@ -593,7 +593,8 @@ class Router:
         for request_id, since in list(self.parked.items()):
             if now - since <= timeout:
                 break  # the rest began to wait later
-            del self.parked[request_id]
+            if self.parked.pop(request_id, None) is None:
+                continue  # dropped with its client, whom an error just before found gone
             if request_id in self.requests and self.requests[request_id].entry_group is None:
                 missing = self.entry_role if not self._taking(self.entry_role) else "decode"
                 self._terminal_error(

@@ -112,6 +112,28 @@ def test_a_client_gone_while_its_request_waits_for_a_group_has_it_aborted(rig: R
     assert Ping() in rig.replies(pings=True)
 
 
+def test_a_gone_clients_waiting_requests_expire_without_ending_the_router(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Two requests of a client that left wait out the dispatch timeout before a ping finds it
+    gone: the first one's no_group cannot reach it, which drops the client's other request too,
+    and the expiry then went on to delete that one again: a KeyError out of the router's poll,
+    which takes the whole cluster down (review)."""
+    for rig in _rig(tmp_path_factory, dispatch_timeout=0.3):
+        gone = zmq.Context.instance().socket(zmq.DEALER)
+        gone.connect(rig.router.addresses.client)
+        sampling = Sampling(max_tokens=4, temperature=0.0)
+        for request_id in ("a", "b"):
+            gone.send(encode(Generate(request_id=request_id, token_ids=[5, 6, 7], sampling=sampling)))
+        rig.pump(0.1)
+        assert len(rig.router.parked) == 2
+        gone.close(linger=0)
+        rig.pump(0.5)  # past the timeout, before a ping
+        assert not rig.router.parked and not rig.router.requests
+        rig.generate("here")  # and it still serves
+        assert len(rig.router.parked) == 1
+
+
 def test_a_group_joins_by_its_ready_and_meets_the_other_role(rig: Rig) -> None:
     """A request waits while no decode group exists; a decode group's ready (admitted) introduces
     it to the prefill group and back, with each one's address, and the request goes out naming it."""

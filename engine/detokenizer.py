@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+# Prompt tokens decoded before the first output token (vLLM's offset): the tokenizers that strip
+# the leading space of a decode's first token (SentencePiece's "▁", as Llama 2's) keep the
+# output's, and the window stays short.
+PROMPT_CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
@@ -14,15 +20,16 @@ class IncrementalDetokenizer:
     incomplete UTF-8 sequence). Concatenated deltas equal ``tokenizer.decode(all_ids)`` without
     the clean-up of tokenization spaces, for valid UTF-8 output. (Byte-fallback tokenizers, as
     Llama 2's, decode an invalid byte run to U+FFFD per byte, ASCII ones included; here an ASCII
-    byte before it is kept.)
+    byte before it is kept.) ``prompt_token_ids``: the request's prompt, whose last tokens are
+    the first window's context, never emitted.
     """
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, prompt_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = list(prompt_token_ids[max(0, len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS) :])
         self.prefix_offset = 0  # start of the window that gives the context of the next token
-        self.read_offset = 0  # tokens before this are already emitted
+        self.read_offset = len(self.token_ids)  # tokens before this are already emitted
 
     def _decode(self, ids: list[int]) -> str:
         # Never the clean-up: it edits text across window boundaries (so deltas would not add up),

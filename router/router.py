@@ -828,7 +828,7 @@ class Router:
             base_id=request_id,
         )
         if self.tokenizer is not None:
-            state.detokenizer = IncrementalDetokenizer(self.tokenizer, request.skip_special_tokens)
+            state.detokenizer = IncrementalDetokenizer(self.tokenizer, request.skip_special_tokens, token_ids)
         if params.logprobs is not None:
             state.logprobs = Logprobs([], [], [])
         self.requests[request_id] = state

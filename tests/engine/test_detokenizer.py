@@ -7,7 +7,8 @@ import warnings
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 
@@ -38,3 +39,35 @@ def test_decoding_emits_no_clean_up_warning(demo_model_dir: Path, caplog: pytest
     assert ours == []
     assert text == TEXT
     assert any("clean_up_tokenization_spaces" in m for m in control) or plain != TEXT
+
+
+def metaspace_tokenizer() -> PreTrainedTokenizerFast:
+    """A SentencePiece-style tokenizer (Llama 2's "▁" word starts) whose decode drops the
+    leading space of its first token, as theirs does."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁The": 3, "▁capital": 4, "▁is": 5, "▁Paris": 6, ".": 7}
+    model = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    model.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    model.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    return PreTrainedTokenizerFast(tokenizer_object=model, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_the_first_output_token_keeps_its_leading_space() -> None:
+    """The output's first token is decoded after the prompt's last tokens, as vLLM does: decoded
+    alone, a SentencePiece tokenizer's "▁Paris" lost its space, and every completion of a Llama 2
+    style model ran into its prompt ("...isParis." with echo; review)."""
+    tokenizer = metaspace_tokenizer()
+    prompt, output = [1, 3, 4, 5], [6, 7, 2]
+    detok = IncrementalDetokenizer(tokenizer, prompt_token_ids=prompt)
+    text = "".join(detok.add([t]) for t in output) + detok.flush()
+    assert text == " Paris."
+    assert tokenizer.decode(prompt, skip_special_tokens=True) + text == "The capital is Paris."
+
+
+def test_prompt_context_leaves_byte_level_text_as_decoded_alone(demo_model_dir: Path) -> None:
+    """With a byte-level tokenizer (no space to lose) the prompt's context changes nothing: the
+    deltas still add up to the output decoded alone, multi-byte characters included."""
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    prompt = tokenizer.encode("Say hello in German:", add_special_tokens=False)
+    output = tokenizer.encode(TEXT, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt_token_ids=prompt)
+    assert "".join(detok.add([t]) for t in output) + detok.flush() == TEXT

@@ -604,7 +604,7 @@ class LogprobsFormat:
         self.kind = kind
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.as_ids = as_ids
+        self.as_ids = as_ids or tokenizer is None  # a model with no tokenizer has no token text
         self.text_offset = 0  # completions: characters of the tokens shown so far
 
     def prompt(self, token_ids: list[int], logprobs: Any) -> dict[str, Any]:
@@ -746,6 +746,8 @@ def parse_request(
         )
 
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    if stop and tokenizer is None:  # they match text, which this server cannot make
+        raise bad_request("stop strings need the model's tokenizer, which it has none of: use stop_token_ids", "stop")
     chosen = {**OPENAI_SAMPLING_DEFAULTS, **(defaults or {})}
     chosen.update({name: getattr(request, name) for name in chosen if getattr(request, name) is not None})
     sampling = {

@@ -578,12 +578,10 @@ class Frontend:
                 yield event(*first)
             async for piece in choices:
                 yield event(*piece)
+            tail = _event(gen.usage_chunk(*_total_usage(runs, gen.n))) if gen.include_usage else b""
         except Exception as error:  # the stream still ends with the error and [DONE], not cut off
             yield self._stream_error_events(error)
             return
-        tail = b""
-        if gen.include_usage:
-            tail = _event(gen.usage_chunk(*_total_usage(runs, gen.n)))
         yield tail + DONE
 
     async def _parse(self, kind: Literal["completion", "chat"], body: bytes, max_model_len: int) -> GenerationRequest:
@@ -667,22 +665,22 @@ class Frontend:
                 else:
                     yield delta(text) if sent else _event(gen.chunk(text, first=True))
                 sent = True
+            outcome = run.ended()
+            tail = _event(
+                gen.chunk(
+                    None if gen.kind == "chat" else "",
+                    outcome.finish_reason,
+                    first=not sent,
+                    logprobs=run.pending_logprobs(),
+                    stop_reason=outcome.stop_reason,
+                    usage=outcome.usage if gen.continuous_usage else None,
+                )
+            )
+            if gen.include_usage:
+                tail += _event(gen.usage_chunk(outcome.usage, outcome.cached_tokens))
         except Exception as error:  # the stream still ends with the error and [DONE], not cut off
             yield self._stream_error_events(error)
             return
-        outcome = run.ended()
-        tail = _event(
-            gen.chunk(
-                None if gen.kind == "chat" else "",
-                outcome.finish_reason,
-                first=not sent,
-                logprobs=run.pending_logprobs(),
-                stop_reason=outcome.stop_reason,
-                usage=outcome.usage if gen.continuous_usage else None,
-            )
-        )
-        if gen.include_usage:
-            tail += _event(gen.usage_chunk(outcome.usage, outcome.cached_tokens))
         yield tail + DONE
 
 

@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.bench.compare import LaunchedCluster, LoggedProcess
 from pdserve.cluster.client import Client, ClusterError, ClusterUnavailable, Final
 from pdserve.cluster.group import free_port
-from pdserve.cluster.protocol import Chunk, Error, GroupInfo, Stats
+from pdserve.cluster.protocol import Chunk, Error, GroupInfo, Logprobs, Stats
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.tokenization import encode_chat, encode_prompt
 from pdserve.router.openai_api import APIError, ChatRequest, Prompt, parse_request
@@ -1040,6 +1040,43 @@ class ScriptedCluster(LaggingCluster):
             yield Chunk(request_id, [7], text)
         usage = {"prompt_tokens": 3, "completion_tokens": len(self.texts)}
         yield Final(request_id, "stop", [7] * len(self.texts), "".join(self.texts), usage, {})
+
+
+class LogprobsCluster(LaggingCluster):
+    """A cluster client that answers with two tokens and their log-probabilities, no text (a
+    model with no tokenizer)."""
+
+    async def stream(self, request_id: str, **_: Any) -> Any:
+        for token in (7, 9):
+            yield Chunk(request_id, [token], "", logprobs=Logprobs([-0.5], [[token]], [[-0.5]]))
+        yield Final(request_id, "length", [7, 9], "", {"prompt_tokens": 3, "completion_tokens": 2}, {})
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_logprobs_of_a_model_with_no_tokenizer_name_their_tokens_by_id(
+    tiny_model_dirs: dict[str, Path], stream: bool
+) -> None:
+    """With no tokenizer a token's text is ``token_id:<id>``, as ``return_tokens_as_token_ids``
+    asks: decoding it was a 500, and a stream cut off with no error event and no [DONE]; stop
+    strings, which match text, are refused (review)."""
+    frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(tiny_model_dirs["tiny-llama"]), served_model_name=MODEL)
+    assert frontend.tokenizer is None
+    frontend.max_model_len = MAX_MODEL_LEN
+    frontend.client = LogprobsCluster()  # type: ignore[assignment]
+    request = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2, "logprobs": 1, "stream": stream}
+    sent = completions_call(frontend, request, client_leaves_after=None)
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
+    assert sent[0]["status"] == 200, body
+    if stream:
+        assert body.endswith("data: [DONE]\n\n")
+        events = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+        tokens = [t for event in events for c in event["choices"] if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    else:
+        tokens = json.loads(body)["choices"][0]["logprobs"]["tokens"]
+    assert tokens == ["token_id:7", "token_id:9"]
+    with pytest.raises(APIError) as info:
+        parsed("completion", {"prompt": [1, 2], "stop": ["x"]}, None)
+    assert (info.value.status, info.value.param) == (400, "stop")
 
 
 @pytest.mark.parametrize("texts", [["Hel", "lo", "!"], []], ids=["text", "stopped at once"])

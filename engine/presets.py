@@ -32,6 +32,7 @@ __all__ = [
     "load_preset",
     "preset_model_dir",
     "resolve_model",
+    "resolve_model_configs",
     "write_random_checkpoint",
 ]
 
@@ -158,12 +159,7 @@ def write_random_checkpoint(
     out_dir = Path(out_dir)
 
     with atomic_directory(out_dir) as tmp:
-        # transformers 5 spells it `dtype` and prefers that key; one key, the true one, is written.
-        hf_config = {k: v for k, v in config.items() if k != "dtype"} | {"torch_dtype": dtype_name}
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-
+        _write_configs(config, tmp, dtype_name)
         weight_map: dict[str, str] = {}
         with tqdm(
             total=len(shapes), unit="tensor", desc=f"writing {out_dir.name}", disable=total_bytes < _PROGRESS_MIN_BYTES
@@ -182,6 +178,14 @@ def write_random_checkpoint(
             index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out_dir
+
+
+def _write_configs(config: dict[str, Any], out_dir: Path, dtype_name: str) -> None:
+    # transformers 5 spells it `dtype` and prefers that key; one key, the true one, is written.
+    hf_config = {k: v for k, v in config.items() if k != "dtype"} | {"torch_dtype": dtype_name}
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def preset_model_dir(name: str, seed: int = 0, dtype: str = "bfloat16") -> Path:
@@ -226,6 +230,22 @@ def resolve_model(spec: str) -> Path:
     if spec in list_presets():
         return ensure_preset_model(spec)
     return Path(spec).expanduser()
+
+
+def resolve_model_configs(spec: str) -> Path:
+    """What ``resolve_model`` gives, for a process that reads a model's configs and tokenizer
+    alone (an HTTP front end): a preset whose checkpoint is not in the cache yet resolves to a
+    directory of its configs, not gigabytes of random weights written for nothing."""
+    check_model_spec(spec)
+    if spec not in list_presets() or preset_model_dir(spec).is_dir():
+        return resolve_model(spec)
+    config = load_preset(spec)
+
+    def write(final: Path) -> None:
+        with atomic_directory(final) as tmp:
+            _write_configs(config, tmp, _canonical_dtype("bfloat16"))
+
+    return build_once(models_cache_dir() / f"{spec}-configs", write)
 
 
 def _parameter_count(config: dict[str, Any]) -> int:

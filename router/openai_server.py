@@ -296,7 +296,7 @@ def main(
     ready_fd: int | None,
 ) -> None:
     """An OpenAI-compatible HTTP server in front of a running cluster."""
-    from pdserve.engine.presets import resolve_model
+    from pdserve.engine.presets import resolve_model_configs
 
     try:
         endpoint = normalize_endpoint(endpoint)
@@ -321,7 +321,7 @@ def main(
     # name, which reads "__main__" under ``python -m``.
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s http %(levelname)s %(message)s")
     try:
-        model_dir = str(resolve_model(model))
+        model_dir = str(resolve_model_configs(model))
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         raise click.ClickException(str(e)) from None
     try:

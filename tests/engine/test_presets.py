@@ -18,7 +18,9 @@ from pdserve.engine.presets import (
     ensure_preset_model,
     list_presets,
     load_preset,
+    preset_model_dir,
     resolve_model,
+    resolve_model_configs,
     write_random_checkpoint,
 )
 
@@ -210,6 +212,19 @@ def test_resolve_model(cache: Path, tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         resolve_model(str(tmp_path / "empty"))
+
+
+def test_a_front_end_resolves_a_preset_to_its_configs_without_writing_weights(cache: Path) -> None:
+    """An HTTP front end reads a model's configs and tokenizer alone: a preset not yet in the
+    cache resolves to its configs, where it used to write the whole random checkpoint (a 16 GB
+    one for llama-3-8b, on a machine that serves no weights); one in the cache is used as is."""
+    configs = resolve_model_configs("llama-3-8b")
+    assert sorted(p.name for p in configs.iterdir()) == ["config.json", "generation_config.json"]
+    assert json.loads((configs / "config.json").read_text())["num_hidden_layers"] == 32
+    assert not preset_model_dir("llama-3-8b").exists()
+    assert resolve_model_configs("tiny-llama") == cache / "models" / "tiny-llama-configs"
+    assert resolve_model_configs("tiny-llama") != (checkpoint := resolve_model("tiny-llama"))
+    assert resolve_model_configs("tiny-llama") == checkpoint
 
 
 def test_cli(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ the kernels and transformers all load it as they would the real checkpoint.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -215,8 +216,16 @@ def check_model_spec(spec: str) -> None:
         raise FileNotFoundError(f"model is empty: 'demo', a preset ({', '.join(list_presets())}) or a directory")
     path = Path(spec).expanduser()
     if not path.is_dir():
+        # An "org/name" that is no directory here is most likely a Hub id, which vLLM would download.
+        hub = re.fullmatch(r"[\w.-]+/[\w.-]+", spec) is not None and not spec.startswith(".")
+        hint = (
+            f": nothing is downloaded from the Hugging Face Hub; fetch it first "
+            f"(huggingface-cli download {spec} --local-dir DIR) and pass DIR"
+            if hub
+            else ""
+        )
         raise FileNotFoundError(
-            f"model {spec!r} is neither 'demo', a preset ({', '.join(list_presets())}) nor a directory"
+            f"model {spec!r} is neither 'demo', a preset ({', '.join(list_presets())}) nor a directory{hint}"
         )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model directory {path} has no config.json")

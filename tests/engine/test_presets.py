@@ -207,8 +207,11 @@ def test_ensure_preset_model_removes_stale_temp_dirs(cache: Path) -> None:
 def test_resolve_model(cache: Path, tmp_path: Path) -> None:
     assert resolve_model("tiny-llama") == cache / "models" / "tiny-llama-seed0-bfloat16"
     assert resolve_model(str(cache / "models" / "tiny-llama-seed0-bfloat16")).is_dir()
-    with pytest.raises(FileNotFoundError, match="neither 'demo', a preset"):
+    with pytest.raises(FileNotFoundError, match="neither 'demo', a preset") as info:
         resolve_model(str(tmp_path / "missing"))
+    assert "Hub" not in str(info.value)
+    with pytest.raises(FileNotFoundError, match=r"Hub; fetch it first \(huggingface-cli download Qwen/Qwen2.5-0.5B "):
+        resolve_model("Qwen/Qwen2.5-0.5B")  # vLLM's habit: a Hub id
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         resolve_model(str(tmp_path / "empty"))

@@ -32,6 +32,7 @@ import zmq.utils.monitor
 
 from pdserve.cluster.auth import AUTH_CLIENT_HELP, DEFAULT_CLIENT, secure_client
 from pdserve.cluster.protocol import (
+    DEFAULT_MAX_MESSAGE_MIB,
     MAX_REQUEST_ID_CHARS,
     Abort,
     Chunk,
@@ -196,6 +197,19 @@ def _request(
     )
 
 
+def _encoded(request: Generate, max_message_mib: float) -> bytes:
+    """The request's message; ClusterError ``request_too_large`` for one past the router's limit,
+    which would drop the connection unread, and every other request on it with it."""
+    data = encode(request)
+    if len(data) > max_message_mib * 2**20:
+        why = (
+            f"the request is {len(data):,} bytes as a message, over the router's limit of {max_message_mib:g} MiB "
+            "(--max-message-mib): shorten its prompt, logit_bias or stop lists"
+        )
+        raise ClusterError(Error(request.request_id, "request_too_large", why))
+    return data
+
+
 class Client:
     """Blocking client. ``timeout`` bounds the wait for each reply message. Like the ZMQ socket
     it owns, it is not thread-safe: give each thread its own (or use one ``AsyncClient``)."""
@@ -207,9 +221,11 @@ class Client:
         auth_keys: str | None = None,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         auth_client: str = DEFAULT_CLIENT,
+        max_message_mib: float = DEFAULT_MAX_MESSAGE_MIB,
     ) -> None:
         self.endpoint = endpoint = normalize_endpoint(endpoint)
         self.timeout = timeout
+        self.max_message_mib = max_message_mib  # the router's (--max-message-mib)
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         # A send waits while no connection is up (none yet, or refused, e.g. without the right
@@ -322,7 +338,10 @@ class Client:
     def _check_connection(self) -> None:
         self._read_link_events()
         if self._link.broken:
-            self._running.clear()  # nothing more comes for what was sent over the broken connection
+            # Nothing more comes for what was sent over the broken connection, and what came of it
+            # unread must not be taken for a later request's that reuses an id.
+            self._running.clear()
+            self._buffered.clear()
             raise ClusterGone(self.endpoint)
 
     def _next_for(self, request_id: str) -> Message:
@@ -370,11 +389,12 @@ class Client:
         if rid in self._running:
             why = f"request_id {rid!r} is already running, or its end was not read (chunks, result)"
             raise ClusterError(Error(rid, "duplicate_request_id", why))
+        data = _encoded(request, self.max_message_mib)  # a request that cannot go out leaves its id free
         # Counted before it goes: a Ctrl-C may interrupt the send after the message left, and
         # close() must still abort it (an abort of a request never sent is just unknown_request).
         self._running.add(rid)
         try:
-            self._send(encode(request))
+            self._send(data)
         except (ClientClosed, ClusterUnavailable):
             self._running.discard(rid)
             raise
@@ -485,10 +505,12 @@ class AsyncClient:
         auth_keys: str | None = None,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
         auth_client: str = DEFAULT_CLIENT,
+        max_message_mib: float = DEFAULT_MAX_MESSAGE_MIB,
     ) -> None:
         self.endpoint = endpoint = normalize_endpoint(endpoint)
         self.timeout = timeout
         self.batch_chunks = batch_chunks
+        self.max_message_mib = max_message_mib  # the router's (--max-message-mib)
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         if auth_keys is not None:
@@ -675,11 +697,12 @@ class AsyncClient:
         rid = request.request_id or ""
         if rid in self._inboxes or rid in self._left:  # its replies could not be told from the running one's
             raise ClusterError(Error(rid, "duplicate_request_id", f"request_id {rid!r} is already running"))
+        data = _encoded(request, self.max_message_mib)
         self._left_finals.pop(rid, None)  # an earlier request's with this id
         inbox = self._inboxes[rid] = _Inbox()
         running = False  # sent, and not ended
         try:
-            await self._send(encode(request))
+            await self._send(data)
             running = True
             while True:
                 try:

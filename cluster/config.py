@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from pdserve.cluster.group import free_port
+from pdserve.cluster.protocol import DEFAULT_MAX_MESSAGE_MIB
 from pdserve.engine.config import (
     EngineConfig,
     ModelConfig,
@@ -197,7 +198,7 @@ class ClusterConfig:
         section="Serving",
     )
     max_message_mib: float = setting(
-        4.0,
+        DEFAULT_MAX_MESSAGE_MIB,
         help="Largest message a client may send, in MiB: a bigger one drops its connection unread "
         "(decoding one at the limit holds up every other client: docs/protocol.md states for how long).",
         section="Serving",

@@ -29,6 +29,9 @@ from pdserve.engine.timings import RequestTimings
 
 PROTOCOL_VERSION = 1
 MAX_REQUEST_ID_CHARS = 256  # an id is echoed on every reply: a longer one is refused, not echoed
+# The router's limit on a client's message, in MiB, by default (--max-message-mib): one over it
+# drops the client's connection unread, with every request on it.
+DEFAULT_MAX_MESSAGE_MIB = 4.0
 
 
 class ProtocolError(ValueError):
@@ -274,8 +277,21 @@ class Sampling(Message):
             repetition_penalty=self.repetition_penalty,
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
-            logit_bias=tuple((_token_id(key), bias) for key, bias in self.logit_bias.items()),
+            logit_bias=_logit_bias(self.logit_bias),
         )
+
+
+def _logit_bias(biases: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` by token id: a token named twice ("7" and "007") is refused, not an entry
+    that costs the message more bytes than its JSON did."""
+    ids = tuple((_token_id(key), bias) for key, bias in biases.items())
+    if len({token for token, _ in ids}) < len(ids):
+        seen: dict[int, str] = {}
+        for key, (token, _) in zip(biases, ids):
+            if token in seen:
+                raise RequestError("logit_bias", f"keys {seen[token]!r} and {key!r} both name token {token}")
+            seen[token] = key
+    return ids
 
 
 def _token_id(key: str) -> int:

@@ -133,6 +133,7 @@ class Frontend:
         self.api_key = api_key.encode() if api_key else None
         self.allowed_origins = origins(allowed_origins) if allowed_origins else []
         self.max_body_bytes = int(max_message_mib * 2**20)
+        self.max_message_mib = max_message_mib  # the router's too: a request past it as a message is refused
         self.max_prompt_chars = max_prompt_chars  # None: from the cluster's maximum model length
         self.auth_keys = auth_keys
         self.auth_client = auth_client
@@ -179,7 +180,11 @@ class Frontend:
     @contextlib.asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         self.client = AsyncClient(
-            self.endpoint, timeout=self.timeout, auth_keys=self.auth_keys, auth_client=self.auth_client
+            self.endpoint,
+            timeout=self.timeout,
+            auth_keys=self.auth_keys,
+            auth_client=self.auth_client,
+            max_message_mib=self.max_message_mib,
         )
         try:
             await self._model_len()
@@ -891,6 +896,8 @@ def _cluster_error(
         if field == "token_ids":  # the ids this server made of the request's prompt
             return APIError(400, f"{where or prompt_param}: {why}", "invalid_request", prompt_param)
         return APIError(400, error.error.message, "invalid_request", field)
+    if error.code == "request_too_large":  # larger as the cluster's message than as JSON
+        return APIError(413, error.error.message, error.code)
     if error.code == "duplicate_request_id":  # a request_id the client gave, still running
         message = error.error.message if request_id is None else f"request_id {request_id!r} is already running"
         return APIError(400, message, error.code, "request_id")

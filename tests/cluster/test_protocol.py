@@ -629,6 +629,15 @@ def test_version_must_be_the_integer_1(version: Any) -> None:
     assert error.code == "unsupported_version"
 
 
+def test_a_logit_bias_that_names_a_token_twice_is_refused() -> None:
+    """Keys "7" and "007" both name token 7: refused by name, not two entries (each costs the
+    message more bytes than its JSON, so a body under the limit made a message over it; review)."""
+    with pytest.raises(RequestError) as info:
+        Sampling(logit_bias={"7": 1.0, "8": 2.0, "007": -1.0}).to_params()
+    assert info.value.field == "logit_bias" and "'7' and '007' both name token 7" in str(info.value)
+    assert Sampling(logit_bias={"007": -1.0, "8": 2.0}).to_params().logit_bias == ((7, -1.0), (8, 2.0))
+
+
 @pytest.mark.parametrize("key", ["9" * 4400, "0" * 4400 + "5" + "1" * 20])
 def test_a_logit_bias_key_of_thousands_of_digits_is_a_request_error(key: str) -> None:
     """Python refuses to convert integers of over 4300 digits: such a key was an internal error

@@ -304,6 +304,33 @@ def test_a_request_id_over_the_limit_is_refused_at_once(rig: RouterRig) -> None:
     assert time.monotonic() - started < 10.0
 
 
+def test_a_request_larger_than_the_routers_limit_is_refused_before_sending(rig: RouterRig) -> None:
+    """Sent, a message over the router's --max-message-mib drops the connection unread, and every
+    other request of the client with it (an HTTP front end's clients share one): the client
+    refuses it, and its id stays free, as for a request that cannot be encoded (a seed past
+    64 bits), which used to leave the id taken for the client's life (review)."""
+    large = [100_000] * 300_000  # 1.5 MB as a message: 5 bytes an id
+    with Client(rig.router.addresses.client, timeout=2.0, max_message_mib=1.0) as client:
+        with pytest.raises(ClusterError) as refused:
+            client.submit(token_ids=large, request_id="big", max_tokens=1)
+        assert refused.value.code == "request_too_large" and "--max-message-mib" in str(refused.value)
+        with pytest.raises(OverflowError):
+            client.submit(token_ids=[5, 6, 7], request_id="big", max_tokens=1, seed=2**64)
+        client.submit(token_ids=[5, 6, 7], request_id="big", max_tokens=1)
+        rig.worker(TokenOutputs([TokenOutput(_work(rig).request_id, 0, [11], True, "length")]))
+        assert client.result("big").token_ids == [11]
+
+    async def main() -> None:
+        async with AsyncClient(rig.router.addresses.client, timeout=2.0, max_message_mib=1.0) as client:
+            await client.generate(token_ids=large, max_tokens=1)
+
+    with pytest.raises(ClusterError) as refused:
+        asyncio.run(main())
+    assert refused.value.code == "request_too_large"
+    rig.pump()
+    assert rig.received("prefill", 0) == []
+
+
 def test_a_late_stats_reply_is_not_kept(rig: RouterRig) -> None:
     """A stats ask that timed out is answered later, while the client waits for a request: that
     reply is nobody's and must not pile up in the client's buffers."""
@@ -463,6 +490,41 @@ def _rebind(router: zmq.Socket, endpoint: str) -> None:
         except zmq.ZMQError:
             time.sleep(0.001)
     router.bind(endpoint)
+
+
+def test_replies_read_before_a_drop_are_not_a_later_requests_of_that_id(tmp_path: Path) -> None:
+    """Chunks of a stream read while the client waited for another request, then the connection
+    broke: once ZMQ reconnects, a new request of the stream's id gets its own replies alone, not
+    the old request's chunks before them (review)."""
+    endpoint = f"ipc://{tmp_path}/client"
+    server = zmq.Context.instance().socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    server.bind(endpoint)
+    with Client(endpoint, timeout=5.0) as client:
+        assert client.connected(within=5.0)
+        client.submit(token_ids=[1, 2], request_id="a", stream=True, max_tokens=4)
+        client.submit(token_ids=[1, 2], request_id="b", max_tokens=4)
+        identity = b""
+        for _ in range(2):
+            assert server.poll(5000)
+            identity, _ = server.recv_multipart()
+        for text in ("old-1", "old-2"):
+            server.send_multipart([identity, encode(Chunk("a", [4], text))])
+        time.sleep(0.2)
+        server.close()  # the router dies while the client waits for "b"
+        with pytest.raises(ClusterGone):
+            client.result("b")
+        server = zmq.Context.instance().socket(zmq.ROUTER)
+        server.setsockopt(zmq.LINGER, 0)
+        _rebind(server, endpoint)
+        client.submit(token_ids=[1, 2], request_id="a", stream=True, max_tokens=1)
+        assert server.poll(5000)
+        identity, _ = server.recv_multipart()
+        server.send_multipart([identity, encode(Chunk("a", [9], "new"))])
+        final = Final("a", "length", [9], "new", {"prompt_tokens": 2, "completion_tokens": 1}, {})
+        server.send_multipart([identity, encode(final)])
+        assert [m.text for m in client.chunks("a")] == ["new", "new"]
+    server.close()
 
 
 def test_a_blocking_send_after_a_drop_goes_out_once_zmq_reconnects() -> None:

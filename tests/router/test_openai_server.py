@@ -189,12 +189,13 @@ def test_a_bad_prompt_or_stop_is_explained_not_named_by_the_unions_branches(
     assert refused.value.message == f"Invalid value for {param}: {why}"
 
 
-def test_every_prompt_and_stop_shape_is_still_accepted() -> None:
+def test_every_prompt_and_stop_shape_is_still_accepted(demo_tokenizer: Any) -> None:
     for prompt in ([5, 7], [[5, 7]]):
         assert parsed("completion", {"prompt": prompt}, None).prompts == [Prompt([5, 7])]
     assert parsed("completion", {"prompt": [0, 2**31 - 1]}, None).prompts == [Prompt([0, 2**31 - 1])]
-    assert parsed("completion", {"prompt": [1], "stop": "a"}, None).stop == ["a"]
-    assert parsed("completion", {"prompt": [1], "stop": ["a", "b"]}, None).stop == ["a", "b"]
+    # Stop strings match text: a model with a tokenizer's (one without refuses them).
+    assert parsed("completion", {"prompt": [1], "stop": "a"}, demo_tokenizer).stop == ["a"]
+    assert parsed("completion", {"prompt": [1], "stop": ["a", "b"]}, demo_tokenizer).stop == ["a", "b"]
 
 
 # What SDKs, frameworks and chat UIs send besides the prompt, each with a value that changes
@@ -1462,6 +1463,7 @@ def test_cluster_errors_get_the_status_a_client_retries_on_or_not() -> None:
     for code in ("overloaded", "shutting_down", "shutdown", "worker_failed", "no_group"):
         assert status(code) == 503, code
     assert status("invalid_request", "max_tokens: too many") == 400
+    assert status("request_too_large") == 413  # larger as the cluster's message than its JSON was
     assert status("internal_error") == 500
     duplicate = _cluster_error(ClusterError(Error("cmpl-x", "duplicate_request_id", "request_id 'cmpl-x' is running")))
     assert (duplicate.status, duplicate.code, duplicate.param) == (400, "duplicate_request_id", "request_id")

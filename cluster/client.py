@@ -152,12 +152,17 @@ class _Link:
             self.unreachable = True
 
 
+_HOST = r"[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]"  # a name, an IPv4 address or a bracketed IPv6 one
+
+
 def normalize_endpoint(endpoint: str) -> str:
     """``tcp://HOST:PORT`` (or ``ipc://PATH``) from that form, ``HOST:PORT`` or a bare ``PORT``."""
-    if endpoint.startswith(("tcp://", "ipc://")):
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
         return endpoint
-    host, _, port = endpoint.rpartition(":")
-    if "://" not in endpoint and port.isdigit() and 0 < int(port) < 65536:
+    tcp = endpoint.startswith("tcp://")
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    host_ok = re.fullmatch(_HOST, host) is not None if host else not tcp
+    if "://" not in endpoint[6 if tcp else 0 :] and port.isdigit() and 0 < int(port) < 65536 and host_ok:
         return f"tcp://{host or '127.0.0.1'}:{port}"
     expected = "expected tcp://HOST:PORT, HOST:PORT or PORT"
     if endpoint.startswith(("http://", "https://", "/")):  # vLLM's --endpoint is an HTTP route
@@ -868,6 +873,10 @@ class Seconds(click.ParamType):
         return seconds
 
 
+# What the wire's integers hold: a larger value is the cluster's to refuse, not a traceback here.
+_INT64 = click.IntRange(-(2**63), 2**63 - 1)
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="pdserve", prog_name="pdserve-client")
 @click.argument("prompt")
@@ -878,13 +887,19 @@ class Seconds(click.ParamType):
     callback=endpoint_option,
     help="The cluster's client endpoint: tcp://HOST:PORT, HOST:PORT or PORT.",
 )
-@click.option("--max-tokens", default=64, show_default=True, type=int, help="Most tokens to generate.")
+@click.option("--max-tokens", default=64, show_default=True, type=_INT64, help="Most tokens to generate.")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 for greedy decoding.")
 @click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass.")
-@click.option("--top-k", default=-1, show_default=True, type=int, help="Sample from the k likeliest; -1 for all.")
-@click.option("--seed", default=None, type=int, help="Seed of this request's sampling.")
+@click.option("--top-k", default=-1, show_default=True, type=_INT64, help="Sample from the k likeliest; -1 for all.")
+@click.option("--seed", default=None, type=_INT64, help="Seed of this request's sampling.")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Print tokens as they arrive.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
+@click.option(
+    "--token-ids",
+    is_flag=True,
+    help="PROMPT is token ids (comma- or space-separated), sent as they are, and the answer is printed as ids: "
+    "for a model without a tokenizer (the random-weight presets).",
+)
 @click.option(
     "--timeout",
     default=60.0,
@@ -909,6 +924,7 @@ def main(
     seed: int | None,
     stream: bool,
     raw: bool,
+    token_ids: bool,
     timeout: float,
     auth_keys: str | None,
     auth_client: str,
@@ -922,6 +938,12 @@ def main(
             prompt = sys.stdin.buffer.read().decode()
         except UnicodeDecodeError as e:
             raise click.ClickException(f"the prompt on stdin is not UTF-8 text (byte {e.start})") from None
+    ids: list[int] | None = None
+    if token_ids:
+        try:
+            ids = [int(token) for token in prompt.replace(",", " ").split()]
+        except ValueError:
+            raise click.BadParameter("with --token-ids, PROMPT is integers, comma- or space-separated") from None
     sampling = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
     mid_line = False  # an error after partial output starts on a line of its own
     try:
@@ -934,9 +956,14 @@ def main(
             connect_s = min(timeout, _CLI_CONNECT_S)
             if not client.connected(within=connect_s):
                 raise ClusterUnavailable(endpoint, connect_s, refused=client.refused)
-            request_id = client.submit(prompt, stream=stream, chat=not raw, **sampling)
+            if ids is None:
+                request_id = client.submit(prompt, stream=stream, chat=not raw, **sampling)
+            else:
+                request_id = client.submit(token_ids=ids, stream=stream, **sampling)
             for message in client.chunks(request_id):
                 text = message.text if isinstance(message, Chunk) or not stream else ""
+                if ids is not None and (isinstance(message, Chunk) or not stream) and message.token_ids:
+                    text = (" " if mid_line else "") + " ".join(map(str, message.token_ids))
                 if text:
                     sys.stdout.write(text)
                     sys.stdout.flush()

@@ -134,6 +134,9 @@ def _explain(data: bytes, refusal: Exception | None) -> ProtocolError:
     try:
         body = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types on garbage
+        if b" HTTP/1." in data[:1024]:  # a request line, its first bytes taken for ZMTP 1.0 framing
+            why = "an HTTP request, not a msgpack message: this is the cluster's ZMQ port; --http-port serves HTTP"
+            return ProtocolError("malformed", why)
         return ProtocolError("malformed", f"not a msgpack message: {type(e).__name__}")
     if not isinstance(body, dict):
         return ProtocolError("malformed", "a message must be a msgpack map")

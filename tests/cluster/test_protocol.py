@@ -389,6 +389,16 @@ def test_garbage_bytes_are_malformed(data: bytes) -> None:
     assert error.request_id is None
 
 
+def test_an_http_request_on_the_zmq_port_is_told_of_http_port() -> None:
+    """vLLM's ``--port`` is its HTTP port; here it is ZMQ's, and an HTTP client pointed at it
+    got only "not a msgpack message" in the router's log. ZMQ reads the request line's first two
+    bytes as a ZMTP 1.0 frame's length and flags."""
+    for request in (b"T /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", b"ST /v1/completions HTTP/1.1\r\n"):
+        error = decode_error(request)
+        assert error.code == "malformed" and "an HTTP request" in error.message and "--http-port" in error.message
+    assert "HTTP" not in decode_error(b"\x80\x04\x95\x00\x00\x00\x00").message
+
+
 @pytest.mark.parametrize("body", [[1, 2, 3], ["generate", 1], 7, -1, 1.5, "generate", b"bytes", None, True])
 def test_a_msgpack_value_that_is_not_a_map_is_malformed(body: Any) -> None:
     error = decode_error(pack(body))

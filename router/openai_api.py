@@ -1045,7 +1045,9 @@ def _chat_prompt(
             "no new one begun)",
             "continue_final_message",
         )
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    if tokenizer is None:  # no text at all: a completion's prompt of ids is all it takes
+        raise bad_request("this model has no tokenizer: use /v1/completions with a prompt of token ids", "messages")
+    if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template: use /v1/completions", "messages")
     messages = []
     for message in request.messages:

@@ -1078,6 +1078,9 @@ def test_logprobs_of_a_model_with_no_tokenizer_name_their_tokens_by_id(
     with pytest.raises(APIError) as info:
         parsed("completion", {"prompt": [1, 2], "stop": ["x"]}, None)
     assert (info.value.status, info.value.param) == (400, "stop")
+    with pytest.raises(APIError) as info:  # not "no chat template: use /v1/completions", which a text refuses too
+        parsed("chat", {"messages": [{"role": "user", "content": "hi"}]}, None)
+    assert "no tokenizer: use /v1/completions with a prompt of token ids" in info.value.message
 
 
 @pytest.mark.parametrize("texts", [["Hel", "lo", "!"], []], ids=["text", "stopped at once"])

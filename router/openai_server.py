@@ -95,6 +95,15 @@ class _Server(uvicorn.Server):
             os.write(self.ready_fd, b"1")
             os.close(self.ready_fd)
             self.ready_fd = None
+        elif self.started:  # on its own (the launcher prints the URL of those it starts)
+            host, port = sockets[0].getsockname()[:2] if sockets else (self.config.host, self.config.port)
+            logger.info(
+                "the OpenAI API is on http://%s:%d/v1 (model %s), in front of the cluster at %s",
+                f"[{host}]" if ":" in host else host,
+                port,
+                ", ".join(self.frontend.model_names),
+                self.frontend.endpoint,
+            )
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.frontend.draining:

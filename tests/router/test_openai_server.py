@@ -3143,7 +3143,10 @@ def test_without_a_cluster_health_and_requests_are_503(tmp_path: Path) -> None:
         metrics = httpx.get(f"{frontend.base_url}/metrics", timeout=30).text
         assert f'pdserve:cluster_ready{{model_name="{MODEL}"}} 0.0' in metrics
         assert frontend.stop() == 0
-        assert "GET /health" not in frontend.log_path.read_text()  # no access log unless asked
+        log = frontend.log_path.read_text()
+        assert "GET /health" not in log  # no access log unless asked
+        # Where to send requests: uvicorn says nothing of a socket bound for it.
+        assert f"the OpenAI API is on http://127.0.0.1:{frontend.port}/v1 (model {MODEL})" in log
     finally:
         frontend.kill()
 

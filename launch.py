@@ -133,6 +133,10 @@ _VLLM_HABITS = {
 }
 
 
+# The launcher's own options, which are not settings and have no YAML key.
+_LAUNCHER_OPTIONS = ("config", "demo", "demo_max_tokens", "status", "version")
+
+
 class SectionedCommand(HintedCommand):
     """``--help`` lists the options under their sections, GPU-only ones last; a usage error caused
     by a vLLM habit says what to type instead."""
@@ -214,6 +218,23 @@ def _as_typed(message: str, given: dict[str, Any], preset: bool) -> str:
     return pattern.sub(rename, message)
 
 
+# A preset's keys that are no settings, by what they are instead.
+_NOT_SETTINGS = {
+    **{key: "a launcher option, not a setting: give it on the command line" for key in _LAUNCHER_OPTIONS},
+    "architectures": "a model's shape, not a cluster preset: configs/models/ holds those, for --model NAME",
+}
+
+
+def _unknown_key_hint(message: str) -> str:
+    """A preset's unknown key explained where a vLLM habit or a launcher option explains it."""
+    match = re.search(r"unknown setting '(\w+)'$", message)
+    if match is None:
+        return message
+    key = match.group(1)
+    hint = _NOT_SETTINGS.get(key) or _VLLM_HABITS.get("--" + key.replace("_", "-"))
+    return f"{message} ({hint})" if hint else message
+
+
 def setting_options(function: Callable[..., Any]) -> Callable[..., Any]:
     for spec in reversed(cluster_settings()):
         function = _setting_option(spec)(function)
@@ -254,7 +275,7 @@ def main(config_path: str | None, demo: bool, demo_max_tokens: int, status_endpo
     try:
         config = ClusterConfig.from_preset(config_path, **given) if config_path else ClusterConfig.from_settings(given)
     except (TypeError, ValueError) as e:
-        raise click.UsageError(_as_typed(str(e), given, preset=config_path is not None)) from None
+        raise click.UsageError(_unknown_key_hint(_as_typed(str(e), given, preset=config_path is not None))) from None
     if config.join is not None:
         if config_path:
             raise click.UsageError("--config applies to the router node: a group node (--join) takes the cluster's")

@@ -336,6 +336,22 @@ def test_bad_flags_are_usage_errors(args: tuple[str, ...], needle: str) -> None:
 @pytest.mark.parametrize(
     ("yaml", "needle"),
     [
+        ("tensor_parallel_size: 2\n", "unknown setting 'tensor_parallel_size' (Each group has its own degree: "),
+        ("demo: true\n", "unknown setting 'demo' (a launcher option, not a setting: give it on the command line)"),
+        ("architectures: [LlamaForCausalLM]\n", "unknown setting 'architectures' (a model's shape, not a cluster"),
+    ],
+)
+def test_a_presets_key_typed_by_habit_is_explained(tmp_path: Path, yaml: str, needle: str) -> None:
+    """As the command line's habits are: vLLM's key, a launcher option, a model shape's file."""
+    preset = tmp_path / "habit.yaml"
+    preset.write_text(yaml)
+    result = launch("--config", str(preset))
+    assert result.returncode == 2 and needle in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("yaml", "needle"),
+    [
         ("prefill_tp: 0\n", "prefill_tp must be >= 1, got 0"),
         # A check written with flags names them as keys too, where the preset may set them.
         ("served_model_name: qwen\n", "served_model_name names the model of the HTTP API: give http_port too"),

@@ -600,7 +600,7 @@ class ClusterConfig:
             dtype = self.engine.resolved_dtype() if self.engine.dtype != "auto" else torch.float32
             head_block_bytes = model.kv_bytes_per_token(dtype) // model.num_kv_heads * cache.block_size
             for role, tp in sorted({(role, tp) for role, _, tp in self.groups()}):
-                heads = head_shard(model.num_heads, model.num_kv_heads, tp, 0).num_kv_heads
+                heads = max(head_shard(model.num_heads, model.num_kv_heads, tp, r).num_kv_heads for r in range(tp))
                 tokens = max(1, cache.cpu_kv_cache_bytes // (head_block_bytes * heads)) * cache.block_size
                 if tokens < max_model_len:
                     raise ValueError(

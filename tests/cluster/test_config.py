@@ -11,6 +11,8 @@ import pytest
 from pdserve.cluster.config import MIN_PROMPT_CHARS, ClusterConfig, cluster_settings, origins, prompt_chars_limit
 from pdserve.cluster.launcher import ClusterError, resolve_transfer
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, flatten_config
+from pdserve.engine.parallel import head_shard
+from pdserve.engine.presets import load_preset
 from pdserve.kvtransfer.base import TransferConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -372,3 +374,15 @@ def test_the_cache_aware_margin_is_refused_with_another_dispatch() -> None:
         ValueError, match="^--cache-aware-margin applies to --dispatch cache-aware, not --dispatch round"
     ):
         ClusterConfig.from_settings({"dispatch": "round-robin", "cache_aware_margin": 10})
+
+
+def test_the_cpu_pool_check_counts_the_rank_with_the_most_kv_heads() -> None:
+    """Where TP does not divide the KV heads rank 0 holds the fewest, and the group's pool is the
+    one its fullest rank can hold: checked on rank 0, a pool too small passed, and the leader
+    failed at start with a traceback instead of one line before any rank started (review)."""
+    model = ModelConfig.from_hf_dict(load_preset("tiny-llama-odd"))  # 9 query heads, 3 KV heads
+    assert [head_shard(9, 3, 2, r).num_kv_heads for r in range(2)] == [1, 2]
+    # 196608 bytes: 512 tokens of one head, 256 of two.
+    settings = {"mode": "colocated", "colocated_tp": 2, "cpu_kv_cache_bytes": 196608, "max_model_len": 512}
+    with pytest.raises(ValueError, match="--cpu-kv-cache-bytes 196608 holds 256 tokens on a colocated rank"):
+        ClusterConfig.from_settings(settings).check_model(model)

@@ -32,6 +32,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import msgspec
+
 from pdserve.cluster.config import Addresses
 from pdserve.cluster.leader import GroupLeader
 from pdserve.cluster.protocol import KVAnnounce, KVReply, Message, WorkerError, WorkRequest
@@ -114,12 +116,13 @@ class PrefillLeader(GroupLeader):
             self.emit(out)
             return
         # For the router the request goes on: decoding continues in the decode group. Its
-        # prefill timings go with the first token: they are the router's if it is aborted.
+        # prefill timings go with the first token: they are the router's if it is aborted, and
+        # its decoding (none here: the engine's 0) the router's to time then.
         self.emit(
             RequestOutput(
                 out.request_id,
                 out.new_token_ids,
-                timings=out.timings,
+                timings=msgspec.structs.replace(out.timings, decode=None),
                 logprobs=out.logprobs,
                 prompt_logprobs=out.prompt_logprobs,
             )

@@ -861,8 +861,8 @@ class _Run:
         if counted:
             return
         metrics.e2e.observe(left - self.arrival)
-        if final is None:
-            metrics.success.labels("abort").inc()
+        if final is None:  # what it used as far as this front end saw
+            metrics.observe_final("abort", self.usage_so_far(), {})
         else:
             metrics.observe_final("abort", final.usage, final.timings)
 

@@ -126,6 +126,7 @@ class RequestState:
     # prefill, cached tokens), the KV transfer's with the first decoded tokens. A final the router
     # writes itself (an abort) carries them.
     worker_timings: RequestTimings | None = None
+    first_prefill: float | None = None  # the first attempt's: a moved request's prefill in its final
     detokenizer: IncrementalDetokenizer | None = None
     logprobs: Logprobs | None = None  # of every token so far, where the request asked for them
     prompt_logprobs: Logprobs | None = None  # from its first attempt's first token
@@ -453,11 +454,7 @@ class Router:
         for (role, group), tp in sorted(self.tp_sizes.items(), key=lambda item: (item[0][0] == "decode", item[0])):
             key = (role, group)
             state = self.group_state(key)
-            held = [
-                s
-                for s in self.requests.values()
-                if s.entry_group == key or (role == "decode" and s.decode_group == group)
-            ]
+            held = [s for s in self.requests.values() if self._held_by(s, key)]
             load = (self.entry_load if role == self.entry_role else self.decode_load).get(group, 0)
             reported = self.stats_time.get(f"{role}{group}")
             out.append(
@@ -954,6 +951,7 @@ class Router:
                 self.token_counts["prompt"] += len(state.prompt_ids) + state.offset
                 if state.offset == 0:  # a moved request's new attempt has a longer "prompt"
                     prompt_logprobs = state.prompt_logprobs = current.prompt_logprobs
+                    state.first_prefill = current.timings.prefill
                 state.worker_timings = current.timings
                 if self.prefix_index is not None:  # this attempt's first token: its prompt is in
                     self.prefix_index.settled(output.request_id)
@@ -1007,6 +1005,10 @@ class Router:
         state = self._release(request_id)
         now = time.monotonic()
         timings = worker_timings or RequestTimings()
+        if state.migrations:
+            # The last attempt's prefill and decode are a part of its decoding, by the router's
+            # clock below: its queue and prefill are the first attempt's, as its first token is.
+            timings = msgspec.structs.replace(timings, prefill=state.first_prefill, decode=None)
         first_token = None if state.first_token is None else state.first_token - state.arrival
         if first_token is not None and timings.prefill is not None:
             # The whole wait before prefill began, as the router saw it: the engine's own queue
@@ -1021,9 +1023,9 @@ class Router:
             cached_tokens=_at_most(timings.cached_tokens, prompt_tokens),
             decode_cached_tokens=_at_most(timings.decode_cached_tokens, prompt_tokens),
         )
-        if reason == "abort" and timings.decode is None and state.first_token is not None:
+        if timings.decode is None and state.first_token is not None:
             # Its decoding ends here, by the router's clock: a group's own figure comes only with
-            # a last token, which an aborted request never has.
+            # a last token, which an aborted request never has (nor one moved: see above).
             timings = msgspec.structs.replace(timings, decode=now - state.first_token)
         self._reply(
             state.client,

@@ -16,7 +16,16 @@ import zmq
 from pdserve.cluster import leader as group_leader
 from pdserve.cluster.config import Addresses
 from pdserve.cluster.datagrams import DatagramInbox
-from pdserve.cluster.protocol import Abort, KVAnnounce, KVReply, Sampling, Shutdown, WorkRequest, decode
+from pdserve.cluster.protocol import (
+    Abort,
+    KVAnnounce,
+    KVReply,
+    Sampling,
+    Shutdown,
+    TokenOutputs,
+    WorkRequest,
+    decode,
+)
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.kvtransfer.agent import KVTransferAgent
@@ -293,6 +302,23 @@ def prefilled(prefill: PrefillLeader, request_id: str, prompt_len: int, decode_g
     prefill.handle(work)
     while prefill.engine.has_unfinished():
         prefill.send_outputs(prefill.engine.step())
+
+
+def test_the_first_tokens_timings_leave_the_decoding_to_the_router(
+    tmp_path: Path, tiny_model_dirs: dict[str, Path]
+) -> None:
+    """The prefill engine ends a request at its first token, with a decode time of 0: sent with
+    that token, it was the decode time of every request the router then ended by an abort (every
+    stop string's), where the router times the decoding itself (review)."""
+    with leader_setup(tmp_path, tiny_model_dirs, StandInTransfers()) as rig:
+        _prefill(rig.prefill, "r")
+        outputs = []
+        while rig.router.poll(10_000 if not outputs else 200):
+            message = decode(rig.router.recv())
+            if isinstance(message, TokenOutputs):
+                outputs += [o for o in message.outputs if o.request_id == "r"]
+        (first,) = outputs
+        assert first.index == 0 and first.timings.prefill is not None and first.timings.decode is None
 
 
 def test_a_handed_off_request_leaves_no_state_behind(tmp_path: Path, tiny_model_dirs: dict[str, Path]) -> None:

@@ -272,6 +272,41 @@ def test_an_aborted_requests_final_counts_its_decoding_so_far(rig: Rig) -> None:
     assert 0.05 <= final.timings["decode"] <= final.timings["total"]
 
 
+def test_a_moved_requests_phases_are_its_first_prefill_then_decoding_to_its_end(rig: Rig) -> None:
+    """A request moved mid-decode: its final's queue and prefill are its first attempt's, as its
+    first token is, and its decoding runs from that token to its end, the new attempt's prefill
+    included. The last attempt's own figures made the phases add up to seconds less than the
+    total, and its queue the first attempt's first token less the new prefill (review)."""
+    work = _start(rig, max_tokens=30)
+    rig.worker(TokenOutputs([TokenOutput(work.request_id, 0, [11], timings=RequestTimings(queue=0.0, prefill=0.01))]))
+    rig.worker(TokenOutputs([TokenOutput(work.request_id, 1, list(range(12, 29)))]))
+    time.sleep(0.1)
+    rig.router.group_failed("decode", work.decode_group, "killed")
+    (again,) = [m for m in rig.received("prefill", 0) if isinstance(m, WorkRequest)]
+    rig.worker(TokenOutputs([TokenOutput(again.request_id, 0, [30], timings=RequestTimings(queue=0.0, prefill=0.5))]))
+    done = RequestTimings(queue=0.0, prefill=0.5, transfer=0.002, decode=0.01)
+    rig.worker(TokenOutputs([TokenOutput(again.request_id, 1, [31] * 11, True, "length", timings=done)]))
+    final = rig.replies()[-1]
+    assert isinstance(final, Final) and final.finish_reason == "length"
+    t = final.timings
+    assert t["prefill"] == 0.01 and t["queue"] == pytest.approx(t["first_token"] - 0.01)
+    assert t["decode"] >= 0.1 and t["decode"] == pytest.approx(t["total"] - t["first_token"], abs=0.02)
+
+
+def test_a_prefill_group_holds_a_request_in_the_stats_only_until_its_first_token(rig: Rig) -> None:
+    """A group's ``requests`` in the stats (``--status``'s IN FLIGHT) are those it holds now: a
+    prefill group let go of a request once its KV moved, though it was counted there to its end."""
+    work = _start(rig)
+
+    def in_flight() -> dict[str, int]:
+        return {f"{m.role}{m.group}": m.requests for m in rig.router.members()}
+
+    assert in_flight()["prefill0"] == 1
+    rig.worker(TokenOutputs([TokenOutput(work.request_id, 0, [11])]))
+    rig.worker(TokenOutputs([TokenOutput(work.request_id, 1, [12, 13])]))
+    assert in_flight() == {"prefill0": 0, f"decode{work.decode_group}": 1, f"decode{1 - work.decode_group}": 0}
+
+
 def test_an_aborted_requests_final_counts_its_kv_transfer(rig: Rig) -> None:
     """A request ended by an abort after its KV moved (a stop string the HTTP front end matched,
     a client gone): the router's final carries the transfer the decode group reported with its

@@ -41,7 +41,7 @@ from pdserve.cluster.protocol import Chunk, Error, GroupInfo, Logprobs, Stats
 from pdserve.engine.sampling import SamplingParams
 from pdserve.engine.tokenization import encode_chat, encode_prompt
 from pdserve.router.openai_api import APIError, ChatRequest, Prompt, parse_request
-from pdserve.router.openai_app import Frontend
+from pdserve.router.openai_app import Frontend, _Run
 from pdserve.router.openai_server import RepeatLimit
 from pdserve.router.stop_strings import StopStringMatcher
 from pdserve.tests.cluster.helpers import oracle
@@ -793,6 +793,31 @@ def test_a_request_the_cluster_stops_answering_counts_once_as_an_error(demo_mode
     counters = {key: value for key, value in counter_samples(frontend).items() if value}
     expected = {("pdserve:request_error_total", (("model_name", MODEL), ("reason", "cluster_unavailable"))): 1.0}
     assert counters == expected, counters
+
+
+class GoneCluster(SilentCluster):
+    """As ``SilentCluster``, but the abort gets no final either (the router stopped answering)."""
+
+    async def cancel(self, request_id: str) -> None:  # type: ignore[override]
+        self.cancelled.append(request_id)
+
+
+def test_a_request_left_with_no_final_to_be_had_counts_what_it_used(demo_model_dir: Path) -> None:
+    """A client that leaves mid-stream while the cluster no longer answers: its request counts
+    once, as an abort, with the tokens the front end saw. The counter was given one label of
+    two: a ValueError in the accounting task, and no count at all (review)."""
+    frontend = Frontend(f"tcp://127.0.0.1:{free_port()}", str(demo_model_dir), served_model_name=MODEL)
+    frontend.max_model_len = MAX_MODEL_LEN
+    run = _Run(frontend, parsed("completion", {"prompt": [1, 2, 3], "max_tokens": 4}, None), time.perf_counter())
+    frontend.client = GoneCluster()  # type: ignore[assignment]
+    run.generated = 2
+    asyncio.run(run._abandoned(time.perf_counter(), counted=False))
+    counters = {key: value for key, value in counter_samples(frontend).items() if value}
+    assert counters == {
+        ("pdserve:request_success_total", (("finished_reason", "abort"), ("model_name", MODEL))): 1.0,
+        ("pdserve:prompt_tokens_total", (("model_name", MODEL),)): 3.0,
+        ("pdserve:generation_tokens_total", (("model_name", MODEL),)): 2.0,
+    }, counters
 
 
 class FailingChoiceCluster:

@@ -343,10 +343,15 @@ def test_bad_flags_are_usage_errors(args: tuple[str, ...], needle: str) -> None:
 )
 def test_a_presets_key_typed_by_habit_is_explained(tmp_path: Path, yaml: str, needle: str) -> None:
     """As the command line's habits are: vLLM's key, a launcher option, a model shape's file."""
-    preset = tmp_path / "habit.yaml"
-    preset.write_text(yaml)
-    result = launch("--config", str(preset))
+    result = launch_preset(tmp_path, yaml)
     assert result.returncode == 2 and needle in result.stderr, result.stderr
+
+
+def launch_preset(tmp_path: Path, yaml: str) -> subprocess.CompletedProcess[str]:
+    """``launch.py --config`` a preset file of ``yaml``."""
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(yaml)
+    return launch("--config", str(preset))
 
 
 @pytest.mark.parametrize(
@@ -359,9 +364,7 @@ def test_a_presets_key_typed_by_habit_is_explained(tmp_path: Path, yaml: str, ne
 )
 def test_a_presets_bad_value_is_named_by_its_key(tmp_path: Path, yaml: str, needle: str) -> None:
     """A value from a YAML preset is named as the file spells it, not as a flag nobody typed."""
-    preset = tmp_path / "bad.yaml"
-    preset.write_text(yaml)
-    result = launch("--config", str(preset))
+    result = launch_preset(tmp_path, yaml)
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr and "--" not in result.stderr.split("Error: ")[-1], result.stderr
 
@@ -588,18 +591,19 @@ def test_a_client_without_the_clusters_keys_is_told_of_them(tmp_path: Path) -> N
     assert "--auth-keys DIR" in error and "is it running?" not in error, error
 
 
-def test_client_reads_the_prompt_from_stdin_for_a_dash() -> None:
-    """``cat long.txt | pdserve-client -``: a prompt beyond what one command-line argument may
-    hold (128 KiB on Linux) arrives whole, non-ASCII text included."""
+def client_against_stand_in(
+    reply: Callable[[Any], list[Any]], *args: str, stdin: bytes | None = None
+) -> tuple[subprocess.CompletedProcess[str], list[Any]]:
+    """``client(*args)`` against a stand-in router that answers its one ``generate`` with
+    ``reply(generate)``: the client's result and the requests the router got."""
     import threading
 
     import zmq
 
-    from pdserve.cluster.protocol import Final, Generate, decode, encode
+    from pdserve.cluster.protocol import Generate, decode, encode
 
     router = zmq.Context.instance().socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    prompt = "Résumé ce texte, s'il te plaît. " * 8000 + "\n"
     received: list[Generate] = []
 
     def answer() -> None:
@@ -607,16 +611,30 @@ def test_client_reads_the_prompt_from_stdin_for_a_dash() -> None:
         request = decode(frame)
         assert isinstance(request, Generate)
         received.append(request)
-        final = Final(request.request_id or "", "stop", [7], "Fait.", {"prompt_tokens": 9, "completion_tokens": 1}, {})
-        router.send_multipart([identity, encode(final)])
+        for message in reply(request):
+            router.send_multipart([identity, encode(message)])
 
     thread = threading.Thread(target=answer, daemon=True)
     thread.start()
     try:
-        result = client("-", "--endpoint", str(port), "--no-stream", stdin=prompt.encode())
+        return client(*args, "--endpoint", str(port), stdin=stdin), received
     finally:
         thread.join(10)
         router.close()
+
+
+def test_client_reads_the_prompt_from_stdin_for_a_dash() -> None:
+    """``cat long.txt | pdserve-client -``: a prompt beyond what one command-line argument may
+    hold (128 KiB on Linux) arrives whole, non-ASCII text included."""
+    from pdserve.cluster.protocol import Final
+
+    prompt = "Résumé ce texte, s'il te plaît. " * 8000 + "\n"
+
+    def reply(request: Any) -> list[Any]:
+        usage = {"prompt_tokens": 9, "completion_tokens": 1}
+        return [Final(request.request_id or "", "stop", [7], "Fait.", usage, {})]
+
+    result, received = client_against_stand_in(reply, "-", "--no-stream", stdin=prompt.encode())
     assert result.returncode == 0, result.stderr
     assert len(prompt.encode()) > 128 * 1024
     assert [r.prompt for r in received] == [prompt]
@@ -629,35 +647,15 @@ def test_client_reads_the_prompt_from_stdin_for_a_dash() -> None:
 def test_client_sends_and_prints_token_ids_for_a_model_without_a_tokenizer(stream: bool) -> None:
     """``--token-ids``: a random-weight preset has no tokenizer, so no text prompt and no text
     answer; the ids go as they are and the answer's ids are printed."""
-    import threading
+    from pdserve.cluster.protocol import Chunk, Final
 
-    import zmq
+    def reply(request: Any) -> list[Any]:
+        rid = request.request_id or ""
+        chunks = [Chunk(rid, [token], "") for token in (7, 8)] if request.stream else []
+        return [*chunks, Final(rid, "length", [7, 8], "", {"prompt_tokens": 3, "completion_tokens": 2}, {})]
 
-    from pdserve.cluster.protocol import Chunk, Final, Generate, decode, encode
-
-    router = zmq.Context.instance().socket(zmq.ROUTER)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    received: list[Generate] = []
-
-    def answer() -> None:
-        identity, frame = router.recv_multipart()
-        request = decode(frame)
-        assert isinstance(request, Generate)
-        received.append(request)
-        if request.stream:
-            for token in (7, 8):
-                router.send_multipart([identity, encode(Chunk(request.request_id or "", [token], ""))])
-        usage = {"prompt_tokens": 3, "completion_tokens": 2}
-        router.send_multipart([identity, encode(Final(request.request_id or "", "length", [7, 8], "", usage, {}))])
-
-    thread = threading.Thread(target=answer, daemon=True)
-    thread.start()
-    try:
-        flag = "--stream" if stream else "--no-stream"
-        result = client("1, 2 3", "--token-ids", "--endpoint", str(port), "--max-tokens", "2", flag)
-    finally:
-        thread.join(10)
-        router.close()
+    flag = "--stream" if stream else "--no-stream"
+    result, received = client_against_stand_in(reply, "1, 2 3", "--token-ids", "--max-tokens", "2", flag)
     assert result.returncode == 0, result.stderr
     assert [(r.prompt, r.token_ids) for r in received] == [(None, [1, 2, 3])]
     assert result.stdout == "7 8\n"

@@ -352,7 +352,10 @@ class Client:
     def _next_for(self, request_id: str) -> Message:
         queue = self._buffered.get(request_id)
         if queue:
-            return queue.pop(0)
+            message = queue.pop(0)
+            if not queue:
+                del self._buffered[request_id]
+            return message
         while True:
             message = self.receive()
             if getattr(message, "request_id", None) == request_id:
@@ -360,10 +363,15 @@ class Client:
             self._keep(message)
 
     def _keep(self, message: Message) -> None:
-        """Buffer a reply read while waiting for another: its request's ``chunks`` read it later."""
+        """Buffer a reply read while waiting for another: its request's ``chunks`` read it later.
+        Nobody reads one for a request whose end was read (an abort's reply that crossed its
+        final): kept, each would stay for the client's life."""
         if isinstance(message, Stats):  # the late reply to a stats ask that timed out: nobody's
             return
-        self._buffered.setdefault(getattr(message, "request_id", None) or "", []).append(message)
+        request_id = getattr(message, "request_id", None) or ""
+        if request_id and request_id not in self._running:
+            return
+        self._buffered.setdefault(request_id, []).append(message)
 
     def submit(
         self,

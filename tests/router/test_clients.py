@@ -154,6 +154,27 @@ def test_a_stream_left_early_is_read_on_later_and_holds_its_id_until_then(rig: R
         assert client._buffered == {}
 
 
+def test_the_blocking_client_keeps_no_reply_nobody_will_read(rig: RouterRig) -> None:
+    """Replies read while waiting for another request are buffered for their own; once read, and
+    for a request whose end was read already (an abort's reply that crossed its final), nothing
+    stays: each left an entry for the client's life (review: 2 a round, without end)."""
+    with Client(rig.router.addresses.client, timeout=2.0) as client:
+        for round in range(4):
+            ids = [f"a{round}", f"b{round}"]
+            for rid in ids:
+                client.submit(token_ids=[5, 6, 7], request_id=rid, stream=True, max_tokens=1)
+            for work in [m for m in rig.received("prefill", 0) if isinstance(m, WorkRequest)]:
+                rig.worker(TokenOutputs([TokenOutput(work.request_id, 0, [11], True, "length")]))
+            for rid in reversed(ids):  # b's read first: a's replies wait in the buffer meanwhile
+                assert [type(m) for m in client.chunks(rid)] == [Chunk, Final]
+            client.abort(ids[0])  # after its end: the router answers unknown_request
+            rig.pump()
+        client.submit(token_ids=[5, 6, 7], request_id="c", max_tokens=1)  # read past the last abort's reply
+        rig.worker(TokenOutputs([TokenOutput(_work(rig).request_id, 0, [12], True, "length")]))
+        assert client.result("c").token_ids == [12]
+        assert client._buffered == {}
+
+
 def test_the_blocking_client_refuses_an_id_still_running(rig: RouterRig) -> None:
     """As AsyncClient: a submit with the id of a request whose end was not read yet is refused by
     the client (the router refused it too, and that error was taken for the first request's)."""

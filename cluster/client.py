@@ -159,10 +159,10 @@ def normalize_endpoint(endpoint: str) -> str:
     """``tcp://HOST:PORT`` (or ``ipc://PATH``) from that form, ``HOST:PORT`` or a bare ``PORT``."""
     if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
         return endpoint
-    tcp = endpoint.startswith("tcp://")
-    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-    host_ok = re.fullmatch(_HOST, host) is not None if host else not tcp
-    if "://" not in endpoint[6 if tcp else 0 :] and port.isdigit() and 0 < int(port) < 65536 and host_ok:
+    rest = endpoint.removeprefix("tcp://")
+    host, _, port = rest.rpartition(":")
+    host_ok = re.fullmatch(_HOST, host) is not None if host else rest == endpoint  # tcp:// names its host
+    if "://" not in rest and port.isdigit() and 0 < int(port) < 65536 and host_ok:
         return f"tcp://{host or '127.0.0.1'}:{port}"
     expected = "expected tcp://HOST:PORT, HOST:PORT or PORT"
     if endpoint.startswith(("http://", "https://", "/")):  # vLLM's --endpoint is an HTTP route

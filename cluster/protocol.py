@@ -287,14 +287,13 @@ class Sampling(Message):
 def _logit_bias(biases: dict[str, float]) -> tuple[tuple[int, float], ...]:
     """``logit_bias`` by token id: a token named twice ("7" and "007") is refused, not an entry
     that costs the message more bytes than its JSON did."""
-    ids = tuple((_token_id(key), bias) for key, bias in biases.items())
-    if len({token for token, _ in ids}) < len(ids):
-        seen: dict[int, str] = {}
-        for key, (token, _) in zip(biases, ids):
-            if token in seen:
-                raise RequestError("logit_bias", f"keys {seen[token]!r} and {key!r} both name token {token}")
-            seen[token] = key
-    return ids
+    keys: dict[int, str] = {}  # each token's key
+    for key in biases:
+        token = _token_id(key)
+        if token in keys:
+            raise RequestError("logit_bias", f"keys {keys[token]!r} and {key!r} both name token {token}")
+        keys[token] = key
+    return tuple((token, biases[key]) for token, key in keys.items())
 
 
 def _token_id(key: str) -> int:

@@ -245,9 +245,8 @@ def resolve_model_configs(spec: str) -> Path:
     """What ``resolve_model`` gives, for a process that reads a model's configs and tokenizer
     alone (an HTTP front end): a preset whose checkpoint is not in the cache yet resolves to a
     directory of its configs, not gigabytes of random weights written for nothing."""
-    check_model_spec(spec)
     if spec not in list_presets() or preset_model_dir(spec).is_dir():
-        return resolve_model(spec)
+        return resolve_model(spec)  # which checks the spec
     config = load_preset(spec)
 
     def write(final: Path) -> None:
